@@ -1,0 +1,21 @@
+"""fusion_compiler: fuse convolution chains of PyTorch models into cuDNN execution plans.
+
+Front doors: :func:`compile` (returns an ``nn.Module``) and the ``fusion-compiler`` CLI.
+Logging goes to the ``fusion_compiler`` logger; ``FUSION_COMPILER_LOG=debug`` (or ``info``) sends
+it to stderr at that level, ``debug`` including every pass's graph.
+"""
+
+import logging as _logging
+import os as _os
+
+from .compiler import CompiledModule, compile
+from .errors import FusionError, UnsupportedError
+
+__all__ = ["compile", "CompiledModule", "FusionError", "UnsupportedError", "__version__"]
+__version__ = "0.1.0"
+
+_level = _os.environ.get("FUSION_COMPILER_LOG")
+if _level:
+    _logger = _logging.getLogger("fusion_compiler")
+    _logger.setLevel(_level.upper())
+    _logger.addHandler(_logging.StreamHandler())

@@ -1,0 +1,237 @@
+"""The cuDNN backend: each region runs as one cuDNN execution plan.
+
+Per region (and so per shapes, strides, dtypes and device, since regions are specialized) it builds
+the graph of :mod:`.cudnn_graph`, creates plans from heuristics A then FALLBACK, builds the first
+plan that compiles (0.5-3 s on an H100, CUDNN_FACTS.md), and stores it in the on-disk
+:class:`~fusion_compiler.runtime.plan_cache.PlanCache`. At run time it executes with one cuDNN
+handle per device whose stream follows ``torch.cuda.current_stream()``, and one persistent
+workspace per device that only grows.
+
+Layouts: activations and weights are passed to cuDNN channels_last (NHWC); inputs that are NCHW are
+converted by the kernel, outputs are channels_last. When a convolution's input channel count is not
+a multiple of 8 (fp16/bf16) or 4 (fp32) the image and weight are zero-padded in channels.
+
+Precision: fp16 and bf16 I/O with fp32 intermediate and compute types; fp32 I/O follows
+``torch.backends.cudnn.allow_tf32`` (TF32 allowed by default, as PyTorch's own cuDNN convolutions).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedError
+from ..region import Region
+from ..runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
+from ..runtime.region_op import register_kernel, run_region
+from .base import Kernel, Support
+from .cudnn_graph import build_graph, channel_padding, import_cudnn, nhwc_strides
+
+__all__ = ["CudnnBackend", "CudnnKernel"]
+
+_OUTPUT_UID = 1000
+_CONSTANT_UID = 2000
+
+
+def _condense(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+class CudnnBackend:
+    """Lower regions to cuDNN execution plans (see module docstring).
+
+    Args:
+        cache_dir: directory of the plan cache; ``None`` for the default, ``False`` to disable.
+    """
+
+    name = "cudnn"
+    _instances: dict[Any, "CudnnBackend"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, cache_dir=None):
+        self.cache = PlanCache(default_cache_dir(cache_dir))
+        self._handles: dict[int, Any] = {}
+        self._workspaces: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def shared(cls, cache_dir=None) -> "CudnnBackend":
+        """One backend (handles, workspaces) per cache directory, shared by all compiled modules."""
+        key = str(default_cache_dir(cache_dir))
+        with cls._lock:
+            if key not in cls._instances:
+                cls._instances[key] = cls(cache_dir)
+            return cls._instances[key]
+
+    # ------------------------------------------------------------------ devices
+    def handle(self, device: torch.device) -> Any:
+        """The cuDNN handle of ``device``, its stream set to the current torch stream."""
+        cudnn = import_cudnn()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        h = self._handles.get(index)
+        if h is None:
+            with torch.cuda.device(index):
+                h = self._handles[index] = cudnn.create_handle()
+        cudnn.set_stream(handle=h, stream=torch.cuda.current_stream(index).cuda_stream)
+        return h
+
+    def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """A workspace of at least ``nbytes`` bytes on ``device`` (uint8), kept and reused."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        ws = self._workspaces.get(index)
+        if ws is None or ws.numel() < nbytes:
+            ws = self._workspaces[index] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
+                                                       device=torch.device("cuda", index))
+        return ws
+
+    @staticmethod
+    def device_fields(device: torch.device) -> dict:
+        """GPU name, SM and versions: what a serialized plan is valid for."""
+        cudnn = import_cudnn()
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"gpu": torch.cuda.get_device_name(device), "sm": f"{major}{minor}",
+                "cudnn": int(cudnn.backend_version()), "frontend": cudnn.__version__}
+
+    # ------------------------------------------------------------------ protocol
+    def supports(self, region: Region) -> Support:
+        try:
+            import_cudnn()
+        except UnsupportedError as exc:
+            return Support(False, exc.reason)
+        if not torch.cuda.is_available():
+            return Support(False, "CUDA is not available on this machine")
+        for ph in region.graph_module.graph.find_nodes(op="placeholder"):
+            device = ph.meta["val"].device
+            if device.type != "cuda":
+                return Support(False, f"input {ph.name} is on {device}; cuDNN runs CUDA tensors")
+        dtype = region.conv.args[0].meta["val"].dtype
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return Support(False, f"dtype {dtype} is not fused (fp16, bf16 and fp32 are)")
+        k = region.conv.meta["val"].shape[1]
+        multiple = 4 if dtype == torch.float32 else 8
+        if k % multiple:
+            return Support(False, f"{k} output channels is not a multiple of {multiple}, which "
+                                  f"cuDNN's NHWC {dtype} engines need")
+        return Support(True)
+
+    def lower(self, region: Region) -> Kernel:
+        """Build (or load from the plan cache) the region's execution plan.
+
+        Raises:
+            UnsupportedError: cuDNN rejected the graph; the reason is cuDNN's own message.
+        """
+        kernel = CudnnKernel(self, region)
+        return kernel.call
+
+
+class CudnnKernel:
+    """One region's built cuDNN graph and how to feed it."""
+
+    def __init__(self, backend: CudnnBackend, region: Region):
+        cudnn = import_cudnn()
+        self.backend = backend
+        self.region_id = region.region_id
+        placeholders = [n for n in region.graph_module.graph.nodes if n.op == "placeholder"]
+        self.device = placeholders[0].meta["val"].device
+        handle = backend.handle(self.device)
+        spec = build_graph(region, handle=handle)
+        for i, t in enumerate(spec.inputs):
+            t.set_uid(i + 1)
+        for j, t in enumerate(spec.outputs):
+            t.set_uid(_OUTPUT_UID + j)
+        for k, (t, _) in enumerate(spec.constants):
+            t.set_uid(_CONSTANT_UID + k)
+        self.constants = {_CONSTANT_UID + k: host for k, (_, host) in enumerate(spec.constants)}
+        self.graph = self._build(spec.graph, str(spec.graph))
+        self.workspace_bytes = int(self.graph.get_workspace_size())
+        backend.workspace(self.device, self.workspace_bytes)  # grow now, not during capture
+
+        pad = channel_padding(region)
+        self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        for node, op in zip(placeholders, region.operands()):
+            if pad is not None and node.name in pad[1]:
+                self.prepare.append(_padder(pad[0]))
+            elif op.role in ("scalar", "channel"):
+                shape4 = [1] * (4 - len(op.shape)) + list(op.shape)
+                self.prepare.append(lambda t, s=shape4: t.reshape(s).contiguous())
+            else:
+                self.prepare.append(lambda t: t.contiguous(memory_format=torch.channels_last))
+        self.outputs = []
+        for out in region.output_nodes:
+            val = out.meta["val"]
+            self.outputs.append((tuple(val.shape), tuple(nhwc_strides(tuple(val.shape))), val.dtype))
+        self.key = register_kernel(self, self.outputs)
+        region.plan = self.plan_name
+        region.workspace_bytes = self.workspace_bytes
+
+    def _build(self, graph: Any, graph_text: str) -> Any:
+        cudnn = import_cudnn()
+        cache = self.backend.cache
+        header = PlanCache.header(graph_text, CudnnBackend.device_fields(self.device))
+        self.from_cache = False
+        try:
+            blob = cache.load(header)
+        except StaleEntry as exc:
+            warnings.warn(f"{exc}; rebuilding the plan", stacklevel=4)
+            blob = None
+        if blob is not None:
+            try:
+                handle = self.backend.handle(self.device)
+                loaded = cudnn.pygraph(handle=handle)
+                loaded.deserialize(handle, blob)
+                self.from_cache = True
+                return loaded
+            except Exception as exc:  # a bad blob must never crash compilation
+                warnings.warn(f"plan cache entry for region {self.region_id} could not be "
+                              f"loaded ({_condense(exc)}); rebuilding the plan", stacklevel=4)
+        try:
+            graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        except Exception as exc:  # cudnnGraphNotSupportedError and backend errors
+            raise UnsupportedError(f"cuDNN rejected the graph: {_condense(exc)}",
+                                   self.region_id) from exc
+        try:
+            cache.store(header, bytes(graph.serialize(as_bytes=True)))
+        except Exception as exc:  # some engines cannot serialize: run without caching
+            warnings.warn(f"plan of region {self.region_id} not cached: {_condense(exc)}",
+                          stacklevel=4)
+        return graph
+
+    @property
+    def plan_name(self) -> str:
+        for getter in ("get_plan_name_at_index",):
+            try:
+                return str(getattr(self.graph, getter)(0))
+            except Exception:
+                continue
+        return ""
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        handle = self.backend.handle(self.device)
+        pack: dict[int, torch.Tensor] = {}
+        for i, (prep, x) in enumerate(zip(self.prepare, inputs)):
+            pack[i + 1] = prep(x)
+        outs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+                     for shape, stride, dtype in self.outputs)
+        for j, out in enumerate(outs):
+            pack[_OUTPUT_UID + j] = out
+        pack.update(self.constants)
+        ws = self.backend.workspace(self.device, self.workspace_bytes)
+        self.graph.execute(pack, ws, handle=handle)
+        return outs
+
+    def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Run through the ``fusion_compiler::run_region`` custom op (what graphs call)."""
+        return tuple(run_region(self.key, list(inputs)))
+
+
+def _padder(channels: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """NCHW-logical tensor -> channels_last tensor zero-padded to ``channels`` channels, in one copy."""
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        nhwc = t.permute(0, 2, 3, 1)
+        return F.pad(nhwc, (0, channels - t.shape[1])).permute(0, 3, 1, 2)
+    return pad
+

@@ -1,0 +1,205 @@
+"""``fusion_compiler.compile``: capture -> passes -> lowering -> runtime, specialized per input signature."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .capture import TensorSpec, capture, input_specs
+from .lowering import lower, regions_of
+from .passes import Pass, PassManager, default_passes
+from .region import Region
+
+__all__ = ["compile", "CompiledModule"]
+
+log = logging.getLogger("fusion_compiler")
+
+
+@dataclass
+class Specialization:
+    """One compiled graph for one input signature."""
+
+    signature: tuple
+    graph_module: fx.GraphModule
+    run: Callable[..., Any]
+    stages: dict[str, str]
+
+    @property
+    def regions(self) -> list[Region]:
+        return regions_of(self.graph_module)
+
+
+def _memory_format(t: Any) -> torch.memory_format | None:
+    """The memory format eager returned for an output (``None``: leave it as it comes)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        return None
+    if t.is_contiguous():
+        return torch.contiguous_format
+    if t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return None
+
+
+def _channels_last_inputs(gm: fx.GraphModule) -> None:
+    """Convert a 4-d graph input read by several cuDNN regions to channels_last once, at the
+    boundary, instead of once per region."""
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        val = ph.meta.get("val")
+        users = [u for u in ph.users if u.op == "call_module"
+                 and getattr(gm.get_submodule(u.target), "backend", None) == "cudnn"]
+        if not isinstance(val, torch.Tensor) or val.dim() != 4 or len(users) < 2:
+            continue
+        with gm.graph.inserting_after(ph):
+            conv = gm.graph.call_method("contiguous", (ph,), {"memory_format": torch.channels_last})
+        for u in users:
+            u.replace_input_with(ph, conv)
+    gm.recompile()
+
+
+class CompiledModule(torch.nn.Module):
+    """What :func:`compile` returns: computes ``model``'s function through fused regions.
+
+    It shares ``model``'s parameters and buffers (``parameters()``, ``state_dict()`` and
+    ``train()``/``eval()`` act on the model). A call whose inputs differ in shape, stride, dtype or
+    device from every earlier one compiles a new specialization (``specializations`` lists them).
+
+    Raises (on call):
+        TypeError: wrong number of inputs, or a floating input whose dtype differs from the
+            model's parameters (expected and actual dtypes are in the message).
+        ValueError: an input on another device than the model's parameters.
+        FusionError: the graph cannot be captured or breaks the cuDNN graph rules.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, backend: str = "auto", cuda_graph: bool = False,
+                 cache_dir=None, passes: Sequence[Pass] | None = None, report: bool = False,
+                 progress: bool | None = None):
+        super().__init__()
+        self.model = model
+        self.backend = backend
+        self.cuda_graph = cuda_graph
+        self.cache_dir = cache_dir
+        self.passes = list(passes) if passes is not None else default_passes()
+        self.show_report = report
+        self.progress = progress
+        self._arity = len(capture(model).graph.find_nodes(op="placeholder"))  # fail early
+        self.specializations: dict[tuple, Specialization] = {}
+        self.last: Specialization | None = None
+
+    # ------------------------------------------------------------------ checks
+    def _check_inputs(self, args: Sequence[Any]) -> None:
+        if len(args) != self._arity:
+            raise TypeError(f"expected {self._arity} inputs, got {len(args)}")
+        ref = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        if ref is None:
+            return
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            if a.device != ref.device:
+                raise ValueError(f"input {i} is on {a.device} but the model's parameters are on "
+                                 f"{ref.device}; move the input (or the model) first")
+            if a.is_floating_point() and a.dtype != ref.dtype and not torch.is_autocast_enabled():
+                raise TypeError(f"input {i} has dtype {a.dtype} but the model's parameters are "
+                                f"{ref.dtype}; convert the input to {ref.dtype}")
+
+    def _needs_grad(self, args: Sequence[Any]) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        return any(p.requires_grad for p in self.model.parameters()) or any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+    # ------------------------------------------------------------------ compile
+    def specialize(self, *args: Any) -> Specialization:
+        """Compile (or fetch) the specialization for inputs like ``args``."""
+        self._check_inputs(args)
+        grad = self._needs_grad(args)
+        key = (input_specs(args), self.model.training, grad)
+        spec = self.specializations.get(key)
+        if spec is not None:
+            return spec
+        log.info("compiling %s for inputs %s", type(self.model).__name__,
+                 ", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec)))
+        stages: dict[str, str] = {}
+        gm = PassManager(self.passes, args, on_stage=lambda n, g: stages.__setitem__(n, g.code)
+                         ).run(capture(self.model))
+        formats = [_memory_format(t) for t in tree_flatten(
+            gm.graph.find_nodes(op="output")[0].meta.get("val"))[0]]
+        backend = self.backend
+        if grad and backend != "reference":
+            backend = "reference"
+            log.info("autograd through cuDNN regions is not available yet: regions run on the "
+                     "reference backend while gradients are needed")
+        lower(gm, backend, progress=self.progress, cache_dir=self.cache_dir)
+        _channels_last_inputs(gm)
+
+        def run(*inputs: Any) -> Any:
+            out = gm(*inputs)
+            if not any(f is not None for f in formats):
+                return out
+            flat = iter(formats)
+            return tree_map(lambda t: t.contiguous(memory_format=f)
+                            if (f := next(flat)) is not None and not t.is_contiguous(memory_format=f)
+                            else t, out)
+
+        runner = run
+        if self.cuda_graph and not grad and any(
+                isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+            from .runtime.cuda_graph import CudaGraphRunner  # noqa: PLC0415
+
+            runner = CudaGraphRunner(run, args)
+        spec = Specialization(key, gm, runner, stages)
+        self.specializations[key] = spec
+        if self.show_report:
+            from .report import format_regions  # noqa: PLC0415
+
+            print(format_regions(spec.regions))
+        return spec
+
+    def forward(self, *args: Any) -> Any:
+        self.last = self.specialize(*args)
+        return self.last.run(*args)
+
+    def report(self) -> str:
+        """The region table of the last specialization (as the CLI dump prints it)."""
+        if self.last is None:
+            return "not compiled yet: call the module once (or pass example_inputs)"
+        from .report import format_regions  # noqa: PLC0415
+
+        return format_regions(self.last.regions)
+
+
+def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, *,
+            backend: str = "auto", cuda_graph: bool = False, cache_dir=None,
+            report: bool = False, progress: bool | None = None) -> CompiledModule:
+    """Compile ``model`` into fused regions and return a module that computes the same function.
+
+    Args:
+        model: an ``nn.Module`` whose ``forward`` ``torch.fx.symbolic_trace`` can trace.
+        example_inputs: compile for these inputs now (else on the first call).
+        backend: ``"auto"`` (cuDNN where it takes a region, PyTorch ops elsewhere), ``"cudnn"``
+            (same, but each fallback is a warning) or ``"reference"`` (PyTorch ops only).
+        cuda_graph: on CUDA, capture the whole forward in one CUDA graph per input signature.
+            Outputs are then static buffers overwritten by the next call: clone what you keep.
+        cache_dir: where serialized cuDNN plans are kept (default: ``$FUSION_COMPILER_CACHE_DIR``
+            or the user cache directory; ``False`` disables the cache).
+        report: print the region table after each compilation.
+        progress: progress bar while plans build (``None``: only on a terminal).
+
+    Raises:
+        FusionError: the model cannot be traced or its graph breaks the cuDNN graph rules.
+        ValueError: unknown ``backend``.
+    """
+    from .lowering import BACKEND_CHOICES  # noqa: PLC0415
+
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
+    compiled = CompiledModule(model, backend=backend, cuda_graph=cuda_graph, cache_dir=cache_dir,
+                              report=report, progress=progress)
+    if example_inputs is not None:
+        compiled.specialize(*example_inputs)
+    return compiled

@@ -1,0 +1,24 @@
+"""Exceptions raised by fusion_compiler."""
+
+from __future__ import annotations
+
+
+class FusionError(RuntimeError):
+    """A graph the compiler cannot handle, or a pass result that breaks the cuDNN graph rules.
+
+    Attributes:
+        node: name of the fx node at fault, or ``None`` when the error is not tied to one node.
+    """
+
+    def __init__(self, message: str, node: str | None = None):
+        self.node = node
+        super().__init__(f"{node}: {message}" if node else message)
+
+
+class UnsupportedError(RuntimeError):
+    """A backend declined a region; ``reason`` is the backend's own explanation."""
+
+    def __init__(self, reason: str, region: str | None = None):
+        self.reason = reason
+        self.region = region
+        super().__init__(f"{region}: {reason}" if region else reason)

@@ -1,0 +1,123 @@
+"""Exact algebraic rewrites that turn a data-movement or pooling op plus a 1x1 convolution into one
+convolution, so that the pair lowers to a single cuDNN graph.
+
+* :func:`space_to_depth_conv` -- SpaceToDepth(b) followed by a 1x1 convolution equals a b x b,
+  stride-b convolution with the weight rearranged (a change of summation order only).
+* :func:`avgpool_conv` -- ``AvgPool2d(k, s, p, count_include_pad=True)`` followed by a 1x1
+  convolution equals a k x k, stride-s, pad-p convolution whose every tap is ``weight / k**2``
+  (both are linear; the pool's divisor is always ``k**2`` when padding counts).
+
+Weights are rearranged by graph ops on the live parameter, so gradients flow and the result stays
+right after ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..ops import CONV, is_call, is_conv
+
+__all__ = ["space_to_depth_conv", "avgpool_conv"]
+
+
+def _shape(node: object) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _pointwise_conv(node: fx.Node) -> bool:
+    """A plain 1x1 convolution: stride 1, no padding, no dilation, no groups."""
+    if not is_conv(node):
+        return False
+    w = _shape(node.args[1])
+    return (w is not None and w[2:] == (1, 1) and tuple(node.args[3]) == (1, 1)
+            and tuple(node.args[4]) == (0, 0) and tuple(node.args[5]) == (1, 1) and node.args[6] == 1)
+
+
+def _is_reshape(node: object) -> bool:
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_method" and node.target in ("view", "reshape")) or is_call(node, torch.reshape))
+
+
+def _permutation(node: object) -> tuple[int, ...] | None:
+    if isinstance(node, fx.Node) and (
+            (node.op == "call_method" and node.target == "permute") or is_call(node, torch.permute)):
+        dims = node.args[1:] if node.op == "call_method" else node.args[1:2]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = dims[0]
+        return tuple(dims)
+    return None
+
+
+def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``conv1x1(SpaceToDepth_b(x), w)`` as ``conv(x, w', stride=b)``.
+
+    SpaceToDepth is matched as ``x.view(N,C,H/b,b,W/b,b).permute(0,3,5,1,2,4).reshape(N,b*b*C,H/b,W/b)``,
+    i.e. ``out[(dh*b+dw)*C + c, hb, wb] = x[c, b*hb+dh, b*wb+dw]``; then
+    ``w'[k, c, dh, dw] = w[k, (dh*b+dw)*C + c]``, which is ``w.reshape(K,b,b,C).permute(0,3,1,2)``.
+    """
+    g = gm.graph
+    for conv in list(g.nodes):
+        if not _pointwise_conv(conv) or not _is_reshape(conv.args[0]):
+            continue
+        folded = conv.args[0]
+        perm = folded.args[0]
+        if _permutation(perm) != (0, 3, 5, 1, 2, 4) or not _is_reshape(perm.args[0]):
+            continue
+        split = perm.args[0]
+        x = split.args[0]
+        xs, ss, fs = _shape(x), _shape(split), _shape(folded)
+        if xs is None or ss is None or fs is None or len(xs) != 4:
+            continue
+        n, c, h, w = xs
+        b = ss[3]
+        if ss != (n, c, h // b, b, w // b, b) or ss[5] != b or fs != (n, b * b * c, h // b, w // b):
+            continue
+        k = _shape(conv.args[1])[0]
+        with g.inserting_before(conv):
+            wr = g.call_function(torch.reshape, (conv.args[1], (k, b, b, c)))
+            wp = g.call_function(torch.permute, (wr, (0, 3, 1, 2)))
+            new = g.call_function(CONV, (x, wp, None, (b, b), (0, 0), (1, 1), 1))
+        new.meta.update(conv.meta)
+        conv.replace_all_uses_with(new)
+        g.erase_node(conv)
+    g.eliminate_dead_code()
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``conv1x1(avg_pool2d(a, k, s, p, count_include_pad=True), w)`` as
+    ``conv(a, broadcast(w / k**2) to [K, C, k, k], stride=s, padding=p)``.
+
+    Only ``ceil_mode=False`` and no ``divisor_override`` pools match: otherwise the divisor varies.
+    """
+    g = gm.graph
+    names = ["input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+             "divisor_override"]
+    for conv in list(g.nodes):
+        if not _pointwise_conv(conv) or not is_call(conv.args[0], F.avg_pool2d):
+            continue
+        pool = conv.args[0]
+        a = {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True,
+             "divisor_override": None} | dict(zip(names, pool.args)) | dict(pool.kwargs)
+        pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
+        kh, kw = pair(a["kernel_size"])
+        stride = pair(a["stride"] if a["stride"] not in (None, [], ()) else a["kernel_size"])
+        if a["ceil_mode"] or not a["count_include_pad"] or a["divisor_override"] is not None:
+            continue
+        wshape = _shape(conv.args[1])
+        with g.inserting_before(conv):
+            scaled = g.call_function(torch.mul, (conv.args[1], 1.0 / (kh * kw)))
+            taps = g.call_method("expand", (scaled, (wshape[0], wshape[1], kh, kw)))
+            new = g.call_function(CONV, (a["input"], taps, None, stride, pair(a["padding"]), (1, 1), 1))
+        new.meta.update(conv.meta)
+        conv.replace_all_uses_with(new)
+        g.erase_node(conv)
+    g.eliminate_dead_code()
+    g.lint()
+    gm.recompile()
+    return gm

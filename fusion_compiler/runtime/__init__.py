@@ -1,0 +1,1 @@
+"""Runtime pieces: the region custom op, the on-disk plan cache, the CUDA-graph runner."""

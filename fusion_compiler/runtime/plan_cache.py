@@ -1,0 +1,98 @@
+"""On-disk cache of serialized cuDNN execution plans.
+
+An entry is keyed by the region's cuDNN graph JSON (ops, shapes, strides, dtypes: the region
+spec), the GPU's name and SM, and the cuDNN backend and frontend versions -- a serialized plan is
+only valid for the same GPU model and versions (cuDNN frontend docs, "Serialization";
+CUDNN_FACTS.md "Persistence"). Each file holds a one-line JSON header with those fields followed by
+the plan bytes. A corrupt, stale or foreign entry is reported with a warning by the caller and
+rebuilt; the cache never raises on a bad file.
+
+Location: the ``cache_dir`` option, else ``$FUSION_COMPILER_CACHE_DIR``, else the user cache
+directory from ``platformdirs`` (``~/.cache/fusion_compiler/plans`` on Linux).
+``FUSION_COMPILER_CACHE_DIR=off`` (or ``cache_dir=False``) disables it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import platformdirs
+
+__all__ = ["PlanCache", "default_cache_dir", "StaleEntry"]
+
+ENV_VAR = "FUSION_COMPILER_CACHE_DIR"
+_FORMAT = 1
+
+
+class StaleEntry(Exception):
+    """A cache file exists for a key but its header does not match (stale, foreign or corrupt)."""
+
+
+def default_cache_dir(cache_dir: str | os.PathLike | bool | None = None) -> Path | None:
+    """Resolve the cache directory (see module doc); ``None`` when caching is off."""
+    if cache_dir is False:
+        return None
+    if cache_dir not in (None, True):
+        return Path(cache_dir)
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return None if env.lower() in ("off", "0", "none", "false") else Path(env)
+    return Path(platformdirs.user_cache_dir("fusion_compiler")) / "plans"
+
+
+class PlanCache:
+    """Serialized plans on disk under ``directory`` (``None``: a cache that stores nothing)."""
+
+    def __init__(self, directory: Path | None):
+        self.directory = directory
+
+    @staticmethod
+    def header(graph_json: str, device: dict) -> dict:
+        """The fields an entry must match: ``device`` holds GPU name, SM, cuDNN and frontend versions."""
+        return {"format": _FORMAT, "graph_sha256": hashlib.sha256(graph_json.encode()).hexdigest(),
+                **device}
+
+    @staticmethod
+    def key(header: dict) -> str:
+        return hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:32]
+
+    def path(self, header: dict) -> Path | None:
+        return None if self.directory is None else self.directory / f"{self.key(header)}.plan"
+
+    def load(self, header: dict) -> bytes | None:
+        """The plan bytes stored for ``header``; ``None`` when absent.
+
+        Raises:
+            StaleEntry: a file is there but unreadable or written for other fields.
+        """
+        path = self.path(header)
+        if path is None or not path.exists():
+            return None
+        try:
+            raw = path.read_bytes()
+            head, _, blob = raw.partition(b"\n")
+            stored = json.loads(head)
+        except (OSError, ValueError) as exc:
+            raise StaleEntry(f"unreadable plan cache entry {path}: {exc}") from exc
+        if stored != header or not blob:
+            raise StaleEntry(f"plan cache entry {path} was written for other versions/devices")
+        return blob
+
+    def store(self, header: dict, blob: bytes) -> None:
+        """Write an entry atomically (temp file + rename); I/O errors are swallowed: the cache is
+        an optimization, never a reason to fail."""
+        path = self.path(header)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps(header, sort_keys=True).encode() + b"\n" + blob)
+            os.replace(tmp, path)
+        except OSError:
+            pass

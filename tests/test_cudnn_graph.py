@@ -1,0 +1,85 @@
+"""cuDNN graph JSON built without a GPU, and the plan cache's handling of bad entries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import specialize
+
+from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+from fusion_compiler.backends.cudnn_graph import graph_json, nhwc_strides
+from fusion_compiler.runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
+
+pytest.importorskip("cudnn", reason="the cuDNN frontend (nvidia-cudnn-frontend) is not installed")
+
+
+@pytest.fixture(scope="module")
+def fp16_regions():
+    model = randomize_(se_resnet9_fixup(3)).half().eval()
+    return specialize(model, torch.randn(128, 3, 64, 64, dtype=torch.float16)).regions
+
+
+def _types(graph: dict) -> list[str]:
+    return [n["type"] for n in graph["nodes"]]
+
+
+def test_every_region_has_one_conv_and_nhwc_io(fp16_regions):
+    for region in fp16_regions:
+        graph = graph_json(region)
+        assert _types(graph).count("CONV_FPROP") == 1
+        for name, t in graph["tensors"].items():
+            if t["is_virtual"] or len(t["dim"]) != 4 or t["dim"][1] == 1:
+                continue
+            assert t["stride"] == nhwc_strides(tuple(t["dim"])), (region.region_id, name)
+
+
+def test_prologue_is_stored_in_the_io_type(fp16_regions):
+    graph = graph_json(fp16_regions[1])  # [add] conv3x3 > add > relu
+    first = graph["nodes"][0]
+    assert first["type"] == "POINTWISE" and first["params"]["mode"] == "add"
+    assert graph["tensors"][first["outputs"]["OUT_0"]]["dtype"] == "data_type.HALF"
+    assert graph["context"]["compute_data_type"] == "data_type.FLOAT"
+
+
+def test_squeeze_is_an_exit_reduction_with_its_own_output(fp16_regions):
+    region = fp16_regions[2]  # [add] conv3x3 > mul > add + sum_hw
+    graph = graph_json(region)
+    assert _types(graph)[-1] == "REDUCTION"
+    outputs = [t for t in graph["tensors"].values() if not t["is_virtual"] and t["uid"] and
+               t["dim"] in ([128, 64, 1, 1], [128, 64, 16, 16])]
+    assert [128, 64, 1, 1] in [t["dim"] for t in outputs]
+
+
+def test_stem_input_channels_are_padded_to_eight(fp16_regions):
+    graph = graph_json(fp16_regions[0])  # conv4x4/s4 on 3 channels
+    assert graph["tensors"]["x"]["dim"] == [128, 8, 64, 64]
+    conv = next(n for n in graph["nodes"] if n["type"] == "CONV_FPROP")
+    assert graph["tensors"][conv["inputs"]["weight"]]["dim"] == [64, 8, 4, 4]
+    assert conv["params"]["stride"] == [4, 4]
+
+
+def test_plan_cache_round_trip_and_bad_entries(tmp_path):
+    cache = PlanCache(tmp_path)
+    header = PlanCache.header(json.dumps({"nodes": []}), {"gpu": "H100", "sm": "90",
+                                                          "cudnn": 91900, "frontend": "1.32.0"})
+    assert cache.load(header) is None
+    cache.store(header, b"\x00plan-bytes")
+    assert cache.load(header) == b"\x00plan-bytes"
+    cache.path(header).write_bytes(b"not json\n")
+    with pytest.raises(StaleEntry, match="unreadable"):
+        cache.load(header)
+    foreign = dict(header, gpu="A100")
+    cache.path(header).write_bytes(json.dumps(foreign).encode() + b"\nplan")
+    with pytest.raises(StaleEntry, match="other versions/devices"):
+        cache.load(header)
+
+
+def test_cache_dir_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    assert default_cache_dir(tmp_path / "x") == tmp_path / "x"
+    assert default_cache_dir(False) is None
+    monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", "off")
+    assert default_cache_dir() is None

@@ -1,0 +1,260 @@
+"""The fuse pass on each pattern: what ends up in a region, what stays outside and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import patterns, rel_err, specialize
+
+torch.manual_seed(0)
+
+
+class ConvBiasReLU(nn.Module):
+    """Functional conv, explicit per-channel bias add, ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 8, 3, 3) * 0.2)
+        self.b = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return F.relu(F.conv2d(x, self.w, padding=1) + self.b.view(1, -1, 1, 1))
+
+
+class BasicBlock(nn.Module):
+    """torchvision-style BasicBlock (conv-BN-ReLU, conv-BN, += identity, ReLU)."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class Bottleneck(nn.Module):
+    """torchvision-style Bottleneck (1x1, 3x3, 1x1 with BN, += identity, ReLU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        mid = c // 4
+        self.conv1, self.bn1 = nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += x
+        return self.relu(out)
+
+
+def _randomize_bn(model: nn.Module) -> nn.Module:
+    """Non-trivial batch-norm statistics and affine parameters (defaults are 0/1)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return model.eval()
+
+
+def _check(model, x, expected_patterns, tol=1e-5):
+    spec = specialize(model, x)
+    assert patterns(spec) == expected_patterns
+    with torch.no_grad():
+        got, want = spec.run(x), model(x)
+    for g, w in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, want))):
+        assert rel_err(g, w) < tol
+    return spec
+
+
+def test_conv_bias_relu_functional():
+    spec = _check(ConvBiasReLU(), torch.randn(2, 8, 10, 10), ["conv3x3 > add > relu"])
+    roles = [o.role for o in spec.regions[0].operands()]
+    assert roles == ["image", "weight", "channel"]
+
+
+def test_conv_module_bias_relu():
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=True), nn.ReLU())
+    _check(model, torch.randn(2, 8, 10, 10), ["conv3x3 > add > relu"])
+
+
+def test_conv_bn_relu_eval_becomes_scale_bias_epilogue():
+    model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
+                                        nn.BatchNorm2d(16), nn.ReLU()))
+    spec = _check(model, torch.randn(2, 8, 10, 10), ["conv3x3 > mul > add > relu"])
+    assert [o.role for o in spec.regions[0].operands()][2:] == ["channel", "channel"]
+
+
+def test_conv_bn_in_training_mode_is_left_to_pytorch():
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
+                          nn.ReLU()).train()
+    spec = specialize(model, torch.randn(2, 8, 10, 10))
+    assert patterns(spec) == ["conv3x3"]
+
+
+def test_basic_block_residual_add_joins_conv2_region():
+    model = _randomize_bn(BasicBlock(16, 16))
+    _check(model, torch.randn(2, 16, 8, 8),
+           ["conv3x3 > mul > add > relu", "conv3x3 > mul > add > add > relu"])
+
+
+def test_basic_block_with_downsample():
+    model = _randomize_bn(BasicBlock(16, 32, stride=2))
+    spec = _check(model, torch.randn(2, 16, 8, 8),
+                  ["conv3x3/s2 > mul > add > relu", "conv1x1/s2 > mul > add",
+                   "conv3x3 > mul > add > add > relu"])
+    roles = [o.role for o in spec.regions[2].operands()]
+    assert "full" in roles  # the downsample output enters conv2's region as a full tensor
+
+
+def test_bottleneck():
+    model = _randomize_bn(Bottleneck(32))
+    _check(model, torch.randn(2, 32, 8, 8),
+           ["conv1x1 > mul > add > relu", "conv3x3 > mul > add > relu",
+            "conv1x1 > mul > add > add > relu"])
+
+
+def test_fixup_block_prologue_epilogue_and_squeeze():
+    from examples.seresnet9_fixup import SEFixupBlock, randomize_
+
+    model = randomize_(SEFixupBlock(32, 64, stride=2, reduction=8)).eval()
+    spec = _check(model, torch.randn(2, 32, 8, 8),
+                  ["[add] conv3x3/s2 > add > relu", "[add] conv3x3 > mul > add + sum_hw",
+                   "[add] conv3x3/s2 > add > relu"])
+    reasons = spec.graph_module.meta["fusion_reasons"]
+    assert any("[N,K,1,1]" in r for r in reasons.values())  # the SE gate stays outside
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.act(self.conv(x))
+        z = self.conv(y)
+        z += y           # operator.iadd
+        z.relu_()        # result unused: later reads of z must see the ReLU
+        return z * 2.0
+
+
+def test_inplace_ops_become_ssa():
+    model = InPlace()
+    x = torch.randn(2, 8, 6, 6)
+    spec = _check(model, x, ["conv3x3 > add > relu", "conv3x3 > add > add > relu > mul"])
+    from fusion_compiler.passes.normalize import inplace_target
+
+    gm = spec.graph_module
+    assert all(inplace_target(gm, n) is None for n in gm.graph.nodes)
+
+
+def test_inplace_on_graph_input_is_rejected():
+    from fusion_compiler import FusionError
+
+    class Mutates(nn.Module):
+        def forward(self, x):
+            x.relu_()
+            return x
+
+    with pytest.raises(FusionError, match="relu_.*mutates placeholder"):
+        specialize(Mutates(), torch.randn(2, 3, 4, 4))
+
+
+class MultiConsumer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        return F.max_pool2d(y, 2), torch.sigmoid(y * 0.5)
+
+
+def test_multi_consumer_intermediate_becomes_extra_output():
+    spec = _check(MultiConsumer(), torch.randn(2, 8, 6, 6), ["conv3x3 > add > relu > mul > sigmoid"])
+    outputs = [n.name for n in spec.regions[0].output_nodes]
+    assert len(outputs) == 2
+
+
+class Cycle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        return y + F.max_pool2d(y, 3, 1, 1)
+
+
+def test_residual_that_would_create_a_cycle_is_not_fused():
+    spec = _check(Cycle(), torch.randn(2, 8, 6, 6), ["conv3x3 > relu"])
+    reasons = spec.graph_module.meta["fusion_reasons"]
+    assert any("cycle" in r for r in reasons.values())
+
+
+class Unsupported(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.reflect = nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect")
+        self.conv1d = nn.Conv1d(8, 8, 3)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.conv(self.reflect(x))
+        y = F.max_pool2d(y, 2)
+        y = 1.0 - y  # chain value as second operand of sub: not an epilogue
+        return self.fc(self.conv1d(y.mean(3)).mean(2))
+
+
+def test_unsupported_ops_are_left_alone_with_reasons():
+    from fusion_compiler.report import pytorch_nodes, unfused_convolutions
+
+    spec = _check(Unsupported(), torch.randn(2, 8, 8, 8), ["conv3x3 > add"])
+    unfused = {row["op"]: row["reason"] for row in unfused_convolutions(spec.graph_module)}
+    assert set(unfused) == {"Conv2d", "Conv1d"}
+    left = {row["op"] for row in pytorch_nodes(spec.graph_module)}
+    assert {"max_pool2d", "Linear"} <= left
+
+
+def test_non_commutative_second_operand_has_reason():
+    class Sub(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 1, bias=False)
+
+        def forward(self, x):
+            return 1.0 - self.conv(x)
+
+    spec = _check(Sub(), torch.randn(2, 8, 4, 4), ["conv1x1"])
+    assert any("second operand" in r for r in spec.graph_module.meta["fusion_reasons"].values())
+
+
+def test_clipped_relu_and_relu6():
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6(), nn.Conv2d(8, 8, 1),
+                          nn.Hardtanh(-1.0, 1.0))
+    spec = _check(model, torch.randn(2, 8, 6, 6), ["conv3x3 > add > clamp", "conv1x1 > add"])
+    assert any("clipped ReLU" in r for r in spec.graph_module.meta["fusion_reasons"].values())

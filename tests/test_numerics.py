@@ -1,0 +1,93 @@
+"""Compiled output equals eager (reference backend on the CPU) for the reference networks, the
+exact rewrites, re-specialization and input checks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import rel_err
+
+import fusion_compiler as fc
+from examples.seresnet9_fixup import (SEFixupBlock, SpaceToDepth, bps_visual_encoder, randomize_,
+                                      se_resnet9_fixup)
+
+
+@pytest.mark.parametrize("factory, channels", [(se_resnet9_fixup, 3), (se_resnet9_fixup, 11),
+                                               (bps_visual_encoder, 3)])
+def test_reference_network_matches_eager_fp32(factory, channels):
+    model = randomize_(factory(channels), seed=channels).eval()
+    assert all(p.abs().sum() > 0 for p in model.parameters())  # no zero conv2 / Fixup scalars
+    compiled = fc.compile(model)
+    x = torch.randn(4, channels, 64, 64)
+    with torch.no_grad():
+        got, want = compiled(x), model(x)
+    assert got.shape == want.shape
+    assert rel_err(got, want) < 1e-5
+    regions = compiled.last.regions
+    assert len(regions) == (12 if factory is se_resnet9_fixup else 13)
+
+
+def test_reference_network_parameter_count():
+    assert sum(p.numel() for p in se_resnet9_fixup(3).parameters()) == 4_938_256
+    assert se_resnet9_fixup(3)(torch.randn(1, 3, 64, 64)).shape == (1, 512, 2, 2)
+
+
+def test_space_to_depth_rewrite_is_exact_in_fp64():
+    model = nn.Sequential(SpaceToDepth(4), nn.Conv2d(48, 16, 1, bias=False)).double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    compiled = fc.compile(model)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-12
+    assert compiled.last.regions[0].pattern == "conv4x4/s4"
+
+
+def test_avgpool_conv_rewrite_is_exact_in_fp64():
+    model = nn.Sequential(nn.AvgPool2d(3, 2, padding=1), nn.Conv2d(8, 16, 1, bias=False)).double()
+    x = torch.randn(2, 8, 9, 9, dtype=torch.float64)
+    compiled = fc.compile(model)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-12
+    assert compiled.last.regions[0].pattern == "conv3x3/s2"
+
+
+def test_new_input_shape_respecializes():
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    compiled = fc.compile(model, [torch.randn(2, 3, 64, 64)])
+    with torch.no_grad():
+        for n in (2, 5, 2):
+            x = torch.randn(n, 3, 64, 64)
+            assert rel_err(compiled(x), model(x)) < 1e-5
+    assert len(compiled.specializations) == 2 + 1  # the eager one (grad on) and two batch sizes
+
+
+def test_gradients_through_reference_backend_match_eager():
+    model = randomize_(SEFixupBlock(16, 32, stride=2, reduction=4))
+    twin = copy.deepcopy(model)
+    compiled = fc.compile(twin)
+    x = torch.randn(3, 16, 8, 8)
+    model(x).square().mean().backward()
+    compiled(x).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert rel_err(q.grad, p.grad) < 1e-5, name
+
+
+def test_wrong_inputs_raise_clear_errors():
+    compiled = fc.compile(nn.Conv2d(3, 8, 3))
+    with pytest.raises(TypeError, match="expected 1 inputs, got 2"):
+        compiled(torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8))
+    with pytest.raises(TypeError, match="dtype torch.float16 but the model's parameters are torch.float32"):
+        compiled(torch.randn(1, 3, 8, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fc.compile(nn.Conv2d(3, 8, 3), backend="tensorrt")
+
+
+def test_untraceable_model_raises_fusion_error():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+
+    with pytest.raises(fc.FusionError, match="symbolic_trace failed"):
+        fc.compile(DataDependent())
