@@ -64,13 +64,13 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
         chosen, reason = preferred, support.reason
         if support:
             try:
-                region.kernel = preferred.lower(region)
+                region.set_kernel(preferred.lower(region))
             except UnsupportedError as exc:
                 chosen, reason = reference, exc.reason
         else:
             chosen = reference
         if chosen is reference:
-            region.kernel = reference.lower(region)
+            region.set_kernel(reference.lower(region))
         region.backend = chosen.name
         region.status = "lowered" if chosen is preferred else "fallback"
         region.reason = _condense(reason) if chosen is not preferred else ""

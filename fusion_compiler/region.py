@@ -6,7 +6,7 @@ region's own ``torch.fx.GraphModule`` (``region.graph_module``) holds the canoni
 scalar/per-channel/full-tensor operands) and it returns a tuple of outputs (the chain's last
 value, intermediates other nodes still read, and the reduction if any).
 
-A backend's ``lower`` fills ``region.kernel`` (a callable with the same signature as
+Lowering sets ``region.kernel`` (through ``set_kernel``) (a callable with the same signature as
 ``graph_module``) and ``region.backend``/``status``/``reason``.
 """
 
@@ -60,9 +60,12 @@ class Region(torch.nn.Module):
         region_id: ``"r0"``, ``"r1"``, ... in graph order.
         graph_module: the region's canonical ops as an fx graph.
         nodes: names of the nodes of the normalized graph that the region absorbed.
+        plan, plan_from_cache, workspace_bytes: the cuDNN execution plan's name, whether it came
+            from the on-disk cache, and its workspace in bytes (``None`` off cuDNN).
         backend, status, reason: what lowering decided (``status`` is ``"fused"`` before lowering,
             then ``"lowered"`` or ``"fallback"``; ``reason`` says why a fallback happened).
-        kernel: the callable that runs the region; the reference is ``graph_module`` itself.
+        kernel: the callable that runs the region (set with :meth:`set_kernel`); the reference
+            backend's is ``graph_module`` itself.
         cudnn_graph: the cuDNN graph JSON (dict) when it could be built, else ``None``.
     """
 
@@ -76,8 +79,17 @@ class Region(torch.nn.Module):
         self.reason = ""
         self.cudnn_graph: dict | None = None
         self.plan: str = ""
+        self.plan_from_cache: bool | None = None
         self.workspace_bytes: int | None = None
-        self.kernel: Callable[..., Any] = graph_module
+        self._lowered: Callable[..., Any] | None = None  # None: run graph_module itself
+
+    @property
+    def kernel(self) -> Callable[..., Any]:
+        return self.graph_module if self._lowered is None else self._lowered
+
+    def set_kernel(self, fn: Callable[..., Any]) -> None:
+        """Run ``fn`` from now on (kept out of nn.Module's registry: a kernel is a callable)."""
+        self.__dict__["_lowered"] = None if fn is self.graph_module else fn
 
     def forward(self, *inputs: torch.Tensor):
         return self.kernel(*inputs)
@@ -145,6 +157,7 @@ class Region(torch.nn.Module):
             "status": self.status,
             "reason": self.reason,
             "plan": self.plan,
+            "plan_from_cache": self.plan_from_cache,
             "workspace_bytes": self.workspace_bytes,
             "cudnn_graph": self.cudnn_graph,
         }

@@ -29,7 +29,7 @@ from ..region import Region
 from ..runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
 from ..runtime.region_op import register_kernel, run_region
 from .base import Kernel, Support
-from .cudnn_graph import build_graph, channel_padding, import_cudnn, nhwc_strides
+from .cudnn_graph import build_graph, channel_padding, import_cudnn, nhwc_strides, output_dtype
 
 __all__ = ["CudnnBackend", "CudnnKernel"]
 
@@ -158,14 +158,18 @@ class CudnnKernel:
             elif op.role in ("scalar", "channel"):
                 shape4 = [1] * (4 - len(op.shape)) + list(op.shape)
                 self.prepare.append(lambda t, s=shape4: t.reshape(s).contiguous())
+            elif op.role == "weight":
+                self.prepare.append(_WeightCache())
             else:
                 self.prepare.append(lambda t: t.contiguous(memory_format=torch.channels_last))
-        self.outputs = []
+        self.outputs = []  # (shape, strides, dtype cuDNN writes, dtype the region returns)
         for out in region.output_nodes:
             val = out.meta["val"]
-            self.outputs.append((tuple(val.shape), tuple(nhwc_strides(tuple(val.shape))), val.dtype))
-        self.key = register_kernel(self, self.outputs)
+            self.outputs.append((tuple(val.shape), tuple(nhwc_strides(tuple(val.shape))),
+                                 output_dtype(out), val.dtype))
+        self.key = register_kernel(self, [(s, st, dt) for s, st, _, dt in self.outputs])
         region.plan = self.plan_name
+        region.plan_from_cache = self.from_cache
         region.workspace_bytes = self.workspace_bytes
 
     def _build(self, graph: Any, graph_text: str) -> Any:
@@ -214,18 +218,41 @@ class CudnnKernel:
         pack: dict[int, torch.Tensor] = {}
         for i, (prep, x) in enumerate(zip(self.prepare, inputs)):
             pack[i + 1] = prep(x)
-        outs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
-                     for shape, stride, dtype in self.outputs)
+        outs = tuple(torch.empty_strided(shape, stride, dtype=written, device=self.device)
+                     for shape, stride, written, _ in self.outputs)
         for j, out in enumerate(outs):
             pack[_OUTPUT_UID + j] = out
         pack.update(self.constants)
         ws = self.backend.workspace(self.device, self.workspace_bytes)
         self.graph.execute(pack, ws, handle=handle)
-        return outs
+        return tuple(out if out.dtype == want else out.to(want)
+                     for out, (_, _, _, want) in zip(outs, self.outputs))
 
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Run through the ``fusion_compiler::run_region`` custom op (what graphs call)."""
         return tuple(run_region(self.key, list(inputs)))
+
+
+class _WeightCache:
+    """channels_last copy of a weight, made once per weight version instead of once per call.
+
+    Keyed by the tensor's storage, strides and version counter (``Tensor._version`` grows on every
+    in-place update, optimizer steps included), so an updated parameter is copied again. A
+    weight computed afresh each call (a rewritten weight) simply misses and is converted.
+    """
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.value: torch.Tensor | None = None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous(memory_format=torch.channels_last):
+            return t
+        key = (t.data_ptr(), t.stride(), t._version)
+        if key != self.key:
+            self.value = t.contiguous(memory_format=torch.channels_last)
+            self.key = key
+        return self.value
 
 
 def _padder(channels: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -9,7 +9,8 @@ The graph follows the cuDNN graph rules (CUDNN_FACTS.md; cuDNN frontend "Graph A
   Python numbers become pass-by-value scalars (``is_pass_by_value=True``, fp32).
 * Every op output is virtual unless it is a region output (``set_output(True)``), intermediate and
   compute types are fp32, and prologue outputs are stored in the I/O type (cuDNN rejects a
-  prologue left at fp32 on SM 9.0, CUDNN_FACTS.md "Support surface").
+  prologue left at fp32 on SM 9.0, CUDNN_FACTS.md "Support surface"); the reduction output is
+  fp32 (see :func:`output_dtype`).
 * The convolution is ``conv_fprop`` with alpha = 1, beta = 0 (accumulation is an explicit ``add``);
   groups follow from the weight's shape. The H, W sum is a ``reduction(mode=ADD)`` whose output is
   ``[N,K,1,1]``.
@@ -31,7 +32,8 @@ from ..errors import UnsupportedError
 from ..ops import BINARY, is_conv, is_hw_sum
 from ..region import Region
 
-__all__ = ["CudnnGraph", "build_graph", "graph_json", "nhwc_strides", "cudnn_dtype", "import_cudnn"]
+__all__ = ["CudnnGraph", "build_graph", "graph_json", "nhwc_strides", "cudnn_dtype", "import_cudnn",
+           "channel_padding", "output_dtype"]
 
 
 def import_cudnn():
@@ -182,11 +184,21 @@ def build_graph(region: Region, handle: Any = None) -> CudnnGraph:
     outputs = []
     for out in region.output_nodes:
         t = values[out]
-        val = out.meta["val"]
-        dims = _as4d(tuple(val.shape))
-        t.set_output(True).set_data_type(cudnn_dtype(val.dtype)).set_dim(dims).set_stride(nhwc_strides(tuple(dims)))
+        dims = _as4d(tuple(out.meta["val"].shape))
+        t.set_output(True).set_data_type(cudnn_dtype(output_dtype(out))).set_dim(dims).set_stride(
+            nhwc_strides(tuple(dims)))
         outputs.append(t)
     return CudnnGraph(g, inputs, outputs, constants)
+
+
+def output_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype cuDNN writes a region output in: the node's own, except fp32 for the H, W sum.
+
+    Measured on an H100 (cuDNN 9.19): a conv graph ending in a ``reduction`` builds only when the
+    reduction output is FLOAT; with a HALF output every variant (with or without prologue or extra
+    output) is declined with "No valid engine configs".
+    """
+    return torch.float32 if is_hw_sum(node) else node.meta["val"].dtype
 
 
 def _before(node: fx.Node, conv: fx.Node) -> bool:

@@ -1,0 +1,236 @@
+"""Inference benchmark: fusion_compiler side by side with eager PyTorch and torch.compile.
+
+Every variant is timed in the same process on the same GPU with CUDA events: the median over
+``--reps`` repetitions of ``--iters`` back-to-back calls after warm-up, in ms per call (the method of
+shared/BASELINES.md). Inputs are NCHW fp16 and weights fp16, as the reference agent runs.
+
+    python examples/benchmark.py --out bench_out            # all models, all variants
+    python examples/benchmark.py --models seresnet9-rgb --profile
+
+Prints a table (GPU name, ms per variant, compile times: fusion_compiler cold = empty plan cache,
+warm = a new process reading the plan cache), writes ``bench.json`` and a bar plot ``bench.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import fusion_compiler as fc  # noqa: E402
+from fusion_compiler.runtime.cuda_graph import CudaGraphRunner  # noqa: E402
+
+MODELS = {
+    # name: (factory, input shape)
+    "seresnet9-rgb": ("examples.seresnet9_fixup:se_resnet9_fixup", (128, 3, 64, 64), {}),
+    "seresnet9-depth": ("examples.seresnet9_fixup:se_resnet9_fixup", (512, 11, 64, 64),
+                        {"in_channels": 11}),
+    "resnet50": ("torchvision.models:resnet50", (128, 3, 224, 224), {}),
+}
+VARIANTS = ["eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
+            "fusion_compiler", "fusion_compiler+cudagraph"]
+
+
+def build_model(name: str) -> torch.nn.Module:
+    import importlib
+
+    ref, _, kwargs = MODELS[name]
+    module, attr = ref.split(":")
+    model = getattr(importlib.import_module(module), attr)(**kwargs)
+    if name.startswith("seresnet9"):
+        from examples.seresnet9_fixup import randomize_
+
+        randomize_(model)
+    return model.cuda().half().eval()
+
+
+def time_ms(fn: Callable[[], object], reps: int, iters: int) -> float:
+    """Median over ``reps`` of (CUDA-event time of ``iters`` back-to-back calls) / ``iters``."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def timed_build(make: Callable[[], Callable[[], object]]) -> tuple[Callable[[], object], float]:
+    """Build a variant and run it once; returns the callable and the seconds that took."""
+    t0 = time.perf_counter()
+    fn = make()
+    fn()
+    torch.cuda.synchronize()
+    return fn, time.perf_counter() - t0
+
+
+def warm_compile_seconds(name: str, cache_dir: str) -> float:
+    """Compile ``name`` with fusion_compiler in a fresh process reading ``cache_dir``."""
+    proc = subprocess.run([sys.executable, __file__, "--compile-only", name, "--cache-dir", cache_dir],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: bool) -> dict:
+    torch.manual_seed(0)
+    model = build_model(name)
+    x = torch.randn(MODELS[name][1], device="cuda", dtype=torch.half)
+    cache_dir = tempfile.mkdtemp(prefix="fc-plans-")
+    makers = {
+        "eager": lambda: (lambda: model(x)),
+        "eager+cudagraph": lambda: (lambda r=CudaGraphRunner(model, [x]): r(x)),
+        "torch.compile": lambda: (lambda m=torch.compile(model): m(x)),
+        "torch.compile reduce-overhead": lambda: (
+            lambda m=torch.compile(model, mode="reduce-overhead"): m(x)),
+        "fusion_compiler": lambda: (lambda m=fc.compile(model, [x], backend="cudnn",
+                                                         cache_dir=cache_dir): m(x)),
+        "fusion_compiler+cudagraph": lambda: (
+            lambda m=fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir,
+                                cuda_graph=True): m(x)),
+    }
+    result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {}}
+    with torch.inference_mode():
+        reference = model(x).float()
+        for variant in variants:
+            try:
+                fn, seconds = timed_build(makers[variant])
+            except Exception as exc:  # report and go on: one broken variant must not hide the rest
+                result["ms"][variant] = None
+                result.setdefault("errors", {})[variant] = " ".join(str(exc).split())[:300]
+                continue
+            result["compile_s"][variant] = seconds
+            result["ms"][variant] = time_ms(fn, reps, iters)
+            if variant.startswith("fusion_compiler"):
+                out = fn().float()
+                err = ((out - reference).abs().max() / reference.abs().max()).item()
+                result.setdefault("rel_err_vs_eager", {})[variant] = err
+            if profile and variant == "fusion_compiler+cudagraph":
+                result["profile"] = kernel_profile(fn)
+        if "fusion_compiler" in variants:
+            result["compile_s"]["fusion_compiler warm (new process)"] = warm_compile_seconds(
+                name, cache_dir)
+    return result
+
+
+def kernel_profile(fn: Callable[[], object], calls: int = 20) -> str:
+    """Kernel names, counts and CUDA time for ``calls`` calls (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
+def print_table(results: list[dict]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    variants = [v for v in VARIANTS if any(v in r["ms"] for r in results)]
+    table = Table(title=f"inference, ms per call (median), {torch.cuda.get_device_name()}, "
+                        f"torch {torch.__version__}")
+    table.add_column("model")
+    for v in variants:
+        table.add_column(v, justify="right")
+    for r in results:
+        table.add_row(f"{r['model']} {'x'.join(map(str, r['input']))}",
+                      *("-" if r["ms"].get(v) is None else f"{r['ms'][v]:.3f}" for v in variants))
+    comp = Table(title="compile time, s (first call included)")
+    comp.add_column("model")
+    names = sorted({k for r in results for k in r["compile_s"]})
+    for k in names:
+        comp.add_column(k, justify="right")
+    for r in results:
+        comp.add_row(r["model"], *(f"{r['compile_s'][k]:.1f}" if k in r["compile_s"] else "-"
+                                   for k in names))
+    console = Console(width=200)
+    with console.capture() as cap:
+        console.print(table)
+        console.print(comp)
+        for r in results:
+            for variant, err in r.get("rel_err_vs_eager", {}).items():
+                console.print(f"{r['model']}: {variant} max rel. error vs eager fp16 {err:.2e}")
+            for variant, msg in r.get("errors", {}).items():
+                console.print(f"{r['model']}: {variant} failed: {msg}")
+    text = cap.get()
+    print(text)
+    return text
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        names = [v for v in VARIANTS if r["ms"].get(v) is not None]
+        ax.barh(names, [r["ms"][v] for v in names],
+                color=["tab:green" if v.startswith("fusion") else "tab:gray" for v in names])
+        ax.set_xlabel("ms per call (median)")
+        ax.set_title(f"{r['model']} {'x'.join(map(str, r['input']))}")
+        ax.invert_yaxis()
+    fig.suptitle(f"fusion_compiler inference, {torch.cuda.get_device_name()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--profile", action="store_true", help="kernel profile of fusion_compiler+cudagraph")
+    parser.add_argument("--compile-only", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(1, "benchmark.py needs a CUDA GPU\n")
+    if args.compile_only:
+        model = build_model(args.compile_only)
+        x = torch.randn(MODELS[args.compile_only][1], device="cuda", dtype=torch.half)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            fc.compile(model, [x], backend="cudnn", cache_dir=args.cache_dir)(x)
+        torch.cuda.synchronize()
+        print(time.perf_counter() - t0)
+        return 0
+    results = [bench_model(m, args.variants.split(","), args.reps, args.iters, args.profile)
+               for m in args.models.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = print_table(results)
+    for r in results:
+        if "profile" in r:
+            print(f"kernel profile, {r['model']}, fusion_compiler+cudagraph, 20 calls:\n{r['profile']}")
+    (args.out / "bench.txt").write_text(text)
+    (args.out / "bench.json").write_text(json.dumps(
+        {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, indent=1))
+    plot(results, args.out / "bench.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""cuDNN execution on a GPU: every fused pattern runs through cuDNN and matches an fp64 reference.
+
+All tests carry ``@pytest.mark.gpu`` and skip without CUDA and the cuDNN frontend.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import rel_err
+
+import fusion_compiler as fc
+from examples.seresnet9_fixup import SEFixupBlock, bps_visual_encoder, randomize_, se_resnet9_fixup
+from test_fuse_patterns import (BasicBlock, Bottleneck, ConvBiasReLU, MultiConsumer,
+                                _randomize_bn)
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fp64_reference(model: nn.Module, *inputs: torch.Tensor):
+    ref = copy.deepcopy(model).double().cpu()
+    with torch.no_grad():
+        return ref(*(x.double().cpu() for x in inputs))
+
+
+def _run_cudnn(model: nn.Module, x: torch.Tensor, dtype=torch.float16, tol=2e-3, **options):
+    model = model.to("cuda", dtype).eval()
+    x = x.to("cuda", dtype)
+    compiled = fc.compile(model, backend="cudnn", cache_dir=False, **options)
+    with torch.inference_mode():
+        got = compiled(x)
+    want = _fp64_reference(model, x)
+    pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
+    for g, w in pairs:
+        assert rel_err(g.float().cpu(), w) < tol
+    regions = compiled.last.regions
+    assert regions and all(r.backend == "cudnn" and r.status == "lowered" for r in regions), [
+        (r.region_id, r.pattern, r.reason) for r in regions]
+    return compiled, got
+
+
+PATTERNS = {
+    "conv_bias_relu": (ConvBiasReLU, (8, 8, 10, 10)),
+    "conv_module_bias_relu": (lambda: nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()),
+                              (8, 8, 10, 10)),
+    "conv_bn_relu": (lambda: _randomize_bn(nn.Sequential(
+        nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())), (8, 8, 10, 10)),
+    "basic_block": (lambda: _randomize_bn(BasicBlock(16, 16)), (8, 16, 8, 8)),
+    "basic_block_downsample": (lambda: _randomize_bn(BasicBlock(16, 32, 2)), (8, 16, 8, 8)),
+    "bottleneck": (lambda: _randomize_bn(Bottleneck(32)), (8, 32, 8, 8)),
+    "fixup_block": (lambda: randomize_(SEFixupBlock(32, 64, 2, reduction=8)), (8, 32, 8, 8)),
+    "multi_consumer": (MultiConsumer, (8, 8, 6, 6)),
+    "relu6": (lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6()), (8, 8, 6, 6)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_pattern_runs_on_cudnn(name, dtype):
+    torch.manual_seed(0)
+    factory, shape = PATTERNS[name]
+    tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 2e-3}[dtype]  # fp32: TF32
+    _run_cudnn(factory(), torch.randn(shape), dtype=dtype, tol=tol)
+
+
+@pytest.mark.parametrize("channels, batch", [(3, 128), (11, 512)])
+def test_reference_network_fp16(channels, batch):
+    model = randomize_(se_resnet9_fixup(channels), seed=channels)
+    compiled, out = _run_cudnn(model, torch.randn(batch, channels, 64, 64))
+    assert len(compiled.last.regions) == 12
+    assert out.is_contiguous()  # NCHW in, NCHW out: the memory format eager returns
+
+
+def test_visual_encoder_fp16():
+    _run_cudnn(randomize_(bps_visual_encoder(3)), torch.randn(64, 3, 64, 64))
+
+
+def test_channels_last_input_and_batch_change():
+    model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
+    compiled = fc.compile(model, backend="cudnn", cache_dir=False)
+    with torch.inference_mode():
+        for n, fmt in ((32, torch.channels_last), (48, torch.contiguous_format)):
+            x = torch.randn(n, 3, 64, 64, device="cuda", dtype=torch.half).contiguous(
+                memory_format=fmt)
+            got, eager = compiled(x), model(x)
+            assert got.shape == (n, 512, 2, 2)
+            assert got.is_contiguous(memory_format=torch.channels_last) == eager.is_contiguous(
+                memory_format=torch.channels_last) or got.is_contiguous() == eager.is_contiguous()
+            assert rel_err(got.float().cpu(), _fp64_reference(model, x)) < 2e-3
+    assert len(compiled.specializations) == 2
+
+
+def test_cuda_graph_matches_plain_execution():
+    model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
+    plain = fc.compile(model, backend="cudnn", cache_dir=False)
+    graphed = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=True)
+    with torch.inference_mode():
+        for _ in range(2):
+            x = torch.randn(128, 3, 64, 64, device="cuda", dtype=torch.half)
+            assert torch.equal(graphed(x).clone(), plain(x))
+
+
+def test_cpu_input_to_cuda_model_is_a_value_error():
+    compiled = fc.compile(nn.Conv2d(8, 8, 3).cuda().half())
+    with pytest.raises(ValueError, match="is on cpu but the model's parameters are on cuda"):
+        compiled(torch.randn(1, 8, 8, 8, dtype=torch.half))
+
+
+_CACHE_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, fusion_compiler as fc
+    sys.path.insert(0, {root!r})
+    from examples.seresnet9_fixup import se_resnet9_fixup, randomize_
+    torch.manual_seed(0)
+    model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
+    x = torch.randn(16, 3, 64, 64, device="cuda", dtype=torch.half)
+    compiled = fc.compile(model, backend="cudnn", cache_dir={cache!r})
+    with torch.inference_mode():
+        y = compiled(x)
+    print(json.dumps({{"cached": [r.plan_from_cache for r in compiled.last.regions],
+                      "backends": [r.backend for r in compiled.last.regions],
+                      "sum": y.float().sum().item()}}))
+""")
+
+
+def _cache_run(cache: Path) -> dict:
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT.format(root=str(ROOT), cache=str(cache))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_disk_cache_round_trip_in_a_second_process(tmp_path):
+    first, _ = _cache_run(tmp_path)
+    assert set(first["backends"]) == {"cudnn"} and not any(first["cached"])
+    second, _ = _cache_run(tmp_path)
+    assert all(second["cached"])
+    assert second["sum"] == first["sum"]
+    for entry in tmp_path.glob("*.plan"):  # corrupt every entry: warned about, rebuilt, same result
+        entry.write_bytes(b"garbage")
+    third, stderr = _cache_run(tmp_path)
+    assert not any(third["cached"]) and "rebuilding the plan" in stderr
+    assert third["sum"] == first["sum"]
