@@ -151,7 +151,8 @@ class CompiledModule(torch.nn.Module):
                 isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             from .runtime.cuda_graph import CudaGraphRunner  # noqa: PLC0415
 
-            params = [*self.model.parameters(), *self.model.buffers()]
+            params = [t for t in (*self.model.parameters(), *self.model.buffers())
+                      if not t.is_inference()]
             runner = CudaGraphRunner(run, args, guard=lambda: tuple(p._version for p in params))
         spec = Specialization(key, gm, runner, stages)
         self.specializations[key] = spec

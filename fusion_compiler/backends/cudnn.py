@@ -238,7 +238,7 @@ class _WeightCache:
 
     Keyed by the tensor's storage, strides and version counter (``Tensor._version`` grows on every
     in-place update, optimizer steps included), so an updated parameter is copied again. A
-    weight computed afresh each call (a rewritten weight) simply misses and is converted.
+    weight computed afresh each call (a rewritten weight, an inference tensor) is converted.
     """
 
     def __init__(self):
@@ -248,6 +248,8 @@ class _WeightCache:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_contiguous(memory_format=torch.channels_last):
             return t
+        if t.is_inference():  # made under inference_mode: no version counter, a fresh tensor
+            return t.contiguous(memory_format=torch.channels_last)
         key = (t.data_ptr(), t.stride(), t._version)
         if key != self.key:
             self.value = t.contiguous(memory_format=torch.channels_last)
