@@ -125,10 +125,16 @@ class CompiledModule(torch.nn.Module):
         log.info("compiling %s for inputs %s", type(self.model).__name__,
                  ", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec)))
         stages: dict[str, str] = {}
-        gm = PassManager(self.passes, args, on_stage=lambda n, g: stages.__setitem__(n, g.code)
-                         ).run(capture(self.model))
-        formats = [_memory_format(t) for t in tree_flatten(
-            gm.graph.find_nodes(op="output")[0].meta.get("val"))[0]]
+        formats: list[torch.memory_format | None] = []
+
+        def on_stage(name: str, g: fx.GraphModule) -> None:
+            stages[name] = g.code
+            if name == "captured":  # the memory formats eager returns, before any rewrite
+                out = g.graph.find_nodes(op="output")[0]
+                formats.extend(_memory_format(n.meta.get("val") if isinstance(n, fx.Node) else n)
+                               for n in tree_flatten(out.args[0])[0])
+
+        gm = PassManager(self.passes, args, on_stage=on_stage).run(capture(self.model))
         backend = self.backend
         if grad and backend != "reference":
             backend = "reference"
