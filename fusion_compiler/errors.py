@@ -22,3 +22,9 @@ class UnsupportedError(RuntimeError):
         self.reason = reason
         self.region = region
         super().__init__(f"{region}: {reason}" if region else reason)
+
+
+def condense(text: str, limit: int = 300) -> str:
+    """One line of at most ``limit`` characters from a (often multi-line) backend message."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

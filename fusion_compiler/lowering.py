@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from .backends import get_backend
 from .backends.cudnn_graph import graph_json
-from .errors import UnsupportedError
+from .errors import UnsupportedError, condense
 from .region import Region
 
 __all__ = ["lower", "regions_of", "BACKEND_CHOICES"]
@@ -28,12 +28,6 @@ def regions_of(gm: fx.GraphModule) -> list[Region]:
     """The regions of a fused graph, in graph order."""
     return [gm.get_submodule(n.target) for n in gm.graph.nodes
             if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Region)]
-
-
-def _condense(text: str, limit: int = 300) -> str:
-    """One line of at most ``limit`` characters from a backend's (often multi-line) message."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = None,
@@ -73,7 +67,7 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
             region.set_kernel(reference.lower(region))
         region.backend = chosen.name
         region.status = "lowered" if chosen is preferred else "fallback"
-        region.reason = _condense(reason) if chosen is not preferred else ""
+        region.reason = condense(reason) if chosen is not preferred else ""
         if region.status == "fallback":
             level = logging.WARNING if backend == "cudnn" else logging.INFO
             log.log(level, "region %s (%s) runs on the reference backend: %s",

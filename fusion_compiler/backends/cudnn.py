@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, condense
 from ..region import Region
 from ..runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
 from ..runtime.region_op import register_kernel, run_region
@@ -38,8 +38,7 @@ _CONSTANT_UID = 2000
 
 
 def _condense(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 400 else text[:397] + "..."
+    return condense(str(exc).strip() or type(exc).__name__, limit=400)
 
 
 class CudnnBackend:
@@ -206,12 +205,10 @@ class CudnnKernel:
 
     @property
     def plan_name(self) -> str:
-        for getter in ("get_plan_name_at_index",):
-            try:
-                return str(getattr(self.graph, getter)(0))
-            except Exception:
-                continue
-        return ""
+        try:
+            return str(self.graph.get_plan_name_at_index(0))
+        except Exception:  # a deserialized graph may not expose plan names
+            return ""
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         handle = self.backend.handle(self.device)
