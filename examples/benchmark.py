@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fusion_compiler as fc  # noqa: E402
+from fusion_compiler.backends.cudnn import DEFAULT_AUTOTUNE  # noqa: E402
 from fusion_compiler.runtime.cuda_graph import CudaGraphRunner  # noqa: E402
 
 MODELS = {
@@ -81,16 +82,18 @@ def timed_build(make: Callable[[], Callable[[], object]]) -> tuple[Callable[[], 
     return fn, time.perf_counter() - t0
 
 
-def warm_compile_seconds(name: str, cache_dir: str) -> float:
+def warm_compile_seconds(name: str, cache_dir: str, autotune: int) -> float:
     """Compile ``name`` with fusion_compiler in a fresh process reading ``cache_dir``."""
-    proc = subprocess.run([sys.executable, __file__, "--compile-only", name, "--cache-dir", cache_dir],
+    proc = subprocess.run([sys.executable, __file__, "--compile-only", name, "--cache-dir", cache_dir,
+                           "--autotune", str(autotune)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     return float(proc.stdout.strip().splitlines()[-1])
 
 
-def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: bool) -> dict:
+def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: bool,
+                autotune: int) -> dict:
     torch.manual_seed(0)
     model = build_model(name)
     x = torch.randn(MODELS[name][1], device="cuda", dtype=torch.half)
@@ -101,11 +104,10 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
         "torch.compile": lambda: (lambda m=torch.compile(model): m(x)),
         "torch.compile reduce-overhead": lambda: (
             lambda m=torch.compile(model, mode="reduce-overhead"): m(x)),
-        "fusion_compiler": lambda: (lambda m=fc.compile(model, [x], backend="cudnn",
-                                                         cache_dir=cache_dir): m(x)),
+        "fusion_compiler": lambda: (lambda m=compiled(model, x, cache_dir, autotune, result): m(x)),
         "fusion_compiler+cudagraph": lambda: (
             lambda m=fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir,
-                                cuda_graph=True): m(x)),
+                                autotune=autotune, cuda_graph=True): m(x)),
     }
     result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {}}
     with torch.inference_mode():
@@ -127,8 +129,18 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
                 result["profile"] = kernel_profile(fn)
         if "fusion_compiler" in variants:
             result["compile_s"]["fusion_compiler warm (new process)"] = warm_compile_seconds(
-                name, cache_dir)
+                name, cache_dir, autotune)
     return result
+
+
+def compiled(model: torch.nn.Module, x: torch.Tensor, cache_dir: str, autotune: int,
+             result: dict) -> fc.CompiledModule:
+    """fusion_compiler's module for ``x``; its autotuning table goes into ``result["tuning"]``."""
+    from fusion_compiler.report import format_tuning
+
+    module = fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir, autotune=autotune)
+    result["tuning"] = format_tuning(module.specialize(x).regions)
+    return module
 
 
 def kernel_profile(fn: Callable[[], object], calls: int = 20) -> str:
@@ -204,6 +216,8 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--profile", action="store_true", help="kernel profile of fusion_compiler+cudagraph")
+    parser.add_argument("--autotune", type=int, default=DEFAULT_AUTOTUNE,
+                        help="cuDNN plans timed per region (default %(default)s)")
     parser.add_argument("--compile-only", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -214,15 +228,18 @@ def main() -> int:
         x = torch.randn(MODELS[args.compile_only][1], device="cuda", dtype=torch.half)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            fc.compile(model, [x], backend="cudnn", cache_dir=args.cache_dir)(x)
+            fc.compile(model, [x], backend="cudnn", cache_dir=args.cache_dir,
+                       autotune=args.autotune)(x)
         torch.cuda.synchronize()
         print(time.perf_counter() - t0)
         return 0
-    results = [bench_model(m, args.variants.split(","), args.reps, args.iters, args.profile)
-               for m in args.models.split(",")]
+    results = [bench_model(m, args.variants.split(","), args.reps, args.iters, args.profile,
+                           args.autotune) for m in args.models.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     text = print_table(results)
     for r in results:
+        if "tuning" in r:
+            print(f"{r['model']}:\n{r['tuning']}")
         if "profile" in r:
             print(f"kernel profile, {r['model']}, fusion_compiler+cudagraph, 20 calls:\n{r['profile']}")
     (args.out / "bench.txt").write_text(text)

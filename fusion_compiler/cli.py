@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .backends.cudnn import DEFAULT_AUTOTUNE
 from .report import DEFAULT_STAGES, dump, format_text
 
 __all__ = ["main", "load_model", "parse_shape"]
@@ -60,7 +61,8 @@ def _dump(args: argparse.Namespace) -> int:
     model = load_model(args.model).to(device=device, dtype=dtype)
     model.train(args.train)
     inputs = [torch.randn(shape, dtype=dtype, device=device) for shape in args.input]
-    report = dump(model, inputs, backend=args.backend, stages=args.stage)
+    report = dump(model, inputs, backend=args.backend, stages=args.stage, autotune=args.autotune,
+                  fuse_prologue=args.fuse_prologue, fuse_reduction=args.fuse_reduction)
     if args.format == "json":
         print(json.dumps({"model": args.model, "device": device, "dtype": args.dtype, **report},
                          indent=1))
@@ -91,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "space_to_depth, avgpool_conv, fused, lowered (default: %(default)s)")
     d.add_argument("--format", choices=["text", "json"], default="text")
     d.add_argument("--train", action="store_true", help="compile in training mode (default: eval)")
+    d.add_argument("--fuse-prologue", action="store_true",
+                   help="fuse pointwise ops on a conv's input into its region (off by default: "
+                        "slower on an H100 with cuDNN 9.19)")
+    d.add_argument("--fuse-reduction", action="store_true",
+                   help="fuse the H, W sum after a conv into its region (off by default: slower "
+                        "on an H100 with cuDNN 9.19)")
+    d.add_argument("--autotune", type=int, default=DEFAULT_AUTOTUNE,
+                   help="cuDNN plans built and timed per region on a GPU (default %(default)s)")
     d.set_defaults(func=_dump)
     return parser
 

@@ -10,10 +10,12 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .backends.cudnn import DEFAULT_AUTOTUNE
 from .capture import TensorSpec, capture, input_specs
 from .lowering import lower, regions_of
 from .passes import Pass, PassManager, default_passes
 from .region import Region
+from .runtime.hoist import hoist_parameter_subgraphs
 
 __all__ = ["compile", "CompiledModule"]
 
@@ -76,14 +78,17 @@ class CompiledModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, *, backend: str = "auto", cuda_graph: bool = False,
-                 cache_dir=None, passes: Sequence[Pass] | None = None, report: bool = False,
-                 progress: bool | None = None):
+                 cache_dir=None, autotune: int = DEFAULT_AUTOTUNE, fuse_prologue: bool = False,
+                 fuse_reduction: bool = False, passes: Sequence[Pass] | None = None,
+                 report: bool = False, progress: bool | None = None):
         super().__init__()
         self.model = model
         self.backend = backend
         self.cuda_graph = cuda_graph
         self.cache_dir = cache_dir
-        self.passes = list(passes) if passes is not None else default_passes()
+        self.autotune = autotune
+        self.passes = list(passes) if passes is not None else default_passes(
+            fuse_prologue=fuse_prologue, fuse_reduction=fuse_reduction)
         self.show_report = report
         self.progress = progress
         self._arity = len(capture(model).graph.find_nodes(op="placeholder"))  # fail early
@@ -140,10 +145,14 @@ class CompiledModule(torch.nn.Module):
             backend = "reference"
             log.info("autograd through cuDNN regions is not available yet: regions run on the "
                      "reference backend while gradients are needed")
-        lower(gm, backend, progress=self.progress, cache_dir=self.cache_dir)
+        lower(gm, backend, progress=self.progress, cache_dir=self.cache_dir,
+              autotune=self.autotune)
         _channels_last_inputs(gm)
+        hoisted = None if grad else hoist_parameter_subgraphs(gm)
 
         def run(*inputs: Any) -> Any:
+            if hoisted is not None:
+                hoisted.refresh()
             out = gm(*inputs)
             if not any(f is not None for f in formats):
                 return out
@@ -183,7 +192,9 @@ class CompiledModule(torch.nn.Module):
 
 def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, *,
             backend: str = "auto", cuda_graph: bool = False, cache_dir=None,
-            report: bool = False, progress: bool | None = None) -> CompiledModule:
+            autotune: int = DEFAULT_AUTOTUNE, fuse_prologue: bool = False,
+            fuse_reduction: bool = False, report: bool = False,
+            progress: bool | None = None) -> CompiledModule:
     """Compile ``model`` into fused regions and return a module that computes the same function.
 
     Args:
@@ -195,6 +206,14 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             Outputs are then static buffers overwritten by the next call: clone what you keep.
         cache_dir: where serialized cuDNN plans are kept (default: ``$FUSION_COMPILER_CACHE_DIR``
             or the user cache directory; ``False`` disables the cache).
+        autotune: per region, how many of cuDNN's ranked execution plans to build and time on
+            random data of the region's shapes; the fastest is kept (and cached). ``1`` takes
+            heuristics' first plan that builds (fastest compile).
+        fuse_prologue: fuse pointwise ops on a convolution's input (the Fixup ``x + bias``) into
+            its region. Off by default: on an H100 with cuDNN 9.19 the fused kernel was 2-4x
+            slower than the convolution plus a separate add (see ``passes.default_passes``).
+        fuse_reduction: fuse the H, W sum after a convolution (the SE squeeze) into its region
+            as an exit reduction. Off by default for the same reason.
         report: print the region table after each compilation.
         progress: progress bar while plans build (``None``: only on a terminal).
 
@@ -207,7 +226,8 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
     compiled = CompiledModule(model, backend=backend, cuda_graph=cuda_graph, cache_dir=cache_dir,
-                              report=report, progress=progress)
+                              autotune=autotune, fuse_prologue=fuse_prologue,
+                              fuse_reduction=fuse_reduction, report=report, progress=progress)
     if example_inputs is not None:
         compiled.specialize(*example_inputs)
     return compiled

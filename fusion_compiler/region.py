@@ -67,6 +67,8 @@ class Region(torch.nn.Module):
         kernel: the callable that runs the region (set with :meth:`set_kernel`); the reference
             backend's is ``graph_module`` itself.
         cudnn_graph: the cuDNN graph JSON (dict) when it could be built, else ``None``.
+        tuning: the plans autotuning built and timed (``PlanTiming`` list, ranked order); empty
+            when the plan came from the cache or autotuning was off.
     """
 
     def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str]):
@@ -78,6 +80,7 @@ class Region(torch.nn.Module):
         self.status = "fused"
         self.reason = ""
         self.cudnn_graph: dict | None = None
+        self.tuning: list = []
         self.plan: str = ""
         self.plan_from_cache: bool | None = None
         self.workspace_bytes: int | None = None

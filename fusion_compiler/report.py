@@ -15,7 +15,7 @@ from rich.text import Text
 from .ops import is_call
 from .region import Region
 
-__all__ = ["format_regions", "unfused_convolutions", "pytorch_nodes", "dump", "format_text",
+__all__ = ["format_regions", "format_tuning", "unfused_convolutions", "pytorch_nodes", "dump", "format_text",
            "DEFAULT_STAGES"]
 
 DEFAULT_STAGES = ("captured", "fused", "lowered")
@@ -90,6 +90,24 @@ def _regions_table(rows: list[dict]) -> str:
     return _render(table)
 
 
+def format_tuning(regions: Sequence[Region]) -> str:
+    """Per region, what autotuning measured: plans tried, heuristics' first plan and the chosen
+    one (ms per execution, median of CUDA-event timings on random data), seconds spent building."""
+    table = Table(title="autotuning (cuDNN execution plans per region)")
+    for col in ("id", "pattern", "plans timed", "first plan ms", "chosen plan", "chosen ms",
+                "build s"):
+        table.add_column(col, overflow="fold")
+    for r in regions:
+        timed = [t for t in r.tuning if t.ms is not None]
+        if not timed:
+            continue
+        best = min(timed, key=lambda t: t.ms)
+        _add_row(table, r.region_id, r.pattern, f"{len(timed)}/{len(r.tuning)}",
+                 f"{timed[0].ms:.4f}", f"#{best.index} {best.name}", f"{best.ms:.4f}",
+                 f"{sum(t.build_s for t in r.tuning):.1f}")
+    return _render(table)
+
+
 def _format_left(rows: list[dict], title: str) -> str:
     if not rows:
         return f"{title}: none\n"
@@ -102,8 +120,11 @@ def _format_left(rows: list[dict], title: str) -> str:
 
 
 def dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto",
-         stages: Sequence[str] = DEFAULT_STAGES, cache_dir=None) -> dict:
+         stages: Sequence[str] = DEFAULT_STAGES, **options: Any) -> dict:
     """Compile ``model`` for ``inputs`` (under ``torch.no_grad``) and describe the result.
+
+    ``options`` are :func:`fusion_compiler.compile`'s (``cache_dir``, ``autotune``,
+    ``fuse_prologue``, ``fuse_reduction``).
 
     Returns a JSON-ready dict: ``inputs``, ``stages`` (stage name -> Python code of the graph;
     ``captured``, a pass name such as ``normalize``, ``fused`` or ``lowered``), ``regions`` (see
@@ -112,7 +133,7 @@ def dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto"
     """
     from .compiler import CompiledModule  # noqa: PLC0415  (compiler imports this module lazily)
 
-    compiled = CompiledModule(model, backend=backend, cache_dir=cache_dir)
+    compiled = CompiledModule(model, backend=backend, **options)
     with torch.no_grad():
         spec = compiled.specialize(*inputs)
     gm = spec.graph_module

@@ -32,12 +32,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def specialize(model: torch.nn.Module, *inputs: torch.Tensor, backend: str = "reference"):
-    """Compile ``model`` for ``inputs`` without running it; returns the Specialization."""
+FUSE_ALL = {"fuse_prologue": True, "fuse_reduction": True}
+
+
+def specialize(model: torch.nn.Module, *inputs: torch.Tensor, backend: str = "reference",
+               **options):
+    """Compile ``model`` for ``inputs`` without running it; returns the Specialization.
+
+    Unless ``options`` say otherwise, prologue and reduction fusion are on (``FUSE_ALL``): the
+    pattern tests exercise everything the fuse pass can do, not only the defaults.
+    """
     from fusion_compiler.compiler import CompiledModule
 
     with torch.no_grad():
-        return CompiledModule(model, backend=backend).specialize(*inputs)
+        return CompiledModule(model, backend=backend, **{**FUSE_ALL, **options}).specialize(*inputs)
 
 
 def patterns(spec) -> list[str]:

@@ -21,7 +21,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_dump_json_reference_network():
     pytest.importorskip("cudnn")
-    proc = _run("dump", REF, "--input", "128x3x64x64", "--dtype", "float16", "--format", "json")
+    proc = _run("dump", REF, "--input", "128x3x64x64", "--dtype", "float16", "--format", "json",
+                "--fuse-prologue", "--fuse-reduction")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     regions = report["regions"]
@@ -43,7 +44,9 @@ def test_dump_text_shows_graphs_and_tables():
     for heading in ("=== captured graph ===", "=== normalize graph ===", "=== fused graph ===",
                     "12 fused regions", "convolutions not fused: none", "ops left to PyTorch:"):
         assert heading in out
-    assert "[add] conv3x3 > mul > add + sum_hw" in out
+    # prologue and reduction fusion are off by default: plain conv chains, the sum left to PyTorch
+    assert "conv3x3 > mul > add" in out and "[add]" not in out and "+ sum_hw" not in out
+    assert "reduction fusion is off" in out
 
 
 def test_dump_reports_bad_arguments():

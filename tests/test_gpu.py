@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import rel_err
+from conftest import FUSE_ALL, rel_err
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import SEFixupBlock, bps_visual_encoder, randomize_, se_resnet9_fixup
@@ -34,6 +34,7 @@ def _fp64_reference(model: nn.Module, *inputs: torch.Tensor):
 def _run_cudnn(model: nn.Module, x: torch.Tensor, dtype=torch.float16, tol=2e-3, **options):
     model = model.to("cuda", dtype).eval()
     x = x.to("cuda", dtype)
+    options.setdefault("autotune", 1)  # heuristics' first plan: fast to build, same numerics
     compiled = fc.compile(model, backend="cudnn", cache_dir=False, **options)
     with torch.inference_mode():
         got = compiled(x)
@@ -62,21 +63,32 @@ PATTERNS = {
 }
 
 
+@pytest.mark.parametrize("fusion", ["default", "all"])
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_pattern_runs_on_cudnn(name, dtype):
+def test_pattern_runs_on_cudnn(name, dtype, fusion):
     torch.manual_seed(0)
     factory, shape = PATTERNS[name]
     tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 2e-3}[dtype]  # fp32: TF32
-    _run_cudnn(factory(), torch.randn(shape), dtype=dtype, tol=tol)
+    _run_cudnn(factory(), torch.randn(shape), dtype=dtype, tol=tol,
+               **(FUSE_ALL if fusion == "all" else {}))
 
 
 @pytest.mark.parametrize("channels, batch", [(3, 128), (11, 512)])
-def test_reference_network_fp16(channels, batch):
+@pytest.mark.parametrize("fusion", ["default", "all"])
+def test_reference_network_fp16(channels, batch, fusion):
     model = randomize_(se_resnet9_fixup(channels), seed=channels)
-    compiled, out = _run_cudnn(model, torch.randn(batch, channels, 64, 64))
-    assert len(compiled.last.regions) == 12
+    options = FUSE_ALL if fusion == "all" else {"autotune": 8}  # the default path, autotuned
+    compiled, out = _run_cudnn(model, torch.randn(batch, channels, 64, 64), **options)
+    regions = compiled.last.regions
+    assert len(regions) == 12
     assert out.is_contiguous()  # NCHW in, NCHW out: the memory format eager returns
+    if fusion == "all":  # the Fixup prologues and the SE squeezes lower and run on cuDNN
+        assert sum(r.pattern.startswith("[add]") for r in regions) == 11
+        assert sum(r.pattern.endswith("+ sum_hw") for r in regions) == 4
+    else:
+        assert all(len(r.tuning) >= 2 and min(t.ms for t in r.tuning if t.ms) > 0
+                   for r in regions)
 
 
 def test_visual_encoder_fp16():

@@ -29,12 +29,15 @@ from ..region import Region
 from ..runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
 from ..runtime.region_op import register_kernel, run_region
 from .base import Kernel, Support
-from .cudnn_graph import build_graph, channel_padding, import_cudnn, nhwc_strides, output_dtype
+from .autotune import PlanTiming, autotune, sample_pack
+from .cudnn_graph import (CudnnGraph, build_graph, channel_padding, import_cudnn, nhwc_strides,
+                          output_dtype)
 
 __all__ = ["CudnnBackend", "CudnnKernel"]
 
 _OUTPUT_UID = 1000
 _CONSTANT_UID = 2000
+DEFAULT_AUTOTUNE = 8
 
 
 def _condense(exc: BaseException) -> str:
@@ -46,24 +49,28 @@ class CudnnBackend:
 
     Args:
         cache_dir: directory of the plan cache; ``None`` for the default, ``False`` to disable.
+        autotune: how many of the ranked plans to build and time per region (the fastest is
+            kept, see :mod:`.autotune`); ``0`` or ``1`` takes heuristics' first plan that builds.
     """
 
     name = "cudnn"
     _instances: dict[Any, "CudnnBackend"] = {}
     _lock = threading.Lock()
 
-    def __init__(self, cache_dir=None):
+    def __init__(self, cache_dir=None, autotune: int = DEFAULT_AUTOTUNE):
         self.cache = PlanCache(default_cache_dir(cache_dir))
+        self.autotune = int(autotune)
         self._handles: dict[int, Any] = {}
         self._workspaces: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def shared(cls, cache_dir=None) -> "CudnnBackend":
-        """One backend (handles, workspaces) per cache directory, shared by all compiled modules."""
-        key = str(default_cache_dir(cache_dir))
+    def shared(cls, cache_dir=None, autotune: int = DEFAULT_AUTOTUNE) -> "CudnnBackend":
+        """One backend (handles, workspaces) per (cache directory, autotune), shared by all
+        compiled modules."""
+        key = (str(default_cache_dir(cache_dir)), int(autotune))
         with cls._lock:
             if key not in cls._instances:
-                cls._instances[key] = cls(cache_dir)
+                cls._instances[key] = cls(cache_dir, autotune)
             return cls._instances[key]
 
     # ------------------------------------------------------------------ devices
@@ -145,7 +152,8 @@ class CudnnKernel:
         for k, (t, _) in enumerate(spec.constants):
             t.set_uid(_CONSTANT_UID + k)
         self.constants = {_CONSTANT_UID + k: host for k, (_, host) in enumerate(spec.constants)}
-        self.graph = self._build(spec.graph, str(spec.graph))
+        self.tuning: list[PlanTiming] = []
+        self.graph = self._build(spec, str(spec.graph))
         self.workspace_bytes = int(self.graph.get_workspace_size())
         backend.workspace(self.device, self.workspace_bytes)  # grow now, not during capture
 
@@ -170,11 +178,14 @@ class CudnnKernel:
         region.plan = self.plan_name
         region.plan_from_cache = self.from_cache
         region.workspace_bytes = self.workspace_bytes
+        region.tuning = self.tuning
 
-    def _build(self, graph: Any, graph_text: str) -> Any:
+    def _build(self, spec: CudnnGraph, graph_text: str) -> Any:
         cudnn = import_cudnn()
+        graph = spec.graph
         cache = self.backend.cache
-        header = PlanCache.header(graph_text, CudnnBackend.device_fields(self.device))
+        header = PlanCache.header(graph_text, {**CudnnBackend.device_fields(self.device),
+                                               "autotune": self.backend.autotune})
         self.from_cache = False
         try:
             blob = cache.load(header)
@@ -192,7 +203,19 @@ class CudnnKernel:
                 warnings.warn(f"plan cache entry for region {self.region_id} could not be "
                               f"loaded ({_condense(exc)}); rebuilding the plan", stacklevel=4)
         try:
-            graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            graph.check_support()
+            if self.backend.autotune > 1:
+                pack = sample_pack({t.get_uid(): t for t in (*spec.inputs, *spec.outputs)},
+                                   self.device)
+                pack.update(self.constants)
+                self.tuning = autotune(graph, pack, lambda: self.backend.handle(self.device),
+                                       lambda n: self.backend.workspace(self.device, n),
+                                       self.backend.autotune)
+            else:
+                graph.build_plans()
         except Exception as exc:  # cudnnGraphNotSupportedError and backend errors
             raise UnsupportedError(f"cuDNN rejected the graph: {_condense(exc)}",
                                    self.region_id) from exc
@@ -205,6 +228,11 @@ class CudnnKernel:
 
     @property
     def plan_name(self) -> str:
+        """The selected plan's engine name (with its time when autotuning chose it)."""
+        timed = [t for t in self.tuning if t.ms is not None]
+        if timed:
+            best = min(timed, key=lambda t: t.ms)
+            return f"{best.name} ({best.ms * 1000:.1f} us, best of {len(timed)})"
         try:
             return str(self.graph.get_plan_name_at_index(0))
         except Exception:  # a deserialized graph may not expose plan names

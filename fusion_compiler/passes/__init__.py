@@ -12,6 +12,8 @@ verify             checks SSA, beta = 0, one conv per region, no aliasing (raise
 =================  ==========================================================================
 """
 
+import functools
+
 from .fold_bn import fold_batch_norm
 from .fuse import fuse_regions
 from .manager import Pass, PassManager
@@ -23,13 +25,22 @@ __all__ = ["Pass", "PassManager", "default_passes", "normalize", "fold_batch_nor
            "space_to_depth_conv", "avgpool_conv", "fuse_regions", "verify"]
 
 
-def default_passes() -> list[Pass]:
-    """The pipeline ``compile()`` runs, in order."""
+def default_passes(fuse_prologue: bool = False, fuse_reduction: bool = False) -> list[Pass]:
+    """The pipeline ``compile()`` runs, in order.
+
+    ``fuse_prologue`` / ``fuse_reduction`` let the fuse pass absorb pointwise ops on a conv's input
+    and the exit H, W sum. Both are off by default because on an H100 (cuDNN 9.19) the fused
+    kernels were slower than the unfused pair, in CUDA-graph timings of every ranked plan
+    (fp16, NHWC, N=128): a scalar-add prologue took a 64->64 3x3 conv at 16x16 from 9.3 us to
+    21.8 us (a separate add costs 2.7 us) and a 512->512 conv at 2x2 from 12.8 to 58.5 us (add:
+    1.6 us); the fused H, W sum took 18.7 us against 9.3 + 5.8 us unfused at 16x16.
+    """
     return [
         Pass("normalize", normalize),
         Pass("fold_bn", fold_batch_norm),
         Pass("space_to_depth", space_to_depth_conv),
         Pass("avgpool_conv", avgpool_conv),
-        Pass("fuse", fuse_regions),
+        Pass("fuse", functools.partial(fuse_regions, prologue=fuse_prologue,
+                                       reduction=fuse_reduction)),
         Pass("verify", verify),
     ]

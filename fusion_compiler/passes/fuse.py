@@ -149,11 +149,16 @@ def _clone_prologue(graph: fx.Graph, conv: fx.Node, claimed: set[fx.Node]) -> li
     return list(clones.values())
 
 
-def fuse_regions(gm: fx.GraphModule) -> fx.GraphModule:
+def fuse_regions(gm: fx.GraphModule, *, prologue: bool = True,
+                 reduction: bool = True) -> fx.GraphModule:
     """Contract every convolution chain of ``gm`` into a ``Region`` submodule (see module doc).
 
     Region modules are named ``region_<i>``; their ids ``r0``, ``r1``, ... follow the order in
     which they run. Each returns a tuple.
+
+    Args:
+        prologue: fuse pointwise ops on the conv input (else they stay PyTorch ops).
+        reduction: fuse the H, W sum as an exit reduction (else it stays a PyTorch op).
     """
     graph = gm.graph
     reasons: dict[str, str] = gm.meta.setdefault("fusion_reasons", {})
@@ -165,7 +170,7 @@ def fuse_regions(gm: fx.GraphModule) -> fx.GraphModule:
             reasons[conv.name] = reason
             continue
         heads.append(conv)
-        members[conv] = _clone_prologue(graph, conv, set())
+        members[conv] = _clone_prologue(graph, conv, set()) if prologue else []
     graph.eliminate_dead_code()
 
     quotient = _Quotient(graph)
@@ -184,7 +189,8 @@ def fuse_regions(gm: fx.GraphModule) -> fx.GraphModule:
                 if user in claimed or user.op == "output":
                     continue
                 if is_hw_sum(user):
-                    why = "a region has at most one reduction" if has_reduction else None
+                    why = ("reduction fusion is off (fuse_reduction=False)" if not reduction else
+                           "a region has at most one reduction" if has_reduction else None)
                 else:
                     why = _pointwise_reason(user, chain, _EPILOGUE_KINDS)
                     if why is None and nxt is not None:

@@ -1,0 +1,137 @@
+"""Autotuning: time a cuDNN graph's ranked execution plans on sample data and select the fastest.
+
+cuDNN's heuristics rank the engines that can run a graph, but their first choice is often not the
+fastest: on an H100 (cuDNN 9.19, fp16) the first plan of a 512->512 3x3 conv + add + ReLU at
+N=128, 2x2 took 23.7 us and the fifth 12.8 us. The frontend
+exposes the ranked list (``get_execution_plan_count``, ``build_plan_at_index``,
+``execute_plan_at_index``: cuDNN frontend docs, "Autotuning"); this module builds the first
+``max_plans`` of them, times each (CUDA graph replays timed with CUDA events) on random data of the
+graph's own shapes, strides and dtypes, and selects the fastest.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..errors import condense
+from .cudnn_graph import import_cudnn
+
+__all__ = ["PlanTiming", "sample_pack", "autotune"]
+
+
+@dataclass
+class PlanTiming:
+    """One ranked plan as autotuning saw it: ``ms`` per execution (median), or why it was skipped.
+
+    ``build_s`` is the wall time of ``build_plan_at_index`` (seconds): runtime-compiled engines
+    pay 0.5-3 s here, precompiled ones milliseconds.
+    """
+
+    index: int
+    name: str
+    ms: float | None
+    build_s: float
+    workspace_bytes: int = 0
+    reason: str = ""
+
+
+_TORCH_DTYPE = {"HALF": torch.float16, "BFLOAT16": torch.bfloat16, "FLOAT": torch.float32}
+
+
+def sample_pack(tensors: dict[int, Any], device: torch.device) -> dict[int, torch.Tensor]:
+    """Random device tensors for graph tensors ``{uid: cudnn tensor}``, with their dims, strides
+    and dtypes (values ~ N(0, 0.5²), so activations stay finite through a few pointwise ops)."""
+    pack = {}
+    for uid, t in tensors.items():
+        dims, strides = list(t.get_dim()), list(t.get_stride())
+        dtype = _TORCH_DTYPE[str(t.get_data_type()).rsplit(".", 1)[-1]]
+        size = 1 + sum((d - 1) * s for d, s in zip(dims, strides))
+        storage = torch.randn(size, dtype=dtype, device=device) * 0.5
+        pack[uid] = storage.as_strided(dims, strides)
+    return pack
+
+
+def _time(run: Callable[[], None], reps: int, iters: int) -> float:
+    """GPU time of one ``run()`` in ms: the median over ``reps`` replays of a CUDA graph holding
+    ``iters`` back-to-back calls. A CUDA graph, because timing calls issued from Python would
+    measure the host (about 20 us per ``execute``, CUDNN_FACTS.md) rather than the kernel."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm-up outside capture: first launch loads the kernel
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            run()
+    graph.replay()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def autotune(graph: Any, pack: dict[int, torch.Tensor], handle: Callable[[], Any],
+             workspace: Callable[[int], torch.Tensor], max_plans: int,
+             reps: int = 3, iters: int = 10) -> list[PlanTiming]:
+    """Time up to ``max_plans`` ranked plans of ``graph`` and select the fastest.
+
+    Args:
+        graph: a ``cudnn.pygraph`` after ``create_execution_plans`` and ``check_support``.
+        pack: ``{uid: tensor}`` for every non-virtual graph tensor (see :func:`sample_pack`).
+        handle: returns the cuDNN handle with its stream set to the current torch stream
+            (called on every execution: timing runs on a capture stream).
+        workspace: ``nbytes -> uint8 tensor`` of at least that many bytes.
+        max_plans: how many plans, in heuristics order, to build and time.
+        reps, iters: timing is the median over ``reps`` CUDA-graph replays of ``iters``
+            back-to-back executions.
+
+    Returns:
+        one :class:`PlanTiming` per plan tried, in ranked order; the fastest is selected in
+        ``graph`` (``execute``/``serialize`` use it).
+
+    Raises:
+        cudnn.cudnnGraphNotSupportedError: no tried plan builds (the message lists each reason).
+    """
+    cudnn = import_cudnn()
+    timings: list[PlanTiming] = []
+    for index in range(min(max_plans, graph.get_execution_plan_count())):
+        try:
+            name = str(graph.get_plan_name_at_index(index))
+        except Exception:  # a delegating entry has no name before it builds
+            name = f"plan {index}"
+        t0 = time.perf_counter()
+        try:
+            graph.build_plan_at_index(index)
+            nbytes = int(graph.get_workspace_size_plan_at_index(index))
+        except Exception as exc:  # a decline (cudnnGraphNotSupportedError) or a build failure
+            timings.append(PlanTiming(index, name, None, time.perf_counter() - t0,
+                                      reason=condense(str(exc) or type(exc).__name__, 200)))
+            continue
+        build_s = time.perf_counter() - t0
+        ws = workspace(nbytes)
+        try:
+            ms = _time(lambda: graph.execute_plan_at_index(pack, ws, index=index, handle=handle()),
+                       reps, iters)
+        except Exception as exc:
+            timings.append(PlanTiming(index, name, None, build_s, nbytes,
+                                      reason=condense(str(exc) or type(exc).__name__, 200)))
+            continue
+        timings.append(PlanTiming(index, name, ms, build_s, nbytes))
+    ran = [t for t in timings if t.ms is not None]
+    if not ran:
+        reasons = "; ".join(f"{t.name}: {t.reason}" for t in timings) or "no execution plans"
+        raise cudnn.cudnnGraphNotSupportedError(f"no plan could be built ({reasons})")
+    best = min(ran, key=lambda t: t.ms)
+    graph.build_plan_at_index(best.index)  # already built: this only selects it
+    return timings

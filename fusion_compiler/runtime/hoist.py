@@ -1,0 +1,118 @@
+"""Hoisting: compute parameter-only subgraphs once per parameter version, not on every call.
+
+Rewrites leave work in the graph that depends on parameters alone: the AvgPool + 1x1 downsample
+weight ``w * (1/9)`` expanded to 3x3, eval batch norm's ``gamma * rsqrt(var + eps)`` scale and
+shift, per-channel biases reshaped to ``[1,K,1,1]``. :func:`hoist_parameter_subgraphs` moves every
+such node into a separate graph and replaces what the rest of the graph reads with tensors held by
+the graph module. :meth:`HoistedParameters.refresh`, called before each forward, recomputes them
+only when a source parameter or buffer has changed (its storage or its ``_version`` counter, which
+grows on every in-place update, optimizer steps and ``load_state_dict`` included). Values are
+refreshed in place, so a CUDA graph that captured their addresses keeps reading the right memory.
+
+Only for calls that need no gradient: with autograd the weight transform must stay in the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+__all__ = ["HoistedParameters", "hoist_parameter_subgraphs"]
+
+_PREFIX = "_hoisted_"
+
+
+class HoistedParameters:
+    """The parameter-only part of a graph module and the tensors it feeds the rest with.
+
+    Attributes:
+        graph_module: computes the hoisted values (a tuple) from the parameters it reads.
+        names: attribute names, on the rewritten graph module, of the hoisted values.
+        sources: the parameters and buffers the values depend on.
+    """
+
+    def __init__(self, owner: fx.GraphModule, graph_module: fx.GraphModule, names: list[str],
+                 sources: list[torch.Tensor]):
+        self.owner = owner
+        self.graph_module = graph_module
+        self.names = names
+        self.sources = sources
+        self._key: tuple | None = None
+
+    def refresh(self) -> None:
+        """Recompute the hoisted values if any source changed since the last call."""
+        key = tuple((t.data_ptr(), t._version) for t in self.sources)
+        if key == self._key:
+            return
+        with torch.no_grad():
+            values = self.graph_module()
+            for name, value in zip(self.names, values):
+                current = getattr(self.owner, name, None)
+                if (isinstance(current, torch.Tensor) and current.shape == value.shape
+                        and current.dtype == value.dtype and current.device == value.device):
+                    current.copy_(value)
+                else:
+                    fmt = torch.channels_last if value.dim() == 4 else torch.contiguous_format
+                    self.owner.register_buffer(
+                        name, torch.empty_like(value, memory_format=fmt).copy_(value),
+                        persistent=False)
+        self._key = key
+
+
+def _hoistable(node: fx.Node, const: set[fx.Node]) -> bool:
+    if node.op not in ("call_function", "call_method") or node.is_impure():
+        return False
+    inputs = node.all_input_nodes
+    return bool(inputs) and all(i in const for i in inputs)
+
+
+def hoist_parameter_subgraphs(gm: fx.GraphModule) -> HoistedParameters | None:
+    """Move the nodes of ``gm`` that depend only on parameters/buffers into a separate graph.
+
+    ``gm`` is rewritten in place: each hoisted value another node reads becomes a ``get_attr`` of a
+    tensor attribute ``_hoisted_<i>`` (computed now, refreshed by
+    :meth:`HoistedParameters.refresh`). Returns ``None`` (and leaves ``gm`` alone) when there is
+    nothing to hoist or a source is an inference tensor (it has no version counter to guard on).
+    """
+    graph = gm.graph
+    const: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" or _hoistable(node, const):
+            const.add(node)
+    frontier = [n for n in graph.nodes if n in const and n.op != "get_attr"
+                and isinstance(n.meta.get("val"), torch.Tensor)
+                and any(u not in const for u in n.users)]
+    if not frontier:
+        return None
+    sources_nodes = [n for n in graph.nodes if n.op == "get_attr" and n in const]
+    sources = [_fetch(gm, n.target) for n in sources_nodes]
+    if any(not isinstance(t, torch.Tensor) or t.is_inference() for t in sources):
+        return None
+
+    prep = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node in const:
+            env[node] = prep.node_copy(node, lambda a: env[a])
+    prep.output(tuple(env[n] for n in frontier))
+    prep_module = fx.GraphModule(gm, prep)
+
+    names = [f"{_PREFIX}{i}" for i in range(len(frontier))]
+    hoisted = HoistedParameters(gm, prep_module, names, sources)
+    hoisted.refresh()  # the attributes exist before get_attr nodes name them
+    first = next(iter(graph.nodes))
+    for name, node in zip(names, frontier):
+        with graph.inserting_before(first):
+            attr = graph.get_attr(name)
+        attr.meta = dict(node.meta)
+        node.replace_all_uses_with(attr, delete_user_cb=lambda user: user not in const)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return hoisted
+
+
+def _fetch(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

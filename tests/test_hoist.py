@@ -1,0 +1,57 @@
+"""Parameter-only subgraphs are computed once per parameter version (runtime/hoist.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from conftest import rel_err
+
+import fusion_compiler as fc
+from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+from test_fuse_patterns import _randomize_bn
+
+
+def _hoisted(compiled) -> list[str]:
+    return [n.target for n in compiled.last.graph_module.graph.nodes
+            if n.op == "get_attr" and n.target.startswith("_hoisted_")]
+
+
+def test_downsample_weights_are_hoisted_and_follow_parameter_updates():
+    torch.manual_seed(0)
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    compiled = fc.compile(model)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-5
+        # the stem weight (SpaceToDepth rewrite) and the three AvgPool+1x1 downsample weights
+        assert len(_hoisted(compiled)) == 4
+        code = compiled.last.graph_module.code
+        assert "expand" not in code and "0.1111" not in code  # no per-call weight rewrite left
+        for block in (model.layer1, model.layer2, model.layer3):
+            block.downsample[1].weight.mul_(-0.5)  # an in-place update bumps the version counter
+        assert rel_err(compiled(x), model(x)) < 1e-5
+
+
+def test_batch_norm_scale_and_shift_are_hoisted():
+    torch.manual_seed(0)
+    model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
+                                        nn.BatchNorm2d(16), nn.ReLU())).eval()
+    compiled = fc.compile(model)
+    x = torch.randn(2, 8, 6, 6)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-5
+        assert _hoisted(compiled)
+        assert "rsqrt" not in compiled.last.graph_module.code
+        model[1].running_var.mul_(2.0)
+        assert rel_err(compiled(x), model(x)) < 1e-5
+
+
+def test_nothing_is_hoisted_while_gradients_are_needed():
+    torch.manual_seed(0)
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    compiled = fc.compile(model)
+    x = torch.randn(2, 3, 64, 64)
+    compiled(x).square().mean().backward()
+    assert not _hoisted(compiled)
+    grad = model.layer1.downsample[1].weight.grad
+    assert grad is not None and grad.abs().sum() > 0
