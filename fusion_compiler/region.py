@@ -69,6 +69,8 @@ class Region(torch.nn.Module):
         cudnn_graph: the cuDNN graph JSON (dict) when it could be built, else ``None``.
         tuning: the plans autotuning built and timed (``PlanTiming`` list, ranked order); empty
             when the plan came from the cache or autotuning was off.
+        timing: ``{"cudnn_ms", "pytorch_ms"}``: the lowered kernel against the region's PyTorch
+            ops on the GPU (ms per call, CUDA-graph timing); empty when not measured.
     """
 
     def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str]):
@@ -81,6 +83,7 @@ class Region(torch.nn.Module):
         self.reason = ""
         self.cudnn_graph: dict | None = None
         self.tuning: list = []
+        self.timing: dict[str, float] = {}
         self.plan: str = ""
         self.plan_from_cache: bool | None = None
         self.workspace_bytes: int | None = None

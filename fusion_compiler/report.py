@@ -91,20 +91,23 @@ def _regions_table(rows: list[dict]) -> str:
 
 
 def format_tuning(regions: Sequence[Region]) -> str:
-    """Per region, what autotuning measured: plans tried, heuristics' first plan and the chosen
-    one (ms per execution, median of CUDA-event timings on random data), seconds spent building."""
+    """Per region, what autotuning measured (ms per execution, median of CUDA-graph timings on
+    random data): plans timed, heuristics' first plan and the chosen one, seconds spent building
+    plans, and the lowered kernel (input preparation included) against the region's PyTorch ops."""
     table = Table(title="autotuning (cuDNN execution plans per region)")
     for col in ("id", "pattern", "plans timed", "first plan ms", "chosen plan", "chosen ms",
-                "build s"):
+                "build s", "kernel ms", "PyTorch ms", "backend"):
         table.add_column(col, overflow="fold")
     for r in regions:
         timed = [t for t in r.tuning if t.ms is not None]
-        if not timed:
+        best = min(timed, key=lambda t: t.ms) if timed else None
+        if best is None and not r.timing:
             continue
-        best = min(timed, key=lambda t: t.ms)
         _add_row(table, r.region_id, r.pattern, f"{len(timed)}/{len(r.tuning)}",
-                 f"{timed[0].ms:.4f}", f"#{best.index} {best.name}", f"{best.ms:.4f}",
-                 f"{sum(t.build_s for t in r.tuning):.1f}")
+                 f"{timed[0].ms:.4f}" if timed else "", f"#{best.index} {best.name}" if best else "",
+                 f"{best.ms:.4f}" if best else "", f"{sum(t.build_s for t in r.tuning):.1f}",
+                 *(f"{r.timing[k]:.4f}" if k in r.timing else "" for k in ("cudnn_ms", "pytorch_ms")),
+                 r.backend)
     return _render(table)
 
 

@@ -43,7 +43,9 @@ def _run_cudnn(model: nn.Module, x: torch.Tensor, dtype=torch.float16, tol=2e-3,
     for g, w in pairs:
         assert rel_err(g.float().cpu(), w) < tol
     regions = compiled.last.regions
-    assert regions and all(r.backend == "cudnn" and r.status == "lowered" for r in regions), [
+    measured = options["autotune"] > 1  # then a region PyTorch runs faster stays on PyTorch
+    assert regions and all(r.backend == "cudnn" and r.status == "lowered" or measured and
+                           r.reason.startswith("PyTorch ops were faster") for r in regions), [
         (r.region_id, r.pattern, r.reason) for r in regions]
     return compiled, got
 
@@ -86,9 +88,11 @@ def test_reference_network_fp16(channels, batch, fusion):
     if fusion == "all":  # the Fixup prologues and the SE squeezes lower and run on cuDNN
         assert sum(r.pattern.startswith("[add]") for r in regions) == 11
         assert sum(r.pattern.endswith("+ sum_hw") for r in regions) == 4
-    else:
-        assert all(len(r.tuning) >= 2 and min(t.ms for t in r.tuning if t.ms) > 0
-                   for r in regions)
+    else:  # every region autotuned, then timed against its PyTorch ops; the faster one runs
+        for r in regions:
+            assert len(r.tuning) >= 2 and min(t.ms for t in r.tuning if t.ms) > 0
+            faster = "reference" if r.timing["pytorch_ms"] < 0.9 * r.timing["cudnn_ms"] else "cudnn"
+            assert r.backend == faster, (r.region_id, r.timing)
 
 
 def test_visual_encoder_fp16():
@@ -133,7 +137,8 @@ _CACHE_SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
     x = torch.randn(16, 3, 64, 64, device="cuda", dtype=torch.half)
-    compiled = fc.compile(model, backend="cudnn", cache_dir={cache!r})
+    # autotune=1: no timing, so both processes make the same choices (timed choices may differ)
+    compiled = fc.compile(model, backend="cudnn", cache_dir={cache!r}, autotune=1)
     with torch.inference_mode():
         y = compiled(x)
     print(json.dumps({{"cached": [r.plan_from_cache for r in compiled.last.regions],

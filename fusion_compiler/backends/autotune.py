@@ -21,7 +21,7 @@ import torch
 from ..errors import condense
 from .cudnn_graph import import_cudnn
 
-__all__ = ["PlanTiming", "sample_pack", "autotune"]
+__all__ = ["PlanTiming", "sample_pack", "sample_inputs", "gpu_time_ms", "autotune"]
 
 
 @dataclass
@@ -56,7 +56,19 @@ def sample_pack(tensors: dict[int, Any], device: torch.device) -> dict[int, torc
     return pack
 
 
-def _time(run: Callable[[], None], reps: int, iters: int) -> float:
+def sample_inputs(region) -> list[torch.Tensor]:
+    """Random tensors like ``region``'s inputs (shapes, strides, dtypes, device from the
+    placeholders' ``meta["val"]``; values ~ N(0, 0.5²))."""
+    result = []
+    for ph in region.graph_module.graph.find_nodes(op="placeholder"):
+        val = ph.meta["val"]
+        size = 1 + sum((d - 1) * s for d, s in zip(val.shape, val.stride()))
+        storage = torch.randn(size, dtype=val.dtype, device=val.device) * 0.5
+        result.append(storage.as_strided(tuple(val.shape), tuple(val.stride())))
+    return result
+
+
+def gpu_time_ms(run: Callable[[], object], reps: int = 3, iters: int = 10) -> float:
     """GPU time of one ``run()`` in ms: the median over ``reps`` replays of a CUDA graph holding
     ``iters`` back-to-back calls. A CUDA graph, because timing calls issued from Python would
     measure the host (about 20 us per ``execute``, CUDNN_FACTS.md) rather than the kernel."""
@@ -121,7 +133,7 @@ def autotune(graph: Any, pack: dict[int, torch.Tensor], handle: Callable[[], Any
         build_s = time.perf_counter() - t0
         ws = workspace(nbytes)
         try:
-            ms = _time(lambda: graph.execute_plan_at_index(pack, ws, index=index, handle=handle()),
+            ms = gpu_time_ms(lambda: graph.execute_plan_at_index(pack, ws, index=index, handle=handle()),
                        reps, iters)
         except Exception as exc:
             timings.append(PlanTiming(index, name, None, build_s, nbytes,
