@@ -57,14 +57,15 @@ def sample_pack(tensors: dict[int, Any], device: torch.device) -> dict[int, torc
 
 
 def sample_inputs(region) -> list[torch.Tensor]:
-    """Random tensors like ``region``'s inputs (shapes, strides, dtypes, device from the
-    placeholders' ``meta["val"]``; values ~ N(0, 0.5²))."""
+    """Random tensors like ``region``'s inputs (shapes, dtypes, device from the placeholders'
+    ``meta["val"]``; values ~ N(0, 0.5²)). 4-d tensors are channels_last, as activations arrive
+    from an upstream cuDNN region at run time (the captured strides are eager's NCHW ones)."""
     result = []
     for ph in region.graph_module.graph.find_nodes(op="placeholder"):
         val = ph.meta["val"]
-        size = 1 + sum((d - 1) * s for d, s in zip(val.shape, val.stride()))
-        storage = torch.randn(size, dtype=val.dtype, device=val.device) * 0.5
-        result.append(storage.as_strided(tuple(val.shape), tuple(val.stride())))
+        fmt = torch.channels_last if val.dim() == 4 else torch.contiguous_format
+        result.append(torch.randn(tuple(val.shape), dtype=val.dtype, device=val.device)
+                      .contiguous(memory_format=fmt) * 0.5)
     return result
 
 
