@@ -1,0 +1,60 @@
+"""``torch.compile(model, backend="fusion_compiler")``: the Dynamo backend.
+
+Registered through the ``torch_dynamo_backends`` entry point (``pyproject.toml``), so the name
+works once the package is installed; importing this module is not needed.
+
+Dynamo hands over one ``fx.GraphModule`` per graph between graph breaks, with example inputs that
+are ``FakeTensor`` s (and, with ``torch._dynamo.config.inline_inbuilt_nn_modules``, the default,
+the module's parameters among the inputs). Fake inputs cannot be compiled against (cuDNN plans are
+built and timed on real memory), so each graph is wrapped in a :class:`~fusion_compiler.CompiledModule`
+that specializes on the first real call, exactly as ``fusion_compiler.compile`` does: the same
+passes, regions, fallbacks with reasons, and re-specialization when shapes, strides or dtypes
+change. While gradients are needed (training) regions run as their PyTorch ops so autograd
+differentiates them; under ``torch.no_grad``/``inference_mode`` they run on cuDNN.
+
+Which front door to use: ``fusion_compiler.compile`` for a whole ``nn.Module`` that
+``torch.fx.symbolic_trace`` can trace (one graph, parameter-only work hoisted, optional CUDA graph
+capture); ``torch.compile(..., backend="fusion_compiler")`` for models with Python control flow or
+untraceable code, where Dynamo splits the model into graphs and runs the rest in Python.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+from .compiler import CompiledModule
+
+__all__ = ["fusion_compiler_backend"]
+
+
+def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                            options: dict[str, Any] | None = None,
+                            mode: str | None = None) -> Callable[..., Any]:
+    """Compile one Dynamo graph; returns the callable Dynamo runs in its place.
+
+    Args:
+        gm: the graph Dynamo captured.
+        example_inputs: its example inputs (``FakeTensor`` s; only their number is used here).
+        options: :func:`fusion_compiler.compile` options (``backend``, ``autotune``,
+            ``fuse_prologue``, ``fuse_reduction``, ``cache_dir``, ``report``), given as
+            ``torch.compile(..., options={...})``.
+        mode: not used (there is one mode); accepted because ``torch.compile`` passes it.
+
+    Raises:
+        TypeError: an unknown option, or ``cuda_graph`` (Dynamo graphs run between Python code,
+            so there is no whole forward to capture; use ``fusion_compiler.compile`` for that).
+        FusionError: the graph cannot be retraced or breaks the cuDNN graph rules (on first call).
+    """
+    options = dict(options or {})
+    if "cuda_graph" in options:
+        raise TypeError("cuda_graph is an option of fusion_compiler.compile, not of the "
+                        "torch.compile backend (Dynamo graphs run between Python code)")
+    compiled = CompiledModule(gm, **options)
+
+    def run(*args: Any) -> Any:
+        return compiled(*args)
+
+    run.compiled_module = compiled  # for inspection: run.compiled_module.report()
+    return run

@@ -1,0 +1,106 @@
+"""``torch.compile(model, backend="fusion_compiler")``: inference, training and graph breaks (CPU,
+reference backend; the GPU path is the same CompiledModule that test_gpu.py covers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import rel_err
+
+from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+from fusion_compiler.dynamo import fusion_compiler_backend
+from test_fuse_patterns import BasicBlock, _randomize_bn
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _recording_backend(seen: list):
+    def backend(gm, example_inputs, **kwargs):
+        run = fusion_compiler_backend(gm, example_inputs, **kwargs)
+        seen.append(run.compiled_module)
+        return run
+    return backend
+
+
+def test_backend_name_is_registered_and_inference_matches_eager():
+    torch.manual_seed(0)
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    compiled = torch.compile(model, backend="fusion_compiler")  # found through the entry point
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-5
+
+
+def test_dynamo_graph_is_fused_into_regions():
+    torch.manual_seed(0)
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    seen = []
+    compiled = torch.compile(model, backend=_recording_backend(seen))
+    with torch.no_grad():
+        compiled(torch.randn(2, 3, 64, 64))
+    assert len(seen) == 1
+    regions = seen[0].last.regions
+    assert len(regions) == 12  # the same regions as fusion_compiler.compile finds
+    assert "conv4x4/s4 > relu > add" in [r.pattern for r in regions]
+
+
+def test_training_gradients_match_eager():
+    torch.manual_seed(0)
+    model = randomize_(se_resnet9_fixup(3)).train()
+    twin = randomize_(se_resnet9_fixup(3)).train()
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="fusion_compiler")
+    x = torch.randn(2, 3, 64, 64)
+    compiled(x).square().mean().backward()
+    twin(x).square().mean().backward()
+    nonzero = 0
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad is not None, name
+        if not q.grad.any():  # a ReLU dead for this input in eager too (layer2.conv1 here)
+            assert not p.grad.any(), name
+            continue
+        nonzero += 1
+        assert rel_err(p.grad, q.grad) < 1e-4, name
+    assert nonzero >= len(list(twin.parameters())) - 2
+
+
+class _Broken(nn.Module):
+    """Two ResNet blocks with a graph break between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = BasicBlock(8, 8), BasicBlock(8, 16, 2)
+
+    def forward(self, x):
+        y = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(y)
+
+
+def test_graph_breaks_compile_each_graph():
+    torch.manual_seed(0)
+    model = _randomize_bn(_Broken()).eval()
+    seen = []
+    compiled = torch.compile(model, backend=_recording_backend(seen))
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-5
+    assert len(seen) == 2 and all(m.last.regions for m in seen)
+
+
+def test_options_pass_through_and_cuda_graph_is_refused():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    compiled = torch.compile(model, backend="fusion_compiler", options={"backend": "reference"})
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-6
+    torch._dynamo.reset()
+    bad = torch.compile(model, backend="fusion_compiler", options={"cuda_graph": True})
+    with pytest.raises(Exception, match="cuda_graph is an option of fusion_compiler.compile"):
+        bad(x)
