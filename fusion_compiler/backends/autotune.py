@@ -43,29 +43,31 @@ class PlanTiming:
 _TORCH_DTYPE = {"HALF": torch.float16, "BFLOAT16": torch.bfloat16, "FLOAT": torch.float32}
 
 
+def _random(shape, strides, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Values ~ N(0, 0.5²) (finite through a few pointwise ops) laid out with ``strides``."""
+    size = 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+    return (torch.randn(size, dtype=dtype, device=device) * 0.5).as_strided(shape, strides)
+
+
 def sample_pack(tensors: dict[int, Any], device: torch.device) -> dict[int, torch.Tensor]:
     """Random device tensors for graph tensors ``{uid: cudnn tensor}``, with their dims, strides
-    and dtypes (values ~ N(0, 0.5²), so activations stay finite through a few pointwise ops)."""
-    pack = {}
-    for uid, t in tensors.items():
-        dims, strides = list(t.get_dim()), list(t.get_stride())
-        dtype = _TORCH_DTYPE[str(t.get_data_type()).rsplit(".", 1)[-1]]
-        size = 1 + sum((d - 1) * s for d, s in zip(dims, strides))
-        storage = torch.randn(size, dtype=dtype, device=device) * 0.5
-        pack[uid] = storage.as_strided(dims, strides)
-    return pack
+    and dtypes."""
+    return {uid: _random(list(t.get_dim()), list(t.get_stride()),
+                         _TORCH_DTYPE[str(t.get_data_type()).rsplit(".", 1)[-1]], device)
+            for uid, t in tensors.items()}
 
 
 def sample_inputs(region) -> list[torch.Tensor]:
     """Random tensors like ``region``'s inputs (shapes, dtypes, device from the placeholders'
-    ``meta["val"]``; values ~ N(0, 0.5²)). 4-d tensors are channels_last, as activations arrive
-    from an upstream cuDNN region at run time (the captured strides are eager's NCHW ones)."""
+    ``meta["val"]``). 4-d tensors are channels_last, as activations arrive from an upstream cuDNN
+    region at run time (the captured strides are eager's NCHW ones)."""
     result = []
     for ph in region.graph_module.graph.find_nodes(op="placeholder"):
         val = ph.meta["val"]
-        fmt = torch.channels_last if val.dim() == 4 else torch.contiguous_format
-        result.append(torch.randn(tuple(val.shape), dtype=val.dtype, device=val.device)
-                      .contiguous(memory_format=fmt) * 0.5)
+        shape = tuple(val.shape)
+        layout = torch.empty(shape, device="meta").contiguous(
+            memory_format=torch.channels_last if val.dim() == 4 else torch.contiguous_format)
+        result.append(_random(shape, layout.stride(), val.dtype, val.device))
     return result
 
 
@@ -134,8 +136,9 @@ def autotune(graph: Any, pack: dict[int, torch.Tensor], handle: Callable[[], Any
         build_s = time.perf_counter() - t0
         ws = workspace(nbytes)
         try:
-            ms = gpu_time_ms(lambda: graph.execute_plan_at_index(pack, ws, index=index, handle=handle()),
-                       reps, iters)
+            ms = gpu_time_ms(
+                lambda: graph.execute_plan_at_index(pack, ws, index=index, handle=handle()),
+                reps, iters)
         except Exception as exc:
             timings.append(PlanTiming(index, name, None, build_s, nbytes,
                                       reason=condense(str(exc) or type(exc).__name__, 200)))
