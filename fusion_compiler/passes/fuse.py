@@ -2,15 +2,17 @@
 
 Rules (cuDNN generic runtime fusion, CUDNN_FACTS.md "Support surface"; DESIGN.md "fuse"):
 
-* **Prologue** (``prologue=True``; off in ``default_passes``) -- pointwise ``add``/``sub``/``mul``/``div`` ops on the conv input whose other operand
-  is a scalar or per-channel tensor (the Fixup ``x + bias`` before a conv). The prologue chain is
-  *cloned* into the region, so a value that other nodes also read (the Fixup ``a = x + bias1a`` read
-  by conv1 and by the downsample) is recomputed for free inside each region that needs it.
+* **Prologue** (``prologue=True``; off in ``default_passes``) -- pointwise ``add``/``sub``/
+  ``mul``/``div`` ops on the conv input whose other operand is a scalar or per-channel tensor (the
+  Fixup ``x + bias`` before a conv). The prologue chain is *cloned* into the region, so a value
+  that other nodes also read (the Fixup ``a = x + bias1a`` read by conv1 and by the downsample) is
+  recomputed inside each region that needs it (on an H100 this made the conv kernel 2-4x slower).
 * **Epilogue** -- starting at the conv output, a chain of pointwise ops: binary ops whose other
   operand is ``[1,1,1,1]``, ``[1,K,1,1]``, ``[N,1,P,Q]`` or ``[N,K,P,Q]`` with the chain value as
   first operand (operands of ``add``/``mul`` are swapped when needed), ReLU, clipped ReLU
   (``clamp(x, 0, c)``), sigmoid, tanh.
-* **Reduction** (``reduction=True``; off in ``default_passes``) -- at most one ``sum(x, [2, 3], keepdim=True)`` (the SE squeeze), as an exit.
+* **Reduction** (``reduction=True``; off in ``default_passes``) -- at most one
+  ``sum(x, [2, 3], keepdim=True)`` (the SE squeeze), as an exit.
 * Intermediates that nodes outside the region still read become extra region outputs.
 * A merge is legal only if the graph with every region contracted to one node stays acyclic,
   checked with ``networkx`` on the quotient graph.
