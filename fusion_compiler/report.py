@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .backends.autotune import fastest
 from .ops import is_call
 from .region import Region
 
@@ -100,7 +101,7 @@ def format_tuning(regions: Sequence[Region]) -> str:
         table.add_column(col, overflow="fold")
     for r in regions:
         timed = [t for t in r.tuning if t.ms is not None]
-        best = min(timed, key=lambda t: t.ms) if timed else None
+        best = fastest(r.tuning)
         if best is None and not r.timing:
             continue
         _add_row(table, r.region_id, r.pattern, f"{len(timed)}/{len(r.tuning)}",

@@ -21,7 +21,7 @@ import torch
 from ..errors import condense
 from .cudnn_graph import import_cudnn
 
-__all__ = ["PlanTiming", "sample_pack", "sample_inputs", "gpu_time_ms", "autotune"]
+__all__ = ["PlanTiming", "fastest", "sample_pack", "sample_inputs", "gpu_time_ms", "autotune"]
 
 
 @dataclass
@@ -38,6 +38,11 @@ class PlanTiming:
     build_s: float
     workspace_bytes: int = 0
     reason: str = ""
+
+
+def fastest(timings: list[PlanTiming]) -> PlanTiming | None:
+    """The timed plan with the lowest ``ms``; ``None`` when no plan ran."""
+    return min((t for t in timings if t.ms is not None), key=lambda t: t.ms, default=None)
 
 
 _TORCH_DTYPE = {"HALF": torch.float16, "BFLOAT16": torch.bfloat16, "FLOAT": torch.float32}
@@ -144,10 +149,9 @@ def autotune(graph: Any, pack: dict[int, torch.Tensor], handle: Callable[[], Any
                                       reason=condense(str(exc) or type(exc).__name__, 200)))
             continue
         timings.append(PlanTiming(index, name, ms, build_s, nbytes))
-    ran = [t for t in timings if t.ms is not None]
-    if not ran:
+    best = fastest(timings)
+    if best is None:
         reasons = "; ".join(f"{t.name}: {t.reason}" for t in timings) or "no execution plans"
         raise cudnn.cudnnGraphNotSupportedError(f"no plan could be built ({reasons})")
-    best = min(ran, key=lambda t: t.ms)
     graph.build_plan_at_index(best.index)  # already built: this only selects it
     return timings

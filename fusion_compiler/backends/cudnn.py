@@ -29,7 +29,7 @@ from ..region import Region
 from ..runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
 from ..runtime.region_op import register_kernel, run_region
 from .base import Kernel, Support
-from .autotune import PlanTiming, autotune, sample_pack
+from .autotune import PlanTiming, autotune, fastest, sample_pack
 from .cudnn_graph import (CudnnGraph, build_graph, channel_padding, import_cudnn, nhwc_strides,
                           output_dtype)
 
@@ -229,10 +229,10 @@ class CudnnKernel:
     @property
     def plan_name(self) -> str:
         """The selected plan's engine name (with its time when autotuning chose it)."""
-        timed = [t for t in self.tuning if t.ms is not None]
-        if timed:
-            best = min(timed, key=lambda t: t.ms)
-            return f"{best.name} ({best.ms * 1000:.1f} us, best of {len(timed)})"
+        best = fastest(self.tuning)
+        if best is not None:
+            timed = sum(t.ms is not None for t in self.tuning)
+            return f"{best.name} ({best.ms * 1000:.1f} us, best of {timed})"
         try:
             return str(self.graph.get_plan_name_at_index(0))
         except Exception:  # a deserialized graph may not expose plan names
