@@ -69,6 +69,9 @@ class CompiledModule(torch.nn.Module):
     It shares ``model``'s parameters and buffers (``parameters()``, ``state_dict()`` and
     ``train()``/``eval()`` act on the model). A call whose inputs differ in shape, stride, dtype or
     device from every earlier one compiles a new specialization (``specializations`` lists them).
+    Calls that need gradients (grad mode on and a parameter or input requiring grad) get their own
+    training specialization, whose cuDNN regions run a fused backward (:mod:`.backward`).
+    ``derived_backward`` makes PyTorch-backend regions use that backward too (for tests).
 
     Raises (on call):
         TypeError: wrong number of inputs, or a floating input whose dtype differs from the
@@ -80,8 +83,10 @@ class CompiledModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, *, backend: str = "auto", cuda_graph: bool = False,
                  cache_dir=None, autotune: int = DEFAULT_AUTOTUNE, fuse_prologue: bool = False,
                  fuse_reduction: bool = False, passes: Sequence[Pass] | None = None,
-                 report: bool = False, progress: bool | None = None):
+                 report: bool = False, progress: bool | None = None,
+                 derived_backward: bool = False):
         super().__init__()
+        self.derived_backward = derived_backward
         self.model = model
         self.backend = backend
         self.cuda_graph = cuda_graph
@@ -140,12 +145,8 @@ class CompiledModule(torch.nn.Module):
                                for n in tree_flatten(out.args[0])[0])
 
         gm = PassManager(self.passes, args, on_stage=on_stage).run(capture(self.model))
-        backend = self.backend
-        if grad and backend != "reference":
-            backend = "reference"
-            log.info("autograd through cuDNN regions is not available yet: regions run on the "
-                     "reference backend while gradients are needed")
-        lower(gm, backend, progress=self.progress, cache_dir=self.cache_dir,
+        lower(gm, self.backend, progress=self.progress, training=grad,
+              derived_backward=self.derived_backward, cache_dir=self.cache_dir,
               autotune=self.autotune)
         _channels_last_inputs(gm)
         hoisted = None if grad else hoist_parameter_subgraphs(gm)

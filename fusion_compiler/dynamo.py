@@ -9,8 +9,9 @@ the module's parameters among the inputs). Fake inputs cannot be compiled agains
 built and timed on real memory), so each graph is wrapped in a :class:`~fusion_compiler.CompiledModule`
 that specializes on the first real call, exactly as ``fusion_compiler.compile`` does: the same
 passes, regions, fallbacks with reasons, and re-specialization when shapes, strides or dtypes
-change. While gradients are needed (training) regions run as their PyTorch ops so autograd
-differentiates them; under ``torch.no_grad``/``inference_mode`` they run on cuDNN.
+change. While gradients are needed (training) the specialization is a training one: cuDNN regions
+run through the ``run_region`` custom op with their fused backward (:mod:`fusion_compiler.backward`);
+under ``torch.no_grad``/``inference_mode`` they run inference plans.
 
 Which front door to use: ``fusion_compiler.compile`` for a whole ``nn.Module`` that
 ``torch.fx.symbolic_trace`` can trace (one graph, parameter-only work hoisted, optional CUDA graph
@@ -38,7 +39,8 @@ def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
         gm: the graph Dynamo captured.
         example_inputs: its example inputs (``FakeTensor`` s; only their number is used here).
         options: :func:`fusion_compiler.compile` options (``backend``, ``autotune``,
-            ``fuse_prologue``, ``fuse_reduction``, ``cache_dir``, ``report``), given as
+            ``fuse_prologue``, ``fuse_reduction``, ``cache_dir``, ``report``,
+            ``derived_backward``), given as
             ``torch.compile(..., options={...})``.
         mode: not used (there is one mode); accepted because ``torch.compile`` passes it.
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.fx as fx
 from tqdm.auto import tqdm
 
 from .backends import get_backend
 from .backends.autotune import gpu_time_ms, sample_inputs
 from .backends.cudnn_graph import graph_json
+from .backward import training_region
 from .errors import UnsupportedError, condense
 from .region import Region
 
@@ -34,13 +36,19 @@ def regions_of(gm: fx.GraphModule) -> list[Region]:
             if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Region)]
 
 
-def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = None,
+def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = None, *,
+          training: bool = False, derived_backward: bool = False,
           **backend_options) -> fx.GraphModule:
     """Choose and build a kernel for every region of ``gm`` (in place); return ``gm``.
 
     Args:
         backend: ``"auto"``, ``"cudnn"`` or ``"reference"``.
         progress: show a progress bar while kernels build (``None``: only on a terminal).
+        training: kernels must be differentiable. Each region is first replaced by its
+            :func:`~fusion_compiler.backward.training_region` (which also returns the values its
+            backward reads) and cuDNN regions get cuDNN dgrad/wgrad graphs.
+        derived_backward: with ``training``, reference regions also run through the custom op
+            with the derived backward (tests check it against PyTorch autograd without a GPU).
         backend_options: passed to the cuDNN backend (``cache_dir``, ``autotune``).
 
     Raises:
@@ -48,12 +56,18 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
     """
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
-    reference = get_backend("reference")
+    reference = get_backend("reference", derived_backward=derived_backward)
     preferred = reference if backend == "reference" else get_backend("cudnn", **backend_options)
-    regions = regions_of(gm)
-    bar = tqdm(regions, desc="fusion_compiler: lowering regions", unit="region",
+    calls = [n for n in gm.graph.nodes
+             if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Region)]
+    bar = tqdm(calls, desc="fusion_compiler: lowering regions", unit="region",
                disable=(not progress) if progress is not None else None, leave=False)
-    for region in bar:
+    for call in bar:
+        region = gm.get_submodule(call.target)
+        if training:
+            region = training_region(region)
+            setattr(gm, call.target, region)
+            region.no_grad_inputs = _no_grad_inputs(region, call)
         try:
             region.cudnn_graph = graph_json(region)
         except UnsupportedError:
@@ -62,7 +76,7 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
         chosen, reason = preferred, support.reason
         if support:
             try:
-                region.set_kernel(preferred.lower(region))
+                region.set_kernel(preferred.lower(region, training))
             except UnsupportedError as exc:
                 chosen, reason = reference, exc.reason
         else:
@@ -72,7 +86,8 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
             if slower:
                 chosen, reason = reference, slower
         if chosen is reference:
-            region.set_kernel(reference.lower(region))
+            region.gradients = []
+            region.set_kernel(reference.lower(region, training))
         region.backend = chosen.name
         region.status = "lowered" if chosen is preferred else "fallback"
         region.reason = condense(reason) if chosen is not preferred else ""
@@ -81,6 +96,17 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
             log.log(level, "region %s (%s) runs on the reference backend: %s",
                     region.region_id, region.pattern, region.reason)
     return gm
+
+
+def _no_grad_inputs(region: Region, call: fx.Node) -> set[str]:
+    """Region inputs fed straight from a graph input whose example value needs no gradient."""
+    names = set()
+    for ph, arg in zip(region.graph_module.graph.find_nodes(op="placeholder"), call.args):
+        val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if (isinstance(arg, fx.Node) and arg.op == "placeholder" and isinstance(val, torch.Tensor)
+                and not val.requires_grad):
+            names.add(ph.name)
+    return names
 
 
 _MARGIN = 0.9  # PyTorch must win by 10%: near-ties would flip between runs on timing noise

@@ -71,6 +71,10 @@ class Region(torch.nn.Module):
             when the plan came from the cache or autotuning was off.
         timing: ``{"cudnn_ms", "pytorch_ms"}``: the lowered kernel against the region's PyTorch
             ops on the GPU (ms per call, CUDA-graph timing); empty when not measured.
+        gradients: in a training specialization lowered to cuDNN, how each piece of the backward
+            runs (``GradientPiece`` list: dgrad, wgrad); empty otherwise (PyTorch autograd).
+        no_grad_inputs: names of region inputs known never to need a gradient (network inputs
+            that do not require grad); set by lowering in training.
     """
 
     def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str]):
@@ -87,6 +91,8 @@ class Region(torch.nn.Module):
         self.plan: str = ""
         self.plan_from_cache: bool | None = None
         self.workspace_bytes: int | None = None
+        self.gradients: list = []
+        self.no_grad_inputs: set[str] = set()
         self._lowered: Callable[..., Any] | None = None  # None: run graph_module itself
 
     @property
@@ -166,4 +172,5 @@ class Region(torch.nn.Module):
             "plan_from_cache": self.plan_from_cache,
             "workspace_bytes": self.workspace_bytes,
             "cudnn_graph": self.cudnn_graph,
+            "gradients": [dict(vars(p)) for p in self.gradients],
         }

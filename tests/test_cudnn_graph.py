@@ -84,3 +84,20 @@ def test_cache_dir_resolution(monkeypatch, tmp_path):
     assert default_cache_dir(False) is None
     monkeypatch.setenv("FUSION_COMPILER_CACHE_DIR", "off")
     assert default_cache_dir() is None
+
+
+@pytest.mark.parametrize("kind", ["dgrad", "wgrad"])
+def test_conv_gradient_graphs_are_nhwc_with_io_typed_output(fp16_regions, kind):
+    from fusion_compiler.backends.cudnn_backward import conv_grad_graph
+
+    region = fp16_regions[3]  # conv3x3/s2, 64 -> 128 channels
+    spec = conv_grad_graph(kind, region.conv)
+    graph = json.loads(str(spec.graph))
+    assert _types(graph) == ["CONV_DGRAD" if kind == "dgrad" else "CONV_WGRAD"]
+    node = graph["nodes"][0]
+    assert node["params"]["stride"] == [2, 2] and node["params"]["padding"] == [1, 1]
+    out = spec.outputs[0]
+    want = [128, 64, 3, 3] if kind == "wgrad" else [128, 64, 16, 16]
+    assert list(out.get_dim()) == want
+    assert list(out.get_stride()) == nhwc_strides(tuple(want))
+    assert str(out.get_data_type()).endswith("HALF")  # an fp32 wgrad output is 25x slower

@@ -50,12 +50,17 @@ def test_dynamo_graph_is_fused_into_regions():
     assert "conv4x4/s4 > relu > add" in [r.pattern for r in regions]
 
 
-def test_training_gradients_match_eager():
+@pytest.mark.parametrize("derived", [False, True], ids=["autograd", "derived_backward"])
+def test_training_gradients_match_eager(derived):
+    """Parameters arrive as Dynamo graph inputs; with ``derived_backward`` the regions run
+    through the custom op and its registered backward, as cuDNN regions do on a GPU."""
     torch.manual_seed(0)
     model = randomize_(se_resnet9_fixup(3)).train()
     twin = randomize_(se_resnet9_fixup(3)).train()
     twin.load_state_dict(model.state_dict())
-    compiled = torch.compile(model, backend="fusion_compiler")
+    seen = []
+    compiled = torch.compile(model, backend=_recording_backend(seen),
+                             options={"derived_backward": derived})
     x = torch.randn(2, 3, 64, 64)
     compiled(x).square().mean().backward()
     twin(x).square().mean().backward()
@@ -68,6 +73,9 @@ def test_training_gradients_match_eager():
         nonzero += 1
         assert rel_err(p.grad, q.grad) < 1e-4, name
     assert nonzero >= len(list(twin.parameters())) - 2
+    regions = seen[0].last.regions
+    assert len(regions) == 12
+    assert all((r.kernel is not r.graph_module) == derived for r in regions)
 
 
 class _Broken(nn.Module):

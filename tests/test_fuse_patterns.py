@@ -258,3 +258,24 @@ def test_clipped_relu_and_relu6():
                           nn.Hardtanh(-1.0, 1.0))
     spec = _check(model, torch.randn(2, 8, 6, 6), ["conv3x3 > add > clamp", "conv1x1 > add"])
     assert any("clipped ReLU" in r for r in spec.graph_module.meta["fusion_reasons"].values())
+
+
+def _fixup_block():
+    from examples.seresnet9_fixup import SEFixupBlock, randomize_
+
+    return randomize_(SEFixupBlock(32, 64, 2, reduction=8))
+
+
+PATTERNS = {  # name -> (model factory, input shape): every pattern, for the numerics tests
+    "conv_bias_relu": (ConvBiasReLU, (8, 8, 10, 10)),
+    "conv_module_bias_relu": (lambda: nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()),
+                              (8, 8, 10, 10)),
+    "conv_bn_relu": (lambda: _randomize_bn(nn.Sequential(
+        nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())), (8, 8, 10, 10)),
+    "basic_block": (lambda: _randomize_bn(BasicBlock(16, 16)), (8, 16, 8, 8)),
+    "basic_block_downsample": (lambda: _randomize_bn(BasicBlock(16, 32, 2)), (8, 16, 8, 8)),
+    "bottleneck": (lambda: _randomize_bn(Bottleneck(32)), (8, 32, 8, 8)),
+    "fixup_block": (_fixup_block, (8, 32, 8, 8)),
+    "multi_consumer": (MultiConsumer, (8, 8, 6, 6)),
+    "relu6": (lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6()), (8, 8, 6, 6)),
+}

@@ -17,9 +17,8 @@ import torch.nn as nn
 from conftest import FUSE_ALL, rel_err
 
 import fusion_compiler as fc
-from examples.seresnet9_fixup import SEFixupBlock, bps_visual_encoder, randomize_, se_resnet9_fixup
-from test_fuse_patterns import (BasicBlock, Bottleneck, ConvBiasReLU, MultiConsumer,
-                                _randomize_bn)
+from examples.seresnet9_fixup import bps_visual_encoder, randomize_, se_resnet9_fixup
+from test_fuse_patterns import PATTERNS
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,19 +49,6 @@ def _run_cudnn(model: nn.Module, x: torch.Tensor, dtype=torch.float16, tol=2e-3,
     return compiled, got
 
 
-PATTERNS = {
-    "conv_bias_relu": (ConvBiasReLU, (8, 8, 10, 10)),
-    "conv_module_bias_relu": (lambda: nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()),
-                              (8, 8, 10, 10)),
-    "conv_bn_relu": (lambda: _randomize_bn(nn.Sequential(
-        nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())), (8, 8, 10, 10)),
-    "basic_block": (lambda: _randomize_bn(BasicBlock(16, 16)), (8, 16, 8, 8)),
-    "basic_block_downsample": (lambda: _randomize_bn(BasicBlock(16, 32, 2)), (8, 16, 8, 8)),
-    "bottleneck": (lambda: _randomize_bn(Bottleneck(32)), (8, 32, 8, 8)),
-    "fixup_block": (lambda: randomize_(SEFixupBlock(32, 64, 2, reduction=8)), (8, 32, 8, 8)),
-    "multi_consumer": (MultiConsumer, (8, 8, 6, 6)),
-    "relu6": (lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6()), (8, 8, 6, 6)),
-}
 
 
 @pytest.mark.parametrize("fusion", ["default", "all"])

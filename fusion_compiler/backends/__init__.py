@@ -9,13 +9,13 @@ __all__ = ["Backend", "Kernel", "Support", "ReferenceBackend", "get_backend"]
 
 
 def get_backend(name: str, **options) -> Backend:
-    """The backend called ``name`` (``"reference"`` or ``"cudnn"``); ``options`` go to cuDNN's.
+    """The backend called ``name`` (``"reference"`` or ``"cudnn"``) made with ``options``.
 
     Raises:
         ValueError: unknown name.
     """
     if name == "reference":
-        return ReferenceBackend()
+        return ReferenceBackend(**options)
     if name == "cudnn":
         from .cudnn import CudnnBackend  # noqa: PLC0415  (keeps `import cudnn` lazy)
 

@@ -30,11 +30,13 @@ class Backend(Protocol):
 
     ``supports`` must be cheap and must not raise; ``lower`` may raise
     :class:`~fusion_compiler.errors.UnsupportedError` with the backend's reason when a region it
-    claimed to support is rejected while building (the caller then falls back).
+    claimed to support is rejected while building (the caller then falls back). With ``training``
+    the kernel must be differentiable (PyTorch autograd sees through it, or it runs the
+    ``run_region`` op with a registered backward).
     """
 
     name: str
 
     def supports(self, region: Region) -> Support: ...
 
-    def lower(self, region: Region) -> Kernel: ...
+    def lower(self, region: Region, training: bool = False) -> Kernel: ...

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +27,15 @@ import torch.nn.functional as F
 from ..errors import UnsupportedError, condense
 from ..region import Region
 from ..runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
-from ..runtime.region_op import register_kernel, run_region
+from ..backward import RegionBackward
+from ..runtime.region_op import register_backward, register_kernel, run_region
 from .base import Kernel, Support
 from .autotune import PlanTiming, autotune, fastest, sample_pack
+from .cudnn_backward import CudnnConvGradients
 from .cudnn_graph import (CudnnGraph, build_graph, channel_padding, import_cudnn, nhwc_strides,
                           output_dtype)
 
-__all__ = ["CudnnBackend", "CudnnKernel"]
+__all__ = ["CudnnBackend", "CudnnKernel", "CudnnPlan"]
 
 _OUTPUT_UID = 1000
 _CONSTANT_UID = 2000
@@ -124,27 +126,53 @@ class CudnnBackend:
                                   f"cuDNN's NHWC {dtype} engines need")
         return Support(True)
 
-    def lower(self, region: Region) -> Kernel:
+    def lower(self, region: Region, training: bool = False) -> Kernel:
         """Build (or load from the plan cache) the region's execution plan.
 
+        With ``training`` the kernel is differentiable: its backward
+        (:class:`~fusion_compiler.backward.RegionBackward`) runs the convolution's dgrad and wgrad
+        as cuDNN graphs (:mod:`.cudnn_backward`); ``region.gradients`` lists how each runs.
+        ``region`` must then come from :func:`~fusion_compiler.backward.training_region`, and
+        ``region.no_grad_inputs`` names inputs that never need a gradient.
+
         Raises:
-            UnsupportedError: cuDNN rejected the graph; the reason is cuDNN's own message.
+            UnsupportedError: cuDNN rejected the forward graph; the reason is cuDNN's own message.
         """
         kernel = CudnnKernel(self, region)
+        if training:
+            skip = frozenset({"dgrad"} if _conv_image(region) in region.no_grad_inputs else ())
+            grads = CudnnConvGradients(self, region, skip)
+            register_backward(kernel.key, RegionBackward(region, grads))
+            region.gradients = grads.pieces
         return kernel.call
 
 
-class CudnnKernel:
-    """One region's built cuDNN graph and how to feed it."""
+def _conv_image(region: Region) -> str:
+    """The placeholder the region's convolution input comes from (through its prologue)."""
+    node = region.conv.args[0]
+    while node.op != "placeholder":
+        node = node.args[0]
+    return node.name
 
-    def __init__(self, backend: CudnnBackend, region: Region):
-        cudnn = import_cudnn()
+
+class CudnnPlan:
+    """One cuDNN graph made executable: uids assigned, its plan loaded from the on-disk cache or
+    built (heuristics A then FALLBACK, autotuned when ``backend.autotune > 1``) and cached.
+
+    Args:
+        backend: the :class:`CudnnBackend` (handles, workspaces, cache, autotune setting).
+        device: the CUDA device the plan runs on.
+        spec: the graph and its input/output/constant tensors (:class:`CudnnGraph`).
+        label: names the graph in warnings and errors (``"r3"``, ``"r3 dgrad"``).
+
+    Raises:
+        UnsupportedError: cuDNN rejected the graph; the reason is cuDNN's own message.
+    """
+
+    def __init__(self, backend: CudnnBackend, device: torch.device, spec: CudnnGraph, label: str):
         self.backend = backend
-        self.region_id = region.region_id
-        placeholders = [n for n in region.graph_module.graph.nodes if n.op == "placeholder"]
-        self.device = placeholders[0].meta["val"].device
-        handle = backend.handle(self.device)
-        spec = build_graph(region, handle=handle)
+        self.device = device
+        self.label = label
         for i, t in enumerate(spec.inputs):
             t.set_uid(i + 1)
         for j, t in enumerate(spec.outputs):
@@ -155,30 +183,7 @@ class CudnnKernel:
         self.tuning: list[PlanTiming] = []
         self.graph = self._build(spec, str(spec.graph))
         self.workspace_bytes = int(self.graph.get_workspace_size())
-        backend.workspace(self.device, self.workspace_bytes)  # grow now, not during capture
-
-        pad = channel_padding(region)
-        self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
-        for node, op in zip(placeholders, region.operands()):
-            if pad is not None and node.name in pad[1]:
-                self.prepare.append(_padder(pad[0]))
-            elif op.role in ("scalar", "channel"):
-                shape4 = [1] * (4 - len(op.shape)) + list(op.shape)
-                self.prepare.append(lambda t, s=shape4: t.reshape(s).contiguous())
-            elif op.role == "weight":
-                self.prepare.append(_WeightCache())
-            else:
-                self.prepare.append(lambda t: t.contiguous(memory_format=torch.channels_last))
-        self.outputs = []  # (shape, strides, dtype cuDNN writes, dtype the region returns)
-        for out in region.output_nodes:
-            val = out.meta["val"]
-            self.outputs.append((tuple(val.shape), tuple(nhwc_strides(tuple(val.shape))),
-                                 output_dtype(out), val.dtype))
-        self.key = register_kernel(self, [(s, st, dt) for s, st, _, dt in self.outputs])
-        region.plan = self.plan_name
-        region.plan_from_cache = self.from_cache
-        region.workspace_bytes = self.workspace_bytes
-        region.tuning = self.tuning
+        backend.workspace(device, self.workspace_bytes)  # grow now, not during capture
 
     def _build(self, spec: CudnnGraph, graph_text: str) -> Any:
         cudnn = import_cudnn()
@@ -190,7 +195,7 @@ class CudnnKernel:
         try:
             blob = cache.load(header)
         except StaleEntry as exc:
-            warnings.warn(f"{exc}; rebuilding the plan", stacklevel=4)
+            warnings.warn(f"{exc}; rebuilding the plan", stacklevel=5)
             blob = None
         if blob is not None:
             try:
@@ -200,8 +205,8 @@ class CudnnKernel:
                 self.from_cache = True
                 return loaded
             except Exception as exc:  # a bad blob must never crash compilation
-                warnings.warn(f"plan cache entry for region {self.region_id} could not be "
-                              f"loaded ({_condense(exc)}); rebuilding the plan", stacklevel=4)
+                warnings.warn(f"plan cache entry for {self.label} could not be loaded "
+                              f"({_condense(exc)}); rebuilding the plan", stacklevel=5)
         try:
             graph.validate()
             graph.build_operation_graph()
@@ -218,12 +223,11 @@ class CudnnKernel:
                 graph.build_plans()
         except Exception as exc:  # cudnnGraphNotSupportedError and backend errors
             raise UnsupportedError(f"cuDNN rejected the graph: {_condense(exc)}",
-                                   self.region_id) from exc
+                                   self.label) from exc
         try:
             cache.store(header, bytes(graph.serialize(as_bytes=True)))
         except Exception as exc:  # some engines cannot serialize: run without caching
-            warnings.warn(f"plan of region {self.region_id} not cached: {_condense(exc)}",
-                          stacklevel=4)
+            warnings.warn(f"plan of {self.label} not cached: {_condense(exc)}", stacklevel=5)
         return graph
 
     @property
@@ -238,24 +242,66 @@ class CudnnKernel:
         except Exception:  # a deserialized graph may not expose plan names
             return ""
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        handle = self.backend.handle(self.device)
-        pack: dict[int, torch.Tensor] = {}
-        for i, (prep, x) in enumerate(zip(self.prepare, inputs)):
-            pack[i + 1] = prep(x)
-        outs = tuple(torch.empty_strided(shape, stride, dtype=written, device=self.device)
-                     for shape, stride, written, _ in self.outputs)
-        for j, out in enumerate(outs):
-            pack[_OUTPUT_UID + j] = out
+    def execute(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Run the plan: ``inputs``/``outputs`` in the graph's input/output order, laid out as
+        declared (fully packed NHWC for 4-d tensors), on the current torch stream."""
+        pack: dict[int, torch.Tensor] = {i + 1: x for i, x in enumerate(inputs)}
+        pack.update({_OUTPUT_UID + j: y for j, y in enumerate(outputs)})
         pack.update(self.constants)
         ws = self.backend.workspace(self.device, self.workspace_bytes)
-        self.graph.execute(pack, ws, handle=handle)
+        self.graph.execute(pack, ws, handle=self.backend.handle(self.device))
+
+
+class CudnnKernel:
+    """One region's forward: its :class:`CudnnPlan` and how to feed it."""
+
+    def __init__(self, backend: CudnnBackend, region: Region):
+        self.backend = backend
+        self.region_id = region.region_id
+        placeholders = [n for n in region.graph_module.graph.nodes if n.op == "placeholder"]
+        self.device = placeholders[0].meta["val"].device
+        spec = build_graph(region, handle=backend.handle(self.device))
+        self.plan = CudnnPlan(backend, self.device, spec, f"region {region.region_id}")
+        self.tuning = self.plan.tuning
+        self.workspace_bytes = self.plan.workspace_bytes
+
+        pad = channel_padding(region)
+        self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        for node, op in zip(placeholders, region.operands()):
+            if pad is not None and node.name in pad[1]:
+                self.prepare.append(_padder(pad[0]))
+            elif op.role in ("scalar", "channel"):
+                shape4 = [1] * (4 - len(op.shape)) + list(op.shape)
+                self.prepare.append(lambda t, s=shape4: t.reshape(s).contiguous())
+            elif op.role == "weight":
+                self.prepare.append(_WeightCache())
+            else:
+                self.prepare.append(_channels_last)
+        self.outputs = []  # (shape, strides, dtype cuDNN writes, dtype the region returns)
+        for out in region.output_nodes:
+            val = out.meta["val"]
+            self.outputs.append((tuple(val.shape), tuple(nhwc_strides(tuple(val.shape))),
+                                 output_dtype(out), val.dtype))
+        self.key = register_kernel(self, [(s, st, dt) for s, st, _, dt in self.outputs])
+        region.plan = self.plan.plan_name
+        region.plan_from_cache = self.plan.from_cache
+        region.workspace_bytes = self.workspace_bytes
+        region.tuning = self.tuning
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = tuple(torch.empty_strided(shape, stride, dtype=written, device=self.device)
+                     for shape, stride, written, _ in self.outputs)
+        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs)
         return tuple(out if out.dtype == want else out.to(want)
                      for out, (_, _, _, want) in zip(outs, self.outputs))
 
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Run through the ``fusion_compiler::run_region`` custom op (what graphs call)."""
         return tuple(run_region(self.key, list(inputs)))
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
 
 
 class _WeightCache:

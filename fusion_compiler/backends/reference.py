@@ -6,19 +6,39 @@ path, and the fallback when another backend declines a region.
 
 from __future__ import annotations
 
+from ..backward import RegionBackward, TorchConvGradients
 from ..region import Region
+from ..runtime.region_op import register_backward, register_kernel, run_region
 from .base import Kernel, Support
 
 __all__ = ["ReferenceBackend"]
 
 
 class ReferenceBackend:
-    """Backend whose kernel is the region's own ``torch.fx.GraphModule``."""
+    """Backend whose kernel is the region's own ``torch.fx.GraphModule`` (PyTorch autograd
+    differentiates it).
+
+    Args:
+        derived_backward: in training, run regions through the ``run_region`` custom op with the
+            derived backward (:class:`~fusion_compiler.backward.RegionBackward`, PyTorch conv
+            gradients) instead of PyTorch autograd: the path cuDNN regions take, checkable
+            without a GPU. For tests.
+    """
 
     name = "reference"
+
+    def __init__(self, derived_backward: bool = False):
+        self.derived_backward = derived_backward
 
     def supports(self, region: Region) -> Support:
         return Support(True)
 
-    def lower(self, region: Region) -> Kernel:
-        return region.graph_module
+    def lower(self, region: Region, training: bool = False) -> Kernel:
+        if not (training and self.derived_backward):
+            return region.graph_module
+        outputs = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
+                   for n in region.output_nodes]
+        gm = region.graph_module
+        key = register_kernel(gm, outputs)
+        register_backward(key, RegionBackward(region, TorchConvGradients(region.conv)))
+        return lambda *inputs: tuple(run_region(key, list(inputs)))

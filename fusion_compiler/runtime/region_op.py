@@ -4,6 +4,13 @@ Going through ``torch.library`` gives every region a fake (meta) implementation,
 ``torch.compile``, ``torch.export`` and ``FakeTensor`` propagation see output shapes, strides and
 dtypes without running cuDNN. Kernels are registered under an integer key; the registry holds them
 weakly, so a region's kernel lives exactly as long as the compiled module that owns it.
+
+Autograd: a kernel registered with a backward (:func:`register_backward`, a
+:class:`fusion_compiler.backward.RegionBackward` for lowered regions) is differentiable. The op
+saves its inputs and outputs (a region compiled for training returns the values its backward reads
+as extra outputs) and calls the backward with the output gradients (``None`` for outputs nothing
+read). Calling a kernel compiled for inference while gradients are needed raises ``RuntimeError``
+in the backward pass.
 """
 
 from __future__ import annotations
@@ -14,10 +21,11 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["run_region", "register_kernel"]
+__all__ = ["run_region", "register_kernel", "register_backward"]
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _OUTPUTS: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
+_BACKWARDS: dict[int, Callable] = {}
 _KEYS = itertools.count()
 
 
@@ -29,7 +37,18 @@ def register_kernel(kernel: object,
     _KERNELS[key] = kernel
     _OUTPUTS[key] = list(outputs)
     weakref.finalize(kernel, _OUTPUTS.pop, key, None)
+    weakref.finalize(kernel, _BACKWARDS.pop, key, None)
     return key
+
+
+def register_backward(key: int, backward: Callable) -> None:
+    """Make the kernel under ``key`` differentiable.
+
+    ``backward(needs_grad, inputs, outputs, grad_outputs) -> list[Tensor | None]``: ``needs_grad``
+    has one bool per input, ``grad_outputs`` one tensor or ``None`` per output; it returns one
+    gradient (or ``None``) per input, shaped like that input.
+    """
+    _BACKWARDS[key] = backward
 
 
 @torch.library.custom_op("fusion_compiler::run_region", mutates_args=())
@@ -44,3 +63,25 @@ def _run_region_fake(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]
     device = inputs[0].device
     return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
             for shape, stride, dtype in _OUTPUTS[key]]
+
+
+def _setup_context(ctx, inputs, output):
+    key, tensors = inputs
+    ctx.key = key
+    ctx.n_inputs = len(tensors)
+    ctx.save_for_backward(*tensors, *output)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grads):
+    backward = _BACKWARDS.get(ctx.key)
+    if backward is None:
+        raise RuntimeError("this fused region was compiled for inference (no gradients were "
+                           "needed when it was specialized); call the compiled module with "
+                           "gradients enabled to get a training specialization")
+    saved = ctx.saved_tensors
+    inputs, outputs = saved[:ctx.n_inputs], saved[ctx.n_inputs:]
+    return None, list(backward(list(ctx.needs_input_grad[1]), inputs, outputs, list(grads)))
+
+
+run_region.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,184 @@
+"""cuDNN graphs for a region's convolution backward: dgrad and wgrad.
+
+* dgrad: ``dx[N,C,H,W] = conv_dgrad(dy[N,K,P,Q], w[K,C/g,R,S])``;
+* wgrad: ``dw[K,C/g,R,S] = conv_wgrad(x[N,C,H,W], dy[N,K,P,Q])``, written in the I/O type: an fp32
+  wgrad output made cuDNN pick an engine 25x slower on an H100 (CUDNN_FACTS.md, "Measured").
+
+Both follow the forward's conventions (:mod:`.cudnn_graph`): fully packed NHWC tensors, fp32
+compute, alpha = 1 and beta = 0 (the autograd engine adds gradients that meet). The pointwise part
+of a region's backward (:mod:`fusion_compiler.backward`) runs as PyTorch ops.
+
+Each graph is built into a :class:`~.cudnn.CudnnPlan` (cached, autotuned). When autotuning is on,
+each is also timed against PyTorch's ``convolution_backward`` on random data of its shapes, and
+the faster one runs (PyTorch must win by 10%, as in :mod:`fusion_compiler.lowering`). A graph
+cuDNN rejects runs on PyTorch with cuDNN's reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..backward import TorchConvGradients
+from ..errors import UnsupportedError, condense
+from ..region import Region
+from .autotune import _random, gpu_time_ms
+from .cudnn_graph import CudnnGraph, channel_padding, cudnn_dtype, import_cudnn, nhwc_strides
+
+__all__ = ["conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS"]
+
+GRADIENT_KINDS = ("dgrad", "wgrad")
+_MARGIN = 0.9
+
+
+def _shape(node: Any) -> list[int]:
+    return list(node.meta["val"].shape)
+
+
+def conv_grad_graph(kind: str, conv: fx.Node, handle: Any = None) -> CudnnGraph:
+    """The dgrad (``kind="dgrad"``) or wgrad (``"wgrad"``) graph of convolution node ``conv``.
+
+    Inputs: dgrad ``(dy, w)``, wgrad ``(x, dy)``; one output (``dx`` or ``dw``). No GPU needed.
+
+    Raises:
+        UnsupportedError: the frontend is missing or the dtype is not fp16/bf16/fp32.
+        ValueError: ``kind`` is not ``"dgrad"`` or ``"wgrad"``.
+    """
+    if kind not in GRADIENT_KINDS:
+        raise ValueError(f"kind must be one of {GRADIENT_KINDS}, got {kind!r}")
+    cudnn = import_cudnn()
+    _, _, _, stride, padding, dilation, _groups = conv.args
+    io = cudnn_dtype(conv.meta["val"].dtype)
+    kwargs = dict(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                  compute_data_type=cudnn.data_type.FLOAT)
+    if handle is not None:
+        kwargs["handle"] = handle
+    g = cudnn.pygraph(**kwargs)
+    x_dims, w_dims, y_dims = _shape(conv.args[0]), _shape(conv.args[1]), _shape(conv)
+    dy = g.tensor(name="dy", dim=y_dims, stride=nhwc_strides(tuple(y_dims)), data_type=io)
+    conv_args = dict(padding=list(padding), stride=list(stride), dilation=list(dilation),
+                     compute_data_type=cudnn.data_type.FLOAT)
+    if kind == "dgrad":
+        w = g.tensor(name="w", dim=w_dims, stride=nhwc_strides(tuple(w_dims)), data_type=io)
+        out = g.conv_dgrad(loss=dy, filter=w, name="dgrad", **conv_args)
+        inputs, out_dims = [dy, w], x_dims
+    else:
+        x = g.tensor(name="x", dim=x_dims, stride=nhwc_strides(tuple(x_dims)), data_type=io)
+        out = g.conv_wgrad(image=x, loss=dy, name="wgrad", **conv_args)
+        inputs, out_dims = [x, dy], w_dims
+    out.set_output(True).set_data_type(io).set_dim(out_dims).set_stride(
+        nhwc_strides(tuple(out_dims)))
+    return CudnnGraph(g, inputs, [out])
+
+
+@dataclass
+class GradientPiece:
+    """How one piece of a region's backward runs: ``backend`` is ``"cudnn"`` or ``"pytorch"``;
+    ``reason`` says why PyTorch (cuDNN's own message, or both timings); ``cudnn_ms`` and
+    ``pytorch_ms`` are per call (CUDA-graph timing, input preparation included), ``None`` when
+    not measured; ``plan`` is the cuDNN execution plan."""
+
+    kind: str
+    backend: str
+    reason: str = ""
+    plan: str = ""
+    cudnn_ms: float | None = None
+    pytorch_ms: float | None = None
+
+
+class CudnnConvGradients:
+    """dgrad/wgrad of one region's convolution on cuDNN (see module docstring).
+
+    Args:
+        backend: the :class:`~.cudnn.CudnnBackend` (handles, workspace, cache, autotune).
+        region: the region (shapes from its nodes' ``meta["val"]``).
+        skip: gradient kinds never needed (``"dgrad"`` when the conv input is a network input
+            that needs no gradient); they are not built and compute through PyTorch if asked.
+
+    ``pieces`` lists a :class:`GradientPiece` per kind.
+    """
+
+    def __init__(self, backend, region: Region, skip: frozenset[str] = frozenset()):
+        from .cudnn import CudnnPlan, _WeightCache  # noqa: PLC0415  (cudnn imports this module)
+
+        conv = region.conv
+        self.torch = TorchConvGradients(conv)
+        self.device = conv.meta["val"].device
+        self.x_shape = tuple(_shape(conv.args[0]))
+        self.w_shape = tuple(_shape(conv.args[1]))
+        self.y_shape = tuple(_shape(conv))
+        self.dtype = conv.meta["val"].dtype
+        self._weights = _WeightCache()
+        self.plans: dict[str, Any] = {}
+        self.pieces: list[GradientPiece] = []
+        padded = channel_padding(region) is not None
+        for kind in GRADIENT_KINDS:
+            if kind in skip:
+                self.pieces.append(GradientPiece(kind, "pytorch", "not needed (no input of it "
+                                                 "requires grad)"))
+                continue
+            if padded:
+                self.pieces.append(GradientPiece(kind, "pytorch", "the forward pads the input "
+                                                 "channels for cuDNN; PyTorch computes this "
+                                                 "convolution's gradients"))
+                continue
+            label = f"region {region.region_id} {kind}"
+            try:
+                spec = conv_grad_graph(kind, conv, handle=backend.handle(self.device))
+                plan = CudnnPlan(backend, self.device, spec, label)
+            except UnsupportedError as exc:
+                self.pieces.append(GradientPiece(kind, "pytorch", condense(exc.reason)))
+                continue
+            self.plans[kind] = plan
+            piece = GradientPiece(kind, "cudnn", plan=plan.plan_name)
+            if backend.autotune > 1:
+                self._compare(piece)
+            self.pieces.append(piece)
+
+    def _compare(self, piece: GradientPiece) -> None:
+        def sample(shape):
+            layout = torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last)
+            return _random(shape, layout.stride(), self.dtype, self.device)
+
+        dy, x, w = sample(self.y_shape), sample(self.x_shape), sample(self.w_shape)
+        run_cudnn = getattr(self, f"_cudnn_{piece.kind}")
+        run_torch = getattr(self.torch, piece.kind)
+        piece.cudnn_ms = gpu_time_ms(lambda: run_cudnn(dy, x, w))
+        piece.pytorch_ms = gpu_time_ms(lambda: run_torch(dy, x, w))
+        if piece.pytorch_ms < _MARGIN * piece.cudnn_ms:
+            piece.backend = "pytorch"
+            piece.reason = (f"PyTorch was faster on this GPU: {piece.pytorch_ms:.4f} ms against "
+                            f"{piece.cudnn_ms:.4f} ms on cuDNN")
+            del self.plans[piece.kind]
+
+    # ------------------------------------------------------------------ ConvGradients
+    def _cudnn_dgrad(self, dy, x, w):
+        dx = torch.empty_strided(self.x_shape, nhwc_strides(self.x_shape), dtype=dy.dtype,
+                                 device=dy.device)
+        self.plans["dgrad"].execute([_nhwc(dy), self._weights(w)], [dx])
+        return dx
+
+    def _cudnn_wgrad(self, dy, x, w):
+        dw = torch.empty_strided(self.w_shape, nhwc_strides(self.w_shape), dtype=dy.dtype,
+                                 device=dy.device)
+        self.plans["wgrad"].execute([_nhwc(x), _nhwc(dy)], [dw])
+        return dw
+
+    def dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``dx`` (channels_last) from ``dy`` and ``w``; see ``ConvGradients``."""
+        if "dgrad" in self.plans:
+            return self._cudnn_dgrad(dy, x, w)
+        return self.torch.dgrad(dy, x, w)
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``dw`` (channels_last) from ``x`` and ``dy``; see ``ConvGradients``."""
+        if "wgrad" in self.plans:
+            return self._cudnn_wgrad(dy, x, w)
+        return self.torch.wgrad(dy, x, w)
+
+
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)

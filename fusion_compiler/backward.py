@@ -1,0 +1,241 @@
+"""The backward of a fused region: what its forward saves and how its gradients are computed.
+
+A region is ``[prologue] conv > epilogue [+ sum_hw]`` (:mod:`fusion_compiler.region`). Its backward
+is reverse-mode differentiation of that graph, rule by rule, in reverse node order:
+
+======================  =================================================================
+op                      gradient rule (``g``: gradient of the op's output)
+======================  =================================================================
+``add(a, b)``           ``ga = g``; ``gb = g`` summed to ``b``'s shape (a scalar or per-channel
+                        bias gets the sum of ``g`` over the broadcast dimensions)
+``sub(a, b)``           ``ga = g``; ``gb = -g`` summed likewise
+``mul(a, b)``           ``ga = g * b``; ``gb = sum(g * a)`` (the Fixup scale reads the conv output)
+``div(a, b)``           ``ga = g / b``; ``gb = -sum(g * a / b^2)``
+``relu``                ``g * (y > 0)`` from the saved output ``y`` (``threshold_backward``)
+``clamp(x, lo, hi)``    ``g * (lo <= x <= hi)`` from the saved input
+``sigmoid``/``tanh``    ``g * y * (1 - y)`` / ``g * (1 - y^2)`` from the saved output
+``sum_hw``              ``g`` broadcast over H, W
+``conv2d``              dgrad ``dx = conv_dgrad(g, w)`` and wgrad ``dw = conv_wgrad(x, g)``
+======================  =================================================================
+
+Values the rules read after the convolution (the conv output before a ``mul``, a ReLU output the
+chain goes on from) are saved: :func:`training_region` makes them extra region outputs, so a cuDNN
+forward graph writes them in the same pass (virtual tensors become outputs). Prologue values
+(pointwise ops on the region inputs) are recomputed in the backward instead. Gradients are only
+computed for inputs that need them (a frozen weight gets no wgrad, a network input no dgrad).
+
+The convolution's dgrad and wgrad come from a :class:`ConvGradients`: PyTorch's
+``aten.convolution_backward`` (:class:`TorchConvGradients`) or cuDNN graphs
+(:class:`fusion_compiler.backends.cudnn_backward.CudnnConvGradients`); the pointwise rules run as
+PyTorch ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+import torch.fx as fx
+
+from .ops import is_conv, is_hw_sum
+from .region import Region
+
+__all__ = ["ConvGradients", "TorchConvGradients", "RegionBackward", "saved_nodes",
+           "training_region"]
+
+aten = torch.ops.aten
+
+
+class ConvGradients(Protocol):
+    """dgrad and wgrad of one region's convolution (NCHW-logical tensors, any layout).
+
+    ``dgrad(dy, x, w) -> dx`` with ``dy: [N,K,P,Q]``, ``x: [N,C,H,W]`` (only its shape is read),
+    ``w: [K,C/groups,R,S]``, returns ``[N,C,H,W]``; ``wgrad(dy, x, w) -> dw`` returns
+    ``[K,C/groups,R,S]``. Both in the dtype of ``dy``.
+    """
+
+    def dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchConvGradients:
+    """dgrad/wgrad with PyTorch's ``aten.convolution_backward`` (cuDNN's or the CPU's own
+    kernels, as eager autograd uses them) for the convolution node ``conv``."""
+
+    def __init__(self, conv: fx.Node):
+        _, _, _, self.stride, self.padding, self.dilation, self.groups = conv.args
+
+    def _backward(self, dy, x, w, mask):
+        return aten.convolution_backward(dy, x, w, None, list(self.stride), list(self.padding),
+                                         list(self.dilation), False, [0, 0], self.groups, mask)
+
+    def dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._backward(dy, x, w, [True, False, False])[0]
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._backward(dy, x, w, [False, True, False])[1]
+
+
+def _reads(node: fx.Node) -> list[fx.Node]:
+    """The values ``node``'s gradient rule reads (its own output counts as ``node``)."""
+    if node.target in (torch.mul, torch.div):
+        return [a for a in node.args if isinstance(a, fx.Node)] + (
+            [node] if node.target is torch.div else [])
+    if node.target in (torch.relu, torch.sigmoid, torch.tanh):
+        return [node]
+    if node.target is torch.clamp or is_conv(node):
+        return [a for a in node.args[:2] if isinstance(a, fx.Node)]
+    return []
+
+
+def _after_conv(region: Region) -> set[fx.Node]:
+    conv, seen, result = region.conv, False, set()
+    for n in region.graph_module.graph.nodes:
+        seen = seen or n is conv
+        if seen and n.op not in ("placeholder", "output"):
+            result.add(n)
+    return result
+
+
+def saved_nodes(region: Region) -> list[fx.Node]:
+    """Values at or after the convolution that the backward reads and the region does not
+    already return, in graph order: the extra outputs of :func:`training_region`."""
+    after, outputs = _after_conv(region), set(region.output_nodes)
+    needed = {v for n in region.graph_module.graph.nodes if n.op == "call_function"
+              for v in _reads(n)}
+    return [n for n in region.graph_module.graph.nodes
+            if n in needed and n in after and n not in outputs]
+
+
+def training_region(region: Region) -> Region:
+    """A copy of ``region`` that also returns :func:`saved_nodes` (after its own outputs, so the
+    indices callers read are unchanged)."""
+    extra = saved_nodes(region)
+    if not extra:
+        return region
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in region.graph_module.graph.nodes:
+        if n.op != "output":
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[n] for n in (*region.output_nodes, *extra)))
+    copy = Region(region.region_id, fx.GraphModule(region.graph_module, graph), list(region.nodes))
+    return copy
+
+
+def _sum_to(g: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``g`` summed over the dimensions an operand of ``shape`` was broadcast along."""
+    return g.sum_to_size(tuple(shape)) if tuple(g.shape) != tuple(shape) else g
+
+
+class RegionBackward:
+    """The backward of a training region (see module docstring); the ``backward`` callable that
+    :func:`fusion_compiler.runtime.region_op.register_backward` takes.
+
+    Args:
+        region: a region from :func:`training_region` (its outputs include the saved values).
+        conv_grads: dgrad/wgrad of the region's convolution.
+    """
+
+    def __init__(self, region: Region, conv_grads: ConvGradients):
+        self.region = region
+        self.conv_grads = conv_grads
+        graph = region.graph_module.graph
+        self.placeholders = list(graph.find_nodes(op="placeholder"))
+        self.outputs = region.output_nodes
+        self.nodes = [n for n in graph.nodes if n.op == "call_function"]
+        conv = region.conv
+        missing = [v.name for n in self.nodes if n in _after_conv(region) for v in _reads(n)
+                   if v in _after_conv(region) and v not in self.outputs]
+        if missing:
+            raise ValueError(f"region {region.region_id} does not return {missing}, which its "
+                             f"backward reads: build it with training_region()")
+        self.conv = conv
+
+    def __call__(self, needs_grad: Sequence[bool], inputs: Sequence[torch.Tensor],
+                 outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None]
+                 ) -> list[torch.Tensor | None]:
+        """Gradients of the region inputs (``None`` where ``needs_grad`` is False).
+
+        Args:
+            needs_grad: one bool per region input.
+            inputs, outputs: what the forward read and returned (saved values included).
+            grad_outputs: one gradient per output, ``None`` for an output nothing read.
+        """
+        values: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
+        for node, out in zip(self.outputs, outputs):
+            values.setdefault(node, out)
+        wanted = {ph for ph, need in zip(self.placeholders, needs_grad) if need}
+        for n in self.nodes:  # nodes whose gradient leads to a wanted input
+            if any(a in wanted for a in n.all_input_nodes):
+                wanted.add(n)
+
+        def value(node: Any) -> Any:
+            if not isinstance(node, fx.Node):
+                return node
+            if node not in values:  # a prologue value: recompute it from the inputs
+                values[node] = node.target(*map(value, node.args), **node.kwargs)
+            return values[node]
+
+        grads: dict[fx.Node, torch.Tensor] = {}
+
+        def accumulate(node: Any, g: torch.Tensor) -> None:
+            if isinstance(node, fx.Node) and node in wanted:
+                g = _sum_to(g, node.meta["val"].shape)
+                grads[node] = g if node not in grads else grads[node] + g
+
+        for node, g in zip(self.outputs, grad_outputs):
+            if g is not None:
+                accumulate(node, g)
+        for node in reversed(self.nodes):
+            g = grads.pop(node, None)
+            if g is not None:
+                self._rule(node, g, value, accumulate, wanted)
+        result: list[torch.Tensor | None] = []
+        for ph, x in zip(self.placeholders, inputs):
+            g = grads.get(ph)
+            result.append(None if g is None else g.to(x.dtype).reshape(x.shape))
+        return result
+
+    def _rule(self, node: fx.Node, g: torch.Tensor, value, accumulate, wanted) -> None:
+        target, args = node.target, node.args
+        if is_conv(node):
+            x, w = args[0], args[1]
+            if x in wanted:
+                accumulate(x, self.conv_grads.dgrad(g, value(x), value(w)))
+            if w in wanted:
+                accumulate(w, self.conv_grads.wgrad(g, value(x), value(w)))
+        elif target is torch.add:
+            accumulate(args[0], g)
+            accumulate(args[1], g)
+        elif target is torch.sub:
+            accumulate(args[0], g)
+            if args[1] in wanted:
+                accumulate(args[1], -g)
+        elif target is torch.mul:
+            a, b = args
+            if a in wanted:
+                accumulate(a, g * value(b))
+            if b in wanted:
+                accumulate(b, g * value(a))
+        elif target is torch.div:
+            a, b = args
+            if a in wanted:
+                accumulate(a, g / value(b))
+            if b in wanted:
+                accumulate(b, -g * value(node) / value(b))
+        elif target is torch.relu:
+            accumulate(args[0], aten.threshold_backward(g, value(node), 0))
+        elif target is torch.clamp:
+            x = value(args[0])
+            lo, hi = args[1], args[2]
+            accumulate(args[0], torch.where((x >= lo) & (x <= hi), g, 0))
+        elif target is torch.sigmoid:
+            accumulate(args[0], aten.sigmoid_backward(g, value(node)))
+        elif target is torch.tanh:
+            accumulate(args[0], aten.tanh_backward(g, value(node)))
+        elif is_hw_sum(node):
+            accumulate(args[0], g.expand(node.args[0].meta["val"].shape))
+        else:  # pragma: no cover - the fuse pass admits only the ops above
+            raise NotImplementedError(f"no gradient rule for {node.target}")

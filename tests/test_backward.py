@@ -1,0 +1,153 @@
+"""The derived backward of fused regions (``fusion_compiler.backward``), checked on the CPU.
+
+Regions run through the ``run_region`` custom op with ``RegionBackward`` and PyTorch's conv
+gradients (``derived_backward=True``): the path cuDNN regions take, with dgrad/wgrad swapped for
+PyTorch's. Gradients are compared in float64 against eager autograd.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import FUSE_ALL, rel_err
+
+from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+from fusion_compiler.backward import RegionBackward, TorchConvGradients, saved_nodes, training_region
+from fusion_compiler.compiler import CompiledModule
+from fusion_compiler.runtime.region_op import register_backward, register_kernel, run_region
+from test_fuse_patterns import PATTERNS
+
+
+def _grads(model: nn.Module, run, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    out = run(x)
+    outs = out if isinstance(out, tuple) else (out,)
+    sum(o.square().mean() + o.mean() for o in outs).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads["input"] = x.grad.clone()
+    return grads
+
+
+def _compare(model: nn.Module, x: torch.Tensor, **options) -> CompiledModule:
+    compiled = CompiledModule(model, backend="reference", derived_backward=True, **options)
+    got = _grads(model, compiled, x)
+    want = _grads(model, model, x)
+    assert set(got) == set(want)
+    checked = 0
+    for name, w in want.items():
+        if w.abs().max() > 0:  # a ReLU that is off everywhere gives an all-zero gradient
+            assert rel_err(got[name], w) < 1e-10, name
+            checked += 1
+    assert checked >= len(want) // 2
+    regions = compiled.last.regions
+    assert regions and all(r.kernel is not r.graph_module for r in regions)  # the custom op ran
+    return compiled
+
+
+@pytest.mark.parametrize("fusion", ["default", "all"])
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_pattern_gradients_match_autograd(name, fusion):
+    torch.manual_seed(0)
+    factory, shape = PATTERNS[name]
+    model = factory().double()
+    _compare(model, torch.randn(shape, dtype=torch.float64), **(FUSE_ALL if fusion == "all" else {}))
+
+
+@pytest.mark.parametrize("fusion", ["default", "all"])
+def test_reference_network_gradients_match_autograd(fusion):
+    model = randomize_(se_resnet9_fixup(3), seed=1).double().train()
+    compiled = _compare(model, torch.randn(4, 3, 64, 64, dtype=torch.float64),
+                        **(FUSE_ALL if fusion == "all" else {}))
+    assert len(compiled.last.regions) == 12
+
+
+def _region_op(region, conv_grads=None):
+    """Run ``region`` (training copy) through the custom op with the derived backward."""
+    train = training_region(region)
+    outputs = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
+               for n in train.output_nodes]
+    key = register_kernel(train.graph_module, outputs)
+    register_backward(key, RegionBackward(train, conv_grads or TorchConvGradients(train.conv)))
+    return train, key
+
+
+def _fixup_region(index: int, **options):
+    """Region ``index`` of a small SE-Fixup block (stride 1): 0 is ``conv3x3 > add > relu > add``
+    without prologue fusion, 1 is ``[add] conv3x3 > mul > add + sum_hw`` with everything fused."""
+    from examples.seresnet9_fixup import SEFixupBlock
+
+    model = randomize_(SEFixupBlock(8, 8, 1, reduction=4), seed=2).double()
+    compiled = CompiledModule(model, backend="reference", **{**FUSE_ALL, **options})
+    with torch.no_grad():
+        spec = compiled.specialize(torch.randn(2, 8, 4, 4, dtype=torch.float64))
+    return spec.regions[index]
+
+
+def test_training_region_saves_what_the_backward_reads():
+    region = _fixup_region(1)  # the scale reads the conv output
+    assert region.pattern == "[add] conv3x3 > mul > add + sum_hw"
+    assert [n.name for n in saved_nodes(region)] == [region.conv.name]
+    train = training_region(region)
+    assert len(train.output_nodes) == len(region.output_nodes) + 1
+    assert train.output_nodes[:len(region.output_nodes)] == [
+        n for n in train.graph_module.graph.nodes if n.name in
+        {o.name for o in region.output_nodes}]
+    relu_region = _fixup_region(0, fuse_prologue=False)
+    assert [n.target for n in saved_nodes(relu_region)] == [torch.relu]
+
+
+def test_gradcheck_float64_through_the_custom_op():
+    region = _fixup_region(1)
+    train, key = _region_op(region)
+    inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
+              for ph in train.graph_module.graph.find_nodes(op="placeholder")]
+
+    def f(*xs):
+        return tuple(run_region(key, list(xs)))[:len(region.output_nodes)]
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7)
+
+
+class _Counting(TorchConvGradients):
+    def __init__(self, conv):
+        super().__init__(conv)
+        self.calls = []
+
+    def dgrad(self, dy, x, w):
+        self.calls.append("dgrad")
+        return super().dgrad(dy, x, w)
+
+    def wgrad(self, dy, x, w):
+        self.calls.append("wgrad")
+        return super().wgrad(dy, x, w)
+
+
+def test_frozen_weight_and_input_get_no_gradient_computed():
+    region = _fixup_region(0, fuse_prologue=False)
+    counting = _Counting(region.conv)
+    train, key = _region_op(region, counting)
+    image, weight, *scalars = [torch.randn(ph.meta["val"].shape, dtype=torch.float64)
+                               for ph in train.graph_module.graph.find_nodes(op="placeholder")]
+    for s in scalars:
+        s.requires_grad_()
+    out = run_region(key, [image, weight, *scalars])[0]
+    out.sum().backward()
+    assert counting.calls == []  # only the scalar biases needed gradients
+    assert all(s.grad is not None and s.grad.abs().sum() > 0 for s in scalars)
+    weight.requires_grad_()
+    run_region(key, [image, weight, *scalars])[0].sum().backward()
+    assert counting.calls == ["wgrad"]
+
+
+def test_inference_kernel_refuses_backward():
+    region = _fixup_region(0, fuse_prologue=False)
+    outputs = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
+               for n in region.output_nodes]
+    key = register_kernel(region.graph_module, outputs)
+    inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
+              for ph in region.graph_module.graph.find_nodes(op="placeholder")]
+    out = run_region(key, inputs)[0]
+    with pytest.raises(RuntimeError, match="compiled for inference"):
+        out.sum().backward()
