@@ -1,4 +1,4 @@
-"""Inference benchmark: fusion_compiler side by side with eager PyTorch and torch.compile.
+"""Benchmark: fusion_compiler side by side with eager PyTorch and torch.compile.
 
 Every variant is timed in the same process on the same GPU with CUDA events: the median over
 ``--reps`` repetitions of ``--iters`` back-to-back calls after warm-up, in ms per call (the method of
@@ -6,14 +6,24 @@ shared/BASELINES.md). Inputs are NCHW fp16 and weights fp16, as the reference ag
 
     python examples/benchmark.py --out bench_out            # all models, all variants
     python examples/benchmark.py --models seresnet9-rgb --profile
+    python examples/benchmark.py --models seresnet9-rgb-train   # the training step
+
+Inference models time one forward. ``*-train`` models time one training step: forward, loss (mean
+of squares), backward and an SGD step (momentum 0.9) on fp32 master weights with a static loss
+scale (``examples.train_seresnet9.MasterWeightOptimizer(dynamic=False)``, capturable); "AMP" is
+fp32 weights with the forward under ``torch.autocast(float16)`` and SGD on the fp32 weights.
+"+cudagraph" variants capture the whole step (gradients zeroed in place, static input) in one
+CUDA graph; "reduce-overhead" lets torch.compile's CUDA graph trees capture forward and backward.
 
 Prints a table (GPU name, ms per variant, compile times: fusion_compiler cold = empty plan cache,
-warm = a new process reading the plan cache), writes ``bench.json`` and a bar plot ``bench.png``.
+warm = a new process reading the plan cache), for training the per-region backward timings,
+writes ``bench.json`` and a bar plot ``bench.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -38,9 +48,13 @@ MODELS = {
     "seresnet9-depth": ("examples.seresnet9_fixup:se_resnet9_fixup", (512, 11, 64, 64),
                         {"in_channels": 11}),
     "resnet50": ("torchvision.models:resnet50", (128, 3, 224, 224), {}),
+    "seresnet9-rgb-train": ("examples.seresnet9_fixup:se_resnet9_fixup", (2048, 3, 64, 64), {}),
 }
 VARIANTS = ["eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
             "fusion_compiler", "fusion_compiler+cudagraph"]
+TRAIN_VARIANTS = ["eager AMP", "eager fp16", "eager fp16+cudagraph", "torch.compile fp16",
+                  "torch.compile reduce-overhead fp16", "fusion_compiler fp16",
+                  "fusion_compiler fp16+cudagraph"]
 
 
 def build_model(name: str) -> torch.nn.Module:
@@ -53,6 +67,8 @@ def build_model(name: str) -> torch.nn.Module:
         from examples.seresnet9_fixup import randomize_
 
         randomize_(model)
+    if name.endswith("-train"):
+        return model.cuda().half().train()
     return model.cuda().half().eval()
 
 
@@ -133,6 +149,86 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
     return result
 
 
+def train_step(model: torch.nn.Module, run: Callable, x: torch.Tensor, amp: bool = False
+               ) -> Callable[[], object]:
+    """One training step of ``run`` (the model, or a compiled form of it) on ``x``."""
+    from examples.train_seresnet9 import MasterWeightOptimizer
+
+    sgd = lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9)  # noqa: E731
+    if amp:
+        opt = sgd(list(model.parameters()))
+
+        def step():
+            opt.zero_grad(set_to_none=False)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = run(x).float().square().mean()
+            loss.backward()
+            opt.step()
+    else:
+        opt = MasterWeightOptimizer(model.parameters(), sgd, init_scale=1024.0, dynamic=False)
+
+        def step():
+            opt.zero_grad()
+            opt.backward(run(x).float().square().mean())
+            opt.step()
+    return step
+
+
+def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], object]:
+    """Capture ``step`` (static inputs, gradients in place) in one CUDA graph; returns replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def bench_training(name: str, variants: list[str], reps: int, iters: int, autotune: int) -> dict:
+    torch.manual_seed(0)
+    base = build_model(name)
+    x = torch.randn(MODELS[name][1], device="cuda", dtype=torch.half)
+    cache_dir = tempfile.mkdtemp(prefix="fc-plans-")
+    result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {}, "train": True}
+
+    def fresh(dtype=torch.half):
+        return copy.deepcopy(base).to(dtype)
+
+    def ours(model, cuda_graph):
+        module = fc.compile(model, backend="cudnn", cache_dir=cache_dir, autotune=autotune)
+        step = train_step(model, module, x)
+        step()  # compiles the training specialization
+        from fusion_compiler.report import format_gradients
+
+        result["gradients"] = format_gradients(module.last.regions)
+        return graphed(step) if cuda_graph else step
+
+    makers = {
+        "eager AMP": lambda: train_step(m := fresh(torch.float32), m, x, amp=True),
+        "eager fp16": lambda: train_step(m := fresh(), m, x),
+        "eager fp16+cudagraph": lambda: graphed(train_step(m := fresh(), m, x)),
+        "torch.compile fp16": lambda: train_step(m := fresh(), torch.compile(m), x),
+        "torch.compile reduce-overhead fp16": lambda: train_step(
+            m := fresh(), torch.compile(m, mode="reduce-overhead"), x),
+        "fusion_compiler fp16": lambda: ours(fresh(), False),
+        "fusion_compiler fp16+cudagraph": lambda: ours(fresh(), True),
+    }
+    for variant in variants:
+        try:
+            fn, seconds = timed_build(makers[variant])
+        except Exception as exc:  # report and go on
+            result["ms"][variant] = None
+            result.setdefault("errors", {})[variant] = " ".join(str(exc).split())[:300]
+            continue
+        result["compile_s"][variant] = seconds
+        result["ms"][variant] = time_ms(fn, reps, max(1, iters // 4))
+    return result
+
+
 def compiled(model: torch.nn.Module, x: torch.Tensor, cache_dir: str, autotune: int,
              result: dict) -> fc.CompiledModule:
     """fusion_compiler's module for ``x``; its autotuning table goes into ``result["tuning"]``."""
@@ -158,15 +254,23 @@ def print_table(results: list[dict]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    variants = [v for v in VARIANTS if any(v in r["ms"] for r in results)]
-    table = Table(title=f"inference, ms per call (median), {torch.cuda.get_device_name()}, "
-                        f"torch {torch.__version__}")
-    table.add_column("model")
-    for v in variants:
-        table.add_column(v, justify="right")
-    for r in results:
-        table.add_row(f"{r['model']} {'x'.join(map(str, r['input']))}",
-                      *("-" if r["ms"].get(v) is None else f"{r['ms'][v]:.3f}" for v in variants))
+    tables = []
+    for kind, names in (("inference, ms per call", VARIANTS),
+                        ("training step, ms per step", TRAIN_VARIANTS)):
+        rows = [r for r in results if r.get("train", False) == (names is TRAIN_VARIANTS)]
+        variants = [v for v in names if any(v in r["ms"] for r in rows)]
+        if not rows:
+            continue
+        table = Table(title=f"{kind} (median), {torch.cuda.get_device_name()}, "
+                            f"torch {torch.__version__}")
+        table.add_column("model")
+        for v in variants:
+            table.add_column(v, justify="right")
+        for r in rows:
+            table.add_row(f"{r['model']} {'x'.join(map(str, r['input']))}",
+                          *("-" if r["ms"].get(v) is None else f"{r['ms'][v]:.3f}"
+                            for v in variants))
+        tables.append(table)
     comp = Table(title="compile time, s (first call included)")
     comp.add_column("model")
     names = sorted({k for r in results for k in r["compile_s"]})
@@ -177,7 +281,8 @@ def print_table(results: list[dict]) -> str:
                                    for k in names))
     console = Console(width=200)
     with console.capture() as cap:
-        console.print(table)
+        for table in tables:
+            console.print(table)
         console.print(comp)
         for r in results:
             for variant, err in r.get("rel_err_vs_eager", {}).items():
@@ -197,13 +302,13 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
     for ax, r in zip(axes[0], results):
-        names = [v for v in VARIANTS if r["ms"].get(v) is not None]
+        names = [v for v in (*VARIANTS, *TRAIN_VARIANTS) if r["ms"].get(v) is not None]
         ax.barh(names, [r["ms"][v] for v in names],
                 color=["tab:green" if v.startswith("fusion") else "tab:gray" for v in names])
-        ax.set_xlabel("ms per call (median)")
+        ax.set_xlabel("ms per training step (median)" if r.get("train") else "ms per call (median)")
         ax.set_title(f"{r['model']} {'x'.join(map(str, r['input']))}")
         ax.invert_yaxis()
-    fig.suptitle(f"fusion_compiler inference, {torch.cuda.get_device_name()}")
+    fig.suptitle(f"fusion_compiler, {torch.cuda.get_device_name()}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -211,7 +316,9 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated (default: all): " + ", ".join(VARIANTS) +
+                             "; training: " + ", ".join(TRAIN_VARIANTS))
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
@@ -233,13 +340,22 @@ def main() -> int:
         torch.cuda.synchronize()
         print(time.perf_counter() - t0)
         return 0
-    results = [bench_model(m, args.variants.split(","), args.reps, args.iters, args.profile,
-                           args.autotune) for m in args.models.split(",")]
+    results = []
+    for m in args.models.split(","):
+        if m.endswith("-train"):
+            variants = args.variants.split(",") if args.variants else TRAIN_VARIANTS
+            results.append(bench_training(m, variants, args.reps, args.iters, args.autotune))
+        else:
+            variants = args.variants.split(",") if args.variants else VARIANTS
+            results.append(bench_model(m, variants, args.reps, args.iters, args.profile,
+                                       args.autotune))
     args.out.mkdir(parents=True, exist_ok=True)
     text = print_table(results)
     for r in results:
         if "tuning" in r:
             print(f"{r['model']}:\n{r['tuning']}")
+        if "gradients" in r:
+            print(f"{r['model']}, backward pieces per region:\n{r['gradients']}")
         if "profile" in r:
             print(f"kernel profile, {r['model']}, fusion_compiler+cudagraph, 20 calls:\n{r['profile']}")
     (args.out / "bench.txt").write_text(text)

@@ -16,7 +16,7 @@ from .backends.autotune import fastest
 from .ops import is_call
 from .region import Region
 
-__all__ = ["format_regions", "format_tuning", "unfused_convolutions", "pytorch_nodes", "dump", "format_text",
+__all__ = ["format_regions", "format_tuning", "format_gradients", "unfused_convolutions", "pytorch_nodes", "dump", "format_text",
            "DEFAULT_STAGES"]
 
 DEFAULT_STAGES = ("captured", "fused", "lowered")
@@ -109,6 +109,26 @@ def format_tuning(regions: Sequence[Region]) -> str:
                  f"{best.ms:.4f}" if best else "", f"{sum(t.build_s for t in r.tuning):.1f}",
                  *(f"{r.timing[k]:.4f}" if k in r.timing else "" for k in ("cudnn_ms", "pytorch_ms")),
                  r.backend)
+    return _render(table)
+
+
+def format_gradients(regions: Sequence[Region]) -> str:
+    """Per region of a training specialization, how its backward runs: dgrad and wgrad each on
+    cuDNN or PyTorch, with their times when autotuning measured them (ms per call, CUDA-graph
+    timing on random data) and the reason for every piece left to PyTorch. Regions whose forward
+    runs on PyTorch are differentiated by PyTorch autograd (the region's reason says why)."""
+    table = Table(title="backward per region (dgrad, wgrad)")
+    for col in ("id", "pattern", "piece", "backend", "cuDNN ms", "PyTorch ms", "reason"):
+        table.add_column(col, overflow="fold")
+    for r in regions:
+        if not r.gradients:
+            _add_row(table, r.region_id, r.pattern, "all", "PyTorch autograd", "", "",
+                     r.reason or "region runs on the reference backend")
+            continue
+        for p in r.gradients:
+            _add_row(table, r.region_id, r.pattern, p.kind, p.backend,
+                     "" if p.cudnn_ms is None else f"{p.cudnn_ms:.4f}",
+                     "" if p.pytorch_ms is None else f"{p.pytorch_ms:.4f}", p.reason)
     return _render(table)
 
 
