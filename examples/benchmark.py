@@ -174,6 +174,15 @@ def train_step(model: torch.nn.Module, run: Callable, x: torch.Tensor, amp: bool
     return step
 
 
+def step_marked(run: Callable) -> Callable:
+    """``run`` preceded by ``torch.compiler.cudagraph_mark_step_begin()``: tells CUDA graph trees
+    that a new training step starts, so the previous step's outputs may be overwritten."""
+    def marked(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        return run(*args)
+    return marked
+
+
 def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], object]:
     """Capture ``step`` (static inputs, gradients in place) in one CUDA graph; returns replay."""
     stream = torch.cuda.Stream()
@@ -188,7 +197,8 @@ def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], object]
     return graph.replay
 
 
-def bench_training(name: str, variants: list[str], reps: int, iters: int, autotune: int) -> dict:
+def bench_training(name: str, variants: list[str], reps: int, iters: int, autotune: int,
+                   profile: bool = False) -> dict:
     torch.manual_seed(0)
     base = build_model(name)
     x = torch.randn(MODELS[name][1], device="cuda", dtype=torch.half)
@@ -213,19 +223,20 @@ def bench_training(name: str, variants: list[str], reps: int, iters: int, autotu
         "eager fp16+cudagraph": lambda: graphed(train_step(m := fresh(), m, x)),
         "torch.compile fp16": lambda: train_step(m := fresh(), torch.compile(m), x),
         "torch.compile reduce-overhead fp16": lambda: train_step(
-            m := fresh(), torch.compile(m, mode="reduce-overhead"), x),
+            m := fresh(), step_marked(torch.compile(m, mode="reduce-overhead")), x),
         "fusion_compiler fp16": lambda: ours(fresh(), False),
         "fusion_compiler fp16+cudagraph": lambda: ours(fresh(), True),
     }
     for variant in variants:
         try:
             fn, seconds = timed_build(makers[variant])
+            result["compile_s"][variant] = seconds
+            result["ms"][variant] = time_ms(fn, reps, max(1, iters // 4))
+            if profile and variant in ("fusion_compiler fp16+cudagraph", "eager fp16+cudagraph"):
+                result.setdefault("profiles", {})[variant] = kernel_profile(fn, calls=5)
         except Exception as exc:  # report and go on
             result["ms"][variant] = None
             result.setdefault("errors", {})[variant] = " ".join(str(exc).split())[:300]
-            continue
-        result["compile_s"][variant] = seconds
-        result["ms"][variant] = time_ms(fn, reps, max(1, iters // 4))
     return result
 
 
@@ -322,7 +333,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
-    parser.add_argument("--profile", action="store_true", help="kernel profile of fusion_compiler+cudagraph")
+    parser.add_argument("--profile", action="store_true",
+                        help="kernel profiles of the CUDA-graph variants (fusion_compiler; "
+                             "for training also eager)")
     parser.add_argument("--autotune", type=int, default=DEFAULT_AUTOTUNE,
                         help="cuDNN plans timed per region (default %(default)s)")
     parser.add_argument("--compile-only", metavar="MODEL", help=argparse.SUPPRESS)
@@ -344,7 +357,8 @@ def main() -> int:
     for m in args.models.split(","):
         if m.endswith("-train"):
             variants = args.variants.split(",") if args.variants else TRAIN_VARIANTS
-            results.append(bench_training(m, variants, args.reps, args.iters, args.autotune))
+            results.append(bench_training(m, variants, args.reps, args.iters, args.autotune,
+                                          args.profile))
         else:
             variants = args.variants.split(",") if args.variants else VARIANTS
             results.append(bench_model(m, variants, args.reps, args.iters, args.profile,
@@ -354,6 +368,8 @@ def main() -> int:
     for r in results:
         if "tuning" in r:
             print(f"{r['model']}:\n{r['tuning']}")
+        for variant, prof in r.get("profiles", {}).items():
+            print(f"kernel profile, {r['model']}, {variant}, 5 steps:\n{prof}")
         if "gradients" in r:
             print(f"{r['model']}, backward pieces per region:\n{r['gradients']}")
         if "profile" in r:

@@ -18,6 +18,13 @@ op                      gradient rule (``g``: gradient of the op's output)
 ``conv2d``              dgrad ``dx = conv_dgrad(g, w)`` and wgrad ``dw = conv_wgrad(x, g)``
 ======================  =================================================================
 
+A ``mul`` right after the convolution by a scalar or per-channel operand ``s`` (the Fixup scale,
+a folded batch-norm scale) is folded into the convolution's backward instead of being applied to
+the full-size gradient: with ``g`` the gradient of ``y * s``,
+``dgrad(g * s, w) = dgrad(g, w * s)``, ``wgrad(x, g * s) = wgrad(x, g) * s`` and
+``ds_k = sum(g_k * y_k) = sum_{c,r,s}(w ⊙ wgrad(x, g))_k`` (the adjoint of the convolution), so
+only weight-sized tensors are scaled and the conv output need not be saved.
+
 Values the rules read after the convolution (the conv output before a ``mul``, a ReLU output the
 chain goes on from) are saved: :func:`training_region` makes them extra region outputs, so a cuDNN
 forward graph writes them in the same pass (virtual tensors become outputs). Prologue values
@@ -41,7 +48,7 @@ from .ops import is_conv, is_hw_sum
 from .region import Region
 
 __all__ = ["ConvGradients", "TorchConvGradients", "RegionBackward", "saved_nodes",
-           "training_region"]
+           "training_region", "folded_scale"]
 
 aten = torch.ops.aten
 
@@ -77,8 +84,29 @@ class TorchConvGradients:
         return self._backward(dy, x, w, [False, True, False])[1]
 
 
-def _reads(node: fx.Node) -> list[fx.Node]:
+def folded_scale(region: Region) -> fx.Node | None:
+    """The ``mul(conv, s)`` node whose scale folds into the convolution's backward (see module
+    docstring): the conv's only user, ``s`` a number or a scalar/per-channel tensor."""
+    conv = region.conv
+    users = list(conv.users)
+    if len(users) != 1 or users[0].target is not torch.mul or users[0].args[0] is not conv:
+        return None
+    s = users[0].args[1]
+    if isinstance(s, (int, float)):
+        return users[0]
+    k = conv.meta["val"].shape[1]
+    if isinstance(s, fx.Node) and s is not conv and s.meta["val"].numel() in (1, k):
+        shape = (1,) * (4 - s.meta["val"].dim()) + tuple(s.meta["val"].shape)
+        if shape in ((1, 1, 1, 1), (1, k, 1, 1)):
+            return users[0]
+    return None
+
+
+def _reads(node: fx.Node, folded: fx.Node | None = None) -> list[fx.Node]:
     """The values ``node``'s gradient rule reads (its own output counts as ``node``)."""
+    if node is folded:  # the conv's inputs and the scale, never the conv output
+        conv = node.args[0]
+        return [a for a in (*conv.args[:2], node.args[1]) if isinstance(a, fx.Node)]
     if node.target in (torch.mul, torch.div):
         return [a for a in node.args if isinstance(a, fx.Node)] + (
             [node] if node.target is torch.div else [])
@@ -102,8 +130,9 @@ def saved_nodes(region: Region) -> list[fx.Node]:
     """Values at or after the convolution that the backward reads and the region does not
     already return, in graph order: the extra outputs of :func:`training_region`."""
     after, outputs = _after_conv(region), set(region.output_nodes)
+    folded = folded_scale(region)
     needed = {v for n in region.graph_module.graph.nodes if n.op == "call_function"
-              for v in _reads(n)}
+              for v in _reads(n, folded)}
     return [n for n in region.graph_module.graph.nodes
             if n in needed and n in after and n not in outputs]
 
@@ -146,7 +175,9 @@ class RegionBackward:
         self.outputs = region.output_nodes
         self.nodes = [n for n in graph.nodes if n.op == "call_function"]
         conv = region.conv
-        missing = [v.name for n in self.nodes if n in _after_conv(region) for v in _reads(n)
+        self.folded = folded_scale(region)
+        missing = [v.name for n in self.nodes if n in _after_conv(region)
+                   for v in _reads(n, self.folded)
                    if v in _after_conv(region) and v not in self.outputs]
         if missing:
             raise ValueError(f"region {region.region_id} does not return {missing}, which its "
@@ -187,6 +218,8 @@ class RegionBackward:
 
         for node, g in zip(self.outputs, grad_outputs):
             if g is not None:
+                if g.dim() == 4:  # one layout for every pointwise rule (cuDNN writes NHWC)
+                    g = g.contiguous(memory_format=torch.channels_last)
                 accumulate(node, g)
         for node in reversed(self.nodes):
             g = grads.pop(node, None)
@@ -198,9 +231,32 @@ class RegionBackward:
             result.append(None if g is None else g.to(x.dtype).reshape(x.shape))
         return result
 
+    def _folded_rule(self, node: fx.Node, g: torch.Tensor, value, accumulate, wanted) -> None:
+        """Backward of ``conv > mul(s)`` with ``s`` folded into weight-sized tensors."""
+        conv, s = node.args
+        x, w = conv.args[0], conv.args[1]
+        scale = value(s)
+        if isinstance(scale, torch.Tensor):
+            scale = scale.reshape(-1, 1, 1, 1).to(g.dtype)  # [K|1, 1, 1, 1] against w [K,C,R,S]
+        weight = value(w)
+        if x in wanted:
+            scaled = (weight * scale).contiguous(memory_format=torch.channels_last)
+            accumulate(x, self.conv_grads.dgrad(g, value(x), scaled))
+        if w in wanted or s in wanted:
+            raw = self.conv_grads.wgrad(g, value(x), weight)
+            if w in wanted:
+                accumulate(w, raw * scale)
+            if s in wanted:
+                acc = torch.promote_types(raw.dtype, torch.float32)  # fp16/bf16 sum in fp32
+                per_k = (raw.to(acc) * weight.to(acc)).sum(dim=(1, 2, 3))
+                shape = s.meta["val"].shape
+                accumulate(s, (per_k.sum() if s.meta["val"].numel() == 1 else per_k).reshape(shape))
+
     def _rule(self, node: fx.Node, g: torch.Tensor, value, accumulate, wanted) -> None:
         target, args = node.target, node.args
-        if is_conv(node):
+        if node is self.folded:
+            self._folded_rule(node, g, value, accumulate, wanted)
+        elif is_conv(node):
             x, w = args[0], args[1]
             if x in wanted:
                 accumulate(x, self.conv_grads.dgrad(g, value(x), value(w)))

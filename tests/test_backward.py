@@ -13,7 +13,8 @@ import torch.nn as nn
 from conftest import FUSE_ALL, rel_err
 
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-from fusion_compiler.backward import RegionBackward, TorchConvGradients, saved_nodes, training_region
+from fusion_compiler.backward import (RegionBackward, TorchConvGradients, folded_scale,
+                                      saved_nodes, training_region)
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.runtime.region_op import register_backward, register_kernel, run_region
 from test_fuse_patterns import PATTERNS
@@ -86,16 +87,16 @@ def _fixup_region(index: int, **options):
 
 
 def test_training_region_saves_what_the_backward_reads():
-    region = _fixup_region(1)  # the scale reads the conv output
+    region = _fixup_region(1)  # the Fixup scale folds into the conv backward: nothing saved
     assert region.pattern == "[add] conv3x3 > mul > add + sum_hw"
-    assert [n.name for n in saved_nodes(region)] == [region.conv.name]
-    train = training_region(region)
-    assert len(train.output_nodes) == len(region.output_nodes) + 1
-    assert train.output_nodes[:len(region.output_nodes)] == [
-        n for n in train.graph_module.graph.nodes if n.name in
-        {o.name for o in region.output_nodes}]
-    relu_region = _fixup_region(0, fuse_prologue=False)
+    assert folded_scale(region) is next(n for n in region.graph_module.graph.nodes
+                                        if n.target is torch.mul)
+    assert saved_nodes(region) == [] and training_region(region) is region
+    relu_region = _fixup_region(0, fuse_prologue=False)  # conv3x3 > add > relu > add
     assert [n.target for n in saved_nodes(relu_region)] == [torch.relu]
+    train = training_region(relu_region)
+    assert len(train.output_nodes) == len(relu_region.output_nodes) + 1
+    assert [n.name for n in train.output_nodes[:-1]] == [n.name for n in relu_region.output_nodes]
 
 
 def test_gradcheck_float64_through_the_custom_op():

@@ -34,17 +34,23 @@ def _grads(model: nn.Module, run, x: torch.Tensor, input_grad: bool) -> dict[str
 
 def _check_cudnn_gradients(model: nn.Module, x: torch.Tensor, tol: float = 5e-3,
                            input_grad: bool = True, **options):
-    """fp16 gradients through cuDNN regions against the fp64 gradients of the same model."""
+    """fp16 gradients through cuDNN regions against the fp64 gradients of the same model.
+
+    The error allowed is ``tol`` or twice eager fp16's own error, whichever is larger: a ReLU
+    whose fp16 input rounds to the other side of zero flips its gradient mask, which eager fp16
+    suffers as much (small test shapes make one flip weigh more).
+    """
     reference = copy.deepcopy(model).double()
     want = _grads(reference, reference, x.double(), input_grad)
     model = model.cuda().half()
+    eager = _grads(model, model, x.cuda().half(), input_grad)
     options.setdefault("autotune", 1)
     compiled = fc.compile(model, backend="cudnn", cache_dir=False, **options)
     got = _grads(model, compiled, x.cuda().half(), input_grad)
     assert set(got) == set(want)
     for name, w in want.items():
         if w.abs().max() > 0:
-            assert rel_err(got[name], w) < tol, name
+            assert rel_err(got[name], w) < max(tol, 2 * rel_err(eager[name], w)), name
     regions = compiled.last.regions
     assert all(r.backend == "cudnn" for r in regions), [(r.region_id, r.reason) for r in regions]
     return compiled

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -307,13 +308,16 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
 class _WeightCache:
     """channels_last copy of a weight, made once per weight version instead of once per call.
 
-    Keyed by the tensor's storage, strides and version counter (``Tensor._version`` grows on every
-    in-place update, optimizer steps included), so an updated parameter is copied again. A
-    weight computed afresh each call (a rewritten weight, an inference tensor) is converted.
+    Keyed by the tensor object itself (held weakly) and its version counter (``Tensor._version``
+    grows on every in-place update, optimizer steps included), so an updated parameter is copied
+    again, and a weight computed afresh each call (a rewritten weight in training, an inference
+    tensor) is always converted: a new tensor may reuse a freed one's memory and version number,
+    so storage address and version alone would return a stale copy.
     """
 
     def __init__(self):
-        self.key: tuple | None = None
+        self.source: weakref.ref | None = None
+        self.version = -1
         self.value: torch.Tensor | None = None
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -321,10 +325,9 @@ class _WeightCache:
             return t
         if t.is_inference():  # made under inference_mode: no version counter, a fresh tensor
             return t.contiguous(memory_format=torch.channels_last)
-        key = (t.data_ptr(), t.stride(), t._version)
-        if key != self.key:
+        if self.source is None or self.source() is not t or self.version != t._version:
             self.value = t.contiguous(memory_format=torch.channels_last)
-            self.key = key
+            self.source, self.version = weakref.ref(t), t._version
         return self.value
 
 
