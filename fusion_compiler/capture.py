@@ -84,8 +84,13 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Gr
         mode.allow_non_fake_inputs = True
     fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not hasattr(a, "fake_mode") else a
             for a in example_inputs]
-    with mode:
-        FakeTensorProp(gm, mode).propagate(*fake)
+    try:
+        with mode:
+            FakeTensorProp(gm, mode).propagate(*fake)
+    finally:
+        # Under torch.autocast, casts of parameters are cached for the rest of the autocast
+        # region; the ones made here are fake and must not be reused by the real run.
+        torch.clear_autocast_cache()
     return gm
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -14,6 +15,7 @@ from .backends.cudnn import DEFAULT_AUTOTUNE
 from .capture import TensorSpec, capture, input_specs
 from .lowering import lower, regions_of
 from .passes import Pass, PassManager, default_passes
+from .passes.autocast import make_autocast_explicit
 from .region import Region
 from .runtime.hoist import hoist_parameter_subgraphs
 
@@ -47,6 +49,14 @@ def _memory_format(t: Any) -> torch.memory_format | None:
     return None
 
 
+def _autocast_dtype(args: Sequence[Any]) -> torch.dtype | None:
+    """The ``torch.autocast`` dtype active for the device of the first tensor input, or ``None``."""
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
 def _channels_last_inputs(gm: fx.GraphModule) -> None:
     """Convert a 4-d graph input read by several cuDNN regions to channels_last once, at the
     boundary, instead of once per region."""
@@ -69,6 +79,8 @@ class CompiledModule(torch.nn.Module):
     It shares ``model``'s parameters and buffers (``parameters()``, ``state_dict()`` and
     ``train()``/``eval()`` act on the model). A call whose inputs differ in shape, stride, dtype or
     device from every earlier one compiles a new specialization (``specializations`` lists them).
+    A call under ``torch.autocast`` gets its own specialization in which the autocast casts are
+    explicit graph ops (:mod:`.passes.autocast`), so regions form in the autocast dtype.
     Calls that need gradients (grad mode on and a parameter or input requiring grad) get their own
     training specialization, whose cuDNN regions run a fused backward (:mod:`.backward`).
     ``derived_backward`` makes PyTorch-backend regions use that backward too (for tests).
@@ -113,7 +125,7 @@ class CompiledModule(torch.nn.Module):
             if a.device != ref.device:
                 raise ValueError(f"input {i} is on {a.device} but the model's parameters are on "
                                  f"{ref.device}; move the input (or the model) first")
-            if a.is_floating_point() and a.dtype != ref.dtype and not torch.is_autocast_enabled():
+            if a.is_floating_point() and a.dtype != ref.dtype and _autocast_dtype(args) is None:
                 raise TypeError(f"input {i} has dtype {a.dtype} but the model's parameters are "
                                 f"{ref.dtype}; convert the input to {ref.dtype}")
 
@@ -128,7 +140,9 @@ class CompiledModule(torch.nn.Module):
         """Compile (or fetch) the specialization for inputs like ``args``."""
         self._check_inputs(args)
         grad = self._needs_grad(args)
-        key = (input_specs(args), self.model.training, grad)
+        requires = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        amp = _autocast_dtype(args)
+        key = (input_specs(args), self.model.training, grad, requires if grad else (), amp)
         spec = self.specializations.get(key)
         if spec is not None:
             return spec
@@ -144,10 +158,17 @@ class CompiledModule(torch.nn.Module):
                 formats.extend(_memory_format(n.meta.get("val") if isinstance(n, fx.Node) else n)
                                for n in tree_flatten(out.args[0])[0])
 
-        gm = PassManager(self.passes, args, on_stage=on_stage).run(capture(self.model))
+        passes = self.passes
+        if amp is not None:  # casts before the fuse pass, so regions form in the autocast dtype
+            at = next((i for i, p in enumerate(passes) if p.name == "fuse"), len(passes))
+            passes = [*passes[:at], Pass("autocast", functools.partial(make_autocast_explicit,
+                                                                        dtype=amp)), *passes[at:]]
+        gm = PassManager(passes, args, on_stage=on_stage).run(capture(self.model))
+        frozen = frozenset(ph.name for ph, needs in zip(gm.graph.find_nodes(op="placeholder"),
+                                                          requires) if not needs)
         lower(gm, self.backend, progress=self.progress, training=grad,
-              derived_backward=self.derived_backward, cache_dir=self.cache_dir,
-              autotune=self.autotune)
+              derived_backward=self.derived_backward, no_grad_inputs=frozen,
+              cache_dir=self.cache_dir, autotune=self.autotune)
         _channels_last_inputs(gm)
         hoisted = None if grad else hoist_parameter_subgraphs(gm)
 

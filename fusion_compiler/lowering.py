@@ -38,7 +38,7 @@ def regions_of(gm: fx.GraphModule) -> list[Region]:
 
 def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = None, *,
           training: bool = False, derived_backward: bool = False,
-          **backend_options) -> fx.GraphModule:
+          no_grad_inputs: frozenset[str] = frozenset(), **backend_options) -> fx.GraphModule:
     """Choose and build a kernel for every region of ``gm`` (in place); return ``gm``.
 
     Args:
@@ -49,6 +49,8 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
             backward reads) and cuDNN regions get cuDNN dgrad/wgrad graphs.
         derived_backward: with ``training``, reference regions also run through the custom op
             with the derived backward (tests check it against PyTorch autograd without a GPU).
+        no_grad_inputs: names of ``gm``'s placeholders whose values never need a gradient (a
+            network input without ``requires_grad``): a convolution reading one builds no dgrad.
         backend_options: passed to the cuDNN backend (``cache_dir``, ``autotune``).
 
     Raises:
@@ -67,7 +69,7 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
         if training:
             region = training_region(region)
             setattr(gm, call.target, region)
-            region.no_grad_inputs = _no_grad_inputs(region, call)
+            region.no_grad_inputs = _no_grad_inputs(region, call, no_grad_inputs)
         try:
             region.cudnn_graph = graph_json(region)
         except UnsupportedError:
@@ -98,15 +100,11 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
     return gm
 
 
-def _no_grad_inputs(region: Region, call: fx.Node) -> set[str]:
-    """Region inputs fed straight from a graph input whose example value needs no gradient."""
-    names = set()
-    for ph, arg in zip(region.graph_module.graph.find_nodes(op="placeholder"), call.args):
-        val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
-        if (isinstance(arg, fx.Node) and arg.op == "placeholder" and isinstance(val, torch.Tensor)
-                and not val.requires_grad):
-            names.add(ph.name)
-    return names
+def _no_grad_inputs(region: Region, call: fx.Node, frozen: frozenset[str]) -> set[str]:
+    """Region inputs fed straight from a graph placeholder named in ``frozen``."""
+    return {ph.name for ph, arg in zip(region.graph_module.graph.find_nodes(op="placeholder"),
+                                        call.args)
+            if isinstance(arg, fx.Node) and arg.op == "placeholder" and arg.name in frozen}
 
 
 _MARGIN = 0.9  # PyTorch must win by 10%: near-ties would flip between runs on timing noise
