@@ -240,6 +240,10 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         report: print the region table after each compilation.
         progress: progress bar while plans build (``None``: only on a terminal).
 
+    Training: a call that needs gradients compiles a training specialization whose cuDNN regions
+    have a derived backward (dgrad and wgrad as cuDNN graphs, :mod:`fusion_compiler.backward`);
+    under ``torch.autocast`` the autocast casts become graph ops (:mod:`.passes.autocast`).
+
     Raises:
         FusionError: the model cannot be traced or its graph breaks the cuDNN graph rules.
         ValueError: unknown ``backend``.
