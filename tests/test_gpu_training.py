@@ -83,6 +83,7 @@ def test_pattern_gradients_through_cudnn(name, fusion):
 
 @pytest.mark.parametrize("fusion", ["default", "all"])
 def test_reference_network_gradients_through_cudnn(fusion):
+    torch.manual_seed(0)
     model = randomize_(se_resnet9_fixup(3), seed=3).train()
     compiled = _check_cudnn_gradients(model, torch.randn(32, 3, 64, 64), input_grad=False,
                                       **(FUSE_ALL if fusion == "all" else {}))
