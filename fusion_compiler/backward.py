@@ -9,7 +9,7 @@ op                      gradient rule (``g``: gradient of the op's output)
 ``add(a, b)``           ``ga = g``; ``gb = g`` summed to ``b``'s shape (a scalar or per-channel
                         bias gets the sum of ``g`` over the broadcast dimensions)
 ``sub(a, b)``           ``ga = g``; ``gb = -g`` summed likewise
-``mul(a, b)``           ``ga = g * b``; ``gb = sum(g * a)`` (the Fixup scale reads the conv output)
+``mul(a, b)``           ``ga = g * b``; ``gb = g * a`` summed to ``b``'s shape (but see below)
 ``div(a, b)``           ``ga = g / b``; ``gb = -sum(g * a / b^2)``
 ``relu``                ``g * (y > 0)`` from the saved output ``y`` (``threshold_backward``)
 ``clamp(x, lo, hi)``    ``g * (lo <= x <= hi)`` from the saved input
@@ -149,8 +149,7 @@ def training_region(region: Region) -> Region:
         if n.op != "output":
             env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[n] for n in (*region.output_nodes, *extra)))
-    copy = Region(region.region_id, fx.GraphModule(region.graph_module, graph), list(region.nodes))
-    return copy
+    return Region(region.region_id, fx.GraphModule(region.graph_module, graph), list(region.nodes))
 
 
 def _sum_to(g: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
