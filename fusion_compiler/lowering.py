@@ -2,23 +2,21 @@
 
 ``backend="auto"`` tries cuDNN and falls back to the reference backend with cuDNN's reason;
 ``"cudnn"`` does the same but logs each fallback as a warning; ``"reference"`` uses torch ops
-everywhere. When the cuDNN backend autotunes (``autotune > 1``, the default) each lowered region is
-also timed against its own PyTorch ops on the GPU and runs on PyTorch when that is at least 10%
-faster (the region's ``reason`` then says so, with both times). Every region also gets its cuDNN
-graph JSON (``region.cudnn_graph``) when the frontend is importable, GPU or not, so dumps show
-what would run.
+everywhere. When the cuDNN backend autotunes (``autotune > 1``, the default) it also times each
+region against its own PyTorch ops and declines it when those are at least 10% faster (the
+region's ``reason`` then says so, with both times; the timing is cached with the plan). Every
+region also gets its cuDNN graph JSON (``region.cudnn_graph``) when the frontend is importable, GPU
+or not, so dumps show what would run.
 """
 
 from __future__ import annotations
 
 import logging
 
-import torch
 import torch.fx as fx
 from tqdm.auto import tqdm
 
 from .backends import get_backend
-from .backends.autotune import gpu_time_ms, sample_inputs
 from .backends.cudnn_graph import graph_json
 from .backward import training_region
 from .errors import UnsupportedError, condense
@@ -83,10 +81,6 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
                 chosen, reason = reference, exc.reason
         else:
             chosen = reference
-        if chosen is preferred and backend_options.get("autotune", 0) > 1 and support:
-            slower = _slower_than_pytorch(region)
-            if slower:
-                chosen, reason = reference, slower
         if chosen is reference:
             region.gradients = []
             region.set_kernel(reference.lower(region, training))
@@ -105,25 +99,3 @@ def _no_grad_inputs(region: Region, call: fx.Node, frozen: frozenset[str]) -> se
     return {ph.name for ph, arg in zip(region.graph_module.graph.find_nodes(op="placeholder"),
                                         call.args)
             if isinstance(arg, fx.Node) and arg.op == "placeholder" and arg.name in frozen}
-
-
-_MARGIN = 0.9  # PyTorch must win by 10%: near-ties would flip between runs on timing noise
-
-
-def _slower_than_pytorch(region: Region) -> str:
-    """Time the lowered kernel (input preparation included) against the region's PyTorch ops on
-    random inputs of its shapes; a reason when PyTorch is at least 10% faster, else ``""``.
-
-    Measured cases on an H100: a 7x7 stride-2 conv on 3 channels zero-padded to 8 (the resnet
-    stem) ran far slower on cuDNN's runtime-fusion engines than PyTorch's conv + pointwise ops.
-    """
-    inputs = sample_inputs(region)
-    if not inputs or not inputs[0].is_cuda:
-        return ""
-    fused_ms = gpu_time_ms(lambda: region.kernel(*inputs))
-    torch_ms = gpu_time_ms(lambda: region.graph_module(*inputs))
-    region.timing = {"cudnn_ms": fused_ms, "pytorch_ms": torch_ms}
-    if torch_ms < _MARGIN * fused_ms:
-        return (f"PyTorch ops were faster on this GPU: {torch_ms:.4f} ms against "
-                f"{fused_ms:.4f} ms on cuDNN (best timed plan, input preparation included)")
-    return ""

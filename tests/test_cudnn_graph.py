@@ -101,3 +101,16 @@ def test_conv_gradient_graphs_are_nhwc_with_io_typed_output(fp16_regions, kind):
     assert list(out.get_dim()) == want
     assert list(out.get_stride()) == nhwc_strides(tuple(want))
     assert str(out.get_data_type()).endswith("HALF")  # an fp32 wgrad output is 25x slower
+
+
+def test_plan_records_round_trip_and_never_raise(tmp_path):
+    cache = PlanCache(tmp_path)
+    header = PlanCache.header('{"nodes": []}', {"gpu": "H100", "sm": "90"})
+    assert cache.load_record(header, "pytorch_timing") is None
+    cache.store_record(header, "pytorch_timing", {"cudnn_ms": 0.01, "pytorch_ms": 0.02})
+    assert cache.load_record(header, "pytorch_timing") == {"cudnn_ms": 0.01, "pytorch_ms": 0.02}
+    other = PlanCache.header('{"nodes": []}', {"gpu": "A100", "sm": "80"})
+    assert cache.load_record(other, "pytorch_timing") is None  # another GPU's record
+    next(tmp_path.glob("*.json")).write_text("{not json")
+    assert cache.load_record(header, "pytorch_timing") is None  # corrupt: ignored, re-measured
+    PlanCache(None).store_record(header, "pytorch_timing", {})  # caching off: a no-op

@@ -153,3 +153,18 @@ def test_disk_cache_round_trip_in_a_second_process(tmp_path):
     third, stderr = _cache_run(tmp_path)
     assert not any(third["cached"]) and "rebuilding the plan" in stderr
     assert third["sum"] == first["sum"]
+
+
+def test_pytorch_timing_is_cached_with_the_plan(tmp_path):
+    """A compile that loads plans from the cache reuses their PyTorch-vs-cuDNN timings: the same
+    choices, nothing re-timed (warm compiles stay fast, processes agree)."""
+    model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
+    x = torch.randn(32, 3, 64, 64, device="cuda", dtype=torch.half)
+    runs = []
+    for _ in range(2):
+        compiled = fc.compile(model, [x], backend="cudnn", cache_dir=tmp_path, autotune=2)
+        runs.append(compiled.specialize(x).regions)
+    first, second = runs
+    assert all(r.plan_from_cache for r in second)
+    assert [r.timing for r in second] == [r.timing for r in first]
+    assert [r.backend for r in second] == [r.backend for r in first]

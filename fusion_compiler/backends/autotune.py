@@ -21,7 +21,12 @@ import torch
 from ..errors import condense
 from .cudnn_graph import import_cudnn
 
-__all__ = ["PlanTiming", "fastest", "sample_pack", "sample_inputs", "gpu_time_ms", "autotune"]
+__all__ = ["PlanTiming", "fastest", "sample_pack", "sample_inputs", "gpu_time_ms", "autotune",
+           "PYTORCH_MARGIN"]
+
+PYTORCH_MARGIN = 0.9
+"""PyTorch's ops replace a cuDNN graph only when they time below this fraction of it (10% faster):
+near-ties would otherwise flip between runs on timing noise."""
 
 
 @dataclass

@@ -10,7 +10,8 @@ of a region's backward (:mod:`fusion_compiler.backward`) runs as PyTorch ops.
 
 Each graph is built into a :class:`~.cudnn.CudnnPlan` (cached, autotuned). When autotuning is on,
 each is also timed against PyTorch's ``convolution_backward`` on random data of its shapes, and
-the faster one runs (PyTorch must win by 10%, as in :mod:`fusion_compiler.lowering`). A graph
+the faster one runs (PyTorch must win by 10%, ``PYTORCH_MARGIN``; the timing is cached with the
+plan, see ``CudnnPlan.timed_against_pytorch``). A graph
 cuDNN rejects runs on PyTorch with cuDNN's reason.
 """
 
@@ -25,13 +26,12 @@ import torch.fx as fx
 from ..backward import TorchConvGradients
 from ..errors import UnsupportedError, condense
 from ..region import Region
-from .autotune import _random, gpu_time_ms
+from .autotune import PYTORCH_MARGIN, _random, gpu_time_ms
 from .cudnn_graph import CudnnGraph, channel_padding, cudnn_dtype, import_cudnn, nhwc_strides
 
 __all__ = ["conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS"]
 
 GRADIENT_KINDS = ("dgrad", "wgrad")
-_MARGIN = 0.9
 
 
 def _shape(node: Any) -> list[int]:
@@ -143,12 +143,16 @@ class CudnnConvGradients:
             layout = torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last)
             return _random(shape, layout.stride(), self.dtype, self.device)
 
-        dy, x, w = sample(self.y_shape), sample(self.x_shape), sample(self.w_shape)
         run_cudnn = getattr(self, f"_cudnn_{piece.kind}")
         run_torch = getattr(self.torch, piece.kind)
-        piece.cudnn_ms = gpu_time_ms(lambda: run_cudnn(dy, x, w))
-        piece.pytorch_ms = gpu_time_ms(lambda: run_torch(dy, x, w))
-        if piece.pytorch_ms < _MARGIN * piece.cudnn_ms:
+
+        def measure() -> tuple[float, float]:
+            dy, x, w = sample(self.y_shape), sample(self.x_shape), sample(self.w_shape)
+            return (gpu_time_ms(lambda: run_cudnn(dy, x, w)),
+                    gpu_time_ms(lambda: run_torch(dy, x, w)))
+
+        piece.cudnn_ms, piece.pytorch_ms = self.plans[piece.kind].timed_against_pytorch(measure)
+        if piece.pytorch_ms < PYTORCH_MARGIN * piece.cudnn_ms:
             piece.backend = "pytorch"
             piece.reason = (f"PyTorch was faster on this GPU: {piece.pytorch_ms:.4f} ms against "
                             f"{piece.cudnn_ms:.4f} ms on cuDNN")

@@ -5,7 +5,8 @@ spec), the GPU's name and SM, and the cuDNN backend and frontend versions -- a s
 only valid for the same GPU model and versions (cuDNN frontend docs, "Serialization";
 CUDNN_FACTS.md "Persistence"). Each file holds a one-line JSON header with those fields followed by
 the plan bytes. A corrupt, stale or foreign entry is reported with a warning by the caller and
-rebuilt; the cache never raises on a bad file.
+rebuilt; the cache never raises on a bad file. Small JSON records about a plan (its timing against
+PyTorch's ops) sit beside it in ``<key>.<name>.json`` (:meth:`PlanCache.load_record`).
 
 Location: the ``cache_dir`` option, else ``$FUSION_COMPILER_CACHE_DIR``, else the user cache
 directory from ``platformdirs`` (``~/.cache/fusion_compiler/plans`` on Linux).
@@ -93,6 +94,35 @@ class PlanCache:
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(json.dumps(header, sort_keys=True).encode() + b"\n" + blob)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def _record_path(self, header: dict, name: str) -> Path | None:
+        return None if self.directory is None else self.directory / f"{self.key(header)}.{name}.json"
+
+    def load_record(self, header: dict, name: str) -> dict | None:
+        """The JSON record ``name`` stored beside the plan of ``header``; ``None`` when absent,
+        unreadable or written for another header (never raises)."""
+        path = self._record_path(header, name)
+        try:
+            stored = json.loads(path.read_text()) if path is not None and path.exists() else None
+        except (OSError, ValueError):
+            return None
+        if not isinstance(stored, dict) or stored.get("header") != header:
+            return None
+        return stored.get("record")
+
+    def store_record(self, header: dict, name: str, record: dict) -> None:
+        """Write the JSON record ``name`` beside the plan of ``header`` (I/O errors swallowed)."""
+        path = self._record_path(header, name)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"header": header, "record": record}, f, sort_keys=True)
             os.replace(tmp, path)
         except OSError:
             pass
