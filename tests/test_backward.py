@@ -199,3 +199,18 @@ def test_autocast_training_forms_the_same_regions_and_tracks_eager():
     assert all(r.conv.args[1].meta["val"].dtype == torch.bfloat16 for r in spec.regions)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # inference: hoisted casts
         assert ((compiled(x).float() - model(x).float()).norm() / model(x).float().norm()) < 2e-2
+
+
+def test_kernels_and_their_backward_die_with_the_compiled_module():
+    import gc
+
+    from fusion_compiler.runtime import region_op
+
+    model = randomize_(se_resnet9_fixup(3, base_planes=8), seed=1)
+    compiled = CompiledModule(model, backend="reference", derived_backward=True)
+    before = len(region_op._KERNELS)
+    compiled(torch.randn(1, 3, 64, 64)).sum().backward()
+    assert len(region_op._KERNELS) == before + 12
+    del compiled
+    gc.collect()
+    assert len(region_op._KERNELS) == before

@@ -25,7 +25,7 @@ __all__ = ["run_region", "register_kernel", "register_backward"]
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _OUTPUTS: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
-_BACKWARDS: dict[int, Callable] = {}
+_BACKWARD_ATTR = "_fusion_compiler_backward"
 _KEYS = itertools.count()
 
 
@@ -37,7 +37,6 @@ def register_kernel(kernel: object,
     _KERNELS[key] = kernel
     _OUTPUTS[key] = list(outputs)
     weakref.finalize(kernel, _OUTPUTS.pop, key, None)
-    weakref.finalize(kernel, _BACKWARDS.pop, key, None)
     return key
 
 
@@ -46,9 +45,10 @@ def register_backward(key: int, backward: Callable) -> None:
 
     ``backward(needs_grad, inputs, outputs, grad_outputs) -> list[Tensor | None]``: ``needs_grad``
     has one bool per input, ``grad_outputs`` one tensor or ``None`` per output; it returns one
-    gradient (or ``None``) per input, shaped like that input.
+    gradient (or ``None``) per input, shaped like that input. It is kept on the kernel object (not
+    in a global table), so it lives exactly as long as the kernel.
     """
-    _BACKWARDS[key] = backward
+    setattr(_KERNELS[key], _BACKWARD_ATTR, backward)
 
 
 @torch.library.custom_op("fusion_compiler::run_region", mutates_args=())
@@ -74,7 +74,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
-    backward = _BACKWARDS.get(ctx.key)
+    backward = getattr(_KERNELS.get(ctx.key), _BACKWARD_ATTR, None)
     if backward is None:
         raise RuntimeError("this fused region was compiled for inference (no gradients were "
                            "needed when it was specialized); call the compiled module with "
