@@ -81,7 +81,7 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
                 chosen, reason = reference, exc.reason
         else:
             chosen = reference
-        if chosen is reference:
+        if chosen is reference and preferred is not reference:
             region.gradients = []
             region.set_kernel(reference.lower(region, training))
         region.backend = chosen.name

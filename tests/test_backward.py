@@ -206,8 +206,9 @@ def test_kernels_and_their_backward_die_with_the_compiled_module():
 
     from fusion_compiler.runtime import region_op
 
-    model = randomize_(se_resnet9_fixup(3, base_planes=8), seed=1)
+    model = randomize_(se_resnet9_fixup(3, base_planes=16), seed=1)
     compiled = CompiledModule(model, backend="reference", derived_backward=True)
+    gc.collect()
     before = len(region_op._KERNELS)
     compiled(torch.randn(1, 3, 64, 64)).sum().backward()
     assert len(region_op._KERNELS) == before + 12
