@@ -194,9 +194,11 @@ class CompiledModule(torch.nn.Module):
         spec = Specialization(key, gm, runner, stages)
         self.specializations[key] = spec
         if self.show_report:
-            from .report import format_regions  # noqa: PLC0415
+            from .report import format_gradients, format_regions  # noqa: PLC0415
 
             print(format_regions(spec.regions))
+            if grad:
+                print(format_gradients(spec.regions))
         return spec
 
     def forward(self, *args: Any) -> Any:
@@ -237,7 +239,8 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             slower than the convolution plus a separate add (see ``passes.default_passes``).
         fuse_reduction: fuse the H, W sum after a convolution (the SE squeeze) into its region
             as an exit reduction. Off by default for the same reason.
-        report: print the region table after each compilation.
+        report: print the region table after each compilation (and, for a training
+            specialization, how each region's backward runs).
         progress: progress bar while plans build (``None``: only on a terminal).
 
     Training: a call that needs gradients compiles a training specialization whose cuDNN regions
