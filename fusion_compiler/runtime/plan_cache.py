@@ -86,17 +86,7 @@ class PlanCache:
     def store(self, header: dict, blob: bytes) -> None:
         """Write an entry atomically (temp file + rename); I/O errors are swallowed: the cache is
         an optimization, never a reason to fail."""
-        path = self.path(header)
-        if path is None:
-            return
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(json.dumps(header, sort_keys=True).encode() + b"\n" + blob)
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        _write_atomic(self.path(header), json.dumps(header, sort_keys=True).encode() + b"\n" + blob)
 
     def _record_path(self, header: dict, name: str) -> Path | None:
         return None if self.directory is None else self.directory / f"{self.key(header)}.{name}.json"
@@ -115,14 +105,21 @@ class PlanCache:
 
     def store_record(self, header: dict, name: str, record: dict) -> None:
         """Write the JSON record ``name`` beside the plan of ``header`` (I/O errors swallowed)."""
-        path = self._record_path(header, name)
-        if path is None:
-            return
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"header": header, "record": record}, f, sort_keys=True)
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        _write_atomic(self._record_path(header, name),
+                      json.dumps({"header": header, "record": record}, sort_keys=True).encode())
+
+
+def _write_atomic(path: Path | None, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file and a rename, so readers never see a partial
+    file; ``None`` (caching off) and I/O errors do nothing: the cache is an optimization, never a
+    reason to fail."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
