@@ -14,14 +14,15 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import condense
 from .cudnn_graph import import_cudnn
 
-__all__ = ["PlanTiming", "fastest", "sample_pack", "sample_inputs", "gpu_time_ms", "autotune",
+__all__ = ["PlanTiming", "fastest", "sample_pack", "sample_tensor", "sample_inputs", "gpu_time_ms",
+           "autotune",
            "PYTORCH_MARGIN"]
 
 PYTORCH_MARGIN = 0.9
@@ -67,18 +68,20 @@ def sample_pack(tensors: dict[int, Any], device: torch.device) -> dict[int, torc
             for uid, t in tensors.items()}
 
 
+def sample_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A random tensor of ``shape`` (see :func:`_random` for the values), channels_last when 4-d:
+    the layout activations have between cuDNN regions at run time."""
+    layout = torch.empty(tuple(shape), device="meta").contiguous(
+        memory_format=torch.channels_last if len(shape) == 4 else torch.contiguous_format)
+    return _random(tuple(shape), layout.stride(), dtype, device)
+
+
 def sample_inputs(region) -> list[torch.Tensor]:
     """Random tensors like ``region``'s inputs (shapes, dtypes, device from the placeholders'
-    ``meta["val"]``). 4-d tensors are channels_last, as activations arrive from an upstream cuDNN
-    region at run time (the captured strides are eager's NCHW ones)."""
-    result = []
-    for ph in region.graph_module.graph.find_nodes(op="placeholder"):
-        val = ph.meta["val"]
-        shape = tuple(val.shape)
-        layout = torch.empty(shape, device="meta").contiguous(
-            memory_format=torch.channels_last if val.dim() == 4 else torch.contiguous_format)
-        result.append(_random(shape, layout.stride(), val.dtype, val.device))
-    return result
+    ``meta["val"]``), made by :func:`sample_tensor`: 4-d tensors are channels_last, as activations
+    arrive from an upstream cuDNN region at run time (the captured strides are eager's NCHW ones)."""
+    return [sample_tensor(ph.meta["val"].shape, ph.meta["val"].dtype, ph.meta["val"].device)
+            for ph in region.graph_module.graph.find_nodes(op="placeholder")]
 
 
 def gpu_time_ms(run: Callable[[], object], reps: int = 3, iters: int = 10) -> float:

@@ -35,7 +35,7 @@ from .autotune import (PYTORCH_MARGIN, PlanTiming, autotune, fastest, gpu_time_m
                        sample_pack)
 from .cudnn_backward import CudnnConvGradients
 from .cudnn_graph import (CudnnGraph, build_graph, channel_padding, import_cudnn, nhwc_strides,
-                          output_dtype)
+                          output_dtype, to_nhwc)
 
 __all__ = ["CudnnBackend", "CudnnKernel", "CudnnPlan"]
 
@@ -313,8 +313,6 @@ class CudnnKernel:
         self.device = placeholders[0].meta["val"].device
         spec = build_graph(region, handle=backend.handle(self.device))
         self.plan = CudnnPlan(backend, self.device, spec, f"region {region.region_id}")
-        self.tuning = self.plan.tuning
-        self.workspace_bytes = self.plan.workspace_bytes
 
         pad = channel_padding(region)
         self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
@@ -327,7 +325,7 @@ class CudnnKernel:
             elif op.role == "weight":
                 self.prepare.append(_WeightCache())
             else:
-                self.prepare.append(_channels_last)
+                self.prepare.append(to_nhwc)
         self.outputs = []  # (shape, strides, dtype cuDNN writes, dtype the region returns)
         for out in region.output_nodes:
             val = out.meta["val"]
@@ -336,8 +334,8 @@ class CudnnKernel:
         self.key = register_kernel(self, [(s, st, dt) for s, st, _, dt in self.outputs])
         region.plan = self.plan.plan_name
         region.plan_from_cache = self.plan.from_cache
-        region.workspace_bytes = self.workspace_bytes
-        region.tuning = self.tuning
+        region.workspace_bytes = self.plan.workspace_bytes
+        region.tuning = self.plan.tuning
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outs = tuple(torch.empty_strided(shape, stride, dtype=written, device=self.device)
@@ -349,10 +347,6 @@ class CudnnKernel:
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Run through the ``fusion_compiler::run_region`` custom op (what graphs call)."""
         return tuple(run_region(self.key, list(inputs)))
-
-
-def _channels_last(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=torch.channels_last)
 
 
 class _WeightCache:

@@ -26,8 +26,9 @@ import torch.fx as fx
 from ..backward import TorchConvGradients
 from ..errors import UnsupportedError, condense
 from ..region import Region
-from .autotune import PYTORCH_MARGIN, _random, gpu_time_ms
-from .cudnn_graph import CudnnGraph, channel_padding, cudnn_dtype, import_cudnn, nhwc_strides
+from .autotune import PYTORCH_MARGIN, gpu_time_ms, sample_tensor
+from .cudnn_graph import (CudnnGraph, channel_padding, cudnn_dtype, import_cudnn, nhwc_strides,
+                          to_nhwc)
 
 __all__ = ["conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS"]
 
@@ -139,15 +140,12 @@ class CudnnConvGradients:
             self.pieces.append(piece)
 
     def _compare(self, piece: GradientPiece) -> None:
-        def sample(shape):
-            layout = torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last)
-            return _random(shape, layout.stride(), self.dtype, self.device)
-
         run_cudnn = getattr(self, f"_cudnn_{piece.kind}")
         run_torch = getattr(self.torch, piece.kind)
 
         def measure() -> tuple[float, float]:
-            dy, x, w = sample(self.y_shape), sample(self.x_shape), sample(self.w_shape)
+            dy, x, w = (sample_tensor(shape, self.dtype, self.device)
+                        for shape in (self.y_shape, self.x_shape, self.w_shape))
             return (gpu_time_ms(lambda: run_cudnn(dy, x, w)),
                     gpu_time_ms(lambda: run_torch(dy, x, w)))
 
@@ -162,13 +160,13 @@ class CudnnConvGradients:
     def _cudnn_dgrad(self, dy, x, w):
         dx = torch.empty_strided(self.x_shape, nhwc_strides(self.x_shape), dtype=dy.dtype,
                                  device=dy.device)
-        self.plans["dgrad"].execute([_nhwc(dy), self._weights(w)], [dx])
+        self.plans["dgrad"].execute([to_nhwc(dy), self._weights(w)], [dx])
         return dx
 
     def _cudnn_wgrad(self, dy, x, w):
         dw = torch.empty_strided(self.w_shape, nhwc_strides(self.w_shape), dtype=dy.dtype,
                                  device=dy.device)
-        self.plans["wgrad"].execute([_nhwc(x), _nhwc(dy)], [dw])
+        self.plans["wgrad"].execute([to_nhwc(x), to_nhwc(dy)], [dw])
         return dw
 
     def dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -182,7 +180,3 @@ class CudnnConvGradients:
         if "wgrad" in self.plans:
             return self._cudnn_wgrad(dy, x, w)
         return self.torch.wgrad(dy, x, w)
-
-
-def _nhwc(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=torch.channels_last)

@@ -32,8 +32,8 @@ from ..errors import UnsupportedError
 from ..ops import BINARY, is_conv, is_hw_sum
 from ..region import Region
 
-__all__ = ["CudnnGraph", "build_graph", "graph_json", "nhwc_strides", "cudnn_dtype", "import_cudnn",
-           "channel_padding", "output_dtype"]
+__all__ = ["CudnnGraph", "build_graph", "graph_json", "nhwc_strides", "to_nhwc", "cudnn_dtype",
+           "import_cudnn", "channel_padding", "output_dtype"]
 
 
 def import_cudnn():
@@ -53,6 +53,11 @@ def nhwc_strides(shape: tuple[int, ...]) -> list[int]:
     """Fully packed channels_last strides (elements) of a logical NCHW ``shape`` of rank 4."""
     n, c, h, w = shape
     return [c * h * w, 1, w * c, c]
+
+
+def to_nhwc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` fully packed channels_last (a no-op when it already is), as graph I/O is declared."""
+    return t.contiguous(memory_format=torch.channels_last)
 
 
 def cudnn_dtype(dtype: torch.dtype):
