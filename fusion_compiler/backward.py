@@ -173,15 +173,26 @@ class RegionBackward:
         self.placeholders = list(graph.find_nodes(op="placeholder"))
         self.outputs = region.output_nodes
         self.nodes = [n for n in graph.nodes if n.op == "call_function"]
-        conv = region.conv
         self.folded = folded_scale(region)
-        missing = [v.name for n in self.nodes if n in _after_conv(region)
-                   for v in _reads(n, self.folded)
-                   if v in _after_conv(region) and v not in self.outputs]
+        after = _after_conv(region)
+        missing = [v.name for n in self.nodes if n in after for v in _reads(n, self.folded)
+                   if v in after and v not in self.outputs]
         if missing:
             raise ValueError(f"region {region.region_id} does not return {missing}, which its "
                              f"backward reads: build it with training_region()")
-        self.conv = conv
+        self._wanted: dict[tuple[bool, ...], frozenset[fx.Node]] = {}
+
+    def _wanted_nodes(self, needs_grad: Sequence[bool]) -> frozenset[fx.Node]:
+        """The inputs that need a gradient and every node whose gradient leads to one; computed
+        once per ``needs_grad`` pattern (the backward runs every training step)."""
+        key = tuple(needs_grad)
+        if key not in self._wanted:
+            wanted = {ph for ph, need in zip(self.placeholders, key) if need}
+            for n in self.nodes:
+                if any(a in wanted for a in n.all_input_nodes):
+                    wanted.add(n)
+            self._wanted[key] = frozenset(wanted)
+        return self._wanted[key]
 
     def __call__(self, needs_grad: Sequence[bool], inputs: Sequence[torch.Tensor],
                  outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None]
@@ -196,10 +207,7 @@ class RegionBackward:
         values: dict[fx.Node, Any] = dict(zip(self.placeholders, inputs))
         for node, out in zip(self.outputs, outputs):
             values.setdefault(node, out)
-        wanted = {ph for ph, need in zip(self.placeholders, needs_grad) if need}
-        for n in self.nodes:  # nodes whose gradient leads to a wanted input
-            if any(a in wanted for a in n.all_input_nodes):
-                wanted.add(n)
+        wanted = self._wanted_nodes(needs_grad)
 
         def value(node: Any) -> Any:
             if not isinstance(node, fx.Node):

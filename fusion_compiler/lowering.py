@@ -82,7 +82,6 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
         else:
             chosen = reference
         if chosen is reference and preferred is not reference:
-            region.gradients = []
             region.set_kernel(reference.lower(region, training))
         region.backend = chosen.name
         region.status = "lowered" if chosen is preferred else "fallback"

@@ -118,6 +118,12 @@ class Region(torch.nn.Module):
         values = out.args[0]
         return list(values) if isinstance(values, (tuple, list)) else [values]
 
+    def output_specs(self) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]:
+        """``(shape, stride, dtype)`` of each output as traced (what ``register_kernel`` takes for
+        a kernel that returns the graph's own tensors)."""
+        return [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
+                for n in self.output_nodes]
+
     @property
     def pattern(self) -> str:
         """Readable op sequence, e.g. ``[add] conv3x3 > add > relu + sum_hw``: bracketed ops are the

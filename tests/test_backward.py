@@ -69,9 +69,7 @@ def test_reference_network_gradients_match_autograd(fusion):
 def _region_op(region, conv_grads=None):
     """Run ``region`` (training copy) through the custom op with the derived backward."""
     train = training_region(region)
-    outputs = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
-               for n in train.output_nodes]
-    key = register_kernel(train.graph_module, outputs)
+    key = register_kernel(train.graph_module, train.output_specs())
     register_backward(key, RegionBackward(train, conv_grads or TorchConvGradients(train.conv)))
     return train, key
 
@@ -146,9 +144,7 @@ def test_frozen_weight_and_input_get_no_gradient_computed():
 
 def test_inference_kernel_refuses_backward():
     region = _fixup_region(0, fuse_prologue=False)
-    outputs = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
-               for n in region.output_nodes]
-    key = register_kernel(region.graph_module, outputs)
+    key = register_kernel(region.graph_module, region.output_specs())
     inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
               for ph in region.graph_module.graph.find_nodes(op="placeholder")]
     out = run_region(key, inputs)[0]

@@ -36,9 +36,6 @@ class ReferenceBackend:
     def lower(self, region: Region, training: bool = False) -> Kernel:
         if not (training and self.derived_backward):
             return region.graph_module
-        outputs = [(tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype)
-                   for n in region.output_nodes]
-        gm = region.graph_module
-        key = register_kernel(gm, outputs)
+        key = register_kernel(region.graph_module, region.output_specs())
         register_backward(key, RegionBackward(region, TorchConvGradients(region.conv)))
         return lambda *inputs: tuple(run_region(key, list(inputs)))
