@@ -58,3 +58,25 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.abs().max().item()
     assert scale > 0, "reference output is all zeros: the test would prove nothing"
     return (actual.double() - expected).abs().max().item() / scale
+
+
+def loss(out, scale: float = 1.0) -> torch.Tensor:
+    """``scale * sum(mean(o**2) + mean(o))`` over the output(s): every element gets a gradient
+    that is not constant. fp16/bf16 outputs are summed in fp32; fp64 stays fp64."""
+    outs = out if isinstance(out, tuple) else (out,)
+    return scale * sum((lambda o: o.square().mean() + o.mean())(
+        o.to(torch.promote_types(o.dtype, torch.float32))) for o in outs)
+
+
+def gradients(model: torch.nn.Module, run, x: torch.Tensor, *, input_grad: bool = True,
+              scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Gradients of :func:`loss` of ``run(x)`` for every parameter of ``model`` that got one (and
+    ``"input"`` when ``input_grad``), as float64 copies on the CPU."""
+    model.zero_grad()
+    x = x.detach().clone().requires_grad_(input_grad)
+    loss(run(x), scale).backward()
+    grads = {n: p.grad.to("cpu", torch.float64, copy=True) for n, p in model.named_parameters()
+             if p.grad is not None}
+    if input_grad:
+        grads["input"] = x.grad.to("cpu", torch.float64, copy=True)
+    return grads

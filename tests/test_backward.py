@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import FUSE_ALL, rel_err
+from conftest import FUSE_ALL, gradients, rel_err
 
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from fusion_compiler.backward import (RegionBackward, TorchConvGradients, folded_scale,
@@ -22,21 +22,10 @@ from fusion_compiler.runtime.region_op import register_backward, register_kernel
 from test_fuse_patterns import PATTERNS
 
 
-def _grads(model: nn.Module, run, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    model.zero_grad()
-    x = x.detach().clone().requires_grad_()
-    out = run(x)
-    outs = out if isinstance(out, tuple) else (out,)
-    sum(o.square().mean() + o.mean() for o in outs).backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    grads["input"] = x.grad.clone()
-    return grads
-
-
 def _compare(model: nn.Module, x: torch.Tensor, **options) -> CompiledModule:
     compiled = CompiledModule(model, backend="reference", derived_backward=True, **options)
-    got = _grads(model, compiled, x)
-    want = _grads(model, model, x)
+    got = gradients(model, compiled, x)
+    want = gradients(model, model, x)
     assert set(got) == set(want)
     checked = 0
     for name, w in want.items():

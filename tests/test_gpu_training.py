@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import FUSE_ALL
+from conftest import FUSE_ALL, gradients, loss
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
@@ -18,21 +18,9 @@ pytestmark = pytest.mark.gpu
 SCALAR_TOL = 5e-2
 
 
-def _loss(out) -> torch.Tensor:
-    """Mean of squares plus mean, times a static loss scale of 1024 as fp16 training uses: an
-    unscaled mean over 10^5 elements gives fp16 gradients in the subnormal range."""
-    outs = out if isinstance(out, tuple) else (out,)
-    return 1024.0 * sum(o.float().square().mean() + o.float().mean() for o in outs)
-
-
-def _grads(model: nn.Module, run, x: torch.Tensor, input_grad: bool) -> dict[str, torch.Tensor]:
-    model.zero_grad()
-    x = x.detach().clone().requires_grad_(input_grad)
-    _loss(run(x)).backward()
-    grads = {n: p.grad.double().cpu() for n, p in model.named_parameters() if p.grad is not None}
-    if input_grad:
-        grads["input"] = x.grad.double().cpu()
-    return grads
+LOSS_SCALE = 1024.0
+"""A static loss scale, as fp16 training uses: an unscaled mean over 10^5 elements gives fp16
+gradients in the subnormal range."""
 
 
 def _l2_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -55,12 +43,12 @@ def _check_cudnn_gradients(model: nn.Module, x: torch.Tensor, tol: float = 5e-3,
     (eager 5.9e-4); the 50-step loop test shows training tracks eager regardless.
     """
     reference = copy.deepcopy(model).double()
-    want = _grads(reference, reference, x.double(), input_grad)
+    want = gradients(reference, reference, x.double(), input_grad=input_grad, scale=LOSS_SCALE)
     model = model.cuda().half()
-    eager = _grads(model, model, x.cuda().half(), input_grad)
+    eager = gradients(model, model, x.cuda().half(), input_grad=input_grad, scale=LOSS_SCALE)
     options.setdefault("autotune", 1)
     compiled = fc.compile(model, backend="cudnn", cache_dir=False, **options)
-    got = _grads(model, compiled, x.cuda().half(), input_grad)
+    got = gradients(model, compiled, x.cuda().half(), input_grad=input_grad, scale=LOSS_SCALE)
     assert set(got) == set(want)
     for name, w in want.items():
         if w.abs().max() > 0:
@@ -97,7 +85,8 @@ def test_reference_network_gradients_through_cudnn(fusion):
 def test_autotuned_backward_pieces_are_never_slower_than_pytorch():
     model = randomize_(se_resnet9_fixup(3), seed=4).cuda().half().train()
     compiled = fc.compile(model, backend="cudnn", cache_dir=False, autotune=4)
-    _loss(compiled(torch.randn(256, 3, 64, 64, device="cuda", dtype=torch.half))).backward()
+    loss(compiled(torch.randn(256, 3, 64, 64, device="cuda", dtype=torch.half)),
+         LOSS_SCALE).backward()
     for r in compiled.last.regions:
         for p in r.gradients:
             if p.cudnn_ms is not None:
