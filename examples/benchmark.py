@@ -98,6 +98,22 @@ def timed_build(make: Callable[[], Callable[[], object]]) -> tuple[Callable[[], 
     return fn, time.perf_counter() - t0
 
 
+def measure_variant(result: dict, variant: str, make: Callable[[], Callable[[], object]],
+                    reps: int, iters: int) -> Callable[[], object] | None:
+    """Build and time one variant into ``result`` (``compile_s``, ``ms``); returns its callable.
+    A variant that fails to build or run gets ``ms = None`` and its error in ``result["errors"]``
+    (report and go on: one broken variant must not hide the rest), and ``None`` is returned."""
+    try:
+        fn, seconds = timed_build(make)
+        result["compile_s"][variant] = seconds
+        result["ms"][variant] = time_ms(fn, reps, iters)
+        return fn
+    except Exception as exc:
+        result["ms"][variant] = None
+        result.setdefault("errors", {})[variant] = " ".join(str(exc).split())[:300]
+        return None
+
+
 def warm_compile_seconds(name: str, cache_dir: str, autotune: int) -> float:
     """Compile ``name`` with fusion_compiler in a fresh process reading ``cache_dir``."""
     proc = subprocess.run([sys.executable, __file__, "--compile-only", name, "--cache-dir", cache_dir,
@@ -129,14 +145,9 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
     with torch.inference_mode():
         reference = model(x).float()
         for variant in variants:
-            try:
-                fn, seconds = timed_build(makers[variant])
-            except Exception as exc:  # report and go on: one broken variant must not hide the rest
-                result["ms"][variant] = None
-                result.setdefault("errors", {})[variant] = " ".join(str(exc).split())[:300]
+            fn = measure_variant(result, variant, makers[variant], reps, iters)
+            if fn is None:
                 continue
-            result["compile_s"][variant] = seconds
-            result["ms"][variant] = time_ms(fn, reps, iters)
             if variant.startswith("fusion_compiler"):
                 out = fn().float()
                 err = ((out - reference).abs().max() / reference.abs().max()).item()
@@ -228,15 +239,10 @@ def bench_training(name: str, variants: list[str], reps: int, iters: int, autotu
         "fusion_compiler fp16+cudagraph": lambda: ours(fresh(), True),
     }
     for variant in variants:
-        try:
-            fn, seconds = timed_build(makers[variant])
-            result["compile_s"][variant] = seconds
-            result["ms"][variant] = time_ms(fn, reps, max(1, iters // 4))
-            if profile and variant in ("fusion_compiler fp16+cudagraph", "eager fp16+cudagraph"):
-                result.setdefault("profiles", {})[variant] = kernel_profile(fn, calls=5)
-        except Exception as exc:  # report and go on
-            result["ms"][variant] = None
-            result.setdefault("errors", {})[variant] = " ".join(str(exc).split())[:300]
+        fn = measure_variant(result, variant, makers[variant], reps, max(1, iters // 4))
+        if fn is not None and profile and variant in ("fusion_compiler fp16+cudagraph",
+                                                      "eager fp16+cudagraph"):
+            result.setdefault("profiles", {})[variant] = kernel_profile(fn, calls=5)
     return result
 
 
