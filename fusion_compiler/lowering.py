@@ -48,7 +48,9 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
         derived_backward: with ``training``, reference regions also run through the custom op
             with the derived backward (tests check it against PyTorch autograd without a GPU).
         no_grad_inputs: names of ``gm``'s placeholders whose values never need a gradient (a
-            network input without ``requires_grad``): a convolution reading one builds no dgrad.
+            network input without ``requires_grad``): a convolution reading one, or a value
+            computed from such inputs alone (the SpaceToDepth copy of the image), builds no
+            dgrad.
         backend_options: passed to the cuDNN backend (``cache_dir``, ``autotune``).
 
     Raises:
@@ -62,12 +64,13 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
              if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Region)]
     bar = tqdm(calls, desc="fusion_compiler: lowering regions", unit="region",
                disable=(not progress) if progress is not None else None, leave=False)
+    grad_free = _grad_free_nodes(gm, no_grad_inputs) if training else set()
     for call in bar:
         region = gm.get_submodule(call.target)
         if training:
             region = training_region(region)
             setattr(gm, call.target, region)
-            region.no_grad_inputs = _no_grad_inputs(region, call, no_grad_inputs)
+            region.no_grad_inputs = _no_grad_inputs(region, call, grad_free)
         try:
             region.cudnn_graph = graph_json(region)
         except UnsupportedError:
@@ -93,8 +96,22 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
     return gm
 
 
-def _no_grad_inputs(region: Region, call: fx.Node, frozen: frozenset[str]) -> set[str]:
-    """Region inputs fed straight from a graph placeholder named in ``frozen``."""
+def _grad_free_nodes(gm: fx.GraphModule, frozen: frozenset[str]) -> set[fx.Node]:
+    """Nodes of ``gm`` computed from the placeholders named in ``frozen`` (and constants) alone,
+    through ops that are not regions: their values can never need a gradient."""
+    free: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n.name in frozen:
+                free.add(n)
+        elif n.op in ("call_function", "call_method") and n.all_input_nodes and all(
+                a in free for a in n.all_input_nodes):
+            free.add(n)
+    return free
+
+
+def _no_grad_inputs(region: Region, call: fx.Node, grad_free: set[fx.Node]) -> set[str]:
+    """Names of the region's inputs fed from a node in ``grad_free``."""
     return {ph.name for ph, arg in zip(region.graph_module.graph.find_nodes(op="placeholder"),
                                         call.args)
-            if isinstance(arg, fx.Node) and arg.op == "placeholder" and arg.name in frozen}
+            if isinstance(arg, fx.Node) and arg in grad_free}

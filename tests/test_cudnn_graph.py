@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 from conftest import specialize
 
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
@@ -53,12 +54,22 @@ def test_squeeze_is_an_exit_reduction_with_its_own_output(fp16_regions):
     assert squeeze["dtype"] == "data_type.FLOAT"  # cuDNN declines a HALF reduction output
 
 
-def test_stem_input_channels_are_padded_to_eight(fp16_regions):
-    graph = graph_json(fp16_regions[0])  # conv4x4/s4 on 3 channels
-    assert graph["tensors"]["x"]["dim"] == [128, 8, 64, 64]
+def test_three_input_channels_are_padded_to_eight():
+    model = nn.Sequential(nn.Conv2d(3, 64, 4, stride=4, bias=False), nn.ReLU()).half().eval()
+    region = specialize(model, torch.randn(128, 3, 64, 64, dtype=torch.float16)).regions[0]
+    graph = graph_json(region)
+    image = next(t for t in graph["tensors"].values() if t["dim"][0] == 128 and t["dim"][2] == 64)
+    assert image["dim"] == [128, 8, 64, 64]
     conv = next(n for n in graph["nodes"] if n["type"] == "CONV_FPROP")
     assert graph["tensors"][conv["inputs"]["weight"]]["dim"] == [64, 8, 4, 4]
     assert conv["params"]["stride"] == [4, 4]
+
+
+def test_reference_stem_reads_an_unpadded_channels_last_image(fp16_regions):
+    graph = graph_json(fp16_regions[0])  # SpaceToDepth copy to channels_last, conv1x1 48 -> 64
+    conv = next(n for n in graph["nodes"] if n["type"] == "CONV_FPROP")
+    assert graph["tensors"][conv["inputs"]["image"]]["dim"] == [128, 48, 16, 16]
+    assert graph["tensors"][conv["inputs"]["weight"]]["dim"] == [64, 48, 1, 1]
 
 
 def test_plan_cache_round_trip_and_bad_entries(tmp_path):

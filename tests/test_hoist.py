@@ -23,8 +23,8 @@ def test_downsample_weights_are_hoisted_and_follow_parameter_updates():
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-5
-        # the stem weight (SpaceToDepth rewrite) and the three AvgPool+1x1 downsample weights
-        assert len(_hoisted(compiled)) == 4
+        # the three AvgPool+1x1 downsample weights (the 3-channel stem keeps its 1x1 weight)
+        assert len(_hoisted(compiled)) == 3
         code = compiled.last.graph_module.code
         assert "expand" not in code and "0.1111" not in code  # no per-call weight rewrite left
         for block in (model.layer1, model.layer2, model.layer3):

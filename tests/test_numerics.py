@@ -36,13 +36,19 @@ def test_reference_network_parameter_count():
     assert se_resnet9_fixup(3)(torch.randn(1, 3, 64, 64)).shape == (1, 512, 2, 2)
 
 
-def test_space_to_depth_rewrite_is_exact_in_fp64():
-    model = nn.Sequential(SpaceToDepth(4), nn.Conv2d(48, 16, 1, bias=False)).double()
-    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+@pytest.mark.parametrize("channels, pattern", [(3, "conv1x1"), (8, "conv4x4/s4")])
+def test_space_to_depth_rewrite_is_exact_in_fp64(channels, pattern):
+    """3 channels: a channels_last SpaceToDepth copy feeds the 1x1 conv (cuDNN would pad a folded
+    conv's image to 8 channels); 8 channels: folded into one 4x4 stride-4 conv."""
+    model = nn.Sequential(SpaceToDepth(4), nn.Conv2d(16 * channels, 16, 1, bias=False)).double()
+    x = torch.randn(2, channels, 32, 32, dtype=torch.float64)
     compiled = fc.compile(model)
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-12
-    assert compiled.last.regions[0].pattern == "conv4x4/s4"
+    region = compiled.last.regions[0]
+    assert region.pattern == pattern
+    if channels == 3:
+        assert region.conv.args[0].meta["val"].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_avgpool_conv_rewrite_is_exact_in_fp64():
