@@ -51,10 +51,12 @@ MODELS = {
     "seresnet9-rgb-train": ("examples.seresnet9_fixup:se_resnet9_fixup", (2048, 3, 64, 64), {}),
 }
 VARIANTS = ["eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
-            "fusion_compiler", "fusion_compiler+cudagraph"]
+            "fusion_compiler", "fusion_compiler+cudagraph", "fusion_compiler+inductor glue",
+            "fusion_compiler+inductor glue+cudagraph"]
 TRAIN_VARIANTS = ["eager AMP", "eager fp16", "eager fp16+cudagraph", "torch.compile fp16",
                   "torch.compile reduce-overhead fp16", "fusion_compiler fp16",
-                  "fusion_compiler fp16+cudagraph"]
+                  "fusion_compiler fp16+cudagraph", "fusion_compiler fp16+inductor glue",
+                  "fusion_compiler fp16+inductor glue+cudagraph"]
 
 
 def build_model(name: str) -> torch.nn.Module:
@@ -140,6 +142,12 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
         "fusion_compiler+cudagraph": lambda: (
             lambda m=fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir,
                                 autotune=autotune, cuda_graph=True): m(x)),
+        "fusion_compiler+inductor glue": lambda: (
+            lambda m=fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir,
+                                autotune=autotune, glue_backend="inductor"): m(x)),
+        "fusion_compiler+inductor glue+cudagraph": lambda: (
+            lambda m=fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir,
+                                autotune=autotune, cuda_graph=True, glue_backend="inductor"): m(x)),
     }
     result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {}}
     with torch.inference_mode():
@@ -152,8 +160,8 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
                 out = fn().float()
                 err = ((out - reference).abs().max() / reference.abs().max()).item()
                 result.setdefault("rel_err_vs_eager", {})[variant] = err
-            if profile and variant == "fusion_compiler+cudagraph":
-                result["profile"] = kernel_profile(fn)
+            if profile and variant.startswith("fusion_compiler") and variant.endswith("cudagraph"):
+                result.setdefault("profiles", {})[variant] = kernel_profile(fn)
         if "fusion_compiler" in variants:
             result["compile_s"]["fusion_compiler warm (new process)"] = warm_compile_seconds(
                 name, cache_dir, autotune)
@@ -219,8 +227,9 @@ def bench_training(name: str, variants: list[str], reps: int, iters: int, autotu
     def fresh(dtype=torch.half):
         return copy.deepcopy(base).to(dtype)
 
-    def ours(model, cuda_graph):
-        module = fc.compile(model, backend="cudnn", cache_dir=cache_dir, autotune=autotune)
+    def ours(model, cuda_graph, glue_backend=None):
+        module = fc.compile(model, backend="cudnn", cache_dir=cache_dir, autotune=autotune,
+                            glue_backend=glue_backend)
         step = train_step(model, module, x)
         step()  # compiles the training specialization
         from fusion_compiler.report import format_gradients
@@ -237,10 +246,13 @@ def bench_training(name: str, variants: list[str], reps: int, iters: int, autotu
             m := fresh(), step_marked(torch.compile(m, mode="reduce-overhead")), x),
         "fusion_compiler fp16": lambda: ours(fresh(), False),
         "fusion_compiler fp16+cudagraph": lambda: ours(fresh(), True),
+        "fusion_compiler fp16+inductor glue": lambda: ours(fresh(), False, "inductor"),
+        "fusion_compiler fp16+inductor glue+cudagraph": lambda: ours(fresh(), True, "inductor"),
     }
     for variant in variants:
         fn = measure_variant(result, variant, makers[variant], reps, max(1, iters // 4))
         if fn is not None and profile and variant in ("fusion_compiler fp16+cudagraph",
+                                                      "fusion_compiler fp16+inductor glue+cudagraph",
                                                       "eager fp16+cudagraph"):
             result.setdefault("profiles", {})[variant] = kernel_profile(fn, calls=5)
     return result
@@ -375,11 +387,10 @@ def main() -> int:
         if "tuning" in r:
             print(f"{r['model']}:\n{r['tuning']}")
         for variant, prof in r.get("profiles", {}).items():
-            print(f"kernel profile, {r['model']}, {variant}, 5 steps:\n{prof}")
+            calls = "5 steps" if r.get("train") else "20 calls"
+            print(f"kernel profile, {r['model']}, {variant}, {calls}:\n{prof}")
         if "gradients" in r:
             print(f"{r['model']}, backward pieces per region:\n{r['gradients']}")
-        if "profile" in r:
-            print(f"kernel profile, {r['model']}, fusion_compiler+cudagraph, 20 calls:\n{r['profile']}")
     (args.out / "bench.txt").write_text(text)
     (args.out / "bench.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, indent=1))

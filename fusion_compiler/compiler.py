@@ -84,6 +84,8 @@ class CompiledModule(torch.nn.Module):
     Calls that need gradients (grad mode on and a parameter or input requiring grad) get their own
     training specialization, whose cuDNN regions run a fused backward (:mod:`.backward`).
     ``derived_backward`` makes PyTorch-backend regions use that backward too (for tests).
+    ``glue_backend`` hands each specialization's graph to ``torch.compile`` with that backend
+    (see :func:`compile`).
 
     Raises (on call):
         TypeError: wrong number of inputs, or a floating input whose dtype differs from the
@@ -96,9 +98,10 @@ class CompiledModule(torch.nn.Module):
                  cache_dir=None, autotune: int = DEFAULT_AUTOTUNE, fuse_prologue: bool = False,
                  fuse_reduction: bool = False, passes: Sequence[Pass] | None = None,
                  report: bool = False, progress: bool | None = None,
-                 derived_backward: bool = False):
+                 derived_backward: bool = False, glue_backend: str | None = None):
         super().__init__()
         self.derived_backward = derived_backward
+        self.glue_backend = glue_backend
         self.model = model
         self.backend = backend
         self.cuda_graph = cuda_graph
@@ -171,11 +174,13 @@ class CompiledModule(torch.nn.Module):
               cache_dir=self.cache_dir, autotune=self.autotune)
         _channels_last_inputs(gm)
         hoisted = None if grad else hoist_parameter_subgraphs(gm)
+        call = gm if self.glue_backend is None else torch.compile(
+            gm, backend=self.glue_backend, fullgraph=True, dynamic=False)
 
         def run(*inputs: Any) -> Any:
             if hoisted is not None:
                 hoisted.refresh()
-            out = gm(*inputs)
+            out = call(*inputs)
             if not any(f is not None for f in formats):
                 return out
             flat = iter(formats)
@@ -218,7 +223,7 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             backend: str = "auto", cuda_graph: bool = False, cache_dir=None,
             autotune: int = DEFAULT_AUTOTUNE, fuse_prologue: bool = False,
             fuse_reduction: bool = False, report: bool = False,
-            progress: bool | None = None) -> CompiledModule:
+            progress: bool | None = None, glue_backend: str | None = None) -> CompiledModule:
     """Compile ``model`` into fused regions and return a module that computes the same function.
 
     Args:
@@ -242,6 +247,15 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         report: print the region table after each compilation (and, for a training
             specialization, how each region's backward runs).
         progress: progress bar while plans build (``None``: only on a terminal).
+        glue_backend: a ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``, ...) for
+            what is not a region: each specialization's graph, with every region an opaque
+            ``fusion_compiler::run_region`` call, is compiled by it on its first call
+            (``fullgraph=True, dynamic=False``). With ``"inductor"`` the PyTorch ops between
+            regions (the SE gate, residual adds) fuse into Triton kernels, and in training so do
+            the pointwise rules and bias sums of every region's backward, which AOTAutograd traces
+            from the region's backward formula (dgrad and wgrad stay opaque cuDNN calls). Costs
+            Inductor's compile time on the first call of each specialization. ``None`` (default)
+            runs them as eager PyTorch ops.
 
     Training: a call that needs gradients compiles a training specialization whose cuDNN regions
     have a derived backward (dgrad and wgrad as cuDNN graphs, :mod:`fusion_compiler.backward`);
@@ -257,7 +271,8 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
     compiled = CompiledModule(model, backend=backend, cuda_graph=cuda_graph, cache_dir=cache_dir,
                               autotune=autotune, fuse_prologue=fuse_prologue,
-                              fuse_reduction=fuse_reduction, report=report, progress=progress)
+                              fuse_reduction=fuse_reduction, report=report, progress=progress,
+                              glue_backend=glue_backend)
     if example_inputs is not None:
         compiled.specialize(*example_inputs)
     return compiled

@@ -110,6 +110,20 @@ def test_cuda_graph_matches_plain_execution():
             assert torch.equal(graphed(x).clone(), plain(x))
 
 
+def test_inductor_glue_with_cuda_graph_matches_plain_execution():
+    """``glue_backend="inductor"``: the ops between regions run as Inductor kernels, regions as
+    cuDNN plans, all captured in one CUDA graph."""
+    model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
+    plain = fc.compile(model, backend="cudnn", cache_dir=False)
+    glued = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=True,
+                       glue_backend="inductor")
+    with torch.inference_mode():
+        for _ in range(2):
+            x = torch.randn(128, 3, 64, 64, device="cuda", dtype=torch.half)
+            assert rel_err(glued(x).clone().float(), plain(x).float()) < 2e-3
+    assert all(r.backend == "cudnn" for r in glued.last.regions)
+
+
 def test_cpu_input_to_cuda_model_is_a_value_error():
     compiled = fc.compile(nn.Conv2d(8, 8, 3).cuda().half())
     with pytest.raises(ValueError, match="is on cpu but the model's parameters are on cuda"):

@@ -77,9 +77,20 @@ def test_reference_network_gradients_through_cudnn(fusion):
     model = randomize_(se_resnet9_fixup(3), seed=3).train()
     compiled = _check_cudnn_gradients(model, torch.randn(32, 3, 64, 64), input_grad=False,
                                       **(FUSE_ALL if fusion == "all" else {}))
-    stem = compiled.last.regions[0]
-    assert [p.backend for p in stem.gradients] == ["pytorch", "pytorch"]  # input: no dgrad;
-    assert "not needed" in stem.gradients[0].reason  # 3 channels padded: PyTorch wgrad
+    stem = compiled.last.regions[0]  # conv1x1 on the channels_last SpaceToDepth copy
+    assert [p.backend for p in stem.gradients] == ["pytorch", "cudnn"]
+    assert "not needed" in stem.gradients[0].reason  # the image needs no dgrad
+
+
+def test_reference_network_gradients_with_inductor_glue():
+    """``glue_backend="inductor"``: AOTAutograd traces each region's backward formula (dgrad and
+    wgrad as opaque cuDNN calls) and Inductor fuses its pointwise rules with the ops between
+    regions; gradients keep the cuDNN path's accuracy."""
+    torch.manual_seed(0)
+    model = randomize_(se_resnet9_fixup(3), seed=3).train()
+    compiled = _check_cudnn_gradients(model, torch.randn(32, 3, 64, 64), input_grad=False,
+                                      glue_backend="inductor")
+    assert all(p.backend == "cudnn" for r in compiled.last.regions[1:] for p in r.gradients)
 
 
 def test_autotuned_backward_pieces_are_never_slower_than_pytorch():

@@ -8,6 +8,11 @@ Both follow the forward's conventions (:mod:`.cudnn_graph`): fully packed NHWC t
 compute, alpha = 1 and beta = 0 (the autograd engine adds gradients that meet). The pointwise part
 of a region's backward (:mod:`fusion_compiler.backward`) runs as PyTorch ops.
 
+While ``torch.compile`` traces a backward (``CompiledModule(glue=...)``, AOTAutograd tracing the
+region's backward formula), each piece is called through the ``fusion_compiler::run_region`` custom
+op, so the traced graph holds an opaque call with known output shape and strides; run eagerly it
+executes the plan directly (no dispatcher overhead).
+
 Each graph is built into a :class:`~.cudnn.CudnnPlan` (cached, autotuned). When autotuning is on,
 each is also timed against PyTorch's ``convolution_backward`` on random data of its shapes, and
 the faster one runs (PyTorch must win by 10%, ``PYTORCH_MARGIN``; the timing is cached with the
@@ -26,6 +31,7 @@ import torch.fx as fx
 from ..backward import TorchConvGradients
 from ..errors import UnsupportedError, condense
 from ..region import Region
+from ..runtime.region_op import register_kernel, run_region
 from .autotune import PYTORCH_MARGIN, gpu_time_ms, sample_tensor
 from .cudnn_graph import (CudnnGraph, channel_padding, cudnn_dtype, import_cudnn, nhwc_strides,
                           to_nhwc)
@@ -115,6 +121,7 @@ class CudnnConvGradients:
         self._weights = _WeightCache()
         self.plans: dict[str, Any] = {}
         self.pieces: list[GradientPiece] = []
+        self._ops: dict[str, tuple[_GradientOp, int]] = {}  # kind -> (op kernel, run_region key)
         padded = channel_padding(region) is not None
         for kind in GRADIENT_KINDS:
             if kind in skip:
@@ -134,6 +141,10 @@ class CudnnConvGradients:
                 self.pieces.append(GradientPiece(kind, "pytorch", condense(exc.reason)))
                 continue
             self.plans[kind] = plan
+            op = _GradientOp(self, kind)
+            shape = self.x_shape if kind == "dgrad" else self.w_shape
+            self._ops[kind] = (op, register_kernel(op, [(shape, tuple(nhwc_strides(shape)),
+                                                         self.dtype)]))
             piece = GradientPiece(kind, "cudnn", plan=plan.plan_name)
             if backend.autotune > 1:
                 self._compare(piece)
@@ -155,6 +166,7 @@ class CudnnConvGradients:
             piece.reason = (f"PyTorch was faster on this GPU: {piece.pytorch_ms:.4f} ms against "
                             f"{piece.cudnn_ms:.4f} ms on cuDNN")
             del self.plans[piece.kind]
+            del self._ops[piece.kind]
 
     # ------------------------------------------------------------------ ConvGradients
     def _cudnn_dgrad(self, dy, x, w):
@@ -169,14 +181,31 @@ class CudnnConvGradients:
         self.plans["wgrad"].execute([to_nhwc(x), to_nhwc(dy)], [dw])
         return dw
 
+    def _run(self, kind: str, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if kind not in self.plans:
+            return getattr(self.torch, kind)(dy, x, w)
+        if torch.compiler.is_compiling():  # traced: an opaque op with known output metadata
+            return run_region(self._ops[kind][1], [dy, w if kind == "dgrad" else x])[0]
+        return getattr(self, f"_cudnn_{kind}")(dy, x, w)
+
     def dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``dx`` (channels_last) from ``dy`` and ``w``; see ``ConvGradients``."""
-        if "dgrad" in self.plans:
-            return self._cudnn_dgrad(dy, x, w)
-        return self.torch.dgrad(dy, x, w)
+        return self._run("dgrad", dy, x, w)
 
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``dw`` (channels_last) from ``x`` and ``dy``; see ``ConvGradients``."""
-        if "wgrad" in self.plans:
-            return self._cudnn_wgrad(dy, x, w)
-        return self.torch.wgrad(dy, x, w)
+        return self._run("wgrad", dy, x, w)
+
+
+class _GradientOp:
+    """A cuDNN dgrad (inputs ``dy, w``) or wgrad (inputs ``dy, x``) as a kernel of the
+    ``run_region`` op: only the tensors the graph reads are op inputs, so a traced backward keeps
+    no activation alive for a dgrad."""
+
+    def __init__(self, grads: CudnnConvGradients, kind: str):
+        self.grads, self.kind = grads, kind
+
+    def __call__(self, dy: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor]:
+        if self.kind == "dgrad":
+            return (self.grads._cudnn_dgrad(dy, None, other),)
+        return (self.grads._cudnn_wgrad(dy, other, None),)
