@@ -184,7 +184,7 @@ class CudnnConvGradients:
     def _run(self, kind: str, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if kind not in self.plans:
             return getattr(self.torch, kind)(dy, x, w)
-        if torch.compiler.is_compiling():  # traced: an opaque op with known output metadata
+        if _traced(dy):  # an opaque op with known output metadata in the traced graph
             return run_region(self._ops[kind][1], [dy, w if kind == "dgrad" else x])[0]
         return getattr(self, f"_cudnn_{kind}")(dy, x, w)
 
@@ -195,6 +195,12 @@ class CudnnConvGradients:
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``dw`` (channels_last) from ``x`` and ``dy``; see ``ConvGradients``."""
         return self._run("wgrad", dy, x, w)
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tracing tensor (FakeTensor, FunctionalTensor, ...: any subclass but a
+    Parameter) rather than real data, i.e. a backward is being traced by torch.compile."""
+    return torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter)
 
 
 class _GradientOp:
