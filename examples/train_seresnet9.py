@@ -59,6 +59,11 @@ class MasterWeightOptimizer:
     def __init__(self, params, make_optimizer, init_scale: float = 2.0 ** 12,
                  dynamic: bool = True):
         self.params = [p for p in params if p.requires_grad]
+        # Gradients exist from the start, so autograd accumulates into them in place and never
+        # adopts a tensor it produced: under torch.compile reduce-overhead that would be a CUDA
+        # graph output, overwritten by the next replay.
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
         self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.params]
         self.optimizer = make_optimizer(self.masters)
         self.scale = init_scale

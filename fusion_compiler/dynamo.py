@@ -46,13 +46,19 @@ def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     Raises:
         TypeError: an unknown option, or ``cuda_graph`` (Dynamo graphs run between Python code,
-            so there is no whole forward to capture; use ``fusion_compiler.compile`` for that).
+            so there is no whole forward to capture; use ``fusion_compiler.compile`` for that), or
+            ``glue_backend`` (this graph already runs inside a ``torch.compile`` call; use
+            ``fusion_compiler.compile(model, glue_backend=...)``).
         FusionError: the graph cannot be retraced or breaks the cuDNN graph rules (on first call).
     """
     options = dict(options or {})
     if "cuda_graph" in options:
         raise TypeError("cuda_graph is an option of fusion_compiler.compile, not of the "
                         "torch.compile backend (Dynamo graphs run between Python code)")
+    if "glue_backend" in options:
+        raise TypeError("glue_backend is an option of fusion_compiler.compile, not of the "
+                        "torch.compile backend (this graph is already being compiled by "
+                        "torch.compile)")
     compiled = CompiledModule(gm, **options)
 
     def run(*args: Any) -> Any:

@@ -102,13 +102,15 @@ def test_graph_breaks_compile_each_graph():
     assert len(seen) == 2 and all(m.last.regions for m in seen)
 
 
-def test_options_pass_through_and_cuda_graph_is_refused():
+def test_options_pass_through_and_compile_only_options_are_refused():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
     x = torch.randn(1, 3, 8, 8)
     compiled = torch.compile(model, backend="fusion_compiler", options={"backend": "reference"})
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-6
     torch._dynamo.reset()
-    bad = torch.compile(model, backend="fusion_compiler", options={"cuda_graph": True})
-    with pytest.raises(Exception, match="cuda_graph is an option of fusion_compiler.compile"):
-        bad(x)
+    for option in ("cuda_graph", "glue_backend"):
+        torch._dynamo.reset()
+        bad = torch.compile(model, backend="fusion_compiler", options={option: True})
+        with pytest.raises(Exception, match=f"{option} is an option of fusion_compiler.compile"):
+            bad(x)
