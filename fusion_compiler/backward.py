@@ -156,6 +156,15 @@ def training_region(region: Region) -> Region:
     return Region(region.region_id, fx.GraphModule(region.graph_module, graph), list(region.nodes))
 
 
+def _value(node: Any, values: dict[fx.Node, Any]) -> Any:
+    """``node``'s value: from ``values``, or recomputed from its inputs (a prologue value)."""
+    if not isinstance(node, fx.Node):
+        return node
+    if node not in values:
+        values[node] = node.target(*(_value(a, values) for a in node.args), **node.kwargs)
+    return values[node]
+
+
 def _sum_to(g: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """``g`` summed over the dimensions an operand of ``shape`` was broadcast along."""
     return g.sum_to_size(tuple(shape)) if tuple(g.shape) != tuple(shape) else g
@@ -213,12 +222,10 @@ class RegionBackward:
             values.setdefault(node, out)
         wanted = self._wanted_nodes(needs_grad)
 
+        # Not a recursive closure: one that calls itself is a reference cycle, which kept the
+        # saved tensors (and through them the autograd graph) alive until the cyclic GC ran.
         def value(node: Any) -> Any:
-            if not isinstance(node, fx.Node):
-                return node
-            if node not in values:  # a prologue value: recompute it from the inputs
-                values[node] = node.target(*map(value, node.args), **node.kwargs)
-            return values[node]
+            return _value(node, values)
 
         grads: dict[fx.Node, torch.Tensor] = {}
 

@@ -55,6 +55,29 @@ def test_reference_network_gradients_match_autograd(fusion):
     assert len(compiled.last.regions) == 12
 
 
+def test_backward_frees_what_the_forward_saved_without_the_cyclic_gc():
+    """After backward, nothing the regions saved stays alive waiting for ``gc.collect()`` (a
+    kept-alive autograd graph also breaks CUDA-graph capture of the next steps: its gradient
+    accumulators keep the stream of the step that made them)."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+    compiled = CompiledModule(model, backend="reference", derived_backward=True)
+    x = torch.randn(2, 8, 6, 6)
+    compiled(x).square().mean().backward()  # compile outside the measured step
+    gc.collect()
+    gc.disable()
+    try:
+        x = torch.randn(2, 8, 6, 6)
+        saved = weakref.ref(x)  # the region saves its input for the wgrad
+        compiled(x).square().mean().backward()
+        del x
+        assert saved() is None
+    finally:
+        gc.enable()
+
+
 def test_glue_backend_traces_regions_and_their_backward():
     """``glue_backend``: Dynamo and AOTAutograd trace the specialized graph, each region an opaque
     ``run_region`` call, and the regions' backward formulas; inference and gradients equal eager
