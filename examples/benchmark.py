@@ -53,10 +53,7 @@ MODELS = {
 VARIANTS = ["eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
             "fusion_compiler", "fusion_compiler+cudagraph", "fusion_compiler+inductor glue",
             "fusion_compiler+inductor glue+cudagraph"]
-# Run (and shown) in this order. The torch.compile variants go last: once torch.compile (default
-# or reduce-overhead) had trained a model in the process, capturing a fusion_compiler training
-# step with torch.cuda.graph afterwards failed (cudaErrorStreamCaptureInvalidated; H200,
-# torch 2.11; cause not determined). Run first, every variant works.
+# Run and shown in this order.
 TRAIN_VARIANTS = ["eager AMP", "eager fp16", "eager fp16+cudagraph", "fusion_compiler fp16",
                   "fusion_compiler fp16+cudagraph", "fusion_compiler fp16+inductor glue",
                   "fusion_compiler fp16+inductor glue+cudagraph", "torch.compile fp16",
