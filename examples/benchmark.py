@@ -53,7 +53,6 @@ MODELS = {
 VARIANTS = ["eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
             "fusion_compiler", "fusion_compiler+cudagraph", "fusion_compiler+inductor glue",
             "fusion_compiler+inductor glue+cudagraph"]
-# Run and shown in this order.
 TRAIN_VARIANTS = ["eager AMP", "eager fp16", "eager fp16+cudagraph", "fusion_compiler fp16",
                   "fusion_compiler fp16+cudagraph", "fusion_compiler fp16+inductor glue",
                   "fusion_compiler fp16+inductor glue+cudagraph", "torch.compile fp16",

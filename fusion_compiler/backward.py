@@ -24,9 +24,10 @@ gradient of ``y * s``, ``wgrad(x, g * s) = wgrad(x, g) * s`` and
 ``ds_k = sum(g_k * y_k) = sum_{c,r,s}(w ⊙ wgrad(x, g))_k`` (the adjoint of the convolution), so
 the conv output need not be saved. The data gradient stays ``dgrad(g * s, w)``, rounded per
 element as eager rounds it: the equal ``dgrad(g, fp16(w * s))`` rounds each weight once for every
-position, an error that does not average out in the sums of the scalar-bias gradients upstream
-(on an H200 it took layer1.bias1b of the reference network to an L2 error of 5.9e-2 where eager
-fp16 has 4.5e-3). Under ``glue_backend="inductor"`` the ``g * s`` fuses with the pointwise op
+position, a coherent error that does not average out in the sums of the scalar-bias gradients
+upstream (on an H200, going back to eager's rounding moved layer1.bias1b of the reference network
+from an L2 error of 5.9e-2 to 5.6e-2, eager fp16 4.5e-3: most of that error has another,
+undetermined source). Under ``glue_backend="inductor"`` the ``g * s`` fuses with the pointwise op
 producing ``g``.
 
 Values the rules read after the convolution (the conv output before a ``mul``, a ReLU output the

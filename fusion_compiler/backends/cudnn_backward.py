@@ -8,8 +8,8 @@ Both follow the forward's conventions (:mod:`.cudnn_graph`): fully packed NHWC t
 compute, alpha = 1 and beta = 0 (the autograd engine adds gradients that meet). The pointwise part
 of a region's backward (:mod:`fusion_compiler.backward`) runs as PyTorch ops.
 
-While ``torch.compile`` traces a backward (``CompiledModule(glue=...)``, AOTAutograd tracing the
-region's backward formula), each piece is called through the ``fusion_compiler::run_region`` custom
+While ``torch.compile`` traces a backward (``compile(model, glue_backend=...)``: AOTAutograd
+traces the region's backward formula), each piece is called through the ``fusion_compiler::run_region`` custom
 op, so the traced graph holds an opaque call with known output shape and strides; run eagerly it
 executes the plan directly (no dispatcher overhead).
 
