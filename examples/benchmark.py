@@ -132,6 +132,12 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
     model = build_model(name)
     x = torch.randn(MODELS[name][1], device="cuda", dtype=torch.half)
     cache_dir = tempfile.mkdtemp(prefix="fc-plans-")
+
+    def ours(**options) -> Callable[[], object]:
+        module = fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir, autotune=autotune,
+                            **options)
+        return lambda: module(x)
+
     makers = {
         "eager": lambda: (lambda: model(x)),
         "eager+cudagraph": lambda: (lambda r=CudaGraphRunner(model, [x]): r(x)),
@@ -139,15 +145,10 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
         "torch.compile reduce-overhead": lambda: (
             lambda m=torch.compile(model, mode="reduce-overhead"): m(x)),
         "fusion_compiler": lambda: (lambda m=compiled(model, x, cache_dir, autotune, result): m(x)),
-        "fusion_compiler+cudagraph": lambda: (
-            lambda m=fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir,
-                                autotune=autotune, cuda_graph=True): m(x)),
-        "fusion_compiler+inductor glue": lambda: (
-            lambda m=fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir,
-                                autotune=autotune, glue_backend="inductor"): m(x)),
-        "fusion_compiler+inductor glue+cudagraph": lambda: (
-            lambda m=fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir,
-                                autotune=autotune, cuda_graph=True, glue_backend="inductor"): m(x)),
+        "fusion_compiler+cudagraph": lambda: ours(cuda_graph=True),
+        "fusion_compiler+inductor glue": lambda: ours(glue_backend="inductor"),
+        "fusion_compiler+inductor glue+cudagraph": lambda: ours(cuda_graph=True,
+                                                                glue_backend="inductor"),
     }
     result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {}}
     with torch.inference_mode():
