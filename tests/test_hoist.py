@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from conftest import rel_err
@@ -16,10 +17,13 @@ def _hoisted(compiled) -> list[str]:
             if n.op == "get_attr" and n.target.startswith("_hoisted_")]
 
 
-def test_downsample_weights_are_hoisted_and_follow_parameter_updates():
+@pytest.mark.parametrize("glue_backend", [None, "aot_eager"])
+def test_downsample_weights_are_hoisted_and_follow_parameter_updates(glue_backend):
+    """Also through ``torch.compile`` (``glue_backend``): the hoisted values are refreshed in
+    place, and the compiled graph must read them, not constants traced on the first call."""
     torch.manual_seed(0)
     model = randomize_(se_resnet9_fixup(3)).eval()
-    compiled = fc.compile(model)
+    compiled = fc.compile(model, glue_backend=glue_backend)
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-5
