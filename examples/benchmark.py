@@ -12,8 +12,8 @@ Inference models time one forward. ``*-train`` models time one training step: fo
 of squares), backward and an SGD step (momentum 0.9) on fp32 master weights with a static loss
 scale (``examples.train_seresnet9.MasterWeightOptimizer(dynamic=False)``, capturable); "AMP" is
 fp32 weights with the forward under ``torch.autocast(float16)`` and SGD on the fp32 weights.
-"+cudagraph" variants capture the whole step (gradients zeroed in place, static input) in one
-CUDA graph; "reduce-overhead" lets torch.compile's CUDA graph trees capture forward and backward.
+"+cudagraph" variants capture the whole step (static input; the gradients autograd hands over
+live in the graph's memory pool) in one CUDA graph; "reduce-overhead" lets torch.compile's CUDA graph trees capture forward and backward.
 
 Prints a table (GPU name, ms per variant, compile times: fusion_compiler cold = empty plan cache,
 warm = a new process reading the plan cache), for training the per-region backward timings,
@@ -179,7 +179,7 @@ def train_step(model: torch.nn.Module, run: Callable, x: torch.Tensor, amp: bool
         opt = sgd(list(model.parameters()))
 
         def step():
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad()
             with torch.autocast("cuda", dtype=torch.float16):
                 loss = run(x).float().square().mean()
             loss.backward()
@@ -204,7 +204,7 @@ def step_marked(run: Callable) -> Callable:
 
 
 def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], object]:
-    """Capture ``step`` (static inputs, gradients in place) in one CUDA graph; returns replay."""
+    """Capture ``step`` (static inputs) in one CUDA graph; returns its replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -41,8 +41,9 @@ class MasterWeightOptimizer:
     """An optimizer over fp32 master copies of a model's low-precision parameters.
 
     ``backward(loss)`` scales the loss and backpropagates into the model's fp16 gradients;
-    ``step()`` copies them into the fp32 masters, unscales them, steps the inner optimizer and
-    copies the masters back into the model (``torch._foreach_copy_``).
+    ``step()`` copies them into the fp32 masters' gradients, unscales them, steps the inner
+    optimizer and copies the masters back into the model (each copy one ``torch._foreach_copy_``
+    over all parameters).
 
     With ``dynamic=True`` the scale is a ``torch.amp.GradScaler``'s: its ``step`` skips steps with
     inf/NaN gradients and halves the scale, and the scale doubles every ``growth_interval`` clean
@@ -59,35 +60,36 @@ class MasterWeightOptimizer:
     def __init__(self, params, make_optimizer, init_scale: float = 2.0 ** 12,
                  dynamic: bool = True):
         self.params = [p for p in params if p.requires_grad]
-        # Gradients exist from the start, so autograd accumulates into them in place and never
-        # adopts a tensor it produced: under torch.compile reduce-overhead that would be a CUDA
-        # graph output, overwritten by the next replay.
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
         self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.params]
+        for m in self.masters:
+            m.grad = torch.zeros_like(m)
         self.optimizer = make_optimizer(self.masters)
         self.scale = init_scale
         self.scaler = (torch.amp.GradScaler(self.params[0].device.type, init_scale=init_scale)
                        if dynamic else None)
 
     def zero_grad(self) -> None:
-        """Zero the model's gradients in place (their storage stays: CUDA-graph friendly)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            torch._foreach_zero_(grads)
+        """Drop the model's gradients: the next backward hands autograd's own gradient tensors
+        over instead of adding them into zeros (one kernel less per parameter). ``step`` copies
+        them into the masters' gradients, which keep their storage (CUDA-graph friendly)."""
+        for p in self.params:
+            p.grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss * self.scale).backward()
 
     @torch.no_grad()
     def step(self) -> None:
+        pairs = []
         for m, p in zip(self.masters, self.params):
             if p.grad is None:
                 m.grad = None
-            elif m.grad is None:
-                m.grad = p.grad.float()
             else:
-                m.grad.copy_(p.grad)
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                pairs.append((m.grad, p.grad))
+        if pairs:  # one multi-tensor kernel for every fp16 -> fp32 gradient copy, not one each
+            torch._foreach_copy_(*map(list, zip(*pairs)))
         if self.scaler is None:
             grads = [m.grad for m in self.masters if m.grad is not None]
             torch._foreach_mul_(grads, 1.0 / self.scale)

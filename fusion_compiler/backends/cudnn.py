@@ -153,7 +153,7 @@ class CudnnBackend:
                 raise UnsupportedError(slower, region.region_id)
         if training:
             skip = frozenset({"dgrad"} if _conv_image(region) in region.no_grad_inputs else ())
-            grads = CudnnConvGradients(self, region, skip)
+            grads = CudnnConvGradients(self, region, skip, weight_cache=kernel.weight_cache)
             register_backward(kernel.key, RegionBackward(region, grads))
             region.gradients = grads.pieces
         return kernel.call
@@ -316,6 +316,8 @@ class CudnnKernel:
 
         pad = channel_padding(region)
         self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        # the convolution weight's channels_last copy, shared with the dgrad (one copy per step)
+        self.weight_cache: _WeightCache | None = None
         for node, op in zip(placeholders, region.operands()):
             if pad is not None and node.name in pad[1]:
                 self.prepare.append(_padder(pad[0]))
@@ -324,6 +326,8 @@ class CudnnKernel:
                 self.prepare.append(lambda t, s=shape4: t.reshape(s).contiguous())
             elif op.role == "weight":
                 self.prepare.append(_WeightCache())
+                if node is region.conv.args[1]:
+                    self.weight_cache = self.prepare[-1]
             else:
                 self.prepare.append(to_nhwc)
         self.outputs = []  # (shape, strides, dtype cuDNN writes, dtype the region returns)
