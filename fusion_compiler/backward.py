@@ -30,6 +30,11 @@ from an L2 error of 5.9e-2 to 5.6e-2, eager fp16 4.5e-3: most of that error has 
 undetermined source). Under ``glue_backend="inductor"`` the ``g * s`` fuses with the pointwise op
 producing ``g``.
 
+When the convolution's input is the output of a ReLU in another region, read by nothing else
+(:func:`fusion_compiler.lowering.plan_dgrad_drelu`), the dgrad applies that ReLU's backward
+(``ConvGradients.dgrad_drelu``: one cuDNN graph ``conv_dgrad > relu_backward``) and the producing
+region's ``relu`` rule passes the gradient through (``region.masked_outputs``).
+
 Values the rules read after the convolution (the conv output before a ``mul``, a ReLU output the
 chain goes on from) are saved: :func:`training_region` makes them extra region outputs, so a cuDNN
 forward graph writes them in the same pass (virtual tensors become outputs). Prologue values
@@ -68,6 +73,11 @@ class ConvGradients(Protocol):
 
     def dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
 
+    def dgrad_drelu(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``dgrad(dy, x, w) * (x > 0)``: the dgrad with the backward of the ReLU whose output
+        is ``x`` (``x`` is read)."""
+        ...
+
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -84,6 +94,9 @@ class TorchConvGradients:
 
     def dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self._backward(dy, x, w, [True, False, False])[0]
+
+    def dgrad_drelu(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return aten.threshold_backward(self.dgrad(dy, x, w), x, 0)
 
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self._backward(dy, x, w, [False, True, False])[1]
@@ -250,6 +263,11 @@ class RegionBackward:
             result.append(None if g is None else g.to(x.dtype).reshape(x.shape))
         return result
 
+    def _dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.region.dgrad_drelu:
+            return self.conv_grads.dgrad_drelu(dy, x, w)
+        return self.conv_grads.dgrad(dy, x, w)
+
     def _folded_rule(self, node: fx.Node, g: torch.Tensor, value, accumulate, wanted) -> None:
         """Backward of ``conv > mul(s)`` with ``s`` folded into the weight gradients."""
         conv, s = node.args
@@ -260,7 +278,7 @@ class RegionBackward:
         weight = value(w)
         if x in wanted:
             per_channel = scale.reshape(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
-            accumulate(x, self.conv_grads.dgrad(g * per_channel, value(x), weight))
+            accumulate(x, self._dgrad(g * per_channel, value(x), weight))
         if w in wanted or s in wanted:
             raw = self.conv_grads.wgrad(g, value(x), weight)
             if w in wanted:
@@ -278,7 +296,7 @@ class RegionBackward:
         elif is_conv(node):
             x, w = args[0], args[1]
             if x in wanted:
-                accumulate(x, self.conv_grads.dgrad(g, value(x), value(w)))
+                accumulate(x, self._dgrad(g, value(x), value(w)))
             if w in wanted:
                 accumulate(w, self.conv_grads.wgrad(g, value(x), value(w)))
         elif target is torch.add:
@@ -301,7 +319,10 @@ class RegionBackward:
             if b in wanted:
                 accumulate(b, -g * value(node) / value(b))
         elif target is torch.relu:
-            accumulate(args[0], aten.threshold_backward(g, value(node), 0))
+            if node.name in self.region.masked_outputs:  # the consumer's dgrad masked it
+                accumulate(args[0], g)
+            else:
+                accumulate(args[0], aten.threshold_backward(g, value(node), 0))
         elif target is torch.clamp:
             x = value(args[0])
             lo, hi = args[1], args[2]

@@ -12,7 +12,9 @@ or not, so dumps show what would run.
 from __future__ import annotations
 
 import logging
+import operator
 
+import torch
 import torch.fx as fx
 from tqdm.auto import tqdm
 
@@ -22,7 +24,7 @@ from .backward import training_region
 from .errors import UnsupportedError, condense
 from .region import Region
 
-__all__ = ["lower", "regions_of", "BACKEND_CHOICES"]
+__all__ = ["lower", "regions_of", "plan_dgrad_drelu", "BACKEND_CHOICES"]
 
 log = logging.getLogger("fusion_compiler")
 BACKEND_CHOICES = ("auto", "cudnn", "reference")
@@ -65,12 +67,14 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
     bar = tqdm(calls, desc="fusion_compiler: lowering regions", unit="region",
                disable=(not progress) if progress is not None else None, leave=False)
     grad_free = _grad_free_nodes(gm, no_grad_inputs) if training else set()
-    for call in bar:
-        region = gm.get_submodule(call.target)
-        if training:
-            region = training_region(region)
+    if training:
+        for call in calls:
+            region = training_region(gm.get_submodule(call.target))
             setattr(gm, call.target, region)
             region.no_grad_inputs = _no_grad_inputs(region, call, grad_free)
+        masking = plan_dgrad_drelu(gm)
+    for call in bar:
+        region = gm.get_submodule(call.target)
         try:
             region.cudnn_graph = graph_json(region)
         except UnsupportedError:
@@ -93,7 +97,78 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
             level = logging.WARNING if backend == "cudnn" else logging.INFO
             log.log(level, "region %s (%s) runs on the reference backend: %s",
                     region.region_id, region.pattern, region.reason)
+    if training:
+        # A region whose backward is PyTorch autograd returns the unmasked gradient: only a
+        # derived backward (every cuDNN region, reference ones with derived_backward) masks.
+        for consumer, (producer, relu) in masking.items():
+            if consumer.backend != reference.name or derived_backward:
+                producer.masked_outputs.add(relu)
     return gm
+
+
+def plan_dgrad_drelu(gm: fx.GraphModule) -> dict[Region, tuple[Region, str]]:
+    """Decide, for each region of a training graph, whether its dgrad is fused with the ReLU
+    backward of the region that produced its convolution's input.
+
+    ``dx = relu_backward(conv_dgrad(dy, w), x)``, i.e. ``dx * (x > 0)``, equals the ReLU's
+    backward applied to this dgrad when ``x`` is a ReLU's output (``x > 0`` exactly where the
+    ReLU's input is) and this convolution is the only reader of ``x``: otherwise the gradients of
+    the other readers must be added before the ReLU's backward. cuDNN fuses ``relu_backward``
+    into stride-1 dgrad only (CUDNN_FACTS.md, "Support surface"), so the convolution must have
+    stride 1, dilation 1 and one group. The producing region then passes that gradient through
+    its ReLU unchanged (``region.masked_outputs``, set by :func:`lower` once it knows the
+    consumer's backward masks).
+
+    Sets ``region.dgrad_drelu`` (bool) and ``region.dgrad_drelu_reason`` (why not, ``""`` when
+    fused) on every region; returns ``{consumer region: (producer region, ReLU node name)}``.
+    """
+    pairs: dict[Region, tuple[Region, str]] = {}
+    for call in gm.graph.nodes:
+        if call.op != "call_module" or not isinstance(gm.get_submodule(call.target), Region):
+            continue
+        region = gm.get_submodule(call.target)
+        producer, reason = _relu_producer(gm, region, call)
+        region.dgrad_drelu, region.dgrad_drelu_reason = producer is not None, reason
+        if producer is not None:
+            pairs[region] = producer
+    return pairs
+
+
+def _relu_producer(gm: fx.GraphModule, region: Region, call: fx.Node
+                   ) -> tuple[tuple[Region, str] | None, str]:
+    """``((producer region, ReLU node name), "")`` when ``region``'s dgrad can be fused with
+    that ReLU's backward (see :func:`plan_dgrad_drelu`), else ``(None, reason)``."""
+    conv = region.conv
+    _, _, _, stride, _, dilation, groups = conv.args
+    if any(s != 1 for s in stride):
+        return None, (f"stride {'x'.join(map(str, stride))}: cuDNN fuses relu_backward into "
+                      f"stride-1 dgrad only")
+    if any(d != 1 for d in dilation) or groups != 1:
+        return None, "dilated or grouped convolution"
+    image = conv.args[0]
+    if image.op != "placeholder":
+        return None, f"the convolution reads {image.name}, computed in the region (a prologue)"
+    if len(image.users) != 1:
+        return None, "the region reads the convolution input elsewhere too"
+    placeholders = list(region.graph_module.graph.find_nodes(op="placeholder"))
+    source = call.args[placeholders.index(image)]
+    if not isinstance(source, fx.Node):
+        return None, "the convolution input is a constant"
+    producer_call = source.args[0] if source.target is operator.getitem else None
+    if not (isinstance(producer_call, fx.Node) and producer_call.op == "call_module"
+            and isinstance(gm.get_submodule(producer_call.target), Region)):
+        return None, f"the convolution input is not a region output ({source.name})"
+    producer = gm.get_submodule(producer_call.target)
+    value = producer.output_nodes[source.args[1]]
+    if value.target is not torch.relu:
+        after = (" (an add after its ReLU)" if value.target is torch.add
+                 and getattr(value.args[0], "target", None) is torch.relu else "")
+        return None, (f"the convolution input is {producer.region_id}'s {value.name}{after}, "
+                      f"not a ReLU output")
+    if len(value.users) != 1 or len(source.users) != 1 or call.args.count(source) != 1:
+        return None, (f"{producer.region_id}'s ReLU output {value.name} has other readers, "
+                      f"whose gradients add before its backward")
+    return (producer, value.name), ""
 
 
 def _grad_free_nodes(gm: fx.GraphModule, frozen: frozenset[str]) -> set[fx.Node]:

@@ -75,6 +75,11 @@ class Region(torch.nn.Module):
             runs (``GradientPiece`` list: dgrad, wgrad); empty otherwise (PyTorch autograd).
         no_grad_inputs: names of region inputs known never to need a gradient (network inputs
             that do not require grad); set by lowering in training.
+        dgrad_drelu, dgrad_drelu_reason: in training, whether the convolution's dgrad is fused
+            with the ReLU backward of the region producing its input, and why not
+            (:func:`fusion_compiler.lowering.plan_dgrad_drelu`).
+        masked_outputs: names of ReLU output nodes whose gradient arrives already masked (the
+            consuming region's dgrad applied the ReLU backward): the backward passes it through.
     """
 
     def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str]):
@@ -93,6 +98,9 @@ class Region(torch.nn.Module):
         self.workspace_bytes: int | None = None
         self.gradients: list = []
         self.no_grad_inputs: set[str] = set()
+        self.dgrad_drelu = False
+        self.dgrad_drelu_reason = ""
+        self.masked_outputs: set[str] = set()
         self._lowered: Callable[..., Any] | None = None  # None: run graph_module itself
 
     @property

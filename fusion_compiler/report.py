@@ -113,10 +113,12 @@ def format_tuning(regions: Sequence[Region]) -> str:
 
 
 def format_gradients(regions: Sequence[Region]) -> str:
-    """Per region of a training specialization, how its backward runs: dgrad and wgrad each on
-    cuDNN or PyTorch, with their times when autotuning measured them (ms per call, CUDA-graph
-    timing on random data) and the reason for every piece left to PyTorch. Regions whose forward
-    runs on PyTorch are differentiated by PyTorch autograd (the region's reason says why)."""
+    """Per region of a training specialization, how its backward runs: dgrad (``dgrad_drelu``
+    when fused with the producing region's ReLU backward) and wgrad each on cuDNN or PyTorch,
+    with their times when autotuning measured them (ms per call, CUDA-graph timing on random
+    data), the reason for every piece left to PyTorch and, for a cuDNN dgrad, why the ReLU
+    backward is not in it. Regions whose forward runs on PyTorch are differentiated by PyTorch
+    autograd (the region's reason says why)."""
     table = Table(title="backward per region (dgrad, wgrad)")
     for col in ("id", "pattern", "piece", "backend", "cuDNN ms", "PyTorch ms", "reason"):
         table.add_column(col, overflow="fold")
@@ -128,7 +130,7 @@ def format_gradients(regions: Sequence[Region]) -> str:
         for p in r.gradients:
             _add_row(table, r.region_id, r.pattern, p.kind, p.backend,
                      "" if p.cudnn_ms is None else f"{p.cudnn_ms:.4f}",
-                     "" if p.pytorch_ms is None else f"{p.pytorch_ms:.4f}", p.reason)
+                     "" if p.pytorch_ms is None else f"{p.pytorch_ms:.4f}", p.reason or p.note)
     return _render(table)
 
 

@@ -55,6 +55,45 @@ def test_reference_network_gradients_match_autograd(fusion):
     assert len(compiled.last.regions) == 12
 
 
+def test_dgrad_applies_the_producing_relu_backward_once():
+    """A stride-1 convolution reading another region's ReLU output (and nothing else reading it)
+    gets ``dgrad_drelu``; the producer passes that gradient through its ReLU: one
+    ``threshold_backward`` per ReLU in the whole backward, and gradients equal autograd's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from test_fuse_patterns import _conv_relu_chain
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func is torch.ops.aten.threshold_backward.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = _conv_relu_chain().double()
+    compiled = _compare(model, torch.randn(4, 8, 6, 6, dtype=torch.float64))
+    r0, r1, r2 = compiled.last.regions
+    assert [r.dgrad_drelu for r in (r0, r1, r2)] == [False, True, True]
+    assert "not a region output" in r0.dgrad_drelu_reason  # the network input
+    assert r0.masked_outputs == {"relu"} and r1.masked_outputs == {"relu_1"}
+    x = torch.randn(4, 8, 6, 6, dtype=torch.float64, requires_grad=True)
+    out = compiled(x).square().sum()
+    with Count():
+        out.backward()
+    assert Count.calls == 2
+
+
+def test_dgrad_drelu_reasons_on_the_reference_network():
+    model = randomize_(se_resnet9_fixup(3), seed=1).double().train()
+    compiled = CompiledModule(model, backend="reference", derived_backward=True)
+    compiled(torch.randn(2, 3, 64, 64, dtype=torch.float64)).sum().backward()
+    reasons = {r.region_id: r.dgrad_drelu_reason for r in compiled.last.regions}
+    assert not any(r.dgrad_drelu for r in compiled.last.regions)
+    assert "stride 2x2" in reasons["r3"]
+    assert "an add after its ReLU" in reasons["r2"]  # conv2 reads relu(...) + bias2a
+
+
 def test_backward_frees_what_the_forward_saved_without_the_cyclic_gc():
     """After backward, nothing the regions saved stays alive waiting for ``gc.collect()`` (a
     kept-alive autograd graph also breaks CUDA-graph capture of the next steps: its gradient

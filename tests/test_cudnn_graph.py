@@ -114,6 +114,22 @@ def test_conv_gradient_graphs_are_nhwc_with_io_typed_output(fp16_regions, kind):
     assert str(out.get_data_type()).endswith("HALF")  # an fp32 wgrad output is 25x slower
 
 
+def test_dgrad_drelu_graph_masks_with_the_conv_input(fp16_regions):
+    from fusion_compiler.backends.cudnn_backward import conv_grad_graph
+
+    region = fp16_regions[2]  # conv2 of layer0: 3x3, stride 1, 64 -> 64 at 16x16
+    spec = conv_grad_graph("dgrad_drelu", region.conv)
+    graph = json.loads(str(spec.graph))
+    assert _types(graph) == ["CONV_DGRAD", "POINTWISE"]
+    drelu = graph["nodes"][1]
+    assert drelu["params"]["mode"] == "relu_backward"
+    assert drelu["inputs"] == {"IN_0": "dgrad::DX", "IN_1": "x"}  # the dgrad stays virtual
+    assert [t.get_name() for t in spec.inputs] == ["dy", "w", "x"]
+    out = spec.outputs[0]
+    assert list(out.get_dim()) == [128, 64, 16, 16]
+    assert list(out.get_stride()) == nhwc_strides((128, 64, 16, 16))
+
+
 def test_plan_records_round_trip_and_never_raise(tmp_path):
     cache = PlanCache(tmp_path)
     header = PlanCache.header('{"nodes": []}', {"gpu": "H100", "sm": "90"})

@@ -260,6 +260,17 @@ def test_clipped_relu_and_relu6():
     assert any("clipped ReLU" in r for r in spec.graph_module.meta["fusion_reasons"].values())
 
 
+def _conv_relu_chain():
+    """VGG-style: each ReLU output is read only by the next (stride-1) convolution."""
+    return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 1))
+
+
+def test_conv_relu_chain_is_one_region_per_conv():
+    _check(_conv_relu_chain(), torch.randn(2, 8, 6, 6),
+           ["conv3x3 > add > relu", "conv3x3 > add > relu", "conv1x1 > add"])
+
+
 def _fixup_block():
     from examples.seresnet9_fixup import SEFixupBlock, randomize_
 
@@ -278,4 +289,5 @@ PATTERNS = {  # name -> (model factory, input shape): every pattern, for the num
     "fixup_block": (_fixup_block, (8, 32, 8, 8)),
     "multi_consumer": (MultiConsumer, (8, 8, 6, 6)),
     "relu6": (lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6()), (8, 8, 6, 6)),
+    "conv_relu_chain": (_conv_relu_chain, (8, 8, 6, 6)),
 }

@@ -68,8 +68,11 @@ def test_pattern_gradients_through_cudnn(name, fusion):
     compiled = _check_cudnn_gradients(factory().eval(), torch.randn(shape),
                                       **(FUSE_ALL if fusion == "all" else {}))
     for r in compiled.last.regions:  # dgrad and wgrad both run as cuDNN graphs
-        assert [(p.kind, p.backend) for p in r.gradients] == [("dgrad", "cudnn"),
+        dgrad = "dgrad_drelu" if r.dgrad_drelu else "dgrad"
+        assert [(p.kind, p.backend) for p in r.gradients] == [(dgrad, "cudnn"),
                                                                ("wgrad", "cudnn")], r.gradients
+    if name in ("conv_relu_chain", "bottleneck"):  # a ReLU output read by one stride-1 conv
+        assert any(r.dgrad_drelu for r in compiled.last.regions)
 
 
 @pytest.mark.parametrize("fusion", ["default", "all"])

@@ -1,10 +1,16 @@
 """cuDNN graphs for a region's convolution backward: dgrad and wgrad.
 
 * dgrad: ``dx[N,C,H,W] = conv_dgrad(dy[N,K,P,Q], w[K,C/g,R,S])``;
+* dgrad_drelu: ``dx = relu_backward(conv_dgrad(dy, w), x)`` = ``dgrad * (x > 0)``, for a
+  convolution whose input ``x[N,C,H,W]`` is another region's ReLU output
+  (:func:`fusion_compiler.lowering.plan_dgrad_drelu`); the ``dgrad`` stays virtual. cuDNN fuses
+  it for stride 1 only (CUDNN_FACTS.md). Measured on an H200 (cuDNN 9.19), N=2048, 64->64 3x3
+  at 16x16: 0.117 ms, against 0.104 ms for the dgrad alone (the mask costs one read of ``x``)
+  and 0.154 ms for PyTorch's dgrad then ``threshold_backward``;
 * wgrad: ``dw[K,C/g,R,S] = conv_wgrad(x[N,C,H,W], dy[N,K,P,Q])``, written in the I/O type: an fp32
   wgrad output made cuDNN pick an engine 25x slower on an H100 (CUDNN_FACTS.md, "Measured").
 
-Both follow the forward's conventions (:mod:`.cudnn_graph`): fully packed NHWC tensors, fp32
+All follow the forward's conventions (:mod:`.cudnn_graph`): fully packed NHWC tensors, fp32
 compute, alpha = 1 and beta = 0 (the autograd engine adds gradients that meet). The pointwise part
 of a region's backward (:mod:`fusion_compiler.backward`) runs as PyTorch ops.
 
@@ -38,7 +44,7 @@ from .cudnn_graph import (CudnnGraph, channel_padding, cudnn_dtype, import_cudnn
 
 __all__ = ["conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS"]
 
-GRADIENT_KINDS = ("dgrad", "wgrad")
+GRADIENT_KINDS = ("dgrad", "dgrad_drelu", "wgrad")
 
 
 def _shape(node: Any) -> list[int]:
@@ -46,13 +52,15 @@ def _shape(node: Any) -> list[int]:
 
 
 def conv_grad_graph(kind: str, conv: fx.Node, handle: Any = None) -> CudnnGraph:
-    """The dgrad (``kind="dgrad"``) or wgrad (``"wgrad"``) graph of convolution node ``conv``.
+    """The dgrad (``kind="dgrad"``), dgrad_drelu or wgrad (``"wgrad"``) graph of convolution
+    node ``conv`` (see module docstring).
 
-    Inputs: dgrad ``(dy, w)``, wgrad ``(x, dy)``; one output (``dx`` or ``dw``). No GPU needed.
+    Inputs: dgrad ``(dy, w)``, dgrad_drelu ``(dy, w, x)``, wgrad ``(x, dy)``; one output (``dx``
+    or ``dw``). No GPU needed.
 
     Raises:
         UnsupportedError: the frontend is missing or the dtype is not fp16/bf16/fp32.
-        ValueError: ``kind`` is not ``"dgrad"`` or ``"wgrad"``.
+        ValueError: ``kind`` is not one of ``GRADIENT_KINDS``.
     """
     if kind not in GRADIENT_KINDS:
         raise ValueError(f"kind must be one of {GRADIENT_KINDS}, got {kind!r}")
@@ -68,10 +76,15 @@ def conv_grad_graph(kind: str, conv: fx.Node, handle: Any = None) -> CudnnGraph:
     dy = g.tensor(name="dy", dim=y_dims, stride=nhwc_strides(tuple(y_dims)), data_type=io)
     conv_args = dict(padding=list(padding), stride=list(stride), dilation=list(dilation),
                      compute_data_type=cudnn.data_type.FLOAT)
-    if kind == "dgrad":
+    if kind in ("dgrad", "dgrad_drelu"):
         w = g.tensor(name="w", dim=w_dims, stride=nhwc_strides(tuple(w_dims)), data_type=io)
         out = g.conv_dgrad(loss=dy, filter=w, name="dgrad", **conv_args)
         inputs, out_dims = [dy, w], x_dims
+        if kind == "dgrad_drelu":
+            out.set_dim(x_dims).set_stride(nhwc_strides(tuple(x_dims)))
+            x = g.tensor(name="x", dim=x_dims, stride=nhwc_strides(tuple(x_dims)), data_type=io)
+            out = g.relu_backward(loss=out, input=x, name="drelu")
+            inputs.append(x)
     else:
         x = g.tensor(name="x", dim=x_dims, stride=nhwc_strides(tuple(x_dims)), data_type=io)
         out = g.conv_wgrad(image=x, loss=dy, name="wgrad", **conv_args)
@@ -83,14 +96,16 @@ def conv_grad_graph(kind: str, conv: fx.Node, handle: Any = None) -> CudnnGraph:
 
 @dataclass
 class GradientPiece:
-    """How one piece of a region's backward runs: ``backend`` is ``"cudnn"`` or ``"pytorch"``;
-    ``reason`` says why PyTorch (cuDNN's own message, or both timings); ``cudnn_ms`` and
+    """How one piece of a region's backward runs: ``kind`` is one of ``GRADIENT_KINDS``;
+    ``backend`` is ``"cudnn"`` or ``"pytorch"``; ``reason`` says why PyTorch (cuDNN's own message,
+    or both timings); ``note`` why a dgrad does not include the ReLU backward; ``cudnn_ms`` and
     ``pytorch_ms`` are per call (CUDA-graph timing, input preparation included), ``None`` when
     not measured; ``plan`` is the cuDNN execution plan."""
 
     kind: str
     backend: str
     reason: str = ""
+    note: str = ""
     plan: str = ""
     cudnn_ms: float | None = None
     pytorch_ms: float | None = None
@@ -104,11 +119,14 @@ class CudnnConvGradients:
         region: the region (shapes from its nodes' ``meta["val"]``).
         skip: gradient kinds never needed (``"dgrad"`` when the conv input is a network input
             that needs no gradient); they are not built and compute through PyTorch if asked.
+        weight_cache: the forward kernel's channels_last copy of the weight, so forward and dgrad
+            share one copy per weight version (``None``: a cache of its own).
 
     ``pieces`` lists a :class:`GradientPiece` per kind.
     """
 
-    def __init__(self, backend, region: Region, skip: frozenset[str] = frozenset()):
+    def __init__(self, backend, region: Region, skip: frozenset[str] = frozenset(),
+                 weight_cache=None):
         from .cudnn import CudnnPlan, _WeightCache  # noqa: PLC0415  (cudnn imports this module)
 
         conv = region.conv
@@ -118,13 +136,14 @@ class CudnnConvGradients:
         self.w_shape = tuple(_shape(conv.args[1]))
         self.y_shape = tuple(_shape(conv))
         self.dtype = conv.meta["val"].dtype
-        self._weights = _WeightCache()
+        self._weights = weight_cache if weight_cache is not None else _WeightCache()
         self.plans: dict[str, Any] = {}
         self.pieces: list[GradientPiece] = []
         self._ops: dict[str, tuple[_GradientOp, int]] = {}  # kind -> (op kernel, run_region key)
         padded = channel_padding(region) is not None
-        for kind in GRADIENT_KINDS:
-            if kind in skip:
+        kinds = ("dgrad_drelu" if region.dgrad_drelu else "dgrad", "wgrad")
+        for kind in kinds:
+            if kind.split("_")[0] in skip:
                 self.pieces.append(GradientPiece(kind, "pytorch", "not needed (no input of it "
                                                  "requires grad)"))
                 continue
@@ -142,10 +161,13 @@ class CudnnConvGradients:
                 continue
             self.plans[kind] = plan
             op = _GradientOp(self, kind)
-            shape = self.x_shape if kind == "dgrad" else self.w_shape
+            shape = self.w_shape if kind == "wgrad" else self.x_shape
             self._ops[kind] = (op, register_kernel(op, [(shape, tuple(nhwc_strides(shape)),
                                                          self.dtype)]))
-            piece = GradientPiece(kind, "cudnn", plan=plan.plan_name)
+            piece = GradientPiece(kind, "cudnn", plan=plan.plan_name,
+                                  note="" if kind != "dgrad" else
+                                  f"relu_backward not fused: {region.dgrad_drelu_reason}"
+                                  if region.dgrad_drelu_reason else "")
             if backend.autotune > 1:
                 self._compare(piece)
             self.pieces.append(piece)
@@ -157,6 +179,7 @@ class CudnnConvGradients:
         def measure() -> tuple[float, float]:
             dy, x, w = (sample_tensor(shape, self.dtype, self.device)
                         for shape in (self.y_shape, self.x_shape, self.w_shape))
+            x = to_nhwc(x.relu()) if piece.kind == "dgrad_drelu" else x  # a ReLU output
             return (gpu_time_ms(lambda: run_cudnn(dy, x, w)),
                     gpu_time_ms(lambda: run_torch(dy, x, w)))
 
@@ -175,6 +198,12 @@ class CudnnConvGradients:
         self.plans["dgrad"].execute([to_nhwc(dy), self._weights(w)], [dx])
         return dx
 
+    def _cudnn_dgrad_drelu(self, dy, x, w):
+        dx = torch.empty_strided(self.x_shape, nhwc_strides(self.x_shape), dtype=dy.dtype,
+                                 device=dy.device)
+        self.plans["dgrad_drelu"].execute([to_nhwc(dy), self._weights(w), to_nhwc(x)], [dx])
+        return dx
+
     def _cudnn_wgrad(self, dy, x, w):
         dw = torch.empty_strided(self.w_shape, nhwc_strides(self.w_shape), dtype=dy.dtype,
                                  device=dy.device)
@@ -185,12 +214,17 @@ class CudnnConvGradients:
         if kind not in self.plans:
             return getattr(self.torch, kind)(dy, x, w)
         if _traced(dy):  # an opaque op with known output metadata in the traced graph
-            return run_region(self._ops[kind][1], [dy, w if kind == "dgrad" else x])[0]
+            inputs = {"dgrad": [dy, w], "dgrad_drelu": [dy, w, x], "wgrad": [dy, x]}[kind]
+            return run_region(self._ops[kind][1], inputs)[0]
         return getattr(self, f"_cudnn_{kind}")(dy, x, w)
 
     def dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``dx`` (channels_last) from ``dy`` and ``w``; see ``ConvGradients``."""
         return self._run("dgrad", dy, x, w)
+
+    def dgrad_drelu(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``dx * (x > 0)`` (channels_last) from ``dy``, ``w`` and ``x``; see ``ConvGradients``."""
+        return self._run("dgrad_drelu", dy, x, w)
 
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``dw`` (channels_last) from ``x`` and ``dy``; see ``ConvGradients``."""
@@ -204,14 +238,16 @@ def _traced(t: torch.Tensor) -> bool:
 
 
 class _GradientOp:
-    """A cuDNN dgrad (inputs ``dy, w``) or wgrad (inputs ``dy, x``) as a kernel of the
-    ``run_region`` op: only the tensors the graph reads are op inputs, so a traced backward keeps
-    no activation alive for a dgrad."""
+    """A cuDNN dgrad (inputs ``dy, w``), dgrad_drelu (``dy, w, x``) or wgrad (``dy, x``) as a
+    kernel of the ``run_region`` op: only the tensors the graph reads are op inputs, so a traced
+    backward keeps no activation alive for a plain dgrad."""
 
     def __init__(self, grads: CudnnConvGradients, kind: str):
         self.grads, self.kind = grads, kind
 
-    def __call__(self, dy: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor]:
+    def __call__(self, dy: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor]:
         if self.kind == "dgrad":
-            return (self.grads._cudnn_dgrad(dy, None, other),)
-        return (self.grads._cudnn_wgrad(dy, other, None),)
+            return (self.grads._cudnn_dgrad(dy, None, others[0]),)
+        if self.kind == "dgrad_drelu":
+            return (self.grads._cudnn_dgrad_drelu(dy, others[1], others[0]),)
+        return (self.grads._cudnn_wgrad(dy, others[0], None),)
