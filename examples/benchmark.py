@@ -1,8 +1,9 @@
 """Benchmark: fusion_compiler side by side with eager PyTorch and torch.compile.
 
-Every variant is timed in the same process on the same GPU with CUDA events: the median over
-``--reps`` repetitions of ``--iters`` back-to-back calls after warm-up, in ms per call (the method of
-shared/BASELINES.md). Inputs are NCHW fp16 and weights fp16, as the reference agent runs.
+Every variant of a model is timed in the same process on the same GPU with CUDA events: the
+median over ``--reps`` repetitions of ``--iters`` back-to-back calls after warm-up, in ms per call
+(the method of shared/BASELINES.md). With several ``--models`` each model runs in a process of its
+own. Inputs are NCHW fp16 and weights fp16, as the reference agent runs.
 
     python examples/benchmark.py --out bench_out            # all models, all variants
     python examples/benchmark.py --models seresnet9-rgb --profile
@@ -124,6 +125,26 @@ def warm_compile_seconds(name: str, cache_dir: str, autotune: int) -> float:
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     return float(proc.stdout.strip().splitlines()[-1])
+
+
+def own_process(name: str, args: argparse.Namespace) -> dict:
+    """Benchmark one model in a new Python process and return its result.
+
+    Each model gets a fresh process: torch.compile's caches and CUDA graph pools from one model's
+    variants would otherwise carry over to the next (the training step of torch.compile
+    reduce-overhead measured 7.1 ms after the inference models in one process, 3.8 ms alone).
+    """
+    with tempfile.TemporaryDirectory(prefix="fc-bench-") as tmp:
+        path = Path(tmp) / "result.json"
+        command = [sys.executable, __file__, "--models", name, "--reps", str(args.reps),
+                   "--iters", str(args.iters), "--autotune", str(args.autotune),
+                   "--result-json", str(path)]
+        if args.variants:
+            command += ["--variants", args.variants]
+        if args.profile:
+            command.append("--profile")
+        subprocess.run(command, check=True, cwd=ROOT)
+        return json.loads(path.read_text())
 
 
 def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: bool,
@@ -359,6 +380,7 @@ def main() -> int:
                         help="cuDNN plans timed per region (default %(default)s)")
     parser.add_argument("--compile-only", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--result-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(1, "benchmark.py needs a CUDA GPU\n")
@@ -372,16 +394,20 @@ def main() -> int:
         torch.cuda.synchronize()
         print(time.perf_counter() - t0)
         return 0
-    results = []
-    for m in args.models.split(","):
-        if m.endswith("-train"):
-            variants = args.variants.split(",") if args.variants else TRAIN_VARIANTS
-            results.append(bench_training(m, variants, args.reps, args.iters, args.autotune,
-                                          args.profile))
-        else:
-            variants = args.variants.split(",") if args.variants else VARIANTS
-            results.append(bench_model(m, variants, args.reps, args.iters, args.profile,
-                                       args.autotune))
+    models = args.models.split(",")
+    if len(models) > 1:  # one process per model (see own_process)
+        results = [own_process(m, args) for m in models]
+    elif models[0].endswith("-train"):
+        variants = args.variants.split(",") if args.variants else TRAIN_VARIANTS
+        results = [bench_training(models[0], variants, args.reps, args.iters, args.autotune,
+                                  args.profile)]
+    else:
+        variants = args.variants.split(",") if args.variants else VARIANTS
+        results = [bench_model(models[0], variants, args.reps, args.iters, args.profile,
+                               args.autotune)]
+    if args.result_json:
+        args.result_json.write_text(json.dumps(results[0]))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     text = print_table(results)
     for r in results:
