@@ -105,7 +105,7 @@ def test_autotuned_backward_pieces_are_never_slower_than_pytorch():
     for r in compiled.last.regions:
         for p in r.gradients:
             if p.cudnn_ms is not None:
-                faster = "pytorch" if p.pytorch_ms < p.cudnn_ms else "cudnn"
+                faster = "pytorch" if p.pytorch_ms < 0.9 * p.cudnn_ms else "cudnn"
                 assert p.backend == faster, (r.region_id, p)
 
 
