@@ -31,6 +31,7 @@ cuDNN rejects runs on PyTorch with cuDNN's reason.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +46,14 @@ from .autotune import PYTORCH_MARGIN, gpu_time_ms, sample_tensor
 from .cudnn_graph import (CudnnGraph, channel_padding, cudnn_dtype, import_cudnn, nhwc_strides,
                           to_nhwc)
 
-__all__ = ["conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS"]
+__all__ = ["conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS",
+           "GRAPH_INPUTS"]
 
 GRADIENT_KINDS = ("dgrad", "dgrad_drelu", "wgrad")
+
+#: The tensors each graph of :func:`conv_grad_graph` reads, in its input order (the order of the
+#: ``run_region`` op's inputs too).
+GRAPH_INPUTS = {"dgrad": ("dy", "w"), "dgrad_drelu": ("dy", "w", "x"), "wgrad": ("x", "dy")}
 
 
 def _shape(node: Any) -> list[int]:
@@ -58,8 +64,8 @@ def conv_grad_graph(kind: str, conv: fx.Node, handle: Any = None) -> CudnnGraph:
     """The dgrad (``kind="dgrad"``), dgrad_drelu or wgrad (``"wgrad"``) graph of convolution
     node ``conv`` (see module docstring).
 
-    Inputs: dgrad ``(dy, w)``, dgrad_drelu ``(dy, w, x)``, wgrad ``(x, dy)``; one output (``dx``
-    or ``dw``). No GPU needed.
+    Inputs as ``GRAPH_INPUTS[kind]`` names them: dgrad ``(dy, w)``, dgrad_drelu ``(dy, w, x)``,
+    wgrad ``(x, dy)``; one output (``dx`` or ``dw``). No GPU needed.
 
     Raises:
         UnsupportedError: the frontend is missing or the dtype is not fp16/bf16/fp32.
@@ -75,25 +81,23 @@ def conv_grad_graph(kind: str, conv: fx.Node, handle: Any = None) -> CudnnGraph:
     if handle is not None:
         kwargs["handle"] = handle
     g = cudnn.pygraph(**kwargs)
-    x_dims, w_dims, y_dims = _shape(conv.args[0]), _shape(conv.args[1]), _shape(conv)
-    dy = g.tensor(name="dy", dim=y_dims, stride=nhwc_strides(tuple(y_dims)), data_type=io)
+    dims = {"dy": _shape(conv), "x": _shape(conv.args[0]), "w": _shape(conv.args[1])}
+    tensors = {name: g.tensor(name=name, dim=dims[name], stride=nhwc_strides(tuple(dims[name])),
+                              data_type=io) for name in GRAPH_INPUTS[kind]}
     conv_args = dict(padding=list(padding), stride=list(stride), dilation=list(dilation),
                      compute_data_type=cudnn.data_type.FLOAT)
-    if kind in ("dgrad", "dgrad_drelu"):
-        w = g.tensor(name="w", dim=w_dims, stride=nhwc_strides(tuple(w_dims)), data_type=io)
-        out = g.conv_dgrad(loss=dy, filter=w, name="dgrad", **conv_args)
-        inputs, out_dims = [dy, w], x_dims
-        if kind == "dgrad_drelu":
-            out.set_dim(x_dims).set_stride(nhwc_strides(tuple(x_dims)))
-            x = g.tensor(name="x", dim=x_dims, stride=nhwc_strides(tuple(x_dims)), data_type=io)
-            out = g.relu_backward(loss=out, input=x, name="drelu")
-            inputs.append(x)
+    if kind == "wgrad":
+        out = g.conv_wgrad(image=tensors["x"], loss=tensors["dy"], name="wgrad", **conv_args)
+        out_dims = dims["w"]
     else:
-        x = g.tensor(name="x", dim=x_dims, stride=nhwc_strides(tuple(x_dims)), data_type=io)
-        out = g.conv_wgrad(image=x, loss=dy, name="wgrad", **conv_args)
-        inputs, out_dims = [x, dy], w_dims
+        out = g.conv_dgrad(loss=tensors["dy"], filter=tensors["w"], name="dgrad", **conv_args)
+        out_dims = dims["x"]
+        if kind == "dgrad_drelu":
+            out.set_dim(out_dims).set_stride(nhwc_strides(tuple(out_dims)))
+            out = g.relu_backward(loss=out, input=tensors["x"], name="drelu")
     out.set_output(True).set_data_type(io).set_dim(out_dims).set_stride(
         nhwc_strides(tuple(out_dims)))
+    inputs = [tensors[name] for name in GRAPH_INPUTS[kind]]
     return CudnnGraph(g, inputs, [out])
 
 
@@ -164,19 +168,18 @@ class CudnnConvGradients:
                 continue
             self.plans[kind] = plan
             op = _GradientOp(self, kind)
-            shape = self.w_shape if kind == "wgrad" else self.x_shape
+            shape = self._out_shape(kind)
             self._ops[kind] = (op, register_kernel(op, [(shape, tuple(nhwc_strides(shape)),
                                                          self.dtype)]))
+            unfused = region.dgrad_drelu_reason if kind == "dgrad" else ""
             piece = GradientPiece(kind, "cudnn", plan=plan.plan_name,
-                                  note="" if kind != "dgrad" else
-                                  f"relu_backward not fused: {region.dgrad_drelu_reason}"
-                                  if region.dgrad_drelu_reason else "")
+                                  note=f"relu_backward not fused: {unfused}" if unfused else "")
             if backend.autotune > 1:
                 self._compare(piece)
             self.pieces.append(piece)
 
     def _compare(self, piece: GradientPiece) -> None:
-        run_cudnn = getattr(self, f"_cudnn_{piece.kind}")
+        run_cudnn = functools.partial(self._cudnn, piece.kind)
         run_torch = getattr(self.torch, piece.kind)
 
         def measure() -> tuple[float, float]:
@@ -195,31 +198,27 @@ class CudnnConvGradients:
             del self._ops[piece.kind]
 
     # ------------------------------------------------------------------ ConvGradients
-    def _cudnn_dgrad(self, dy, x, w):
-        dx = torch.empty_strided(self.x_shape, nhwc_strides(self.x_shape), dtype=dy.dtype,
-                                 device=dy.device)
-        self.plans["dgrad"].execute([to_nhwc(dy), self._weights(w)], [dx])
-        return dx
+    def _out_shape(self, kind: str) -> tuple[int, ...]:
+        return self.w_shape if kind == "wgrad" else self.x_shape
 
-    def _cudnn_dgrad_drelu(self, dy, x, w):
-        dx = torch.empty_strided(self.x_shape, nhwc_strides(self.x_shape), dtype=dy.dtype,
-                                 device=dy.device)
-        self.plans["dgrad_drelu"].execute([to_nhwc(dy), self._weights(w), to_nhwc(x)], [dx])
-        return dx
-
-    def _cudnn_wgrad(self, dy, x, w):
-        dw = torch.empty_strided(self.w_shape, nhwc_strides(self.w_shape), dtype=dy.dtype,
-                                 device=dy.device)
-        self.plans["wgrad"].execute([to_nhwc(x), to_nhwc(dy)], [dw])
-        return dw
+    def _cudnn(self, kind: str, dy, x, w) -> torch.Tensor:
+        """Execute the plan of ``kind`` on the tensors it reads (``GRAPH_INPUTS``; the others
+        may be ``None``), laid out as declared; returns its fresh channels_last output."""
+        given = {"dy": dy, "x": x, "w": w}
+        inputs = [self._weights(w) if name == "w" else to_nhwc(given[name])
+                  for name in GRAPH_INPUTS[kind]]
+        shape = self._out_shape(kind)
+        out = torch.empty_strided(shape, nhwc_strides(shape), dtype=dy.dtype, device=dy.device)
+        self.plans[kind].execute(inputs, [out])
+        return out
 
     def _run(self, kind: str, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if kind not in self.plans:
             return getattr(self.torch, kind)(dy, x, w)
         if _traced(dy):  # an opaque op with known output metadata in the traced graph
-            inputs = {"dgrad": [dy, w], "dgrad_drelu": [dy, w, x], "wgrad": [dy, x]}[kind]
-            return run_region(self._ops[kind][1], inputs)[0]
-        return getattr(self, f"_cudnn_{kind}")(dy, x, w)
+            given = {"dy": dy, "x": x, "w": w}
+            return run_region(self._ops[kind][1], [given[n] for n in GRAPH_INPUTS[kind]])[0]
+        return self._cudnn(kind, dy, x, w)
 
     def dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``dx`` (channels_last) from ``dy`` and ``w``; see ``ConvGradients``."""
@@ -241,16 +240,13 @@ def _traced(t: torch.Tensor) -> bool:
 
 
 class _GradientOp:
-    """A cuDNN dgrad (inputs ``dy, w``), dgrad_drelu (``dy, w, x``) or wgrad (``dy, x``) as a
-    kernel of the ``run_region`` op: only the tensors the graph reads are op inputs, so a traced
-    backward keeps no activation alive for a plain dgrad."""
+    """A cuDNN dgrad, dgrad_drelu or wgrad as a kernel of the ``run_region`` op, whose inputs are
+    only the tensors the graph reads (``GRAPH_INPUTS``), so a traced backward keeps no activation
+    alive for a plain dgrad."""
 
     def __init__(self, grads: CudnnConvGradients, kind: str):
         self.grads, self.kind = grads, kind
 
-    def __call__(self, dy: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor]:
-        if self.kind == "dgrad":
-            return (self.grads._cudnn_dgrad(dy, None, others[0]),)
-        if self.kind == "dgrad_drelu":
-            return (self.grads._cudnn_dgrad_drelu(dy, others[1], others[0]),)
-        return (self.grads._cudnn_wgrad(dy, others[0], None),)
+    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor]:
+        named = dict(zip(GRAPH_INPUTS[self.kind], tensors))
+        return (self.grads._cudnn(self.kind, named["dy"], named.get("x"), named.get("w")),)
