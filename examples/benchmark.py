@@ -3,7 +3,8 @@
 Every variant of a model is timed in the same process on the same GPU with CUDA events: the
 median over ``--reps`` repetitions of ``--iters`` back-to-back calls after warm-up, in ms per call
 (the method of shared/BASELINES.md). With several ``--models`` each model runs in a process of its
-own. Inputs are NCHW fp16 and weights fp16, as the reference agent runs.
+own. Inputs are NCHW fp16 and weights fp16, as the reference agent runs; ``--channels-last``
+stores every variant's parameters channels_last (the inputs stay NCHW).
 
     python examples/benchmark.py --out bench_out            # all models, all variants
     python examples/benchmark.py --models seresnet9-rgb --profile
@@ -61,7 +62,10 @@ TRAIN_VARIANTS = ["eager AMP", "eager fp16", "eager fp16+cudagraph", "fusion_com
                   "torch.compile reduce-overhead fp16"]
 
 
-def build_model(name: str) -> torch.nn.Module:
+def build_model(name: str, channels_last: bool = False) -> torch.nn.Module:
+    """Model ``name`` of ``MODELS`` on the GPU in fp16 (train mode for ``*-train``), its
+    parameters NCHW-contiguous as constructed or, with ``channels_last``, converted by
+    ``model.to(memory_format=torch.channels_last)``."""
     import importlib
 
     ref, _, kwargs = MODELS[name]
@@ -71,9 +75,8 @@ def build_model(name: str) -> torch.nn.Module:
         from examples.seresnet9_fixup import randomize_
 
         randomize_(model)
-    if name.endswith("-train"):
-        return model.cuda().half().train()
-    return model.cuda().half().eval()
+    model = model.cuda().half().train(name.endswith("-train"))
+    return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
 def time_ms(fn: Callable[[], object], reps: int, iters: int) -> float:
@@ -118,10 +121,11 @@ def measure_variant(result: dict, variant: str, make: Callable[[], Callable[[], 
         return None
 
 
-def warm_compile_seconds(name: str, cache_dir: str, autotune: int) -> float:
+def warm_compile_seconds(name: str, cache_dir: str, autotune: int,
+                         channels_last: bool = False) -> float:
     """Compile ``name`` with fusion_compiler in a fresh process reading ``cache_dir``."""
     proc = subprocess.run([sys.executable, __file__, "--compile-only", name, "--cache-dir", cache_dir,
-                           "--autotune", str(autotune)],
+                           "--autotune", str(autotune)] + ["--channels-last"] * channels_last,
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
@@ -145,14 +149,16 @@ def own_process(name: str, args: argparse.Namespace) -> dict:
             command += ["--variants", args.variants]
         if args.profile:
             command.append("--profile")
+        if args.channels_last:
+            command.append("--channels-last")
         subprocess.run(command, check=True, cwd=ROOT)
         return json.loads(path.read_text())
 
 
 def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: bool,
-                autotune: int) -> dict:
+                autotune: int, channels_last: bool = False) -> dict:
     torch.manual_seed(0)
-    model = build_model(name)
+    model = build_model(name, channels_last)
     x = torch.randn(MODELS[name][1], device="cuda", dtype=torch.half)
     cache_dir = tempfile.mkdtemp(prefix="fc-plans-")
 
@@ -173,7 +179,8 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
         "fusion_compiler+inductor glue+cudagraph": lambda: ours(cuda_graph=True,
                                                                 glue_backend="inductor"),
     }
-    result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {}}
+    result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {},
+              "channels_last": channels_last}
     with torch.inference_mode():
         reference = model(x).float()
         for variant in variants:
@@ -188,7 +195,7 @@ def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: 
                 result.setdefault("profiles", {})[variant] = kernel_profile(fn)
         if "fusion_compiler" in variants:
             result["compile_s"]["fusion_compiler warm (new process)"] = warm_compile_seconds(
-                name, cache_dir, autotune)
+                name, cache_dir, autotune, channels_last)
     return result
 
 
@@ -241,15 +248,16 @@ def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], object]
 
 
 def bench_training(name: str, variants: list[str], reps: int, iters: int, autotune: int,
-                   profile: bool = False) -> dict:
+                   profile: bool = False, channels_last: bool = False) -> dict:
     torch.manual_seed(0)
-    base = build_model(name)
+    base = build_model(name, channels_last)
     x = torch.randn(MODELS[name][1], device="cuda", dtype=torch.half)
     cache_dir = tempfile.mkdtemp(prefix="fc-plans-")
-    result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {}, "train": True}
+    result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {}, "train": True,
+              "channels_last": channels_last}
 
     def fresh(dtype=torch.half):
-        return copy.deepcopy(base).to(dtype)
+        return copy.deepcopy(base).to(dtype)  # keeps the parameters' memory format
 
     def ours(model, cuda_graph, glue_backend=None):
         module = fc.compile(model, backend="cudnn", cache_dir=cache_dir, autotune=autotune,
@@ -320,7 +328,8 @@ def print_table(results: list[dict]) -> str:
         for v in variants:
             table.add_column(v, justify="right")
         for r in rows:
-            table.add_row(f"{r['model']} {'x'.join(map(str, r['input']))}",
+            params = ", params channels_last" if r.get("channels_last") else ""
+            table.add_row(f"{r['model']} {'x'.join(map(str, r['input']))}{params}",
                           *("-" if r["ms"].get(v) is None else f"{r['ms'][v]:.3f}"
                             for v in variants))
         tables.append(table)
@@ -380,6 +389,9 @@ def main() -> int:
                              "for training also eager)")
     parser.add_argument("--autotune", type=int, default=DEFAULT_AUTOTUNE,
                         help="cuDNN plans timed per region (default %(default)s)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="store every variant's parameters channels_last "
+                             "(model.to(memory_format=torch.channels_last)); inputs stay NCHW")
     parser.add_argument("--compile-only", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--result-json", type=Path, help=argparse.SUPPRESS)
@@ -387,7 +399,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         parser.exit(1, "benchmark.py needs a CUDA GPU\n")
     if args.compile_only:
-        model = build_model(args.compile_only)
+        model = build_model(args.compile_only, args.channels_last)
         x = torch.randn(MODELS[args.compile_only][1], device="cuda", dtype=torch.half)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -402,11 +414,11 @@ def main() -> int:
     elif models[0].endswith("-train"):
         variants = args.variants.split(",") if args.variants else TRAIN_VARIANTS
         results = [bench_training(models[0], variants, args.reps, args.iters, args.autotune,
-                                  args.profile)]
+                                  args.profile, args.channels_last)]
     else:
         variants = args.variants.split(",") if args.variants else VARIANTS
         results = [bench_model(models[0], variants, args.reps, args.iters, args.profile,
-                               args.autotune)]
+                               args.autotune, args.channels_last)]
     if args.result_json:
         args.result_json.write_text(json.dumps(results[0]))
         return 0

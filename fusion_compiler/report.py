@@ -129,8 +129,8 @@ def format_gradients(regions: Sequence[Region]) -> str:
             continue
         for p in r.gradients:
             _add_row(table, r.region_id, r.pattern, p.kind, p.backend,
-                     "" if p.cudnn_ms is None else f"{p.cudnn_ms:.4f}",
-                     "" if p.pytorch_ms is None else f"{p.pytorch_ms:.4f}", p.reason or p.note)
+                     "" if p.cudnn_ms is None else f"{p.cudnn_ms:.5f}",
+                     "" if p.pytorch_ms is None else f"{p.pytorch_ms:.5f}", p.reason or p.note)
     return _render(table)
 
 

@@ -97,6 +97,30 @@ def test_reference_network_gradients_with_inductor_glue():
     assert all(p.backend == "cudnn" for r in compiled.last.regions[1:] for p in r.gradients)
 
 
+def test_torchvision_resnet18_training_with_inductor_glue():
+    """A torchvision CNN in train mode (batch norm on batch statistics, so not folded: each
+    region is a bare convolution) through cuDNN regions and Inductor glue."""
+    models = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    compiled = _check_cudnn_gradients(models.resnet18(num_classes=10).train(),
+                                      torch.randn(8, 3, 64, 64), input_grad=False,
+                                      glue_backend="inductor")
+    assert len(compiled.last.regions) == 20
+
+
+def test_channels_last_parameters():
+    """Parameters stored channels_last (``model.to(memory_format=torch.channels_last)``, which
+    saves the per-step weight and gradient layout copies): same gradients, and each weight
+    gradient comes back in its parameter's layout."""
+    torch.manual_seed(0)
+    model = randomize_(se_resnet9_fixup(3), seed=3).train().to(memory_format=torch.channels_last)
+    compiled = _check_cudnn_gradients(model, torch.randn(32, 3, 64, 64), input_grad=False)
+    for name, p in model.named_parameters():
+        if p.dim() == 4 and p.shape[-1] > 1:  # a 1x1 weight's strides are both layouts at once
+            assert p.grad.stride() == p.stride(), name
+    assert all(p.backend == "cudnn" for r in compiled.last.regions[1:] for p in r.gradients)
+
+
 def test_autotuned_backward_pieces_are_never_slower_than_pytorch():
     model = randomize_(se_resnet9_fixup(3), seed=4).cuda().half().train()
     compiled = fc.compile(model, backend="cudnn", cache_dir=False, autotune=4)
@@ -104,8 +128,8 @@ def test_autotuned_backward_pieces_are_never_slower_than_pytorch():
          LOSS_SCALE).backward()
     for r in compiled.last.regions:
         for p in r.gradients:
-            if p.cudnn_ms is not None:
-                faster = "pytorch" if p.pytorch_ms < 0.9 * p.cudnn_ms else "cudnn"
+            if p.cudnn_ms is not None:  # no margin: the faster of the two timings, cuDNN on a tie
+                faster = "pytorch" if p.pytorch_ms < p.cudnn_ms else "cudnn"
                 assert p.backend == faster, (r.region_id, p)
 
 

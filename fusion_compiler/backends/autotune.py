@@ -22,12 +22,12 @@ from ..errors import condense
 from .cudnn_graph import import_cudnn
 
 __all__ = ["PlanTiming", "fastest", "sample_pack", "sample_tensor", "sample_inputs", "gpu_time_ms",
-           "autotune",
-           "PYTORCH_MARGIN"]
+           "paired_time_ms", "autotune", "PYTORCH_MARGIN"]
 
 PYTORCH_MARGIN = 0.9
-"""PyTorch's ops replace a cuDNN graph only when they time below this fraction of it (10% faster):
-near-ties would otherwise flip between runs on timing noise."""
+"""PyTorch's ops replace a region's forward cuDNN graph only when they time below this fraction of
+it (10% faster): near-ties would otherwise flip between runs on timing noise. Gradient graphs do
+not use it (:mod:`.cudnn_backward`): they are kept only when not slower."""
 
 
 @dataclass
@@ -68,12 +68,16 @@ def sample_pack(tensors: dict[int, Any], device: torch.device) -> dict[int, torc
             for uid, t in tensors.items()}
 
 
-def sample_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A random tensor of ``shape`` (see :func:`_random` for the values), channels_last when 4-d:
-    the layout activations have between cuDNN regions at run time."""
-    layout = torch.empty(tuple(shape), device="meta").contiguous(
-        memory_format=torch.channels_last if len(shape) == 4 else torch.contiguous_format)
-    return _random(tuple(shape), layout.stride(), dtype, device)
+def sample_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                  strides: Sequence[int] | None = None) -> torch.Tensor:
+    """A random tensor of ``shape`` (see :func:`_random` for the values) laid out with
+    ``strides``; by default channels_last when 4-d: the layout activations have between cuDNN
+    regions at run time."""
+    if strides is None:
+        strides = torch.empty(tuple(shape), device="meta").contiguous(
+            memory_format=torch.channels_last if len(shape) == 4 else torch.contiguous_format
+        ).stride()
+    return _random(tuple(shape), tuple(strides), dtype, device)
 
 
 def sample_inputs(region) -> list[torch.Tensor]:
@@ -88,25 +92,39 @@ def gpu_time_ms(run: Callable[[], object], reps: int = 3, iters: int = 10) -> fl
     """GPU time of one ``run()`` in ms: the median over ``reps`` replays of a CUDA graph holding
     ``iters`` back-to-back calls. A CUDA graph, because timing calls issued from Python would
     measure the host (about 20 us per ``execute``, CUDNN_FACTS.md) rather than the kernel."""
+    return paired_time_ms([run], reps, iters)[0]
+
+
+def paired_time_ms(runs: Sequence[Callable[[], object]], reps: int = 3, iters: int = 10
+                   ) -> list[float]:
+    """GPU time of one call of each of ``runs`` in ms, as :func:`gpu_time_ms` takes it, with the
+    CUDA-graph replays of the runs alternating (``a b a b ...``) so that clock or thermal drift
+    during the measurement affects all of them alike: the fair way to compare two
+    implementations of the same work."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run()  # warm-up outside capture: first launch loads the kernel
+        for run in runs:
+            run()  # warm-up outside capture: first launch loads the kernel
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            run()
-    graph.replay()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    graphs = []
+    for run in runs:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                run()
         graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
+        graphs.append(graph)
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(reps):
+        for graph, times in zip(graphs, samples):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+    return [statistics.median(times) for times in samples]
 
 
 def autotune(graph: Any, pack: dict[int, torch.Tensor], handle: Callable[[], Any],

@@ -276,20 +276,22 @@ class CudnnPlan:
         except Exception:  # a deserialized graph may not expose plan names
             return ""
 
-    def timed_against_pytorch(self, measure: Callable[[], tuple[float, float]]
-                              ) -> tuple[float, float]:
+    def timed_against_pytorch(self, measure: Callable[[], tuple[float, float]],
+                              record_name: str = "pytorch_timing") -> tuple[float, float]:
         """``(cudnn_ms, pytorch_ms)`` of this plan against the PyTorch ops it replaces.
 
-        ``measure()`` runs only when the plan was built now; its result is stored beside the plan
-        in the cache, and a plan loaded from the cache reuses the stored timing, so warm compiles
-        skip the timing and every process makes the same choice for the same plan.
+        ``measure()`` runs only when the plan was built now or the cache holds no record named
+        ``record_name`` for it (name a new method of measuring anew); its result is stored
+        beside the plan in the cache, and a plan loaded from the cache reuses the stored timing,
+        so warm compiles skip the timing and every process makes the same choice for the same
+        plan.
         """
         cache = self.backend.cache
-        record = cache.load_record(self.header, "pytorch_timing") if self.from_cache else None
+        record = cache.load_record(self.header, record_name) if self.from_cache else None
         if record is not None:
             return float(record["cudnn_ms"]), float(record["pytorch_ms"])
         cudnn_ms, pytorch_ms = measure()
-        cache.store_record(self.header, "pytorch_timing",
+        cache.store_record(self.header, record_name,
                            {"cudnn_ms": cudnn_ms, "pytorch_ms": pytorch_ms})
         return cudnn_ms, pytorch_ms
 

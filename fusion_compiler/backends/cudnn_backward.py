@@ -21,12 +21,13 @@ executes the plan directly (no dispatcher overhead).
 
 Each graph is built into a :class:`~.cudnn.CudnnPlan` (cached, autotuned). When autotuning is on,
 each is also timed against PyTorch's ``convolution_backward`` (then ``threshold_backward`` for
-dgrad_drelu) on random data of its shapes, and the faster one runs (PyTorch must win by 10%,
-``PYTORCH_MARGIN``; the timing is cached with the plan, see ``CudnnPlan.timed_against_pytorch``).
-Without the margin, ties such as 0.0424 against 0.0424 ms went to PyTorch on an H100 and the
-SE-ResNet9 training step measured 3.97 ms, against 3.82 ms with it (two runs, not a controlled
-comparison). A graph
-cuDNN rejects runs on PyTorch with cuDNN's reason.
+dgrad_drelu) on random data of its shapes, the two timed alternately
+(:func:`~.autotune.paired_time_ms`), and PyTorch's ops run instead when they were faster: no
+gradient graph is kept that timed slower than the ops it replaces (the timing is cached with the
+plan, see ``CudnnPlan.timed_against_pytorch``). Unlike a region's forward graph, there is no 10%
+margin for PyTorch to clear (``PYTORCH_MARGIN``): both sides do the same work on the same layouts,
+the weight aside, which each side gets as it has it at run time. A graph cuDNN rejects runs on
+PyTorch with cuDNN's reason.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ..backward import TorchConvGradients
 from ..errors import UnsupportedError, condense
 from ..region import Region
 from ..runtime.region_op import register_kernel, run_region
-from .autotune import PYTORCH_MARGIN, gpu_time_ms, sample_tensor
+from .autotune import paired_time_ms, sample_tensor
 from .cudnn_graph import (CudnnGraph, channel_padding, cudnn_dtype, import_cudnn, nhwc_strides,
                           to_nhwc)
 
@@ -141,6 +142,7 @@ class CudnnConvGradients:
         self.device = conv.meta["val"].device
         self.x_shape = tuple(_shape(conv.args[0]))
         self.w_shape = tuple(_shape(conv.args[1]))
+        self.w_stride = tuple(conv.args[1].meta["val"].stride())  # the parameter's own layout
         self.y_shape = tuple(_shape(conv))
         self.dtype = conv.meta["val"].dtype
         self._weights = weight_cache if weight_cache is not None else _WeightCache()
@@ -179,6 +181,10 @@ class CudnnConvGradients:
             self.pieces.append(piece)
 
     def _compare(self, piece: GradientPiece) -> None:
+        """Time the plan against PyTorch's ops on random data and keep the faster (cuDNN on a
+        tie). Each side gets the weight as it has it at run time: cuDNN the channels_last copy
+        its forward already made (``weight_cache``), PyTorch the parameter in its own layout,
+        which ``convolution_backward`` converts on every call."""
         run_cudnn = functools.partial(self._cudnn, piece.kind)
         run_torch = getattr(self.torch, piece.kind)
 
@@ -186,14 +192,17 @@ class CudnnConvGradients:
             dy, x, w = (sample_tensor(shape, self.dtype, self.device)
                         for shape in (self.y_shape, self.x_shape, self.w_shape))
             x = to_nhwc(x.relu()) if piece.kind == "dgrad_drelu" else x  # a ReLU output
-            return (gpu_time_ms(lambda: run_cudnn(dy, x, w)),
-                    gpu_time_ms(lambda: run_torch(dy, x, w)))
+            param = sample_tensor(self.w_shape, self.dtype, self.device, self.w_stride)
+            cudnn_ms, torch_ms = paired_time_ms([lambda: run_cudnn(dy, x, w),
+                                                 lambda: run_torch(dy, x, param)], reps=7)
+            return cudnn_ms, torch_ms
 
-        piece.cudnn_ms, piece.pytorch_ms = self.plans[piece.kind].timed_against_pytorch(measure)
-        if piece.pytorch_ms < PYTORCH_MARGIN * piece.cudnn_ms:
+        piece.cudnn_ms, piece.pytorch_ms = self.plans[piece.kind].timed_against_pytorch(
+            measure, "paired_timing")
+        if piece.pytorch_ms < piece.cudnn_ms:
             piece.backend = "pytorch"
-            piece.reason = (f"PyTorch was faster on this GPU: {piece.pytorch_ms:.4f} ms against "
-                            f"{piece.cudnn_ms:.4f} ms on cuDNN")
+            piece.reason = (f"PyTorch was faster on this GPU: {piece.pytorch_ms:.5f} ms against "
+                            f"{piece.cudnn_ms:.5f} ms on cuDNN")
             del self.plans[piece.kind]
             del self._ops[piece.kind]
 
