@@ -4,7 +4,9 @@ Every variant of a model is timed in the same process on the same GPU with CUDA 
 median over ``--reps`` repetitions of ``--iters`` back-to-back calls after warm-up, in ms per call
 (the method of shared/BASELINES.md). With several ``--models`` each model runs in a process of its
 own. Inputs are NCHW fp16 and weights fp16, as the reference agent runs; ``--channels-last``
-stores every variant's parameters channels_last (the inputs stay NCHW).
+stores every variant's parameters channels_last (the inputs stay NCHW; the eager training
+variants then compute wrong AvgPool gradients, pytorch/pytorch#188344: they are timed, not
+checked).
 
     python examples/benchmark.py --out bench_out            # all models, all variants
     python examples/benchmark.py --models seresnet9-rgb --profile

@@ -26,9 +26,12 @@ the conv output need not be saved. The data gradient stays ``dgrad(g * s, w)``, 
 element as eager rounds it: the equal ``dgrad(g, fp16(w * s))`` rounds each weight once for every
 position, a coherent error that does not average out in the sums of the scalar-bias gradients
 upstream (on an H200, going back to eager's rounding moved layer1.bias1b of the reference network
-from an L2 error of 5.9e-2 to 5.6e-2, eager fp16 4.5e-3: most of that error has another,
-undetermined source). Under ``glue_backend="inductor"`` the ``g * s`` fuses with the pointwise op
-producing ``g``.
+from an L2 error of 5.9e-2 to 5.6e-2, eager fp16 4.5e-3). The rest of that error is the
+scalar's conditioning (its terms' absolute sum is 41x the sum), not this backward: on an H100
+(seed 3, N=32, fp16, loss scale 1024) eager fp16 with cuDNN disabled gave 3.8e-2, the compiled
+graph differentiated by PyTorch autograd (reference backend) 4.3e-2, eager fp32 with TF32
+convolutions 1.6e-2; with seed 5, N=64 every variant gave 1.9e-4. Under
+``glue_backend="inductor"`` the ``g * s`` fuses with the pointwise op producing ``g``.
 
 When the convolution's input is the output of a ReLU in another region, read by nothing else
 (:func:`fusion_compiler.lowering.plan_dgrad_drelu`), the dgrad applies that ReLU's backward

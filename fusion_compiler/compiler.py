@@ -18,6 +18,7 @@ from .passes import Pass, PassManager, default_passes
 from .passes.autocast import make_autocast_explicit
 from .region import Region
 from .runtime.hoist import hoist_parameter_subgraphs
+from .runtime.layout import channels_last_inputs, nchw_padded_avg_pools
 
 __all__ = ["compile", "CompiledModule"]
 
@@ -55,22 +56,6 @@ def _autocast_dtype(args: Sequence[Any]) -> torch.dtype | None:
     if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
         return None
     return torch.get_autocast_dtype(device)
-
-
-def _channels_last_inputs(gm: fx.GraphModule) -> None:
-    """Convert a 4-d graph input read by several cuDNN regions to channels_last once, at the
-    boundary, instead of once per region."""
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        val = ph.meta.get("val")
-        users = [u for u in ph.users if u.op == "call_module"
-                 and getattr(gm.get_submodule(u.target), "backend", None) == "cudnn"]
-        if not isinstance(val, torch.Tensor) or val.dim() != 4 or len(users) < 2:
-            continue
-        with gm.graph.inserting_after(ph):
-            conv = gm.graph.call_method("contiguous", (ph,), {"memory_format": torch.channels_last})
-        for u in users:
-            u.replace_input_with(ph, conv)
-    gm.recompile()
 
 
 class CompiledModule(torch.nn.Module):
@@ -172,7 +157,11 @@ class CompiledModule(torch.nn.Module):
         lower(gm, self.backend, progress=self.progress, training=grad,
               derived_backward=self.derived_backward, no_grad_inputs=frozen,
               cache_dir=self.cache_dir, autotune=self.autotune)
-        _channels_last_inputs(gm)
+        channels_last_inputs(gm)
+        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        if grad and on_cuda and (pools := nchw_padded_avg_pools(gm)):
+            log.info("%d padded avg_pool2d input(s) made NCHW: PyTorch's channels_last CUDA "
+                     "backward is wrong with padding (pytorch/pytorch#188344)", pools)
         hoisted = None if grad else hoist_parameter_subgraphs(gm)
         call = gm if self.glue_backend is None else torch.compile(
             gm, backend=self.glue_backend, fullgraph=True, dynamic=False)
@@ -189,8 +178,7 @@ class CompiledModule(torch.nn.Module):
                             else t, out)
 
         runner = run
-        if self.cuda_graph and not grad and any(
-                isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        if self.cuda_graph and not grad and on_cuda:
             from .runtime.cuda_graph import CudaGraphRunner  # noqa: PLC0415
 
             params = [t for t in (*self.model.parameters(), *self.model.buffers())

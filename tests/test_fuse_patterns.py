@@ -271,6 +271,18 @@ def test_conv_relu_chain_is_one_region_per_conv():
            ["conv3x3 > add > relu", "conv3x3 > add > relu", "conv1x1 > add"])
 
 
+def _avgpool_between_convs():
+    """A padded average pool left to PyTorch between two regions (no 1x1 conv after it, so the
+    avgpool_conv pass leaves it alone): on CUDA its input arrives channels_last from cuDNN."""
+    return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AvgPool2d(3, 2, 1),
+                         nn.Conv2d(16, 8, 3, padding=1), nn.ReLU())
+
+
+def test_avgpool_between_convs_stays_a_pytorch_op():
+    _check(_avgpool_between_convs(), torch.randn(2, 8, 8, 8),
+           ["conv3x3 > add > relu", "conv3x3 > add > relu"])
+
+
 def _fixup_block():
     from examples.seresnet9_fixup import SEFixupBlock, randomize_
 
@@ -290,4 +302,5 @@ PATTERNS = {  # name -> (model factory, input shape): every pattern, for the num
     "multi_consumer": (MultiConsumer, (8, 8, 6, 6)),
     "relu6": (lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6()), (8, 8, 6, 6)),
     "conv_relu_chain": (_conv_relu_chain, (8, 8, 6, 6)),
+    "avgpool_between_convs": (_avgpool_between_convs, (8, 8, 8, 8)),
 }
