@@ -12,7 +12,8 @@ them see channels_last where eager saw NCHW. Two graph edits, made after lowerin
   2.11+cu130: SE-ResNet9-Fixup with its downsample ``AvgPool2d(3, 2, 1)`` left as a PyTorch op
   (the ``avgpool_conv`` pass removed), eager fp16 on channels_last tensors, gave
   ``layer1.bias1b`` an L2 gradient error of 1.74 against fp64 and ``layer1.conv1.weight`` 0.34,
-  against 4.5e-3 and 3.0e-3 in NCHW.
+  against 4.5e-3 and 3.0e-3 in NCHW; compiled (cuDNN regions, seed 3, N=32) without this edit the
+  same 1.74 and 0.34, with it 1.8e-2 and 3.1e-3.
 """
 
 from __future__ import annotations
