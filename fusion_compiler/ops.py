@@ -19,6 +19,8 @@ Tensors are NCHW in the graph (the logical layout); backends choose the physical
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
@@ -61,3 +63,15 @@ def op_name(node: fx.Node) -> str:
     if node.op == "call_function":
         return BINARY.get(node.target) or UNARY.get(node.target) or getattr(node.target, "__name__", str(node.target))
     return str(node.target)
+
+
+_AVG_POOL2D_DEFAULTS = {"stride": None, "padding": 0, "ceil_mode": False,
+                        "count_include_pad": True, "divisor_override": None}
+
+
+def avg_pool2d_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of an ``F.avg_pool2d`` call node by name (``input``, ``kernel_size``,
+    ``stride``, ``padding``, ``ceil_mode``, ``count_include_pad``, ``divisor_override``),
+    positional or keyword, with ``F.avg_pool2d``'s defaults for those not given."""
+    names = ["input", "kernel_size", *_AVG_POOL2D_DEFAULTS]
+    return _AVG_POOL2D_DEFAULTS | dict(zip(names, node.args)) | dict(node.kwargs)

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ops import CONV, is_call, is_conv
+from ..ops import CONV, avg_pool2d_args, is_call, is_conv
 
 __all__ = ["space_to_depth_conv", "avgpool_conv"]
 
@@ -120,14 +120,10 @@ def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
     Only ``ceil_mode=False`` and no ``divisor_override`` pools match: otherwise the divisor varies.
     """
     g = gm.graph
-    names = ["input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
-             "divisor_override"]
     for conv in list(g.nodes):
         if not _pointwise_conv(conv) or not is_call(conv.args[0], F.avg_pool2d):
             continue
-        pool = conv.args[0]
-        a = {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True,
-             "divisor_override": None} | dict(zip(names, pool.args)) | dict(pool.kwargs)
+        a = avg_pool2d_args(conv.args[0])
         pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
         kh, kw = pair(a["kernel_size"])
         stride = pair(a["stride"] if a["stride"] not in (None, [], ()) else a["kernel_size"])

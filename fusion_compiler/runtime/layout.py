@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ops import is_call
+from ..ops import avg_pool2d_args, is_call
 
 __all__ = ["channels_last_inputs", "nchw_padded_avg_pools"]
 
@@ -43,12 +43,6 @@ def channels_last_inputs(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _padding(pool: fx.Node) -> tuple[int, ...]:
-    """The ``padding`` argument of an ``F.avg_pool2d`` call node, as a tuple."""
-    padding = pool.kwargs.get("padding", pool.args[3] if len(pool.args) > 3 else 0)
-    return (padding,) if isinstance(padding, int) else tuple(padding)
-
-
 def nchw_padded_avg_pools(gm: fx.GraphModule) -> int:
     """Make the input of every ``F.avg_pool2d`` call with padding NCHW-contiguous (in place; a
     no-op copy for an input that already is); returns how many pools were changed.
@@ -59,9 +53,12 @@ def nchw_padded_avg_pools(gm: fx.GraphModule) -> int:
     """
     changed = 0
     for pool in list(gm.graph.nodes):
-        if not is_call(pool, F.avg_pool2d) or not any(p > 0 for p in _padding(pool)):
+        if not is_call(pool, F.avg_pool2d):
             continue
-        source = pool.args[0] if pool.args else pool.kwargs["input"]
+        args = avg_pool2d_args(pool)
+        padding, source = args["padding"], args["input"]
+        if not any(p > 0 for p in ((padding,) if isinstance(padding, int) else padding)):
+            continue
         with gm.graph.inserting_before(pool):
             nchw = gm.graph.call_method("contiguous", (source,))
         pool.replace_input_with(source, nchw)
