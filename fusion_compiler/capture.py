@@ -1,9 +1,13 @@
 """Capture: an ``nn.Module`` becomes a ``torch.fx.GraphModule`` with tensor metadata on its nodes.
 
-Shapes, dtypes, strides and devices are propagated with fake tensors
-(``torch.fx.passes.fake_tensor_prop.FakeTensorProp``): the model is never run on real data.
-After :func:`propagate_shapes` every node's ``meta["val"]`` holds a ``FakeTensor`` (or a Python
-value/tuple of them for shape arithmetic and multi-output nodes).
+Shapes, dtypes and strides are propagated without running the model on real data: by running the
+graph on tensors of PyTorch's ``meta`` device (no memory, no kernels; each op's meta function
+computes its output's shape, dtype and strides), or, under ``torch.autocast`` and for inputs that
+are already ``FakeTensor`` s, with fake tensors (``torch.fx.passes.fake_tensor_prop``), whose
+construction imports ``torch._dynamo`` (1.7 s on a 2-core CPU). After :func:`propagate_shapes`
+every node's ``meta["val"]`` holds a meta tensor or ``FakeTensor`` (or a Python value/tuple of them
+for shape arithmetic and multi-output nodes) and ``meta["device"]`` the device the value lives on
+when the graph runs (:func:`node_device`).
 """
 
 from __future__ import annotations
@@ -13,12 +17,11 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .errors import FusionError
 
-__all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "tensor_meta"]
+__all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "tensor_meta", "node_device",
+           "encode_meta", "apply_meta"]
 
 
 @dataclass(frozen=True)
@@ -67,17 +70,33 @@ def capture(model: torch.nn.Module) -> fx.GraphModule:
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
-    """Fill ``node.meta["val"]`` for every node by running ``gm`` on fake copies of the inputs.
+    """Fill ``node.meta["val"]`` and ``node.meta["device"]`` for every node of ``gm``.
 
-    Real tensors in ``example_inputs`` are converted to fake tensors with the same shape, dtype,
-    strides and device; fake tensors are used as given (Dynamo passes them). Parameters and
-    buffers of ``gm`` stay real and are only read for metadata.
+    Real tensors in ``example_inputs`` stand in by their shape, dtype, strides and device only;
+    parameters and buffers of ``gm`` are only read for metadata. Runs on meta tensors
+    (:class:`_MetaPropagation`) unless ``torch.autocast`` is on (autocast casts per device type,
+    and meta tensors have none) or an input is already a ``FakeTensor`` (Dynamo passes them):
+    then with fake tensors on their real devices.
     """
-    mode = None
-    for a in example_inputs:
-        if isinstance(a, torch.Tensor) and hasattr(a, "fake_mode"):
-            mode = a.fake_mode
-            break
+    fake_inputs = any(isinstance(a, torch.Tensor) and hasattr(a, "fake_mode") for a in example_inputs)
+    device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), None)
+    autocast = device is not None and device.type in ("cuda", "cpu") and torch.is_autocast_enabled(
+        device.type)
+    if fake_inputs or autocast:
+        _fake_propagation(gm, example_inputs)
+    else:
+        _MetaPropagation(gm, device).run(*example_inputs)
+    return gm
+
+
+def _fake_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """``FakeTensorProp`` over ``gm``: fake tensors keep their real device, so device-dependent
+    dispatch (autocast) is what it will be at run time."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415 (imports torch._dynamo)
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp  # noqa: PLC0415
+
+    mode = next((a.fake_mode for a in example_inputs
+                 if isinstance(a, torch.Tensor) and hasattr(a, "fake_mode")), None)
     if mode is None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     else:
@@ -91,10 +110,169 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Gr
         # Under torch.autocast, casts of parameters are cached for the rest of the autocast
         # region; the ones made here are fake and must not be reused by the real run.
         torch.clear_autocast_cache()
-    return gm
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta["device"] = val.device
+
+
+def _to_meta(value: Any) -> Any:
+    """A meta tensor with ``value``'s shape, dtype and strides (other values unchanged)."""
+    if isinstance(value, torch.Tensor) and value.device.type != "meta":
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+class _MetaPropagation(fx.Interpreter):
+    """Run a graph on meta tensors and record each node's value and device.
+
+    The device of a node's value is that of its first tensor argument (a placeholder's: its
+    input's; a ``get_attr``'s: the parameter's); a node without tensor arguments gets the graph's
+    device (the first input's). Module calls run with their parameters swapped for meta copies
+    (``torch.func.functional_call``).
+    """
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device | None):
+        super().__init__(gm)
+        self.device = device
+        self.devices: dict[fx.Node, torch.device] = {}
+        self.node: fx.Node | None = None  # the node being run
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.node = n
+        with torch.no_grad():
+            result = super().run_node(n)
+        device = self.devices.get(n)
+        if device is None:
+            device = next((self.devices[a] for a in n.all_input_nodes if a in self.devices),
+                          self.device)
+        if isinstance(result, torch.Tensor) and device is not None:
+            self.devices[n] = device
+            n.meta["device"] = device
+        n.meta["val"] = result
+        return result
+
+    def placeholder(self, target, args, kwargs):
+        value = super().placeholder(target, args, kwargs)
+        if isinstance(value, torch.Tensor):
+            self.devices[self.node] = value.device
+        return _to_meta(value)
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor):
+            self.devices[self.node] = value.device
+        return _to_meta(value)
+
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        state = {name: _to_meta(t) for name, t in (*module.named_parameters(),
+                                                    *module.named_buffers())}
+        if not state:
+            return module(*args, **kwargs)
+        first = next(iter(module.parameters()), None)
+        if first is not None and self.node not in self.devices and not any(
+                a in self.devices for a in self.node.all_input_nodes):
+            self.devices[self.node] = first.device
+        return torch.func.functional_call(module, state, args, kwargs, strict=False)
+
+
+_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+                                torch.bool, torch.complex64, torch.complex128)}
+
+
+def _encode(value: Any) -> Any:
+    """JSON-ready form of a ``meta["val"]`` (tensors by shape, strides, dtype); raises
+    ``TypeError`` for what it does not know."""
+    if isinstance(value, torch.Tensor):
+        if str(value.dtype) not in _DTYPES:
+            raise TypeError(value.dtype)
+        return {"tensor": [list(value.shape), list(value.stride()), str(value.dtype)]}
+    if isinstance(value, torch.Size):
+        return {"size": list(value)}
+    if isinstance(value, (tuple, list)):
+        return {type(value).__name__: [_encode(v) for v in value]}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def _decode(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    (kind, data), = value.items()
+    if kind == "tensor":
+        shape, stride, dtype = data
+        return torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device="meta")
+    if kind == "size":
+        return torch.Size(data)
+    if kind == "dtype":
+        return _DTYPES[data]
+    items = [_decode(v) for v in data]
+    return tuple(items) if kind == "tuple" else items
+
+
+def _target_name(target: Any) -> str:
+    """A name of a node's target that is the same in every process (no object address)."""
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    return f"{module}.{name}" if name else type(target).__name__
+
+
+def encode_meta(gm: fx.GraphModule) -> dict | None:
+    """The metadata :func:`propagate_shapes` recorded on ``gm``'s nodes, as JSON-ready data
+    ``{node name: [op, target, value, device]}``; ``None`` when a value has no such form."""
+    table = {}
+    for node in gm.graph.nodes:
+        if "val" not in node.meta:
+            continue
+        device = node.meta.get("device")
+        try:
+            value = _encode(node.meta["val"])
+        except TypeError:
+            return None
+        table[node.name] = [node.op, _target_name(node.target), value,
+                            None if device is None else str(device)]
+    return table
+
+
+def apply_meta(gm: fx.GraphModule, table: dict) -> bool:
+    """Set ``meta["val"]`` and ``meta["device"]`` of ``gm``'s nodes from :func:`encode_meta`'s
+    ``table``, recorded for the same graph; ``False`` (and ``gm`` unchanged) when a node is not
+    in it under the same op and target. Values become meta tensors: no op runs."""
+    decoded = {}
+    for node in gm.graph.nodes:
+        entry = table.get(node.name)
+        if entry is None:
+            if node.op == "output":
+                continue
+            return False
+        op, target, value, device = entry
+        if op != node.op or target != _target_name(node.target):
+            return False
+        decoded[node] = (_decode(value), None if device is None else torch.device(device))
+    for node, (value, device) in decoded.items():
+        node.meta["val"] = value
+        if device is not None:
+            node.meta["device"] = device
+    return True
+
+
+def node_device(node: fx.Node) -> torch.device:
+    """The device ``node``'s value lives on when the graph runs (set by :func:`propagate_shapes`;
+    ``meta["val"]`` itself may be a meta tensor)."""
+    device = node.meta.get("device")
+    if device is not None:
+        return device
+    return node.meta["val"].device
 
 
 def tensor_meta(node: fx.Node) -> torch.Tensor | None:
-    """The fake tensor recorded on ``node`` by :func:`propagate_shapes`, or ``None``."""
+    """The meta or fake tensor recorded on ``node`` by :func:`propagate_shapes`, or ``None``."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,24 +20,63 @@ from .passes.autocast import make_autocast_explicit
 from .region import Region
 from .runtime.hoist import hoist_parameter_subgraphs
 from .runtime.layout import channels_last_inputs, nchw_padded_avg_pools
+from .runtime.plan_cache import PlanCache, default_cache_dir
 
-__all__ = ["compile", "CompiledModule"]
+__all__ = ["compile", "CompiledModule", "CUDA_GRAPH_MODES", "DEFAULT_MAX_SPECIALIZATIONS"]
 
 log = logging.getLogger("fusion_compiler")
+
+CUDA_GRAPH_MODES = ("auto", "static", True, False)
+DEFAULT_MAX_SPECIALIZATIONS = 16
 
 
 @dataclass
 class Specialization:
-    """One compiled graph for one input signature."""
+    """One compiled graph for one input signature.
+
+    ``glue_backend`` is the ``torch.compile`` backend its graph runs through (``None``: eager ops);
+    ``cuda_graph`` whether its forward replays a CUDA graph (``"static"``, ``"safe"``) or not
+    (``None``), and ``notes`` why a default was not taken (no Triton, capture impossible).
+    """
 
     signature: tuple
     graph_module: fx.GraphModule
     run: Callable[..., Any]
     stages: dict[str, str]
+    glue_backend: str | None = None
+    cuda_graph: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def regions(self) -> list[Region]:
         return regions_of(self.graph_module)
+
+    def close(self) -> None:
+        """Release what this specialization holds on the GPU: its CUDA graph (and the graph's
+        memory pool) and, once nothing else refers to them, its regions' plans."""
+        close = getattr(self.run, "close", None)
+        if close is not None:
+            close()
+        self.run = _closed
+
+
+def _closed(*args: Any) -> Any:
+    raise RuntimeError("this specialization was evicted (max_specializations); call the "
+                       "compiled module, not a specialization's run function")
+
+
+@functools.cache
+def _triton_reason() -> str:
+    """Why Inductor cannot compile CUDA glue here (``""``: it can): Triton must import and the GPU
+    must have compute capability 7.0 or newer (what Inductor's Triton backend needs)."""
+    try:
+        import triton  # noqa: F401, PLC0415
+    except Exception as exc:  # ImportError, or a broken install
+        return f"Triton does not import ({type(exc).__name__}: {exc})"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 7:
+        return f"the GPU has compute capability {major}.{minor}; Inductor's Triton kernels need 7.0"
+    return ""
 
 
 def _memory_format(t: Any) -> torch.memory_format | None:
@@ -69,8 +109,9 @@ class CompiledModule(torch.nn.Module):
     Calls that need gradients (grad mode on and a parameter or input requiring grad) get their own
     training specialization, whose cuDNN regions run a fused backward (:mod:`.backward`).
     ``derived_backward`` makes PyTorch-backend regions use that backward too (for tests).
-    ``glue_backend`` hands each specialization's graph to ``torch.compile`` with that backend
-    (see :func:`compile`).
+    ``glue_backend`` hands each specialization's graph to ``torch.compile`` with that backend,
+    ``cuda_graph`` replays inference forwards as CUDA graphs, and at most ``max_specializations``
+    are kept, the least recently used evicted first (see :func:`compile` for all three).
 
     Raises (on call):
         TypeError: wrong number of inputs, or a floating input whose dtype differs from the
@@ -79,17 +120,24 @@ class CompiledModule(torch.nn.Module):
         FusionError: the graph cannot be captured or breaks the cuDNN graph rules.
     """
 
-    def __init__(self, model: torch.nn.Module, *, backend: str = "auto", cuda_graph: bool = False,
-                 cache_dir=None, autotune: int = DEFAULT_AUTOTUNE, fuse_prologue: bool = False,
+    def __init__(self, model: torch.nn.Module, *, backend: str = "auto",
+                 cuda_graph: bool | str = "auto", cache_dir=None,
+                 autotune: int = DEFAULT_AUTOTUNE, fuse_prologue: bool = False,
                  fuse_reduction: bool = False, passes: Sequence[Pass] | None = None,
                  report: bool = False, progress: bool | None = None,
-                 derived_backward: bool = False, glue_backend: str | None = None):
+                 derived_backward: bool = False, glue_backend: str | None = "auto",
+                 max_specializations: int = DEFAULT_MAX_SPECIALIZATIONS):
         super().__init__()
+        if cuda_graph not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graph must be one of {CUDA_GRAPH_MODES}, got {cuda_graph!r}")
+        if max_specializations < 1:
+            raise ValueError(f"max_specializations must be at least 1, got {max_specializations}")
         self.derived_backward = derived_backward
         self.glue_backend = glue_backend
         self.model = model
         self.backend = backend
-        self.cuda_graph = cuda_graph
+        self.cuda_graph = "auto" if cuda_graph is True else cuda_graph
+        self.max_specializations = max_specializations
         self.cache_dir = cache_dir
         self.autotune = autotune
         self.passes = list(passes) if passes is not None else default_passes(
@@ -97,8 +145,11 @@ class CompiledModule(torch.nn.Module):
         self.show_report = report
         self.progress = progress
         self._arity = len(capture(model).graph.find_nodes(op="placeholder"))  # fail early
-        self.specializations: dict[tuple, Specialization] = {}
+        self.specializations: collections.OrderedDict[tuple, Specialization] = \
+            collections.OrderedDict()
         self.last: Specialization | None = None
+        self._noted: set[str] = set()  # reasons already logged (each once per module)
+        self._shape_cache = PlanCache(default_cache_dir(cache_dir))  # shapes per specialization
 
     # ------------------------------------------------------------------ checks
     def _check_inputs(self, args: Sequence[Any]) -> None:
@@ -133,6 +184,7 @@ class CompiledModule(torch.nn.Module):
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp)
         spec = self.specializations.get(key)
         if spec is not None:
+            self.specializations.move_to_end(key)
             return spec
         log.info("compiling %s for inputs %s", type(self.model).__name__,
                  ", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec)))
@@ -151,7 +203,14 @@ class CompiledModule(torch.nn.Module):
             at = next((i for i, p in enumerate(passes) if p.name == "fuse"), len(passes))
             passes = [*passes[:at], Pass("autocast", functools.partial(make_autocast_explicit,
                                                                         dtype=amp)), *passes[at:]]
-        gm = PassManager(passes, args, on_stage=on_stage).run(capture(self.model))
+        captured = capture(self.model)
+        shapes_header = self._shapes_header(captured, key, passes)
+        known = self._shape_cache.load_record(shapes_header, "shapes")
+        manager = PassManager(passes, args, on_stage=on_stage, known_shapes=known)
+        gm = manager.run(captured)
+        if manager.recorded:
+            self._shape_cache.store_record(shapes_header, "shapes",
+                                           {**(known or {}), **manager.recorded})
         frozen = frozenset(ph.name for ph, needs in zip(gm.graph.find_nodes(op="placeholder"),
                                                           requires) if not needs)
         lower(gm, self.backend, progress=self.progress, training=grad,
@@ -163,8 +222,10 @@ class CompiledModule(torch.nn.Module):
             log.info("%d padded avg_pool2d input(s) made NCHW: PyTorch's channels_last CUDA "
                      "backward is wrong with padding (pytorch/pytorch#188344)", pools)
         hoisted = None if grad else hoist_parameter_subgraphs(gm)
-        call = gm if self.glue_backend is None else torch.compile(
-            gm, backend=self.glue_backend, fullgraph=True, dynamic=False)
+        notes: list[str] = []
+        glue = self._glue_backend(on_cuda, notes)
+        call = gm if glue is None else torch.compile(gm, backend=glue, fullgraph=True,
+                                                     dynamic=False)
 
         def run(*inputs: Any) -> Any:
             if hoisted is not None:
@@ -177,15 +238,17 @@ class CompiledModule(torch.nn.Module):
                             if (f := next(flat)) is not None and not t.is_contiguous(memory_format=f)
                             else t, out)
 
-        runner = run
+        runner, graphed = run, None
         if self.cuda_graph and not grad and on_cuda:
-            from .runtime.cuda_graph import CudaGraphRunner  # noqa: PLC0415
-
-            params = [t for t in (*self.model.parameters(), *self.model.buffers())
-                      if not t.is_inference()]
-            runner = CudaGraphRunner(run, args, guard=lambda: tuple(p._version for p in params))
-        spec = Specialization(key, gm, runner, stages)
+            runner, graphed = self._graphed(run, args, notes)
+        spec = Specialization(key, gm, runner, stages, glue, graphed, notes)
         self.specializations[key] = spec
+        while len(self.specializations) > self.max_specializations:
+            old_key, old = self.specializations.popitem(last=False)
+            old.close()
+            log.info("evicted the specialization for inputs %s (max_specializations=%d)",
+                     ", ".join(str(s) for s in old_key[0] if isinstance(s, TensorSpec)),
+                     self.max_specializations)
         if self.show_report:
             from .report import format_gradients, format_regions  # noqa: PLC0415
 
@@ -193,6 +256,58 @@ class CompiledModule(torch.nn.Module):
             if grad:
                 print(format_gradients(spec.regions))
         return spec
+
+    def _shapes_header(self, captured: fx.GraphModule, key: tuple,
+                       passes: Sequence[Pass]) -> dict:
+        """The cache header of the shapes propagated through ``passes`` for this model and
+        specialization ``key``: everything they depend on (the traced code, the module tree with
+        each module's configuration, parameter and buffer metadata, the inputs, the passes and
+        their options, the versions of torch and fusion_compiler)."""
+        from . import __version__  # noqa: PLC0415
+
+        state = [(name, tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device))
+                 for name, t in (*self.model.named_parameters(), *self.model.named_buffers())]
+        steps = [(p.name, sorted(getattr(p.fn, "keywords", {}).items(), key=str)) for p in passes]
+        text = repr((torch.__version__, __version__, captured.code, repr(self.model), state,
+                     key, steps))
+        return PlanCache.header(text, {"kind": "shapes"})
+
+    def _note(self, notes: list[str], reason: str) -> None:
+        """Record why a default was not taken on the specialization; log it once per module."""
+        notes.append(reason)
+        if reason not in self._noted:
+            self._noted.add(reason)
+            log.info("%s", reason)
+
+    def _glue_backend(self, on_cuda: bool, notes: list[str]) -> str | None:
+        """The ``torch.compile`` backend for this specialization's graph (``None``: eager ops).
+        ``"auto"``: Inductor on CUDA when Triton imports, else eager ops (the reason noted)."""
+        if self.glue_backend != "auto":
+            return self.glue_backend
+        if not on_cuda:
+            return None
+        reason = _triton_reason()
+        if reason:
+            self._note(notes, f"glue_backend='auto': ops between regions run eagerly: {reason}")
+            return None
+        return "inductor"
+
+    def _graphed(self, run: Callable[..., Any], args: Sequence[Any], notes: list[str]
+                 ) -> tuple[Callable[..., Any], str | None]:
+        """``run`` replayed as a CUDA graph (see :mod:`.runtime.cuda_graph`), or ``run`` itself
+        when the forward cannot be captured (the reason is noted)."""
+        from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
+
+        params = [t for t in (*self.model.parameters(), *self.model.buffers())
+                  if not t.is_inference()]
+        static = self.cuda_graph == "static"
+        try:
+            runner = CudaGraphRunner(run, args, guard=lambda: tuple(p._version for p in params),
+                                     copy_outputs=not static)
+        except CaptureError as exc:
+            self._note(notes, f"the forward runs without a CUDA graph: {exc}")
+            return run, None
+        return runner, "static" if static else "safe"
 
     def forward(self, *args: Any) -> Any:
         self.last = self.specialize(*args)
@@ -208,10 +323,11 @@ class CompiledModule(torch.nn.Module):
 
 
 def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, *,
-            backend: str = "auto", cuda_graph: bool = False, cache_dir=None,
+            backend: str = "auto", cuda_graph: bool | str = "auto", cache_dir=None,
             autotune: int = DEFAULT_AUTOTUNE, fuse_prologue: bool = False,
             fuse_reduction: bool = False, report: bool = False,
-            progress: bool | None = None, glue_backend: str | None = None) -> CompiledModule:
+            progress: bool | None = None, glue_backend: str | None = "auto",
+            max_specializations: int = DEFAULT_MAX_SPECIALIZATIONS) -> CompiledModule:
     """Compile ``model`` into fused regions and return a module that computes the same function.
 
     Args:
@@ -219,8 +335,14 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         example_inputs: compile for these inputs now (else on the first call).
         backend: ``"auto"`` (cuDNN where it takes a region, PyTorch ops elsewhere), ``"cudnn"``
             (same, but each fallback is a warning) or ``"reference"`` (PyTorch ops only).
-        cuda_graph: on CUDA, capture the whole forward in one CUDA graph per input signature.
-            Outputs are then static buffers overwritten by the next call: clone what you keep.
+        cuda_graph: ``"auto"`` (default; ``True`` is the same): on CUDA, every inference
+            specialization captures its whole forward in one CUDA graph and each call replays it;
+            the outputs are copied out of the graph's buffers, so nothing a call returned is
+            overwritten by a later call. A forward that cannot be captured (a host
+            synchronization, ``.item()``, a CPU tensor) runs without a graph, and the reason is
+            logged once. ``"static"``: the same graph, but calls return the graph's own output
+            buffers, overwritten by the next call (no copy: clone what you keep). ``False``: no
+            CUDA graph. Training specializations are never captured.
         cache_dir: where serialized cuDNN plans are kept (default: ``$FUSION_COMPILER_CACHE_DIR``
             or the user cache directory; ``False`` disables the cache).
         autotune: per region, how many of cuDNN's ranked execution plans to build and time on
@@ -242,8 +364,12 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             regions (the SE gate, residual adds) fuse into Triton kernels, and in training so do
             the pointwise rules and bias sums of every region's backward, which AOTAutograd traces
             from the region's backward formula (dgrad and wgrad stay opaque cuDNN calls). Costs
-            Inductor's compile time on the first call of each specialization. ``None`` (default)
-            runs them as eager PyTorch ops.
+            Inductor's compile time on the first call of each specialization. ``"auto"``
+            (default): ``"inductor"`` for CUDA inputs when Triton imports, else eager PyTorch ops
+            (the reason is logged once); ``None``: eager PyTorch ops.
+        max_specializations: how many specializations (input signatures) are kept; when one
+            more is compiled, the least recently used is evicted (its CUDA graph, memory pool and
+            plans freed, one INFO log line).
 
     Training: a call that needs gradients compiles a training specialization whose cuDNN regions
     have a derived backward (dgrad and wgrad as cuDNN graphs, :mod:`fusion_compiler.backward`);
@@ -251,7 +377,7 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
 
     Raises:
         FusionError: the model cannot be traced or its graph breaks the cuDNN graph rules.
-        ValueError: unknown ``backend``.
+        ValueError: unknown ``backend`` or ``cuda_graph`` mode, ``max_specializations`` < 1.
     """
     from .lowering import BACKEND_CHOICES  # noqa: PLC0415
 
@@ -260,7 +386,7 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
     compiled = CompiledModule(model, backend=backend, cuda_graph=cuda_graph, cache_dir=cache_dir,
                               autotune=autotune, fuse_prologue=fuse_prologue,
                               fuse_reduction=fuse_reduction, report=report, progress=progress,
-                              glue_backend=glue_backend)
+                              glue_backend=glue_backend, max_specializations=max_specializations)
     if example_inputs is not None:
         compiled.specialize(*example_inputs)
     return compiled

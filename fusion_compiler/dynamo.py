@@ -59,7 +59,9 @@ def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
         raise TypeError("glue_backend is an option of fusion_compiler.compile, not of the "
                         "torch.compile backend (this graph is already being compiled by "
                         "torch.compile)")
-    compiled = CompiledModule(gm, **options)
+    # no whole-forward CUDA graph (Dynamo graphs run between Python code) and no glue backend
+    # (this graph already runs inside torch.compile)
+    compiled = CompiledModule(gm, **options, cuda_graph=False, glue_backend=None)
 
     def run(*args: Any) -> Any:
         return compiled(*args)

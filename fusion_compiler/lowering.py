@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 import operator
+import sys
 
 import torch
 import torch.fx as fx
-from tqdm.auto import tqdm
 
 from .backends import get_backend
 from .backends.cudnn_graph import graph_json
@@ -64,8 +64,12 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
     preferred = reference if backend == "reference" else get_backend("cudnn", **backend_options)
     calls = [n for n in gm.graph.nodes
              if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Region)]
-    bar = tqdm(calls, desc="fusion_compiler: lowering regions", unit="region",
-               disable=(not progress) if progress is not None else None, leave=False)
+    bar = calls
+    if progress or (progress is None and sys.stderr.isatty()):
+        from tqdm.auto import tqdm  # noqa: PLC0415  (0.2 s of imports, only for a bar shown)
+
+        bar = tqdm(calls, desc="fusion_compiler: building region plans", unit="region",
+                   leave=False)
     grad_free = _grad_free_nodes(gm, no_grad_inputs) if training else set()
     if training:
         for call in calls:
@@ -73,6 +77,9 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
             setattr(gm, call.target, region)
             region.no_grad_inputs = _no_grad_inputs(region, call, grad_free)
         masking = plan_dgrad_drelu(gm)
+    prefetch = getattr(preferred, "prefetch", None)
+    if prefetch is not None:  # start building every region's plans at once (worker processes)
+        prefetch([gm.get_submodule(call.target) for call in calls])
     for call in bar:
         region = gm.get_submodule(call.target)
         try:

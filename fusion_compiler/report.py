@@ -150,7 +150,8 @@ def dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto"
     """Compile ``model`` for ``inputs`` (under ``torch.no_grad``) and describe the result.
 
     ``options`` are :func:`fusion_compiler.compile`'s (``cache_dir``, ``autotune``,
-    ``fuse_prologue``, ``fuse_reduction``).
+    ``fuse_prologue``, ``fuse_reduction``). Nothing runs: the specialization is compiled without a
+    CUDA graph and without a glue backend (both only change how the graph is called).
 
     Returns a JSON-ready dict: ``inputs``, ``stages`` (stage name -> Python code of the graph;
     ``captured``, a pass name such as ``normalize``, ``fused`` or ``lowered``), ``regions`` (see
@@ -159,7 +160,8 @@ def dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto"
     """
     from .compiler import CompiledModule  # noqa: PLC0415  (compiler imports this module lazily)
 
-    compiled = CompiledModule(model, backend=backend, **options)
+    compiled = CompiledModule(model, backend=backend, **{"cuda_graph": False, "glue_backend": None,
+                                                         **options})
     with torch.no_grad():
         spec = compiled.specialize(*inputs)
     gm = spec.graph_module

@@ -1,28 +1,27 @@
-"""Autotuning: time a cuDNN graph's ranked execution plans on sample data and select the fastest.
+"""Autotuning: the timing that selects among a cuDNN graph's ranked execution plans.
 
 cuDNN's heuristics rank the engines that can run a graph, but their first choice is often not the
 fastest: on an H100 (cuDNN 9.19, fp16) the first plan of a 512->512 3x3 conv + add + ReLU at
-N=128, 2x2 took 23.7 us and the fifth 12.8 us. The frontend
-exposes the ranked list (``get_execution_plan_count``, ``build_plan_at_index``,
-``execute_plan_at_index``: cuDNN frontend docs, "Autotuning"); this module builds the first
-``max_plans`` of them, times each (CUDA graph replays timed with CUDA events) on random data of the
-graph's own shapes, strides and dtypes, and selects the fastest.
+N=128, 2x2 took 23.7 us and the fifth 12.8 us. The frontend exposes the ranked list
+(``get_execution_plan_count``, ``build_plan_at_index``: cuDNN frontend docs, "Autotuning");
+:class:`~.cudnn.CudnnPlan` builds the first ``autotune`` of them (in worker processes,
+:mod:`.plan_workers`), times each with :func:`gpu_time_ms` (CUDA graph replays timed with CUDA
+events) on random data of the graph's own shapes, strides and dtypes (:func:`sample_pack`), and
+keeps the fastest.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import condense
-from .cudnn_graph import import_cudnn
+from ..capture import node_device
 
 __all__ = ["PlanTiming", "fastest", "sample_pack", "sample_tensor", "sample_inputs", "gpu_time_ms",
-           "paired_time_ms", "autotune", "PYTORCH_MARGIN"]
+           "paired_time_ms", "PYTORCH_MARGIN"]
 
 PYTORCH_MARGIN = 0.9
 """PyTorch's ops replace a region's forward cuDNN graph only when they time below this fraction of
@@ -84,7 +83,7 @@ def sample_inputs(region) -> list[torch.Tensor]:
     """Random tensors like ``region``'s inputs (shapes, dtypes, device from the placeholders'
     ``meta["val"]``), made by :func:`sample_tensor`: 4-d tensors are channels_last, as activations
     arrive from an upstream cuDNN region at run time (the captured strides are eager's NCHW ones)."""
-    return [sample_tensor(ph.meta["val"].shape, ph.meta["val"].dtype, ph.meta["val"].device)
+    return [sample_tensor(ph.meta["val"].shape, ph.meta["val"].dtype, node_device(ph))
             for ph in region.graph_module.graph.find_nodes(op="placeholder")]
 
 
@@ -125,59 +124,3 @@ def paired_time_ms(runs: Sequence[Callable[[], object]], reps: int = 3, iters: i
             end.synchronize()
             times.append(start.elapsed_time(end) / iters)
     return [statistics.median(times) for times in samples]
-
-
-def autotune(graph: Any, pack: dict[int, torch.Tensor], handle: Callable[[], Any],
-             workspace: Callable[[int], torch.Tensor], max_plans: int,
-             reps: int = 3, iters: int = 10) -> list[PlanTiming]:
-    """Time up to ``max_plans`` ranked plans of ``graph`` and select the fastest.
-
-    Args:
-        graph: a ``cudnn.pygraph`` after ``create_execution_plans`` and ``check_support``.
-        pack: ``{uid: tensor}`` for every non-virtual graph tensor (see :func:`sample_pack`).
-        handle: returns the cuDNN handle with its stream set to the current torch stream
-            (called on every execution: timing runs on a capture stream).
-        workspace: ``nbytes -> uint8 tensor`` of at least that many bytes.
-        max_plans: how many plans, in heuristics order, to build and time.
-        reps, iters: timing is the median over ``reps`` CUDA-graph replays of ``iters``
-            back-to-back executions.
-
-    Returns:
-        one :class:`PlanTiming` per plan tried, in ranked order; the fastest is selected in
-        ``graph`` (``execute``/``serialize`` use it).
-
-    Raises:
-        cudnn.cudnnGraphNotSupportedError: no tried plan builds (the message lists each reason).
-    """
-    cudnn = import_cudnn()
-    timings: list[PlanTiming] = []
-    for index in range(min(max_plans, graph.get_execution_plan_count())):
-        try:
-            name = str(graph.get_plan_name_at_index(index))
-        except Exception:  # a delegating entry has no name before it builds
-            name = f"plan {index}"
-        t0 = time.perf_counter()
-        try:
-            graph.build_plan_at_index(index)
-            nbytes = int(graph.get_workspace_size_plan_at_index(index))
-        except Exception as exc:  # a decline (cudnnGraphNotSupportedError) or a build failure
-            timings.append(PlanTiming(index, name, None, time.perf_counter() - t0,
-                                      reason=condense(str(exc) or type(exc).__name__, 200)))
-            continue
-        build_s = time.perf_counter() - t0
-        ws = workspace(nbytes)
-        try:
-            ms = gpu_time_ms(
-                lambda: graph.execute_plan_at_index(pack, ws, index=index, handle=handle()),
-                reps, iters)
-        except Exception as exc:
-            timings.append(PlanTiming(index, name, None, build_s, nbytes,
-                                      reason=condense(str(exc) or type(exc).__name__, 200)))
-            continue
-        timings.append(PlanTiming(index, name, ms, build_s, nbytes))
-    best = fastest(timings)
-    if best is None:
-        reasons = "; ".join(f"{t.name}: {t.reason}" for t in timings) or "no execution plans"
-        raise cudnn.cudnnGraphNotSupportedError(f"no plan could be built ({reasons})")
-    graph.build_plan_at_index(best.index)  # already built: this only selects it
-    return timings

@@ -1,11 +1,19 @@
 """The cuDNN backend: each region runs as one cuDNN execution plan.
 
-Per region (and so per shapes, strides, dtypes and device, since regions are specialized) it builds
-the graph of :mod:`.cudnn_graph`, creates plans from heuristics A then FALLBACK, builds the first
-plan that compiles (0.5-3 s on an H100, CUDNN_FACTS.md), and stores it in the on-disk
-:class:`~fusion_compiler.runtime.plan_cache.PlanCache`. At run time it executes with one cuDNN
-handle per device whose stream follows ``torch.cuda.current_stream()``, and one persistent
-workspace per device that only grows.
+Per region (and so per shapes, strides, dtypes and device, since regions are specialized) it
+describes the graph as a recipe (:mod:`.cudnn_graph`), loads the plan from the on-disk
+:class:`~fusion_compiler.runtime.plan_cache.PlanCache` or builds candidate plans (heuristics A then
+FALLBACK) and keeps the fastest (:class:`CudnnPlan`). Building is CPU work (0.3-1 s for a
+runtime-compiled plan on an H100 machine), so :meth:`CudnnBackend.prefetch` hands the plans of all
+regions of a graph to worker processes at once (:mod:`.plan_workers`) before they are lowered one
+by one. Regions with the same graph on the same shapes share one plan (one build, one autotune).
+A region whose graph was tuned at another batch size reuses that choice of engine and knobs and
+that decision against PyTorch's ops: one build, no timing.
+
+At run time a plan executes with one cuDNN handle per device whose stream follows
+``torch.cuda.current_stream()`` (set only when it changed), and one persistent workspace per device
+that only grows. Inference kernels are called directly (``CudnnKernel.__call__``), without the
+``fusion_compiler::run_region`` custom op; traced or differentiated calls go through the op.
 
 Layouts: activations and weights are passed to cuDNN channels_last (NHWC); inputs that are NCHW are
 converted by the kernel, outputs are channels_last. When a convolution's input channel count is not
@@ -17,31 +25,36 @@ Precision: fp16 and bf16 I/O with fp32 intermediate and compute types; fp32 I/O 
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 import weakref
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from ..capture import node_device
 from ..errors import UnsupportedError, condense
 from ..region import Region
 from ..runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
 from ..backward import RegionBackward
-from ..runtime.region_op import register_backward, register_kernel, run_region
+from ..runtime.region_op import is_traced, register_backward, register_kernel, run_region
 from .base import Kernel, Support
-from .autotune import (PYTORCH_MARGIN, PlanTiming, autotune, fastest, gpu_time_ms, sample_inputs,
+from .autotune import (PYTORCH_MARGIN, PlanTiming, fastest, gpu_time_ms, sample_inputs,
                        sample_pack)
 from .cudnn_backward import CudnnConvGradients
-from .cudnn_graph import (CudnnGraph, build_graph, channel_padding, import_cudnn, nhwc_strides,
-                          output_dtype, to_nhwc)
+from .cudnn_graph import channel_padding, import_cudnn, output_dtype, region_recipe, to_nhwc
+from .cudnn_recipe import any_batch_key, build_pygraph, nhwc_strides, recipe_key
+from .plan_workers import build_candidates, workers_for
 
-__all__ = ["CudnnBackend", "CudnnKernel", "CudnnPlan"]
+__all__ = ["CudnnBackend", "CudnnKernel", "CudnnPlan", "HEURISTICS"]
 
-_OUTPUT_UID = 1000
-_CONSTANT_UID = 2000
+log = logging.getLogger("fusion_compiler")
 DEFAULT_AUTOTUNE = 8
+HEURISTICS = ("A", "FALLBACK")
+"""cuDNN heuristics modes whose ranked plans are candidates, in this order."""
 
 
 def _condense(exc: BaseException) -> str:
@@ -66,6 +79,8 @@ class CudnnBackend:
         self.autotune = int(autotune)
         self._handles: dict[int, Any] = {}
         self._workspaces: dict[int, torch.Tensor] = {}
+        self._pending: dict[str, list[Future]] = {}  # recipe key -> jobs building its candidates
+        self.choices: dict[str, dict] = {}  # any-batch key -> {"engine", "name", records}
 
     @classmethod
     def shared(cls, cache_dir=None, autotune: int = DEFAULT_AUTOTUNE) -> "CudnnBackend":
@@ -79,14 +94,15 @@ class CudnnBackend:
 
     # ------------------------------------------------------------------ devices
     def handle(self, device: torch.device) -> Any:
-        """The cuDNN handle of ``device``, its stream set to the current torch stream."""
+        """The cuDNN handle of ``device``, its stream set to the current torch stream (the
+        frontend skips ``cudnnSetStream`` when the stream did not change)."""
         cudnn = import_cudnn()
         index = device.index if device.index is not None else torch.cuda.current_device()
         h = self._handles.get(index)
         if h is None:
             with torch.cuda.device(index):
                 h = self._handles[index] = cudnn.create_handle()
-        cudnn.set_stream(handle=h, stream=torch.cuda.current_stream(index).cuda_stream)
+        cudnn.set_stream(handle=h, stream=torch._C._cuda_getCurrentRawStream(index))
         return h
 
     def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor:
@@ -106,6 +122,104 @@ class CudnnBackend:
         return {"gpu": torch.cuda.get_device_name(device), "sm": f"{major}{minor}",
                 "cudnn": int(cudnn.backend_version()), "frontend": cudnn.__version__}
 
+    def header(self, key: str, device: torch.device) -> dict:
+        """The plan cache header of the graph whose :func:`.cudnn_recipe.recipe_key` is ``key``."""
+        return PlanCache.header(key, {**self.device_fields(device), "autotune": self.autotune,
+                                      "heuristics": list(HEURISTICS)})
+
+    # ------------------------------------------------------------------ plan building
+    def _job(self, recipe: dict, choice: dict | None) -> list[dict]:
+        """The worker jobs (:func:`.plan_workers.build_candidates`) that build ``recipe``'s
+        candidate plans: the engine ``choice`` made at another batch size; else one job per ranked
+        plan to time (``autotune > 1``); else the first plan that builds."""
+        base = {"recipe": recipe, "heuristics": list(HEURISTICS)}
+        if choice is not None:
+            return [{**base, "mode": "engine", "engine": choice["engine"]}]
+        if self.autotune > 1:
+            return [{**base, "mode": "ranked", "indices": [i]} for i in range(self.autotune)]
+        return [{**base, "mode": "first"}]
+
+    def choice_for(self, recipe: dict, device: torch.device) -> dict | None:
+        """The plan choice made for ``recipe``'s graph at another batch size (this process, or
+        the cache's record), or ``None``."""
+        key = any_batch_key(recipe)
+        if key not in self.choices:
+            record = self.cache.load_record(self.header(key, device), "choice")
+            if record is None:
+                return None
+            self.choices[key] = record
+        return self.choices[key]
+
+    def remember_choice(self, recipe: dict, device: torch.device, choice: dict) -> None:
+        """Record the plan chosen for ``recipe`` (engine, knobs, timings) for other batch sizes."""
+        key = any_batch_key(recipe)
+        self.choices[key] = choice
+        self.cache.store_record(self.header(key, device), "choice", choice)
+
+    def prefetch(self, regions: Sequence[Region]) -> None:
+        """Start building the plans of ``regions`` in worker processes (:mod:`.plan_workers`),
+        so that :meth:`lower` finds them built. Regions whose plan is cached, that this backend
+        declines, or that share a graph with one already started add no job. Does nothing with
+        fewer than two jobs or without workers (``FUSION_COMPILER_BUILD_WORKERS=0``)."""
+        jobs: dict[str, list[dict]] = {}
+        device = None
+        for region in regions:
+            if not self.supports(region):
+                continue
+            try:
+                recipe = region_recipe(region)
+            except UnsupportedError:
+                continue
+            device = node_device(region.conv)
+            key = recipe_key(recipe)
+            if key in self._pending or key in jobs or self.cache.has(self.header(key, device)):
+                continue
+            jobs[key] = self._job(recipe, self.choice_for(recipe, device))
+        if sum(map(len, jobs.values())) < 2:
+            return
+        try:
+            pool = workers_for(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
+            if pool is None:
+                return
+            for key, group in jobs.items():
+                self._pending[key] = [pool.submit(job) for job in group]
+        except (OSError, RuntimeError) as exc:  # no worker could start: build in this process
+            log.info("plan-build workers unavailable (%s); building plans in this process",
+                     _condense(exc))
+
+    def candidates(self, recipe: dict, key: str, device: torch.device) -> tuple[list[dict], bool]:
+        """The built candidate plans of ``recipe`` (see :func:`.plan_workers.build_candidates`)
+        and whether they follow a choice made at another batch size; from the jobs
+        :meth:`prefetch` started, else built now in this process.
+
+        Raises:
+            UnsupportedError: cuDNN rejected the graph (its reason).
+        """
+        choice = self.choice_for(recipe, device)
+        jobs = self._job(recipe, choice)
+        futures = self._pending.pop(key, None)
+        if futures is None and len(jobs) > 1:  # in this process: one graph builds them all
+            jobs = [{**jobs[0], "indices": [i for job in jobs for i in job["indices"]]}]
+        results = []
+        for i, job in enumerate(jobs):
+            result = None
+            if futures is not None:
+                try:
+                    result = futures[i].result()
+                except Exception as exc:  # a worker died: build this one here
+                    log.info("plan-build worker failed (%s); building in this process",
+                             _condense(exc))
+            if result is None:
+                with torch.cuda.device(device):
+                    result = build_candidates(job)
+            if "error" in result:
+                raise UnsupportedError(f"cuDNN rejected the graph: {result['error']}")
+            results.extend(result["plans"])
+        if choice is not None and not any(p["blob"] for p in results):  # the engine does not
+            self.choices.pop(any_batch_key(recipe), None)  # take this shape: tune it afresh
+            return self.candidates(recipe, key, device)
+        return results, choice is not None
+
     # ------------------------------------------------------------------ protocol
     def supports(self, region: Region) -> Support:
         try:
@@ -115,7 +229,7 @@ class CudnnBackend:
         if not torch.cuda.is_available():
             return Support(False, "CUDA is not available on this machine")
         for ph in region.graph_module.graph.find_nodes(op="placeholder"):
-            device = ph.meta["val"].device
+            device = node_device(ph)
             if device.type != "cuda":
                 return Support(False, f"input {ph.name} is on {device}; cuDNN runs CUDA tensors")
         dtype = region.conv.args[0].meta["val"].dtype
@@ -135,7 +249,8 @@ class CudnnBackend:
         (:class:`~fusion_compiler.backward.RegionBackward`) runs the convolution's dgrad and wgrad
         as cuDNN graphs (:mod:`.cudnn_backward`); ``region.gradients`` lists how each runs.
         ``region`` must then come from :func:`~fusion_compiler.backward.training_region`, and
-        ``region.no_grad_inputs`` names inputs that never need a gradient.
+        ``region.no_grad_inputs`` names inputs that never need a gradient. Without it the kernel
+        is called directly, outside the ``run_region`` custom op, unless traced.
 
         When autotuning (``autotune > 1``) the kernel is also timed against the region's own
         PyTorch ops on random inputs of its shapes, and declined when PyTorch is at least 10%
@@ -146,7 +261,7 @@ class CudnnBackend:
             UnsupportedError: cuDNN rejected the forward graph (the reason is cuDNN's own
                 message), or PyTorch's ops were faster (the reason gives both times).
         """
-        kernel = CudnnKernel(self, region)
+        kernel = CudnnKernel(self, region, direct=not training)
         if self.autotune > 1:
             slower = _slower_than_pytorch(region, kernel)
             if slower:
@@ -169,7 +284,7 @@ def _slower_than_pytorch(region: Region, kernel: "CudnnKernel") -> str:
     inputs = sample_inputs(region)
 
     def measure() -> tuple[float, float]:
-        return (gpu_time_ms(lambda: kernel.call(*inputs)),
+        return (gpu_time_ms(lambda: kernel(*inputs)),
                 gpu_time_ms(lambda: region.graph_module(*inputs)))
 
     fused_ms, torch_ms = kernel.plan.timed_against_pytorch(measure)
@@ -189,92 +304,137 @@ def _conv_image(region: Region) -> str:
 
 
 class CudnnPlan:
-    """One cuDNN graph made executable: uids assigned, its plan loaded from the on-disk cache or
-    built (heuristics A then FALLBACK, autotuned when ``backend.autotune > 1``) and cached.
+    """One cuDNN graph made executable: its plan loaded from the cache or built (candidates from
+    heuristics A then FALLBACK, timed and the fastest kept when ``backend.autotune > 1``, or the
+    choice made at another batch size) and cached.
 
     Args:
         backend: the :class:`CudnnBackend` (handles, workspaces, cache, autotune setting).
         device: the CUDA device the plan runs on.
-        spec: the graph and its input/output/constant tensors (:class:`CudnnGraph`).
+        recipe: the graph (:mod:`.cudnn_recipe`); UIDs follow from it.
         label: names the graph in warnings and errors (``"r3"``, ``"r3 dgrad"``).
+
+    Attributes:
+        tuning: the candidates built now (``PlanTiming``, ranked order; empty when loaded).
+        from_cache: the plan was loaded from the cache (disk, or built earlier in this process
+            for an identical graph).
+        reused_from: ``"choice made at another batch size"`` when the plan follows such a choice.
 
     Raises:
         UnsupportedError: cuDNN rejected the graph; the reason is cuDNN's own message.
     """
 
-    def __init__(self, backend: CudnnBackend, device: torch.device, spec: CudnnGraph, label: str):
+    def __init__(self, backend: CudnnBackend, device: torch.device, recipe: dict, label: str):
         self.backend = backend
         self.device = device
         self.label = label
-        for i, t in enumerate(spec.inputs):
-            t.set_uid(i + 1)
-        for j, t in enumerate(spec.outputs):
-            t.set_uid(_OUTPUT_UID + j)
-        for k, (t, _) in enumerate(spec.constants):
-            t.set_uid(_CONSTANT_UID + k)
-        self.constants = {_CONSTANT_UID + k: host for k, (_, host) in enumerate(spec.constants)}
+        self.recipe = recipe
+        spec = self.spec = build_pygraph(recipe)  # the graph's tensors, for sample data and UIDs
+        self.input_uids = [t.get_uid() for t in spec.inputs]
+        self.output_uids = [t.get_uid() for t in spec.outputs]
+        self.constants = {t.get_uid(): torch.full((1, 1, 1, 1), value, dtype=torch.float32)
+                          for t, value in spec.constants}
         self.tuning: list[PlanTiming] = []
-        self.graph = self._build(spec, str(spec.graph))
+        self.reused_from = ""
+        self.name = ""
+        key = recipe_key(recipe)
+        self.header = backend.header(key, device)
+        self.graph = self._load() or self._build(key)
         self.workspace_bytes = int(self.graph.get_workspace_size())
         backend.workspace(device, self.workspace_bytes)  # grow now, not during capture
 
-    def _build(self, spec: CudnnGraph, graph_text: str) -> Any:
+    def _deserialize(self, blob: bytes) -> Any:
         cudnn = import_cudnn()
-        graph = spec.graph
-        cache = self.backend.cache
-        header = self.header = PlanCache.header(
-            graph_text, {**CudnnBackend.device_fields(self.device),
-                         "autotune": self.backend.autotune})
+        handle = self.backend.handle(self.device)
+        graph = cudnn.pygraph(handle=handle)
+        graph.deserialize(handle, blob)
+        return graph
+
+    def _load(self) -> Any:
+        """The cached plan as a graph, or ``None`` (a bad entry is reported and rebuilt)."""
         self.from_cache = False
         try:
-            blob = cache.load(header)
+            blob = self.backend.cache.load(self.header)
         except StaleEntry as exc:
-            warnings.warn(f"{exc}; rebuilding the plan", stacklevel=5)
-            blob = None
-        if blob is not None:
-            try:
-                handle = self.backend.handle(self.device)
-                loaded = cudnn.pygraph(handle=handle)
-                loaded.deserialize(handle, blob)
-                self.from_cache = True
-                return loaded
-            except Exception as exc:  # a bad blob must never crash compilation
-                warnings.warn(f"plan cache entry for {self.label} could not be loaded "
-                              f"({_condense(exc)}); rebuilding the plan", stacklevel=5)
+            warnings.warn(f"{exc}; rebuilding the plan", stacklevel=6)
+            return None
+        if blob is None:
+            return None
         try:
-            graph.validate()
-            graph.build_operation_graph()
-            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            graph.check_support()
-            if self.backend.autotune > 1:
-                pack = sample_pack({t.get_uid(): t for t in (*spec.inputs, *spec.outputs)},
-                                   self.device)
-                pack.update(self.constants)
-                self.tuning = autotune(graph, pack, lambda: self.backend.handle(self.device),
-                                       lambda n: self.backend.workspace(self.device, n),
-                                       self.backend.autotune)
-            else:
-                graph.build_plans()
-        except Exception as exc:  # cudnnGraphNotSupportedError and backend errors
-            raise UnsupportedError(f"cuDNN rejected the graph: {_condense(exc)}",
-                                   self.label) from exc
-        try:
-            cache.store(header, bytes(graph.serialize(as_bytes=True)))
-        except Exception as exc:  # some engines cannot serialize: run without caching
-            warnings.warn(f"plan of {self.label} not cached: {_condense(exc)}", stacklevel=5)
+            graph = self._deserialize(blob)
+        except Exception as exc:  # a bad blob must never crash compilation
+            warnings.warn(f"plan cache entry for {self.label} could not be loaded "
+                          f"({_condense(exc)}); rebuilding the plan", stacklevel=6)
+            return None
+        self.from_cache = True
+        choice = self.backend.cache.load_record(self.header, "choice") or {}
+        self.name = choice.get("name", "")
         return graph
+
+    def _build(self, key: str) -> Any:
+        built, reused = self.backend.candidates(self.recipe, key, self.device)
+        good = [p for p in built if p["blob"] is not None]
+        if not good:
+            reasons = "; ".join(f"{p['name']}: {p['error']}" for p in built) or "no plans"
+            raise UnsupportedError(f"cuDNN rejected the graph: no plan could be built ({reasons})",
+                                   self.label)
+        if reused:
+            self.reused_from = "choice made at another batch size"
+        timed = self.backend.autotune > 1 and not reused and len(good) > 1
+        graphs = {}
+        for p in built:
+            timing = PlanTiming(p["index"], p["name"], None, p["build_s"], p["workspace"],
+                                p["error"])
+            if p["blob"] is not None and (timed or not graphs):
+                try:
+                    graphs[p["index"]] = self._deserialize(p["blob"])
+                except Exception as exc:
+                    timing.reason = f"could not be loaded: {_condense(exc)}"
+            self.tuning.append(timing)
+        if timed:
+            self._time(graphs)
+        best = fastest(self.tuning) if timed else next(
+            (t for t in self.tuning if t.index in graphs), None)
+        if best is None:
+            reasons = "; ".join(f"{t.name}: {t.reason}" for t in self.tuning)
+            raise UnsupportedError(f"cuDNN rejected the graph: no plan ran ({reasons})",
+                                   self.label)
+        chosen = next(p for p in built if p["index"] == best.index)
+        self.name = best.name
+        self.backend.cache.store(self.header, chosen["blob"])
+        choice = {"engine": chosen["engine"], "name": best.name}
+        self.backend.cache.store_record(self.header, "choice", choice)
+        if not reused:
+            self.backend.remember_choice(self.recipe, self.device, choice)
+        return graphs[best.index]
+
+    def _time(self, graphs: dict[int, Any]) -> None:
+        """Time every loaded candidate on random data (:func:`.autotune.gpu_time_ms`)."""
+        pack = sample_pack({t.get_uid(): t for t in (*self.spec.inputs, *self.spec.outputs)},
+                           self.device)
+        pack.update(self.constants)
+        for timing in self.tuning:
+            graph = graphs.get(timing.index)
+            if graph is None:
+                continue
+            ws = self.backend.workspace(self.device, int(graph.get_workspace_size()))
+            try:
+                timing.ms = gpu_time_ms(lambda: graph.execute(
+                    pack, ws, handle=self.backend.handle(self.device)))
+            except Exception as exc:
+                timing.reason = condense(str(exc) or type(exc).__name__, 200)
 
     @property
     def plan_name(self) -> str:
-        """The selected plan's engine name (with its time when autotuning chose it)."""
+        """The selected plan's engine name (with its time when autotuning chose it, or where
+        the choice came from)."""
         best = fastest(self.tuning)
         if best is not None:
             timed = sum(t.ms is not None for t in self.tuning)
             return f"{best.name} ({best.ms * 1000:.1f} us, best of {timed})"
-        try:
-            return str(self.graph.get_plan_name_at_index(0))
-        except Exception:  # a deserialized graph may not expose plan names
-            return ""
+        if self.reused_from:
+            return f"{self.name} ({self.reused_from})"
+        return self.name
 
     def timed_against_pytorch(self, measure: Callable[[], tuple[float, float]],
                               record_name: str = "pytorch_timing") -> tuple[float, float]:
@@ -284,37 +444,49 @@ class CudnnPlan:
         ``record_name`` for it (name a new method of measuring anew); its result is stored
         beside the plan in the cache, and a plan loaded from the cache reuses the stored timing,
         so warm compiles skip the timing and every process makes the same choice for the same
-        plan.
+        plan. A plan that follows a choice made at another batch size reuses that batch size's
+        timing (the same decision, nothing timed).
         """
         cache = self.backend.cache
         record = cache.load_record(self.header, record_name) if self.from_cache else None
+        if record is None and self.reused_from:
+            record = (self.backend.choice_for(self.recipe, self.device) or {}).get(record_name)
         if record is not None:
             return float(record["cudnn_ms"]), float(record["pytorch_ms"])
         cudnn_ms, pytorch_ms = measure()
-        cache.store_record(self.header, record_name,
-                           {"cudnn_ms": cudnn_ms, "pytorch_ms": pytorch_ms})
+        record = {"cudnn_ms": cudnn_ms, "pytorch_ms": pytorch_ms}
+        cache.store_record(self.header, record_name, record)
+        choice = self.backend.choice_for(self.recipe, self.device)
+        if choice is not None and not self.reused_from:
+            self.backend.remember_choice(self.recipe, self.device, {**choice, record_name: record})
         return cudnn_ms, pytorch_ms
 
     def execute(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Run the plan: ``inputs``/``outputs`` in the graph's input/output order, laid out as
         declared (fully packed NHWC for 4-d tensors), on the current torch stream."""
-        pack: dict[int, torch.Tensor] = {i + 1: x for i, x in enumerate(inputs)}
-        pack.update({_OUTPUT_UID + j: y for j, y in enumerate(outputs)})
+        pack = dict(zip(self.input_uids, inputs))
+        pack.update(zip(self.output_uids, outputs))
         pack.update(self.constants)
         ws = self.backend.workspace(self.device, self.workspace_bytes)
         self.graph.execute(pack, ws, handle=self.backend.handle(self.device))
 
 
 class CudnnKernel:
-    """One region's forward: its :class:`CudnnPlan` and how to feed it."""
+    """One region's forward: its :class:`CudnnPlan` and how to feed it.
 
-    def __init__(self, backend: CudnnBackend, region: Region):
+    ``direct``: :meth:`call` runs the plan straight from Python (inference), unless its inputs
+    are being traced; else through the ``fusion_compiler::run_region`` custom op (training,
+    tracing), which costs about 20 us more per call on an H100 host.
+    """
+
+    def __init__(self, backend: CudnnBackend, region: Region, direct: bool = False):
         self.backend = backend
         self.region_id = region.region_id
+        self.direct = direct
         placeholders = [n for n in region.graph_module.graph.nodes if n.op == "placeholder"]
-        self.device = placeholders[0].meta["val"].device
-        spec = build_graph(region, handle=backend.handle(self.device))
-        self.plan = CudnnPlan(backend, self.device, spec, f"region {region.region_id}")
+        self.device = node_device(placeholders[0])
+        self.plan = CudnnPlan(backend, self.device, region_recipe(region),
+                              f"region {region.region_id}")
 
         pad = channel_padding(region)
         self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
@@ -324,8 +496,8 @@ class CudnnKernel:
             if pad is not None and node.name in pad[1]:
                 self.prepare.append(_padder(pad[0]))
             elif op.role in ("scalar", "channel"):
-                shape4 = [1] * (4 - len(op.shape)) + list(op.shape)
-                self.prepare.append(lambda t, s=shape4: t.reshape(s).contiguous())
+                # [1] / [K] / [1,K,1,1] contiguous: the same memory as the declared [1,K,1,1]
+                self.prepare.append(_contiguous)
             elif op.role == "weight":
                 self.prepare.append(_WeightCache())
                 if node is region.conv.args[1]:
@@ -337,6 +509,7 @@ class CudnnKernel:
             val = out.meta["val"]
             self.outputs.append((tuple(val.shape), tuple(nhwc_strides(tuple(val.shape))),
                                  output_dtype(out), val.dtype))
+        self._converts = any(written != want for _, _, written, want in self.outputs)
         self.key = register_kernel(self, [(s, st, dt) for s, st, _, dt in self.outputs])
         region.plan = self.plan.plan_name
         region.plan_from_cache = self.plan.from_cache
@@ -347,12 +520,20 @@ class CudnnKernel:
         outs = tuple(torch.empty_strided(shape, stride, dtype=written, device=self.device)
                      for shape, stride, written, _ in self.outputs)
         self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs)
+        if not self._converts:
+            return outs
         return tuple(out if out.dtype == want else out.to(want)
                      for out, (_, _, _, want) in zip(outs, self.outputs))
 
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Run through the ``fusion_compiler::run_region`` custom op (what graphs call)."""
+        """What graphs call: the plan directly for inference, else the ``run_region`` op."""
+        if self.direct and not is_traced(inputs[0]):
+            return self(*inputs)
         return tuple(run_region(self.key, list(inputs)))
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 class _WeightCache:
@@ -387,4 +568,3 @@ def _padder(channels: int) -> Callable[[torch.Tensor], torch.Tensor]:
         nhwc = t.permute(0, 2, 3, 1)
         return F.pad(nhwc, (0, channels - t.shape[1])).permute(0, 3, 1, 2)
     return pad
-

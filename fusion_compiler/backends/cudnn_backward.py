@@ -40,14 +40,15 @@ import torch
 import torch.fx as fx
 
 from ..backward import TorchConvGradients
+from ..capture import node_device
 from ..errors import UnsupportedError, condense
 from ..region import Region
-from ..runtime.region_op import register_kernel, run_region
+from ..runtime.region_op import is_traced, register_kernel, run_region
 from .autotune import paired_time_ms, sample_tensor
-from .cudnn_graph import (CudnnGraph, channel_padding, cudnn_dtype, import_cudnn, nhwc_strides,
-                          to_nhwc)
+from .cudnn_graph import channel_padding, import_cudnn, recipe_dtype, to_nhwc
+from .cudnn_recipe import CudnnGraph, build_pygraph, nhwc_strides
 
-__all__ = ["conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS",
+__all__ = ["conv_grad_recipe", "conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS",
            "GRAPH_INPUTS"]
 
 GRADIENT_KINDS = ("dgrad", "dgrad_drelu", "wgrad")
@@ -61,45 +62,52 @@ def _shape(node: Any) -> list[int]:
     return list(node.meta["val"].shape)
 
 
-def conv_grad_graph(kind: str, conv: fx.Node, handle: Any = None) -> CudnnGraph:
+def conv_grad_recipe(kind: str, conv: fx.Node) -> dict:
     """The dgrad (``kind="dgrad"``), dgrad_drelu or wgrad (``"wgrad"``) graph of convolution
-    node ``conv`` (see module docstring).
+    node ``conv`` (see module docstring) as a recipe (:mod:`.cudnn_recipe`).
 
     Inputs as ``GRAPH_INPUTS[kind]`` names them: dgrad ``(dy, w)``, dgrad_drelu ``(dy, w, x)``,
-    wgrad ``(x, dy)``; one output (``dx`` or ``dw``). No GPU needed.
+    wgrad ``(x, dy)``; one output (``dx`` or ``dw``).
+
+    Raises:
+        UnsupportedError: the dtype is not fp16/bf16/fp32.
+        ValueError: ``kind`` is not one of ``GRADIENT_KINDS``.
+    """
+    if kind not in GRADIENT_KINDS:
+        raise ValueError(f"kind must be one of {GRADIENT_KINDS}, got {kind!r}")
+    _, _, _, stride, padding, dilation, _groups = conv.args
+    io = recipe_dtype(conv.meta["val"].dtype)
+    dims = {"dy": _shape(conv), "x": _shape(conv.args[0]), "w": _shape(conv.args[1])}
+    inputs = [{"name": name, "dim": dims[name], "stride": nhwc_strides(dims[name]), "dtype": io,
+               "batched": name != "w"} for name in GRAPH_INPUTS[kind]]
+    attrs = {"padding": list(padding), "stride": list(stride), "dilation": list(dilation)}
+    if kind == "wgrad":
+        ops = [{"op": "conv_wgrad", "name": "wgrad", "args": {"image": "x", "loss": "dy"},
+                "attrs": attrs}]
+        out_dims = dims["w"]
+    else:
+        ops = [{"op": "conv_dgrad", "name": "dgrad", "args": {"loss": "dy", "filter": "w"},
+                "attrs": attrs}]
+        out_dims = dims["x"]
+        if kind == "dgrad_drelu":
+            ops[0]["out"] = {"dim": out_dims, "stride": nhwc_strides(out_dims), "batched": True}
+            ops.append({"op": "relu_backward", "name": "drelu",
+                        "args": {"loss": "dgrad", "input": "x"}})
+    outputs = [{"ref": ops[-1]["name"], "dim": out_dims, "stride": nhwc_strides(out_dims),
+                "dtype": io, "batched": kind != "wgrad"}]
+    return {"io": io, "inputs": inputs, "ops": ops, "outputs": outputs}
+
+
+def conv_grad_graph(kind: str, conv: fx.Node, handle: Any = None) -> CudnnGraph:
+    """The ``cudnn.pygraph`` of :func:`conv_grad_recipe` (no GPU needed).
 
     Raises:
         UnsupportedError: the frontend is missing or the dtype is not fp16/bf16/fp32.
         ValueError: ``kind`` is not one of ``GRADIENT_KINDS``.
     """
-    if kind not in GRADIENT_KINDS:
-        raise ValueError(f"kind must be one of {GRADIENT_KINDS}, got {kind!r}")
-    cudnn = import_cudnn()
-    _, _, _, stride, padding, dilation, _groups = conv.args
-    io = cudnn_dtype(conv.meta["val"].dtype)
-    kwargs = dict(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                  compute_data_type=cudnn.data_type.FLOAT)
-    if handle is not None:
-        kwargs["handle"] = handle
-    g = cudnn.pygraph(**kwargs)
-    dims = {"dy": _shape(conv), "x": _shape(conv.args[0]), "w": _shape(conv.args[1])}
-    tensors = {name: g.tensor(name=name, dim=dims[name], stride=nhwc_strides(tuple(dims[name])),
-                              data_type=io) for name in GRAPH_INPUTS[kind]}
-    conv_args = dict(padding=list(padding), stride=list(stride), dilation=list(dilation),
-                     compute_data_type=cudnn.data_type.FLOAT)
-    if kind == "wgrad":
-        out = g.conv_wgrad(image=tensors["x"], loss=tensors["dy"], name="wgrad", **conv_args)
-        out_dims = dims["w"]
-    else:
-        out = g.conv_dgrad(loss=tensors["dy"], filter=tensors["w"], name="dgrad", **conv_args)
-        out_dims = dims["x"]
-        if kind == "dgrad_drelu":
-            out.set_dim(out_dims).set_stride(nhwc_strides(tuple(out_dims)))
-            out = g.relu_backward(loss=out, input=tensors["x"], name="drelu")
-    out.set_output(True).set_data_type(io).set_dim(out_dims).set_stride(
-        nhwc_strides(tuple(out_dims)))
-    inputs = [tensors[name] for name in GRAPH_INPUTS[kind]]
-    return CudnnGraph(g, inputs, [out])
+    recipe = conv_grad_recipe(kind, conv)
+    import_cudnn()
+    return build_pygraph(recipe, handle)
 
 
 @dataclass
@@ -139,7 +147,7 @@ class CudnnConvGradients:
 
         conv = region.conv
         self.torch = TorchConvGradients(conv)
-        self.device = conv.meta["val"].device
+        self.device = node_device(conv)
         self.x_shape = tuple(_shape(conv.args[0]))
         self.w_shape = tuple(_shape(conv.args[1]))
         self.w_stride = tuple(conv.args[1].meta["val"].stride())  # the parameter's own layout
@@ -163,8 +171,7 @@ class CudnnConvGradients:
                 continue
             label = f"region {region.region_id} {kind}"
             try:
-                spec = conv_grad_graph(kind, conv, handle=backend.handle(self.device))
-                plan = CudnnPlan(backend, self.device, spec, label)
+                plan = CudnnPlan(backend, self.device, conv_grad_recipe(kind, conv), label)
             except UnsupportedError as exc:
                 self.pieces.append(GradientPiece(kind, "pytorch", condense(exc.reason)))
                 continue
@@ -224,7 +231,7 @@ class CudnnConvGradients:
     def _run(self, kind: str, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if kind not in self.plans:
             return getattr(self.torch, kind)(dy, x, w)
-        if _traced(dy):  # an opaque op with known output metadata in the traced graph
+        if is_traced(dy):  # an opaque op with known output metadata in the traced graph
             given = {"dy": dy, "x": x, "w": w}
             return run_region(self._ops[kind][1], [given[n] for n in GRAPH_INPUTS[kind]])[0]
         return self._cudnn(kind, dy, x, w)
@@ -240,12 +247,6 @@ class CudnnConvGradients:
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``dw`` (channels_last) from ``x`` and ``dy``; see ``ConvGradients``."""
         return self._run("wgrad", dy, x, w)
-
-
-def _traced(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a tracing tensor (FakeTensor, FunctionalTensor, ...: any subclass but a
-    Parameter) rather than real data, i.e. a backward is being traced by torch.compile."""
-    return torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter)
 
 
 class _GradientOp:

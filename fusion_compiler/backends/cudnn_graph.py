@@ -1,4 +1,4 @@
-"""Region -> ``cudnn.pygraph`` construction (no GPU needed).
+"""Region -> cuDNN graph recipe (:mod:`.cudnn_recipe`) and ``cudnn.pygraph`` (no GPU needed).
 
 The graph follows the cuDNN graph rules (CUDNN_FACTS.md; cuDNN frontend "Graph API" docs):
 
@@ -15,14 +15,14 @@ The graph follows the cuDNN graph rules (CUDNN_FACTS.md; cuDNN frontend "Graph A
   groups follow from the weight's shape. The H, W sum is a ``reduction(mode=ADD)`` whose output is
   ``[N,K,1,1]``.
 
-:func:`build_graph` returns the graph and the mapping from region inputs/outputs to graph tensors;
-:func:`graph_json` its JSON as a ``dict``.
+:func:`region_recipe` describes a region's graph as a recipe (plain data, what plans are built from
+and keyed by); :func:`build_graph` builds it (the graph and its input/output tensors in region
+order); :func:`graph_json` returns its JSON as a ``dict``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,9 +31,14 @@ import torch.fx as fx
 from ..errors import UnsupportedError
 from ..ops import BINARY, is_conv, is_hw_sum
 from ..region import Region
+from .cudnn_recipe import CudnnGraph, build_pygraph, nhwc_strides
 
-__all__ = ["CudnnGraph", "build_graph", "graph_json", "nhwc_strides", "to_nhwc", "cudnn_dtype",
-           "import_cudnn", "channel_padding", "output_dtype"]
+__all__ = ["CudnnGraph", "region_recipe", "build_graph", "graph_json", "nhwc_strides", "to_nhwc",
+           "recipe_dtype", "import_cudnn", "channel_padding", "output_dtype",
+           "BATCHED_ROLES"]
+
+BATCHED_ROLES = ("image", "full", "spatial")
+"""Region input roles whose first dimension is the batch (:func:`.cudnn_recipe.any_batch_key`)."""
 
 
 def import_cudnn():
@@ -49,44 +54,23 @@ def import_cudnn():
     return cudnn
 
 
-def nhwc_strides(shape: tuple[int, ...]) -> list[int]:
-    """Fully packed channels_last strides (elements) of a logical NCHW ``shape`` of rank 4."""
-    n, c, h, w = shape
-    return [c * h * w, 1, w * c, c]
-
-
 def to_nhwc(t: torch.Tensor) -> torch.Tensor:
     """``t`` fully packed channels_last (a no-op when it already is), as graph I/O is declared."""
     return t.contiguous(memory_format=torch.channels_last)
 
 
-def cudnn_dtype(dtype: torch.dtype):
-    """``torch.float16``/``bfloat16``/``float32`` -> ``cudnn.data_type``.
+_RECIPE_DTYPES = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
+
+
+def recipe_dtype(dtype: torch.dtype) -> str:
+    """``torch.float16``/``bfloat16``/``float32`` -> the recipe's data type name.
 
     Raises:
         UnsupportedError: for any other dtype.
     """
-    cudnn = import_cudnn()
-    table = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16,
-             torch.float32: cudnn.data_type.FLOAT}
-    if dtype not in table:
+    if dtype not in _RECIPE_DTYPES:
         raise UnsupportedError(f"dtype {dtype} is not fused (fp16, bf16 and fp32 are)")
-    return table[dtype]
-
-
-@dataclass
-class CudnnGraph:
-    """A built (not yet planned) cuDNN graph of one region.
-
-    ``inputs[i]`` is the graph tensor of the region's i-th input (placeholder order), ``outputs[j]``
-    of its j-th output; ``constants`` are pass-by-value scalars with their host values (fp32,
-    shape ``[1,1,1,1]``, on the CPU as cuDNN requires).
-    """
-
-    graph: Any
-    inputs: list[Any]
-    outputs: list[Any]
-    constants: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    return _RECIPE_DTYPES[dtype]
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
@@ -122,8 +106,71 @@ def _is_scalar(arg: Any) -> bool:
     return not isinstance(arg, fx.Node) or arg.meta["val"].numel() == 1
 
 
+def region_recipe(region: Region) -> dict:
+    """The cuDNN graph of ``region`` as a recipe (:mod:`.cudnn_recipe`), following the module
+    docstring's rules; region inputs are the recipe's inputs in placeholder order, region outputs
+    its outputs. Inputs with a batch dimension (roles ``BATCHED_ROLES``) and outputs are marked
+    ``"batched"``.
+
+    Raises:
+        UnsupportedError: an op or dtype this builder does not map.
+    """
+    conv = region.conv
+    io = recipe_dtype(conv.args[0].meta["val"].dtype)
+    channel_pad = channel_padding(region)
+    roles = {o.name: o.role for o in region.operands()}
+    inputs, ops = [], []
+
+    def ref(arg: Any) -> Any:
+        return arg.name if isinstance(arg, fx.Node) else {"scalar": float(arg)}
+
+    for node in region.graph_module.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            dims = _as4d(tuple(val.shape))
+            if channel_pad is not None and node.name in channel_pad[1]:
+                dims[1] = channel_pad[0]
+            inputs.append({"name": node.name, "dim": dims, "stride": nhwc_strides(dims),
+                           "dtype": recipe_dtype(val.dtype),
+                           "batched": roles[node.name] in BATCHED_ROLES})
+        elif node.op == "output":
+            continue
+        elif is_conv(node):
+            _, _, _, stride, padding, dilation, _groups = node.args
+            ops.append({"op": "conv_fprop", "name": node.name,
+                        "args": {"image": ref(node.args[0]), "weight": ref(node.args[1])},
+                        "attrs": {"padding": list(padding), "stride": list(stride),
+                                  "dilation": list(dilation)}})
+        elif node.target in BINARY:
+            op = {"op": BINARY[node.target], "name": node.name,
+                  "args": {"a": ref(node.args[0]), "b": ref(node.args[1])}}
+            if _before(node, conv):
+                op["out"] = {"dtype": io}  # prologue output in the I/O type
+            ops.append(op)
+        elif node.target in (torch.relu, torch.sigmoid, torch.tanh):
+            ops.append({"op": node.target.__name__, "name": node.name,
+                        "args": {"input": ref(node.args[0])}})
+        elif node.target is torch.clamp:
+            ops.append({"op": "relu", "name": node.name, "args": {"input": ref(node.args[0])},
+                        "attrs": {"lower_clip": float(node.args[1]),
+                                  "upper_clip": float(node.args[2])}})
+        elif is_hw_sum(node):
+            n, k = _shape(node)[:2]
+            ops.append({"op": "reduction_add", "name": node.name,
+                        "args": {"input": ref(node.args[0])},
+                        "out": {"dim": [n, k, 1, 1], "stride": [k, 1, k, k], "batched": True}})
+        else:
+            raise UnsupportedError(f"no cuDNN mapping for {node.op} {node.target}", region.region_id)
+    outputs = []
+    for out in region.output_nodes:
+        dims = _as4d(tuple(out.meta["val"].shape))
+        outputs.append({"ref": out.name, "dim": dims, "stride": nhwc_strides(dims),
+                        "dtype": recipe_dtype(output_dtype(out)), "batched": True})
+    return {"io": io, "inputs": inputs, "ops": ops, "outputs": outputs}
+
+
 def build_graph(region: Region, handle: Any = None) -> CudnnGraph:
-    """Build the ``cudnn.pygraph`` of ``region`` (see module docstring); no GPU needed.
+    """Build the ``cudnn.pygraph`` of ``region`` (see :func:`region_recipe`); no GPU needed.
 
     Args:
         region: a fused region whose graph nodes carry ``meta["val"]``.
@@ -132,68 +179,9 @@ def build_graph(region: Region, handle: Any = None) -> CudnnGraph:
     Raises:
         UnsupportedError: cuDNN frontend missing, or an op/dtype this builder does not map.
     """
-    cudnn = import_cudnn()
-    conv = region.conv
-    io_dtype = conv.args[0].meta["val"].dtype
-    io = cudnn_dtype(io_dtype)
-    kwargs = dict(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                  compute_data_type=cudnn.data_type.FLOAT)
-    if handle is not None:
-        kwargs["handle"] = handle
-    g = cudnn.pygraph(**kwargs)
-    values: dict[fx.Node, Any] = {}
-    inputs, constants = [], []
-    channel_pad = channel_padding(region)
-
-    for node in region.graph_module.graph.nodes:
-        if node.op == "placeholder":
-            val = node.meta["val"]
-            dims = _as4d(tuple(val.shape))
-            if channel_pad is not None and node.name in channel_pad[1]:
-                dims[1] = channel_pad[0]
-            t = g.tensor(name=node.name, dim=dims, stride=nhwc_strides(tuple(dims)), data_type=cudnn_dtype(val.dtype))
-            values[node] = t
-            inputs.append(t)
-        elif node.op == "output":
-            continue
-        elif is_conv(node):
-            _, _, _, stride, padding, dilation, _groups = node.args
-            values[node] = g.conv_fprop(image=values[node.args[0]], weight=values[node.args[1]],
-                                        padding=list(padding), stride=list(stride),
-                                        dilation=list(dilation),
-                                        compute_data_type=cudnn.data_type.FLOAT, name=node.name)
-        elif node.target in BINARY:
-            a, b = (_operand(g, cudnn, values, arg, constants) for arg in node.args)
-            op = getattr(g, BINARY[node.target])
-            values[node] = op(a=a, b=b, compute_data_type=cudnn.data_type.FLOAT, name=node.name)
-            if _before(node, conv):
-                values[node].set_data_type(io)  # prologue output in the I/O type
-        elif node.target is torch.relu:
-            values[node] = g.relu(input=values[node.args[0]], name=node.name)
-        elif node.target is torch.clamp:
-            values[node] = g.relu(input=values[node.args[0]], lower_clip=float(node.args[1]),
-                                  upper_clip=float(node.args[2]), name=node.name)
-        elif node.target is torch.sigmoid:
-            values[node] = g.sigmoid(input=values[node.args[0]], name=node.name)
-        elif node.target is torch.tanh:
-            values[node] = g.tanh(input=values[node.args[0]], name=node.name)
-        elif is_hw_sum(node):
-            n, k = _shape(node)[:2]
-            r = g.reduction(input=values[node.args[0]], mode=cudnn.reduction_mode.ADD,
-                            compute_data_type=cudnn.data_type.FLOAT, name=node.name)
-            r.set_dim([n, k, 1, 1]).set_stride([k, 1, k, k])
-            values[node] = r
-        else:
-            raise UnsupportedError(f"no cuDNN mapping for {node.op} {node.target}", region.region_id)
-
-    outputs = []
-    for out in region.output_nodes:
-        t = values[out]
-        dims = _as4d(tuple(out.meta["val"].shape))
-        t.set_output(True).set_data_type(cudnn_dtype(output_dtype(out))).set_dim(dims).set_stride(
-            nhwc_strides(tuple(dims)))
-        outputs.append(t)
-    return CudnnGraph(g, inputs, outputs, constants)
+    recipe = region_recipe(region)
+    import_cudnn()
+    return build_pygraph(recipe, handle)
 
 
 def output_dtype(node: fx.Node) -> torch.dtype:
@@ -214,16 +202,6 @@ def _before(node: fx.Node, conv: fx.Node) -> bool:
         if n is conv:
             return False
     return False
-
-
-def _operand(g, cudnn, values: dict, arg: Any, constants: list) -> Any:
-    if isinstance(arg, fx.Node):
-        return values[arg]
-    host = torch.full((1, 1, 1, 1), float(arg), dtype=torch.float32)
-    t = g.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT,
-                 is_pass_by_value=True)
-    constants.append((t, host))
-    return t
 
 
 def graph_json(region: Region) -> dict:

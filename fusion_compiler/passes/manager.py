@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
-from ..capture import propagate_shapes
+from ..capture import apply_meta, encode_meta, propagate_shapes
 
 __all__ = ["Pass", "PassManager"]
 
@@ -28,16 +28,33 @@ class PassManager:
     """Run ``passes`` in order on a graph specialized to ``example_inputs``.
 
     After every pass the graph is linted, recompiled and its ``node.meta["val"]`` refreshed by
-    fake-tensor propagation, so each pass sees shapes, dtypes and strides of every node.
+    shape propagation (:func:`~fusion_compiler.capture.propagate_shapes`), so each pass sees
+    shapes, dtypes and strides of every node. ``known_shapes`` (stage name -> table of
+    :func:`~fusion_compiler.capture.encode_meta`) holds what an earlier compile of the same model
+    for the same inputs recorded: a stage found there is not propagated again (no meta kernel runs,
+    which on a first use imports sympy and ``torch._dynamo``: seconds); ``recorded`` holds the
+    tables of the stages propagated now.
     ``on_stage(name, gm)`` is called with the captured graph (``"captured"``) and after each pass;
     with ``FUSION_COMPILER_LOG=debug`` every stage's code is also logged.
     """
 
     def __init__(self, passes: Sequence[Pass], example_inputs: Sequence[Any],
-                 on_stage: Callable[[str, fx.GraphModule], None] | None = None):
+                 on_stage: Callable[[str, fx.GraphModule], None] | None = None,
+                 known_shapes: dict[str, dict] | None = None):
         self.passes = list(passes)
         self.example_inputs = list(example_inputs)
         self.on_stage = on_stage
+        self.known_shapes = known_shapes or {}
+        self.recorded: dict[str, dict] = {}
+
+    def _propagate(self, stage: str, gm: fx.GraphModule) -> None:
+        known = self.known_shapes.get(stage)
+        if known is not None and apply_meta(gm, known):
+            return
+        propagate_shapes(gm, self.example_inputs)
+        table = encode_meta(gm)
+        if table is not None:
+            self.recorded[stage] = table
 
     def _stage(self, name: str, gm: fx.GraphModule) -> None:
         if log.isEnabledFor(logging.DEBUG):
@@ -53,7 +70,7 @@ class PassManager:
                 count, ...); the message carries PyTorch's own error.
         """
         try:
-            propagate_shapes(gm, self.example_inputs)
+            self._propagate("captured", gm)
         except Exception as exc:  # shape errors surface as many exception types
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             shapes = ", ".join(str(tuple(a.shape)) for a in self.example_inputs if hasattr(a, "shape"))
@@ -63,6 +80,6 @@ class PassManager:
             gm = p.fn(gm)
             gm.graph.lint()
             gm.recompile()
-            propagate_shapes(gm, self.example_inputs)
+            self._propagate(p.name, gm)
             self._stage(p.name, gm)
         return gm

@@ -1,7 +1,8 @@
 """On-disk cache of serialized cuDNN execution plans.
 
-An entry is keyed by the region's cuDNN graph JSON (ops, shapes, strides, dtypes: the region
-spec), the GPU's name and SM, and the cuDNN backend and frontend versions -- a serialized plan is
+An entry is keyed by the region's cuDNN graph recipe (ops, shapes, strides, dtypes, with tensors
+named by position: the region spec, :func:`fusion_compiler.backends.cudnn_recipe.recipe_key`), the
+GPU's name and SM, and the cuDNN backend and frontend versions -- a serialized plan is
 only valid for the same GPU model and versions (cuDNN frontend docs, "Serialization";
 CUDNN_FACTS.md "Persistence"). Each file holds a one-line JSON header with those fields followed by
 the plan bytes. A corrupt, stale or foreign entry is reported with a warning by the caller and
@@ -10,7 +11,8 @@ PyTorch's ops) sit beside it in ``<key>.<name>.json`` (:meth:`PlanCache.load_rec
 
 Location: the ``cache_dir`` option, else ``$FUSION_COMPILER_CACHE_DIR``, else the user cache
 directory from ``platformdirs`` (``~/.cache/fusion_compiler/plans`` on Linux).
-``FUSION_COMPILER_CACHE_DIR=off`` (or ``cache_dir=False``) disables it.
+``FUSION_COMPILER_CACHE_DIR=off`` (or ``cache_dir=False``) disables the disk; the cache then keeps
+what was stored in this process in memory, so identical graphs still build once per process.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import platformdirs
 __all__ = ["PlanCache", "default_cache_dir", "StaleEntry"]
 
 ENV_VAR = "FUSION_COMPILER_CACHE_DIR"
-_FORMAT = 1
+_FORMAT = 2  # 2: keyed by the canonical recipe, not the frontend's graph JSON
 
 
 class StaleEntry(Exception):
@@ -46,10 +48,12 @@ def default_cache_dir(cache_dir: str | os.PathLike | bool | None = None) -> Path
 
 
 class PlanCache:
-    """Serialized plans on disk under ``directory`` (``None``: a cache that stores nothing)."""
+    """Serialized plans on disk under ``directory``; ``None``: in this process's memory only."""
 
     def __init__(self, directory: Path | None):
         self.directory = directory
+        self._memory: dict[str, bytes] = {}  # without a directory: key -> plan bytes
+        self._records: dict[tuple[str, str], dict] = {}  # likewise (key, name) -> record
 
     @staticmethod
     def header(graph_json: str, device: dict) -> dict:
@@ -64,12 +68,20 @@ class PlanCache:
     def path(self, header: dict) -> Path | None:
         return None if self.directory is None else self.directory / f"{self.key(header)}.plan"
 
+    def has(self, header: dict) -> bool:
+        """Whether a plan is stored for ``header`` (it may still turn out stale when loaded)."""
+        path = self.path(header)
+        return self.key(header) in self._memory or (path is not None and path.exists())
+
     def load(self, header: dict) -> bytes | None:
         """The plan bytes stored for ``header``; ``None`` when absent.
 
         Raises:
             StaleEntry: a file is there but unreadable or written for other fields.
         """
+        blob = self._memory.get(self.key(header))
+        if blob is not None:
+            return blob
         path = self.path(header)
         if path is None or not path.exists():
             return None
@@ -86,6 +98,8 @@ class PlanCache:
     def store(self, header: dict, blob: bytes) -> None:
         """Write an entry atomically (temp file + rename); I/O errors are swallowed: the cache is
         an optimization, never a reason to fail."""
+        if self.directory is None:
+            self._memory[self.key(header)] = blob
         _write_atomic(self.path(header), json.dumps(header, sort_keys=True).encode() + b"\n" + blob)
 
     def _record_path(self, header: dict, name: str) -> Path | None:
@@ -94,6 +108,9 @@ class PlanCache:
     def load_record(self, header: dict, name: str) -> dict | None:
         """The JSON record ``name`` stored beside the plan of ``header``; ``None`` when absent,
         unreadable or written for another header (never raises)."""
+        record = self._records.get((self.key(header), name))
+        if record is not None:
+            return record
         path = self._record_path(header, name)
         try:
             stored = json.loads(path.read_text()) if path is not None and path.exists() else None
@@ -105,6 +122,8 @@ class PlanCache:
 
     def store_record(self, header: dict, name: str, record: dict) -> None:
         """Write the JSON record ``name`` beside the plan of ``header`` (I/O errors swallowed)."""
+        if self.directory is None:
+            self._records[(self.key(header), name)] = record
         _write_atomic(self._record_path(header, name),
                       json.dumps({"header": header, "record": record}, sort_keys=True).encode())
 

@@ -21,12 +21,19 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["run_region", "register_kernel", "register_backward"]
+__all__ = ["run_region", "register_kernel", "register_backward", "is_traced"]
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _OUTPUTS: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
 _BACKWARD_ATTR = "_fusion_compiler_backward"
 _KEYS = itertools.count()
+
+
+def is_traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tracing tensor (FakeTensor, FunctionalTensor, ...: any subclass but a
+    Parameter) rather than real data, or Dynamo is tracing: then a region must be called through
+    :func:`run_region`, which tracing sees as one opaque op with known output metadata."""
+    return torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter)
 
 
 def register_kernel(kernel: object,
