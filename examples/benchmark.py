@@ -20,9 +20,12 @@ fp32 weights with the forward under ``torch.autocast(float16)`` and SGD on the f
 live in the graph's memory pool) in one CUDA graph; "reduce-overhead" lets torch.compile's CUDA
 graph trees capture forward and backward.
 
-Prints a table (GPU name, ms per variant, compile times: fusion_compiler cold = empty plan cache,
-warm = a new process reading the plan cache), for training the per-region backward timings,
-writes ``bench.json`` and a bar plot ``bench.png``.
+Prints a table (GPU name, ms per variant, compile times), for training the per-region backward
+timings, writes ``bench.json`` and a bar plot ``bench.png``. Inference compile times are measured
+in new processes, from just before ``import fusion_compiler`` (or the ``torch.compile`` call) to the
+first output, the model already on the GPU: "cold" with empty plan and Inductor cache directories,
+"warm" with the directories the cold run filled; "new batch" is the first call at half the batch
+size of a module already compiled (and called) at the full one.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,9 +47,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import fusion_compiler as fc  # noqa: E402
-from fusion_compiler.backends.cudnn import DEFAULT_AUTOTUNE  # noqa: E402
-from fusion_compiler.runtime.cuda_graph import CudaGraphRunner  # noqa: E402
 
 MODELS = {
     # name: (factory, input shape)
@@ -56,12 +57,23 @@ MODELS = {
     "seresnet9-rgb-train": ("examples.seresnet9_fixup:se_resnet9_fixup", (2048, 3, 64, 64), {}),
 }
 VARIANTS = ["eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
-            "fusion_compiler", "fusion_compiler+cudagraph", "fusion_compiler+inductor glue",
-            "fusion_compiler+inductor glue+cudagraph"]
+            "fusion_compiler defaults", "fusion_compiler cuda_graph=static",
+            "fusion_compiler glue=None", "fusion_compiler cuda_graph=False",
+            "fusion_compiler cuda_graph=False glue=None"]
+# the options of each fusion_compiler inference variant (compile(model, **options))
+OPTIONS = {"fusion_compiler defaults": {}, "fusion_compiler cuda_graph=static": {"cuda_graph": "static"},
+           "fusion_compiler glue=None": {"glue_backend": None},
+           "fusion_compiler cuda_graph=False": {"cuda_graph": False},
+           "fusion_compiler cuda_graph=False glue=None": {"cuda_graph": False, "glue_backend": None}}
 TRAIN_VARIANTS = ["eager AMP", "eager fp16", "eager fp16+cudagraph", "fusion_compiler fp16",
                   "fusion_compiler fp16+cudagraph", "fusion_compiler fp16+inductor glue",
                   "fusion_compiler fp16+inductor glue+cudagraph", "torch.compile fp16",
                   "torch.compile reduce-overhead fp16"]
+
+
+def tuned(autotune: int | None) -> dict:
+    """``compile()``'s ``autotune`` option when ``--autotune`` was given (else its default)."""
+    return {} if autotune is None else {"autotune": autotune}
 
 
 def build_model(name: str, channels_last: bool = False) -> torch.nn.Module:
@@ -123,15 +135,41 @@ def measure_variant(result: dict, variant: str, make: Callable[[], Callable[[], 
         return None
 
 
-def warm_compile_seconds(name: str, cache_dir: str, autotune: int,
-                         channels_last: bool = False) -> float:
-    """Compile ``name`` with fusion_compiler in a fresh process reading ``cache_dir``."""
-    proc = subprocess.run([sys.executable, __file__, "--compile-only", name, "--cache-dir", cache_dir,
-                           "--autotune", str(autotune)] + ["--channels-last"] * channels_last,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+def _first_output_seconds(name: str, variant: str, cache_dir: str, inductor_dir: str,
+                          autotune: int, channels_last: bool) -> float:
+    """Seconds to the first output of ``variant`` in a new process (see module docstring)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_dir}
+    proc = subprocess.run([sys.executable, __file__, "--compile-only", name, "--variant", variant,
+                           "--cache-dir", cache_dir]
+                          + ["--autotune", str(autotune)] * (autotune is not None)
+                          + ["--channels-last"] * channels_last,
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     return float(proc.stdout.strip().splitlines()[-1])
+
+
+def new_process_compile_seconds(name: str, autotune: int, channels_last: bool) -> dict:
+    """Cold and warm compile-to-first-output seconds of fusion_compiler's defaults (and warm with
+    ``glue_backend=None``) and of torch.compile reduce-overhead, each in new processes; cold runs
+    get fresh plan and Inductor cache directories, warm runs the ones their cold run filled."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="fc-cold-") as tmp:
+        for label, variant, warm_too in (
+                ("fusion_compiler defaults", "fusion_compiler defaults", True),
+                ("torch.compile reduce-overhead", "torch.compile reduce-overhead", True)):
+            plans, inductor = tempfile.mkdtemp(dir=tmp), tempfile.mkdtemp(dir=tmp)
+            for run in ("cold", "warm") if warm_too else ("cold",):
+                try:
+                    out[f"{label}, {run}"] = _first_output_seconds(
+                        name, variant, plans, inductor, autotune, channels_last)
+                except Exception as exc:  # report and go on
+                    out[f"{label}, {run}"] = None
+                    print(f"{label} {run} compile failed: {' '.join(str(exc).split())[-300:]}")
+            if variant == "fusion_compiler defaults":  # warm, no Inductor glue
+                out["fusion_compiler glue=None, warm"] = _first_output_seconds(
+                    name, "fusion_compiler glue=None", plans, inductor, autotune, channels_last)
+    return out
 
 
 def own_process(name: str, args: argparse.Namespace) -> dict:
@@ -145,8 +183,9 @@ def own_process(name: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="fc-bench-") as tmp:
         path = Path(tmp) / "result.json"
         command = [sys.executable, __file__, "--models", name, "--reps", str(args.reps),
-                   "--iters", str(args.iters), "--autotune", str(args.autotune),
-                   "--result-json", str(path)]
+                   "--iters", str(args.iters), "--result-json", str(path)]
+        if args.autotune is not None:
+            command += ["--autotune", str(args.autotune)]
         if args.variants:
             command += ["--variants", args.variants]
         if args.profile:
@@ -158,46 +197,70 @@ def own_process(name: str, args: argparse.Namespace) -> dict:
 
 
 def bench_model(name: str, variants: list[str], reps: int, iters: int, profile: bool,
-                autotune: int, channels_last: bool = False) -> dict:
+                autotune: int | None, channels_last: bool = False) -> dict:
+    import fusion_compiler as fc
+    from fusion_compiler.runtime.cuda_graph import CudaGraphRunner
+
     torch.manual_seed(0)
     model = build_model(name, channels_last)
     x = torch.randn(MODELS[name][1], device="cuda", dtype=torch.half)
     cache_dir = tempfile.mkdtemp(prefix="fc-plans-")
 
-    def ours(**options) -> Callable[[], object]:
-        module = fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir, autotune=autotune,
-                            **options)
+    def ours(variant: str) -> Callable[[], object]:
+        module = fc.compile(model, [x], cache_dir=cache_dir, **tuned(autotune), **OPTIONS[variant])
+        if variant == "fusion_compiler defaults":
+            from fusion_compiler.report import format_tuning
+
+            spec = module.specialize(x)
+            result["tuning"] = format_tuning(spec.regions)
+            result["defaults"] = {"cuda_graph": spec.cuda_graph, "glue": spec.glue_backend,
+                                  "notes": spec.notes}
         return lambda: module(x)
 
     makers = {
         "eager": lambda: (lambda: model(x)),
-        "eager+cudagraph": lambda: (lambda r=CudaGraphRunner(model, [x]): r(x)),
+        "eager+cudagraph": lambda: (lambda r=CudaGraphRunner(model, [x], copy_outputs=False): r(x)),
         "torch.compile": lambda: (lambda m=torch.compile(model): m(x)),
         "torch.compile reduce-overhead": lambda: (
             lambda m=torch.compile(model, mode="reduce-overhead"): m(x)),
-        "fusion_compiler": lambda: (lambda m=compiled(model, x, cache_dir, autotune, result): m(x)),
-        "fusion_compiler+cudagraph": lambda: ours(cuda_graph=True),
-        "fusion_compiler+inductor glue": lambda: ours(glue_backend="inductor"),
-        "fusion_compiler+inductor glue+cudagraph": lambda: ours(cuda_graph=True,
-                                                                glue_backend="inductor"),
+        **{variant: (lambda v=variant: ours(v)) for variant in OPTIONS},
     }
     result = {"model": name, "input": list(x.shape), "ms": {}, "compile_s": {},
               "channels_last": channels_last}
     with torch.inference_mode():
-        reference = model(x).float()
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # true fp32 convs
+            reference = copy.deepcopy(model).float()(x.float())
+
+        def rel_err(out: torch.Tensor) -> float:
+            return ((out.float() - reference).abs().max() / reference.abs().max()).item()
+
+        result["rel_err_vs_fp32"] = {"eager": rel_err(model(x))}
         for variant in variants:
             fn = measure_variant(result, variant, makers[variant], reps, iters)
             if fn is None:
                 continue
             if variant.startswith("fusion_compiler"):
-                out = fn().float()
-                err = ((out - reference).abs().max() / reference.abs().max()).item()
-                result.setdefault("rel_err_vs_eager", {})[variant] = err
-            if profile and variant.startswith("fusion_compiler") and variant.endswith("cudagraph"):
+                result["rel_err_vs_fp32"][variant] = rel_err(fn())
+            if profile and variant in ("fusion_compiler defaults",
+                                       "torch.compile reduce-overhead"):
                 result.setdefault("profiles", {})[variant] = kernel_profile(fn)
-        if "fusion_compiler" in variants:
-            result["compile_s"]["fusion_compiler warm (new process)"] = warm_compile_seconds(
-                name, cache_dir, autotune, channels_last)
+        if "fusion_compiler defaults" in variants:
+            half = x[: x.shape[0] // 2].clone()
+            module = fc.compile(model, cache_dir=cache_dir, **tuned(autotune))
+            module(x)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            module(half)
+            torch.cuda.synchronize()
+            result["compile_s"]["fusion_compiler defaults, new batch"] = time.perf_counter() - t0
+            module = fc.compile(model, cache_dir=cache_dir, glue_backend=None, **tuned(autotune))
+            module(x)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            module(half)
+            torch.cuda.synchronize()
+            result["compile_s"]["fusion_compiler glue=None, new batch"] = time.perf_counter() - t0
+    result["compile_s"].update(new_process_compile_seconds(name, autotune, channels_last))
     return result
 
 
@@ -249,8 +312,10 @@ def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], object]
     return graph.replay
 
 
-def bench_training(name: str, variants: list[str], reps: int, iters: int, autotune: int,
+def bench_training(name: str, variants: list[str], reps: int, iters: int, autotune: int | None,
                    profile: bool = False, channels_last: bool = False) -> dict:
+    import fusion_compiler as fc
+
     torch.manual_seed(0)
     base = build_model(name, channels_last)
     x = torch.randn(MODELS[name][1], device="cuda", dtype=torch.half)
@@ -262,8 +327,8 @@ def bench_training(name: str, variants: list[str], reps: int, iters: int, autotu
         return copy.deepcopy(base).to(dtype)  # keeps the parameters' memory format
 
     def ours(model, cuda_graph, glue_backend=None):
-        module = fc.compile(model, backend="cudnn", cache_dir=cache_dir, autotune=autotune,
-                            glue_backend=glue_backend)
+        module = fc.compile(model, cache_dir=cache_dir, glue_backend=glue_backend,
+                            **tuned(autotune))
         step = train_step(model, module, x)
         step()  # compiles the training specialization
         from fusion_compiler.report import format_gradients
@@ -290,16 +355,6 @@ def bench_training(name: str, variants: list[str], reps: int, iters: int, autotu
                                                       "eager fp16+cudagraph"):
             result.setdefault("profiles", {})[variant] = kernel_profile(fn, calls=5)
     return result
-
-
-def compiled(model: torch.nn.Module, x: torch.Tensor, cache_dir: str, autotune: int,
-             result: dict) -> fc.CompiledModule:
-    """fusion_compiler's module for ``x``; its autotuning table goes into ``result["tuning"]``."""
-    from fusion_compiler.report import format_tuning
-
-    module = fc.compile(model, [x], backend="cudnn", cache_dir=cache_dir, autotune=autotune)
-    result["tuning"] = format_tuning(module.specialize(x).regions)
-    return module
 
 
 def kernel_profile(fn: Callable[[], object], calls: int = 20) -> str:
@@ -349,8 +404,10 @@ def print_table(results: list[dict]) -> str:
             console.print(table)
         console.print(comp)
         for r in results:
-            for variant, err in r.get("rel_err_vs_eager", {}).items():
-                console.print(f"{r['model']}: {variant} max rel. error vs eager fp16 {err:.2e}")
+            for variant, err in r.get("rel_err_vs_fp32", {}).items():
+                console.print(f"{r['model']}: {variant} max rel. error vs fp32 {err:.2e}")
+            if "defaults" in r:
+                console.print(f"{r['model']}: compile(model) took {r['defaults']}")
             for variant, msg in r.get("errors", {}).items():
                 console.print(f"{r['model']}: {variant} failed: {msg}")
     text = cap.get()
@@ -377,6 +434,26 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def compile_only(args: argparse.Namespace) -> float:
+    """Seconds from before the compile (``import fusion_compiler`` included) to the first output
+    of ``args.variant`` on ``args.compile_only``, in this (new) process."""
+    model = build_model(args.compile_only, args.channels_last)
+    x = torch.randn(MODELS[args.compile_only][1], device="cuda", dtype=torch.half)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if args.variant.startswith("torch.compile"):
+        module = torch.compile(model, mode="reduce-overhead")
+    else:
+        import fusion_compiler  # noqa: PLC0415  (timed: part of the first output's cost)
+
+        module = fusion_compiler.compile(model, cache_dir=args.cache_dir,
+                                         **tuned(args.autotune), **OPTIONS[args.variant])
+    with torch.inference_mode():
+        module(x)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
@@ -389,26 +466,20 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="kernel profiles of the CUDA-graph variants (fusion_compiler; "
                              "for training also eager)")
-    parser.add_argument("--autotune", type=int, default=DEFAULT_AUTOTUNE,
-                        help="cuDNN plans timed per region (default %(default)s)")
+    parser.add_argument("--autotune", type=int, default=None,
+                        help="cuDNN plans timed per region (default: compile()'s)")
     parser.add_argument("--channels-last", action="store_true",
                         help="store every variant's parameters channels_last "
                              "(model.to(memory_format=torch.channels_last)); inputs stay NCHW")
     parser.add_argument("--compile-only", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--result-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(1, "benchmark.py needs a CUDA GPU\n")
     if args.compile_only:
-        model = build_model(args.compile_only, args.channels_last)
-        x = torch.randn(MODELS[args.compile_only][1], device="cuda", dtype=torch.half)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            fc.compile(model, [x], backend="cudnn", cache_dir=args.cache_dir,
-                       autotune=args.autotune)(x)
-        torch.cuda.synchronize()
-        print(time.perf_counter() - t0)
+        print(compile_only(args))
         return 0
     models = args.models.split(",")
     if len(models) > 1:  # one process per model (see own_process)

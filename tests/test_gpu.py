@@ -34,6 +34,8 @@ def _run_cudnn(model: nn.Module, x: torch.Tensor, dtype=torch.float16, tol=2e-3,
     model = model.to("cuda", dtype).eval()
     x = x.to("cuda", dtype)
     options.setdefault("autotune", 1)  # heuristics' first plan: fast to build, same numerics
+    options.setdefault("cuda_graph", False)  # the regions, not the runtime around them
+    options.setdefault("glue_backend", None)  # (Inductor would compile for every pattern)
     compiled = fc.compile(model, backend="cudnn", cache_dir=False, **options)
     with torch.inference_mode():
         got = compiled(x)
@@ -87,7 +89,7 @@ def test_visual_encoder_fp16():
 
 def test_channels_last_input_and_batch_change():
     model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
-    compiled = fc.compile(model, backend="cudnn", cache_dir=False)
+    compiled = fc.compile(model, backend="cudnn", cache_dir=False, glue_backend=None)
     with torch.inference_mode():
         for n, fmt in ((32, torch.channels_last), (48, torch.contiguous_format)):
             x = torch.randn(n, 3, 64, 64, device="cuda", dtype=torch.half).contiguous(
@@ -102,8 +104,10 @@ def test_channels_last_input_and_batch_change():
 
 def test_cuda_graph_matches_plain_execution():
     model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
-    plain = fc.compile(model, backend="cudnn", cache_dir=False)
-    graphed = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=True)
+    plain = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=False,
+                       glue_backend=None)
+    graphed = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph="static",
+                         glue_backend=None)
     with torch.inference_mode():
         for _ in range(2):
             x = torch.randn(128, 3, 64, 64, device="cuda", dtype=torch.half)
@@ -114,7 +118,8 @@ def test_inductor_glue_with_cuda_graph_matches_plain_execution():
     """``glue_backend="inductor"``: the ops between regions run as Inductor kernels, regions as
     cuDNN plans, all captured in one CUDA graph."""
     model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
-    plain = fc.compile(model, backend="cudnn", cache_dir=False)
+    plain = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=False,
+                       glue_backend=None)
     glued = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=True,
                        glue_backend="inductor")
     with torch.inference_mode():
@@ -138,7 +143,8 @@ _CACHE_SCRIPT = textwrap.dedent("""
     model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
     x = torch.randn(16, 3, 64, 64, device="cuda", dtype=torch.half)
     # autotune=1: no timing, so both processes make the same choices (timed choices may differ)
-    compiled = fc.compile(model, backend="cudnn", cache_dir={cache!r}, autotune=1)
+    compiled = fc.compile(model, backend="cudnn", cache_dir={cache!r}, autotune=1,
+                          glue_backend=None)
     with torch.inference_mode():
         y = compiled(x)
     print(json.dumps({{"cached": [r.plan_from_cache for r in compiled.last.regions],
@@ -176,7 +182,8 @@ def test_pytorch_timing_is_cached_with_the_plan(tmp_path):
     x = torch.randn(32, 3, 64, 64, device="cuda", dtype=torch.half)
     runs = []
     for _ in range(2):
-        compiled = fc.compile(model, [x], backend="cudnn", cache_dir=tmp_path, autotune=2)
+        compiled = fc.compile(model, [x], backend="cudnn", cache_dir=tmp_path, autotune=2,
+                              cuda_graph=False, glue_backend=None)
         runs.append(compiled.specialize(x).regions)
     first, second = runs
     assert all(r.plan_from_cache for r in second)

@@ -1,0 +1,137 @@
+"""``compile(model)`` with no options: bounded specializations, the shape cache (a warm compile
+imports no ``torch._dynamo``), the cuDNN recipes plans are keyed by, the plan-build workers.
+CPU tests; the CUDA-graph and cuDNN side of the defaults is in ``test_gpu_defaults.py``."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import rel_err
+
+import fusion_compiler as fc
+from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+from fusion_compiler.backends.cudnn_graph import region_recipe
+from fusion_compiler.backends.cudnn_recipe import any_batch_key, canonical, recipe_key
+from fusion_compiler.backends.plan_workers import PlanWorkers, build_candidates
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _small() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()).eval()
+
+
+def test_specializations_are_bounded_least_recently_used_first(caplog):
+    model = _small()
+    compiled = fc.compile(model, max_specializations=16, cache_dir=False)
+    caplog.set_level(logging.INFO, logger="fusion_compiler")
+
+    def batches() -> set[int]:
+        return {key[0][0].shape[0] for key in compiled.specializations}
+
+    with torch.no_grad():
+        for n in range(1, 41):
+            x = torch.randn(n, 8, 6, 6)
+            assert rel_err(compiled(x), model(x)) < 1e-5
+            if n == 16:
+                compiled(torch.randn(1, 8, 6, 6))  # batch 1 is used again: 2 is now the oldest
+            if n == 17:
+                assert 1 in batches() and 2 not in batches()
+    assert len(compiled.specializations) == 16 and batches() == set(range(25, 41))
+    assert sum("evicted the specialization" in r.message for r in caplog.records) == 24
+
+
+def test_invalid_options_are_value_errors():
+    with pytest.raises(ValueError, match="cuda_graph must be one of"):
+        fc.compile(_small(), cuda_graph="always")
+    with pytest.raises(ValueError, match="max_specializations must be at least 1"):
+        fc.compile(_small(), max_specializations=0)
+
+
+def test_defaults_on_the_cpu_take_no_cuda_graph_and_no_glue_backend():
+    compiled = fc.compile(_small(), cache_dir=False)
+    with torch.no_grad():
+        compiled(torch.randn(2, 8, 6, 6))
+    assert compiled.last.cuda_graph is None and compiled.last.glue_backend is None
+
+
+_WARM = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {root!r})
+    import fusion_compiler as fc
+    from examples.seresnet9_fixup import se_resnet9_fixup, randomize_
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        err = (fc.compile(model, cache_dir={cache!r})(x) - model(x)).abs().max().item()
+    print(err, "torch._dynamo" in sys.modules, "sympy" in sys.modules)
+""")
+
+
+def test_a_warm_compile_propagates_no_shapes_and_imports_no_dynamo(tmp_path):
+    """The first compile of a model for an input signature propagates shapes (meta kernels, which
+    import sympy and torch._dynamo) and caches them; a new process compiling the same model for
+    the same inputs reads them and runs no meta kernel."""
+    script = _WARM.format(root=str(ROOT), cache=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    (err, dynamo, sympy) = runs[1].stdout.split()
+    assert float(err) < 1e-4
+    assert (dynamo, sympy) == ("False", "False")
+    assert list(tmp_path.glob("*.shapes.json"))
+
+
+def test_the_shape_cache_is_keyed_by_module_configuration(tmp_path):
+    """Two models with the same traced code and parameter shapes but another conv stride must not
+    share cached shapes (the stride lives in the module, not in the code)."""
+    x = torch.randn(2, 8, 8, 8)
+    for stride in (1, 2):
+        model = nn.Sequential(nn.Conv2d(8, 8, 3, stride=stride, padding=1), nn.ReLU()).eval()
+        with torch.no_grad():
+            out = fc.compile(model, cache_dir=tmp_path)(x)
+            assert out.shape == model(x).shape and rel_err(out, model(x)) < 1e-5
+
+
+def test_recipes_name_tensors_by_position_and_abstract_the_batch():
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    recipes = {}
+    for n in (2, 4):
+        with torch.no_grad():
+            spec = fc.compile(model, cache_dir=False).specialize(torch.randn(n, 3, 64, 64))
+        recipes[n] = [region_recipe(r) for r in spec.regions]
+    for a, b in zip(recipes[2], recipes[4]):
+        assert recipe_key(a) != recipe_key(b)  # another batch: another plan
+        assert any_batch_key(a) == any_batch_key(b)  # but the same choice of engine
+    names = [t["name"] for t in canonical(recipes[2][1])["inputs"]]
+    assert names == [f"t{i}" for i in range(len(names))]
+
+
+def test_plan_build_jobs_report_errors_instead_of_raising():
+    """Without a GPU the cuDNN handle cannot be made: the job answers with the reason."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    result = build_candidates({"recipe": {"io": "HALF", "inputs": [], "ops": [], "outputs": []},
+                               "mode": "first", "heuristics": ["A"]})
+    assert set(result) == {"error"} and result["error"]
+
+
+def test_dead_plan_workers_fail_their_jobs_instead_of_hanging():
+    workers = PlanWorkers("GPU-none", 2, command=[sys.executable, "-c", "import sys; sys.exit(1)"])
+    try:
+        futures = [workers.submit({"mode": "first"}) for _ in range(5)]
+        for future in futures:
+            with pytest.raises(EOFError):
+                future.result(timeout=60)
+    finally:
+        workers.close()

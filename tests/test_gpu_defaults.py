@@ -1,0 +1,158 @@
+"""``compile(model)`` with no options on a GPU: CUDA graphs with safe outputs, the ``"static"``
+opt-in, the logged fallback when a forward cannot be captured, the direct (no custom op) call path
+without CUDA graphs, bounded specializations that give GPU memory back, and plan choices reused
+at a new batch size. All tests carry ``@pytest.mark.gpu``."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import rel_err
+
+import fusion_compiler as fc
+import fusion_compiler.backends.cudnn as cudnn_backend
+from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+
+pytestmark = pytest.mark.gpu
+
+
+def _fp64(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return copy.deepcopy(model).double().cpu()(x.double().cpu())
+
+
+def _reference_net() -> nn.Module:
+    return randomize_(se_resnet9_fixup(3), seed=1).cuda().half().eval()
+
+
+def _x(n: int) -> torch.Tensor:
+    return torch.randn(n, 3, 64, 64, device="cuda", dtype=torch.half)
+
+
+def test_defaults_capture_a_cuda_graph_with_inductor_glue_and_match_fp64(tmp_path):
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = _x(32)
+    with torch.inference_mode():
+        out = compiled(x)
+    spec = compiled.last
+    assert (spec.cuda_graph, spec.glue_backend, spec.notes) == ("safe", "inductor", [])
+    assert all(r.backend == "cudnn" for r in spec.regions)
+    assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
+
+
+def test_default_outputs_survive_later_calls(tmp_path):
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None)
+    with torch.inference_mode():
+        x1, x2 = _x(16), _x(16)
+        y1 = compiled(x1)
+        kept = y1.clone()
+        y2 = compiled(x2)
+        assert compiled.last.cuda_graph == "safe"
+        assert y1.data_ptr() != y2.data_ptr() and torch.equal(y1, kept)
+        assert not torch.equal(y1, y2)
+        assert rel_err(y2.float().cpu(), _fp64(model, x2)) < 2e-3
+
+
+def test_static_outputs_are_the_graph_buffers(tmp_path):
+    compiled = fc.compile(_reference_net(), cache_dir=tmp_path, glue_backend=None,
+                          cuda_graph="static")
+    with torch.inference_mode():
+        y1 = compiled(_x(16))
+        y2 = compiled(_x(16))
+    assert compiled.last.cuda_graph == "static" and y1.data_ptr() == y2.data_ptr()
+
+
+@torch.fx.wrap
+def _host_sync(x: torch.Tensor) -> torch.Tensor:
+    """Reads a value on the host (``.item()``): cannot be captured in a CUDA graph."""
+    return x * (1.0 if x.abs().max().item() > 0 else 0.5)
+
+
+class _Syncing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x):
+        return _host_sync(torch.relu(self.conv(x)))
+
+
+def test_a_forward_that_cannot_be_captured_runs_without_a_graph_and_says_why_once(caplog):
+    torch.manual_seed(0)
+    model = _Syncing().cuda().half().eval()
+    compiled = fc.compile(model, cache_dir=False, glue_backend=None)
+    caplog.set_level(logging.INFO, logger="fusion_compiler")
+    with torch.inference_mode():
+        for n in (4, 8):
+            x = torch.randn(n, 16, 8, 8, device="cuda", dtype=torch.half)
+            assert rel_err(compiled(x).float().cpu(), _fp64(model, x)) < 2e-3
+            assert compiled.last.cuda_graph is None
+            assert "runs without a CUDA graph" in compiled.last.notes[0]
+    logged = [r.message for r in caplog.records if "runs without a CUDA graph" in r.message]
+    assert len(logged) == 1, logged
+
+
+def test_without_cuda_graphs_regions_are_called_directly(monkeypatch, tmp_path):
+    """Inference regions run their plan straight from Python, not through the custom op (whose
+    dispatch costs ~20 us a call); training still goes through it (autograd)."""
+    calls = []
+    op = cudnn_backend.run_region
+    monkeypatch.setattr(cudnn_backend, "run_region", lambda *a: calls.append(1) or op(*a))
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, cuda_graph=False, glue_backend=None)
+    x = _x(16)
+    with torch.inference_mode():
+        out = compiled(x)
+    assert compiled.last.cuda_graph is None and not calls
+    assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
+    compiled(x).float().square().mean().backward()  # training specialization: through the op
+    assert calls
+
+
+def test_bounded_specializations_give_gpu_memory_back(tmp_path):
+    """40 batch sizes of similar size: memory held stops growing at 16 specializations (each
+    evicted one frees its CUDA graph pool and buffers), and comes back when all are dropped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1)).cuda().half().eval()
+    compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None, autotune=1)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    held = []
+    with torch.inference_mode():
+        for n in range(100, 140):
+            x = torch.randn(n, 16, 32, 32, device="cuda", dtype=torch.half)
+            assert rel_err(compiled(x).float().cpu(), _fp64(model, x)) < 2e-3
+            torch.cuda.synchronize()
+            held.append(torch.cuda.memory_allocated() - base)
+    assert len(compiled.specializations) == 16
+    assert held[39] < 1.5 * held[15], held  # without eviction: about 2.5x
+    compiled.specializations.clear()
+    compiled.last = None
+    gc.collect()
+    assert torch.cuda.memory_allocated() - base < held[15] / 4
+
+
+def test_a_new_batch_size_reuses_the_plan_choice(tmp_path):
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None, autotune=3)
+    with torch.inference_mode():
+        compiled(_x(32))
+        tuned = compiled.last.regions
+        assert any(len(r.tuning) >= 2 for r in tuned if r.backend == "cudnn")
+        x = _x(48)
+        out = compiled(x)
+    regions = compiled.last.regions
+    assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
+    assert [r.backend for r in regions] == [r.backend for r in tuned]  # the same decisions
+    for r in regions:
+        if r.backend == "cudnn":  # one plan built, nothing timed
+            assert "choice made at another batch size" in r.plan, r.plan
+            assert len(r.tuning) == 1 and r.tuning[0].ms is None
