@@ -7,8 +7,8 @@ FALLBACK) and keeps the fastest (:class:`CudnnPlan`). Building is CPU work (0.3-
 runtime-compiled plan on an H100 machine), so :meth:`CudnnBackend.prefetch` hands the plans of all
 regions of a graph to worker processes at once (:mod:`.plan_workers`) before they are lowered one
 by one. Regions with the same graph on the same shapes share one plan (one build, one autotune).
-A region whose graph was tuned at another batch size reuses that choice of engine and knobs and
-that decision against PyTorch's ops: one build, no timing.
+A region whose graph was tuned at another batch size (within a factor of 2) reuses that choice of
+engine and knobs and that decision against PyTorch's ops: one build, no timing.
 
 At run time a plan executes with one cuDNN handle per device whose stream follows
 ``torch.cuda.current_stream()`` (set only when it changed), and one persistent workspace per device
@@ -55,6 +55,9 @@ log = logging.getLogger("fusion_compiler")
 DEFAULT_AUTOTUNE = 8
 HEURISTICS = ("A", "FALLBACK")
 """cuDNN heuristics modes whose ranked plans are candidates, in this order."""
+REUSE_BATCH_RATIO = 2.0
+"""A plan choice made at batch size N is reused for batch sizes N/2 to 2N; outside, the graph is
+tuned afresh (an engine that wins at one size may lose at a very different one)."""
 
 
 def _condense(exc: BaseException) -> str:
@@ -79,7 +82,7 @@ class CudnnBackend:
         self.autotune = int(autotune)
         self._handles: dict[int, Any] = {}
         self._workspaces: dict[int, torch.Tensor] = {}
-        self._pending: dict[str, list[Future]] = {}  # recipe key -> jobs building its candidates
+        self._pending: dict[str, list[tuple[dict, Future]]] = {}  # recipe key -> (job, its build)
         self.choices: dict[str, dict] = {}  # any-batch key -> {"engine", "name", records}
 
     @classmethod
@@ -140,20 +143,22 @@ class CudnnBackend:
         return [{**base, "mode": "first"}]
 
     def choice_for(self, recipe: dict, device: torch.device) -> dict | None:
-        """The plan choice made for ``recipe``'s graph at another batch size (this process, or
-        the cache's record), or ``None``."""
+        """The plan choice made for ``recipe``'s graph at another batch size within a factor of
+        ``REUSE_BATCH_RATIO`` of its own (this process, or the cache's record), or ``None``."""
         key = any_batch_key(recipe)
         if key not in self.choices:
             record = self.cache.load_record(self.header(key, device), "choice")
             if record is None:
                 return None
             self.choices[key] = record
-        return self.choices[key]
+        choice = self.choices[key]
+        ratio = _batch(recipe) / max(1, choice.get("batch", 0))
+        return choice if 1 / REUSE_BATCH_RATIO <= ratio <= REUSE_BATCH_RATIO else None
 
     def remember_choice(self, recipe: dict, device: torch.device, choice: dict) -> None:
         """Record the plan chosen for ``recipe`` (engine, knobs, timings) for other batch sizes."""
         key = any_batch_key(recipe)
-        self.choices[key] = choice
+        self.choices[key] = choice = {**choice, "batch": _batch(recipe)}
         self.cache.store_record(self.header(key, device), "choice", choice)
 
     def prefetch(self, regions: Sequence[Region]) -> None:
@@ -182,30 +187,33 @@ class CudnnBackend:
             if pool is None:
                 return
             for key, group in jobs.items():
-                self._pending[key] = [pool.submit(job) for job in group]
+                self._pending[key] = [(job, pool.submit(job)) for job in group]
         except (OSError, RuntimeError) as exc:  # no worker could start: build in this process
             log.info("plan-build workers unavailable (%s); building plans in this process",
                      _condense(exc))
 
-    def candidates(self, recipe: dict, key: str, device: torch.device) -> tuple[list[dict], bool]:
+    def candidates(self, recipe: dict, key: str, device: torch.device,
+                   reuse: bool = True) -> tuple[list[dict], bool]:
         """The built candidate plans of ``recipe`` (see :func:`.plan_workers.build_candidates`)
-        and whether they follow a choice made at another batch size; from the jobs
-        :meth:`prefetch` started, else built now in this process.
+        and whether they follow a choice made at another batch size (only with ``reuse``); from
+        the jobs :meth:`prefetch` started, else built now in this process.
 
         Raises:
             UnsupportedError: cuDNN rejected the graph (its reason).
         """
-        choice = self.choice_for(recipe, device)
-        jobs = self._job(recipe, choice)
-        futures = self._pending.pop(key, None)
-        if futures is None and len(jobs) > 1:  # in this process: one graph builds them all
-            jobs = [{**jobs[0], "indices": [i for job in jobs for i in job["indices"]]}]
+        pending = self._pending.pop(key, None) if reuse else None
+        if pending is None:
+            jobs = self._job(recipe, self.choice_for(recipe, device) if reuse else None)
+            if len(jobs) > 1:  # in this process: one graph builds them all
+                jobs = [{**jobs[0], "indices": [i for job in jobs for i in job["indices"]]}]
+            pending = [(job, None) for job in jobs]
+        reused = pending[0][0]["mode"] == "engine"
         results = []
-        for i, job in enumerate(jobs):
+        for job, future in pending:
             result = None
-            if futures is not None:
+            if future is not None:
                 try:
-                    result = futures[i].result()
+                    result = future.result()
                 except Exception as exc:  # a worker died: build this one here
                     log.info("plan-build worker failed (%s); building in this process",
                              _condense(exc))
@@ -215,10 +223,9 @@ class CudnnBackend:
             if "error" in result:
                 raise UnsupportedError(f"cuDNN rejected the graph: {result['error']}")
             results.extend(result["plans"])
-        if choice is not None and not any(p["blob"] for p in results):  # the engine does not
-            self.choices.pop(any_batch_key(recipe), None)  # take this shape: tune it afresh
-            return self.candidates(recipe, key, device)
-        return results, choice is not None
+        if reused and not any(p["blob"] for p in results):  # the engine does not take this
+            return self.candidates(recipe, key, device, reuse=False)  # shape: tune it
+        return results, reused
 
     # ------------------------------------------------------------------ protocol
     def supports(self, region: Region) -> Support:
@@ -272,6 +279,11 @@ class CudnnBackend:
             register_backward(kernel.key, RegionBackward(region, grads))
             region.gradients = grads.pieces
         return kernel.call
+
+
+def _batch(recipe: dict) -> int:
+    """The batch size of a recipe (its first batched tensor's first dimension; 0 if none)."""
+    return next((t["dim"][0] for t in recipe["inputs"] if t.get("batched")), 0)
 
 
 def _slower_than_pytorch(region: Region, kernel: "CudnnKernel") -> str:
