@@ -31,6 +31,18 @@ class CaptureError(RuntimeError):
     """The forward could not be captured in a CUDA graph; the message says why (CUDA's error)."""
 
 
+def _release_rng_capture(device: int) -> None:
+    """Take the default CUDA generator of ``device`` out of capture mode after a failed capture.
+
+    ``CUDAGraph.capture_end`` runs the generators' capture epilogue only when the capture
+    succeeded; after a failed one the generator stays in capture mode and the next random op
+    outside a capture raises "Offset increment outside graph capture encountered unexpectedly".
+    A fresh copy of its state (same seed and offset, not capturing) replaces the stuck one.
+    """
+    generator = torch.cuda.default_generators[device]
+    generator.graphsafe_set_state(generator.clone_state())
+
+
 class CudaGraphRunner:
     """Capture ``fn(*example_args)`` in a CUDA graph; call with inputs of the same shapes/dtypes.
 
@@ -71,6 +83,7 @@ class CudaGraphRunner:
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.static_outputs = fn(*self.static_inputs)
         except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
+            _release_rng_capture(torch.cuda.current_device())
             self.close()
             raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
 
