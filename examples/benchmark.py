@@ -59,12 +59,13 @@ MODELS = {
 VARIANTS = ["eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
             "fusion_compiler defaults", "fusion_compiler cuda_graph=static",
             "fusion_compiler glue=None", "fusion_compiler cuda_graph=False",
-            "fusion_compiler cuda_graph=False glue=None"]
+            "fusion_compiler cuda_graph=False glue=inductor"]
 # the options of each fusion_compiler inference variant (compile(model, **options))
 OPTIONS = {"fusion_compiler defaults": {}, "fusion_compiler cuda_graph=static": {"cuda_graph": "static"},
            "fusion_compiler glue=None": {"glue_backend": None},
-           "fusion_compiler cuda_graph=False": {"cuda_graph": False},
-           "fusion_compiler cuda_graph=False glue=None": {"cuda_graph": False, "glue_backend": None}}
+           "fusion_compiler cuda_graph=False": {"cuda_graph": False},  # glue "auto": eager ops
+           "fusion_compiler cuda_graph=False glue=inductor": {"cuda_graph": False,
+                                                             "glue_backend": "inductor"}}
 TRAIN_VARIANTS = ["eager AMP", "eager fp16", "eager fp16+cudagraph", "fusion_compiler fp16",
                   "fusion_compiler fp16+cudagraph", "fusion_compiler fp16+inductor glue",
                   "fusion_compiler fp16+inductor glue+cudagraph", "torch.compile fp16",

@@ -103,19 +103,20 @@ def test_a_forward_that_cannot_be_captured_runs_without_a_graph_and_says_why_onc
 
 def test_without_cuda_graphs_regions_are_called_directly(monkeypatch, tmp_path):
     """Inference regions run their plan straight from Python, not through the custom op (whose
-    dispatch costs ~20 us a call); training still goes through it (autograd)."""
+    dispatch costs ~20 us a call), and ``glue_backend="auto"`` picks eager glue, which calls them
+    so; training still goes through the op (autograd)."""
     calls = []
     op = cudnn_backend.run_region
     monkeypatch.setattr(cudnn_backend, "run_region", lambda *a: calls.append(1) or op(*a))
     model = _reference_net()
-    compiled = fc.compile(model, cache_dir=tmp_path, cuda_graph=False, glue_backend=None)
+    compiled = fc.compile(model, cache_dir=tmp_path, cuda_graph=False)
     x = _x(16)
     with torch.inference_mode():
         out = compiled(x)
-    assert compiled.last.cuda_graph is None and not calls
+    assert (compiled.last.cuda_graph, compiled.last.glue_backend) == (None, None) and not calls
     assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
-    compiled(x).float().square().mean().backward()  # training specialization: through the op
-    assert calls
+    compiled(x).float().square().mean().backward()  # training: through the op, Inductor glue
+    assert calls and compiled.last.glue_backend == "inductor"
 
 
 def test_bounded_specializations_give_gpu_memory_back(tmp_path):
