@@ -3,8 +3,11 @@
 Shapes, dtypes and strides are propagated without running the model on real data: by running the
 graph on tensors of PyTorch's ``meta`` device (no memory, no kernels; each op's meta function
 computes its output's shape, dtype and strides), or, under ``torch.autocast`` and for inputs that
-are already ``FakeTensor`` s, with fake tensors (``torch.fx.passes.fake_tensor_prop``), whose
-construction imports ``torch._dynamo`` (1.7 s on a 2-core CPU). After :func:`propagate_shapes`
+are already ``FakeTensor`` s, with fake tensors (``torch.fx.passes.fake_tensor_prop``). Either way
+the first use imports ``torch._dynamo`` (fake tensors on construction, meta tensors through the
+Python meta functions of ``torch._refs``) and sympy (the convolution's meta function): 1.5-2 s on
+a 2-core CPU. That is why the pass manager caches what was propagated
+(:func:`encode_meta`, :func:`apply_meta`). After :func:`propagate_shapes`
 every node's ``meta["val"]`` holds a meta tensor or ``FakeTensor`` (or a Python value/tuple of them
 for shape arithmetic and multi-output nodes) and ``meta["device"]`` the device the value lives on
 when the graph runs (:func:`node_device`).

@@ -3,10 +3,10 @@
 Per region (and so per shapes, strides, dtypes and device, since regions are specialized) it
 describes the graph as a recipe (:mod:`.cudnn_graph`), loads the plan from the on-disk
 :class:`~fusion_compiler.runtime.plan_cache.PlanCache` or builds candidate plans (heuristics A then
-FALLBACK) and keeps the fastest (:class:`CudnnPlan`). Building is CPU work (0.3-1 s for a
-runtime-compiled plan on an H100 machine), so :meth:`CudnnBackend.prefetch` hands the plans of all
-regions of a graph to worker processes at once (:mod:`.plan_workers`) before they are lowered one
-by one. Regions with the same graph on the same shapes share one plan (one build, one autotune).
+FALLBACK) and keeps the fastest (:class:`CudnnPlan`). Building is CPU work (0.03-0.5 s a plan in
+the compiling process on an H100 machine, see :mod:`.plan_workers`), so
+:meth:`CudnnBackend.prefetch` hands the plans of all regions of a graph to worker processes at once
+before they are lowered one by one. Regions with the same graph on the same shapes share one plan (one build, one autotune).
 A region whose graph was tuned at another batch size (within a factor of 2) reuses that choice of
 engine and knobs and that decision against PyTorch's ops: one build, no timing.
 
@@ -509,7 +509,7 @@ class CudnnKernel:
                 self.prepare.append(_padder(pad[0]))
             elif op.role in ("scalar", "channel"):
                 # [1] / [K] / [1,K,1,1] contiguous: the same memory as the declared [1,K,1,1]
-                self.prepare.append(_contiguous)
+                self.prepare.append(torch.Tensor.contiguous)
             elif op.role == "weight":
                 self.prepare.append(_WeightCache())
                 if node is region.conv.args[1]:
@@ -542,10 +542,6 @@ class CudnnKernel:
         if self.direct and not is_traced(inputs[0]):
             return self(*inputs)
         return tuple(run_region(self.key, list(inputs)))
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
 
 
 class _WeightCache:
