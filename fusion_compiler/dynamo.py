@@ -1,7 +1,8 @@
 """``torch.compile(model, backend="fusion_compiler")``: the Dynamo backend.
 
-Registered through the ``torch_dynamo_backends`` entry point (``pyproject.toml``), so the name
-works once the package is installed; importing this module is not needed.
+``import fusion_compiler`` registers the name (:func:`register`), so it works from a source
+checkout on ``PYTHONPATH`` too; once the package is installed, the ``torch_dynamo_backends`` entry
+point (``pyproject.toml``) finds it without the import.
 
 Dynamo hands over one ``fx.GraphModule`` per graph between graph breaks, with example inputs that
 are ``FakeTensor`` s (and, with ``torch._dynamo.config.inline_inbuilt_nn_modules``, the default,
@@ -21,13 +22,19 @@ untraceable code, where Dynamo splits the model into graphs and runs the rest in
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
 from .compiler import CompiledModule
 
-__all__ = ["fusion_compiler_backend"]
+__all__ = ["fusion_compiler_backend", "register", "BACKEND_NAME"]
+
+BACKEND_NAME = "fusion_compiler"
+_REGISTRY = "torch._dynamo.backends.registry"
 
 
 def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -68,3 +75,48 @@ def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     run.compiled_module = compiled  # for inspection: run.compiled_module.report()
     return run
+
+
+def _register_now(registry: Any) -> None:
+    """Add the backend to Dynamo's ``registry`` module unless a backend of that name is there."""
+    try:
+        registry.register_backend(fusion_compiler_backend, name=BACKEND_NAME)
+    except AssertionError:  # "duplicate name": registered already (e.g. a second import path)
+        pass
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when Python looks for Dynamo's backend registry module, it lets the
+    normal path finder load it and then registers the backend in it (see :func:`register`)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _REGISTRY:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            load(module)
+            _register_now(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def register() -> None:
+    """Make ``torch.compile(model, backend="fusion_compiler")`` find this backend by name.
+
+    Dynamo looks names up in ``torch._dynamo.backends.registry``. Importing ``torch._dynamo``
+    takes about 1.5 s (2-core CPU, torch 2.13), so when it is not imported yet the backend is
+    registered the moment it is (a ``sys.meta_path`` finder that wraps the registry module's
+    loader), and ``import fusion_compiler`` stays fast. Called by ``import fusion_compiler``;
+    calling it again does nothing.
+    """
+    registry = sys.modules.get(_REGISTRY)
+    if registry is not None:
+        _register_now(registry)
+    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())

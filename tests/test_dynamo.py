@@ -3,6 +3,10 @@ reference backend; the GPU path is the same CompiledModule that test_gpu.py cove
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,6 +15,8 @@ from conftest import rel_err
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from fusion_compiler.dynamo import fusion_compiler_backend
 from test_fuse_patterns import BasicBlock, _randomize_bn
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -114,3 +120,33 @@ def test_options_pass_through_and_compile_only_options_are_refused():
         bad = torch.compile(model, backend="fusion_compiler", options={option: True})
         with pytest.raises(Exception, match=f"{option} is an option of fusion_compiler.compile"):
             bad(x)
+
+
+_NO_ENTRY_POINTS = """
+import importlib.metadata as md
+md.entry_points = lambda **kw: md.EntryPoints([])  # as in a source checkout: nothing installed
+{before}
+import torch
+import fusion_compiler
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).eval()
+x = torch.randn(2, 3, 8, 8)
+with torch.no_grad():
+    out = torch.compile(model, backend="fusion_compiler")(x)
+assert torch.allclose(out, model(x), atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("before", ["", "import torch._dynamo"])
+def test_import_registers_the_backend_without_an_entry_point(before):
+    """``import fusion_compiler`` is enough, whether Dynamo is imported before it or after."""
+    proc = subprocess.run([sys.executable, "-c", _NO_ENTRY_POINTS.format(before=before)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_import_does_not_import_dynamo():
+    proc = subprocess.run([sys.executable, "-c", "import sys, fusion_compiler; "
+                           "print('torch._dynamo' in sys.modules)"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
