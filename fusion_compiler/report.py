@@ -1,9 +1,12 @@
-"""Reports on a compiled graph: the region table, the convolutions and ops left to PyTorch with
-their reasons, and the whole dump (graphs per stage, regions, cuDNN graph JSON) as text or JSON."""
+"""Reports on a compiled graph: a coverage summary (convolutions and FLOPs in regions, regions per
+backend), the region table, the convolutions and ops left to PyTorch with their reasons, and the
+whole dump (summary, tables, graphs per stage, cuDNN graph JSON) as text or JSON."""
 
 from __future__ import annotations
 
 import io
+import re
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -16,10 +19,12 @@ from .backends.autotune import fastest
 from .ops import is_call
 from .region import Region
 
-__all__ = ["format_regions", "format_tuning", "format_gradients", "unfused_convolutions", "pytorch_nodes", "dump", "format_text",
-           "DEFAULT_STAGES"]
+__all__ = ["format_regions", "format_tuning", "format_gradients", "unfused_convolutions",
+           "pytorch_nodes", "conv_flops", "summarize", "specialize_for_dump", "describe", "dump",
+           "group_by_reason", "format_summary", "format_text", "DEFAULT_STAGES", "STAGES_HELP"]
 
-DEFAULT_STAGES = ("captured", "fused", "lowered")
+DEFAULT_STAGES: tuple[str, ...] = ()  # graph code only when asked for
+STAGES_HELP = "captured, normalize, fold_bn, space_to_depth, avgpool_conv, fused, lowered"
 _CONV_FUNCS = {torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
                torch.conv_transpose2d, torch.conv_transpose3d}
 # data movement and bookkeeping that is not worth a line in the "left to PyTorch" table
@@ -49,9 +54,7 @@ def unfused_convolutions(gm: fx.GraphModule) -> list[dict]:
     reasons = gm.meta.get("fusion_reasons", {})
     result = []
     for node in gm.graph.nodes:
-        is_conv_module = node.op == "call_module" and isinstance(
-            gm.get_submodule(node.target), torch.nn.modules.conv._ConvNd)
-        if is_call(node, *_CONV_FUNCS) or is_conv_module:
+        if _is_conv_node(node, gm):
             reason = reasons.get(node.name) or (
                 f"{_target_name(node, gm)}: only 2-d, zero-padded convolutions are fused")
             result.append({"node": node.name, "op": _target_name(node, gm), "reason": reason})
@@ -145,25 +148,75 @@ def _format_left(rows: list[dict], title: str) -> str:
     return f"{title}:\n" + _render(table)
 
 
-def dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto",
-         stages: Sequence[str] = DEFAULT_STAGES, **options: Any) -> dict:
-    """Compile ``model`` for ``inputs`` (under ``torch.no_grad``) and describe the result.
+def conv_flops(node: fx.Node, gm: fx.GraphModule) -> int | None:
+    """Multiply-adds x 2 of one convolution node, from its traced shapes:
+    ``2 * numel(output) * (C_in / groups) * kh * kw`` (``weight.shape[1:]`` of an
+    ``[K, C/groups, kh, kw]`` weight); ``None`` when the shapes are not known."""
+    out = node.meta.get("val")
+    if node.op == "call_module":
+        weight = getattr(gm.get_submodule(node.target), "weight", None)
+    else:
+        arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        weight = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    if not isinstance(out, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return None
+    return 2 * out.numel() * weight[0].numel()
+
+
+def summarize(spec: Any) -> dict:
+    """Coverage of a specialization: convolutions in regions of all, their share of convolution
+    FLOPs (all regions, and those lowered to cuDNN), regions per backend, fallback reasons with
+    their counts. JSON-ready; FLOPs are counted from traced shapes (:func:`conv_flops`)."""
+    gm = spec.graph_module
+    regions = spec.regions
+    unfused = [n for n in gm.graph.nodes if _is_conv_node(n, gm)]
+    region_flops = [(r, conv_flops(r.conv, r.graph_module)) for r in regions]
+    total = sum(f or 0 for _, f in region_flops) + sum(conv_flops(n, gm) or 0 for n in unfused)
+    cudnn = sum(f or 0 for r, f in region_flops if r.backend == "cudnn")
+    fused = sum(f or 0 for _, f in region_flops)
+    return {
+        "convolutions": len(regions) + len(unfused),
+        "convolutions_in_regions": len(regions),
+        "conv_gflop": total / 1e9,
+        "conv_flops_in_regions": fused / total if total else None,
+        "conv_flops_on_cudnn": cudnn / total if total else None,
+        "regions_per_backend": dict(Counter(r.backend for r in regions)),
+        "fallback_reasons": dict(Counter(r.reason for r in regions if r.status == "fallback")),
+    }
+
+
+def _is_conv_node(node: fx.Node, gm: fx.GraphModule) -> bool:
+    return is_call(node, *_CONV_FUNCS) or (node.op == "call_module" and isinstance(
+        gm.get_submodule(node.target), torch.nn.modules.conv._ConvNd))
+
+
+def specialize_for_dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto",
+                        **options: Any) -> Any:
+    """Compile ``model`` for ``inputs`` (under ``torch.no_grad`` unless the model is in training
+    mode) and return the :class:`~fusion_compiler.compiler.Specialization`, without running it.
 
     ``options`` are :func:`fusion_compiler.compile`'s (``cache_dir``, ``autotune``,
-    ``fuse_prologue``, ``fuse_reduction``). Nothing runs: the specialization is compiled without a
-    CUDA graph and without a glue backend (both only change how the graph is called).
-
-    Returns a JSON-ready dict: ``inputs``, ``stages`` (stage name -> Python code of the graph;
-    ``captured``, a pass name such as ``normalize``, ``fused`` or ``lowered``), ``regions`` (see
-    :meth:`Region.describe`), ``unfused`` (convolutions outside every region, with reasons) and
-    ``pytorch`` (other ops left to PyTorch, with reasons).
+    ``fuse_prologue``, ``fuse_reduction``). The specialization is compiled without a CUDA graph and
+    without a glue backend (both only change how the graph is called, not its regions).
     """
     from .compiler import CompiledModule  # noqa: PLC0415  (compiler imports this module lazily)
 
     compiled = CompiledModule(model, backend=backend, **{"cuda_graph": False, "glue_backend": None,
                                                          **options})
-    with torch.no_grad():
-        spec = compiled.specialize(*inputs)
+    with torch.set_grad_enabled(model.training):
+        return compiled.specialize(*inputs)
+
+
+def describe(spec: Any, stages: Sequence[str] = DEFAULT_STAGES) -> dict:
+    """A JSON-ready description of a specialization: ``inputs``, ``summary`` (:func:`summarize`),
+    ``stages`` (stage name -> Python code of the graph: ``captured``, a pass name such as
+    ``normalize``, ``fused`` (with every region's own graph) or ``lowered``), ``regions`` (see
+    :meth:`Region.describe`), ``unfused`` (convolutions outside every region, with reasons) and
+    ``pytorch`` (other ops left to PyTorch, with reasons).
+
+    Raises:
+        ValueError: a stage name that does not exist (the message lists those that do).
+    """
     gm = spec.graph_module
     codes = dict(spec.stages)
     codes["fused"] = codes.get("verify", codes.get("fuse", ""))
@@ -175,6 +228,7 @@ def dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto"
         raise ValueError(f"unknown stage(s) {unknown}; choose from {sorted(codes)}")
     return {
         "inputs": [str(a) for a in spec.signature[0]],
+        "summary": summarize(spec),
         "stages": {s: codes[s] for s in stages},
         "regions": [r.describe() for r in spec.regions],
         "unfused": unfused_convolutions(gm),
@@ -182,14 +236,75 @@ def dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto"
     }
 
 
+def dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto",
+         stages: Sequence[str] = DEFAULT_STAGES, **options: Any) -> dict:
+    """:func:`describe` of :func:`specialize_for_dump`: compile ``model`` for ``inputs`` and
+    describe the result (``options`` as for :func:`specialize_for_dump`)."""
+    return describe(specialize_for_dump(model, inputs, backend=backend, **options), stages)
+
+
+_REGION_REASON = re.compile(r"^not fused into the region of \S+: ")
+
+
+def group_by_reason(rows: Sequence[dict]) -> list[dict]:
+    """Rows of :func:`pytorch_nodes` grouped by reason, most ops first: ``{"reason", "count",
+    "ops"`` (op name -> count) ``, "nodes"}``. ``"not fused into the region of conv2d_14: why"``
+    and the same for other convolutions group under ``"not fused into a region: why"``."""
+    groups: dict[str, dict] = {}
+    for row in rows:
+        reason = _REGION_REASON.sub("not fused into a region: ", row["reason"])
+        group = groups.setdefault(reason, {"reason": reason, "count": 0, "ops": Counter(),
+                                           "nodes": []})
+        group["count"] += 1
+        group["ops"][row["op"]] += 1
+        group["nodes"].append(row["node"])
+    return sorted(({**g, "ops": dict(g["ops"])} for g in groups.values()),
+                  key=lambda g: -g["count"])
+
+
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.0f}%"
+
+
+def format_summary(report: dict, title: str = "") -> str:
+    """The header of a dump: model, inputs, device; convolutions fused of all and their share of
+    convolution FLOPs (in regions, on cuDNN); regions per backend with fallback reasons."""
+    s = report["summary"]
+    backends = ", ".join(f"{b} {n}" for b, n in sorted(s["regions_per_backend"].items()))
+    lines = [f"# {title}" if title else "#",
+             f"inputs:         {', '.join(report['inputs'])}",
+             f"convolutions:   {s['convolutions_in_regions']} of {s['convolutions']} in fused "
+             f"regions ({_percent(s['conv_flops_in_regions'])} of {s['conv_gflop']:.2f} GFLOP); "
+             f"{_percent(s['conv_flops_on_cudnn'])} of the FLOPs on cuDNN",
+             f"regions:        {sum(s['regions_per_backend'].values())} ({backends or 'none'})"]
+    for reason, count in s["fallback_reasons"].items():
+        lines.append(f"  fallback x{count}: {reason}")
+    left = report["pytorch"]
+    lines.append(f"left to PyTorch: {len(report['unfused'])} convolution(s), {len(left)} other "
+                 f"op(s) in {len(group_by_reason(left))} group(s) (below)")
+    return "\n".join(lines) + "\n"
+
+
+def _format_groups(rows: list[dict], title: str, shown: int = 6) -> str:
+    if not rows:
+        return f"{title}: none\n"
+    table = Table(title=title)
+    for col in ("ops", "reason", "nodes"):
+        table.add_column(col, overflow="fold")
+    for g in group_by_reason(rows):
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(g["ops"].items(), key=lambda kv: -kv[1]))
+        more = f" ... (+{len(g['nodes']) - shown})" if len(g["nodes"]) > shown else ""
+        _add_row(table, f"{g['count']}: {ops}", g["reason"], ", ".join(g["nodes"][:shown]) + more)
+    return _render(table)
+
+
 def format_text(report: dict, title: str = "") -> str:
-    """Human-readable form of :func:`dump`'s result: graphs per stage, then the tables."""
-    out = []
-    if title:
-        out.append(f"# {title}  inputs: {', '.join(report['inputs'])}\n")
+    """Human-readable form of :func:`describe`'s result, summary first: the header
+    (:func:`format_summary`), the region table, the convolutions not fused, the other ops left to
+    PyTorch grouped by reason, then the graph code of each stage asked for."""
+    out = [format_summary(report, title), _regions_table(report["regions"]),
+           _format_left(report["unfused"], "convolutions not fused"),
+           _format_groups(report["pytorch"], "ops left to PyTorch, by reason")]
     for stage, code in report["stages"].items():
         out.append(f"=== {stage} graph ===\n{code.strip()}\n")
-    out.append(_regions_table(report["regions"]))
-    out.append(_format_left(report["unfused"], "convolutions not fused"))
-    out.append(_format_left(report["pytorch"], "ops left to PyTorch"))
     return "\n".join(out)
