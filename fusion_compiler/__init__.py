@@ -1,6 +1,8 @@
 """fusion_compiler: fuse convolution chains of PyTorch models into cuDNN execution plans.
 
-Front doors: :func:`compile` (returns an ``nn.Module``) and the ``fusion-compiler`` CLI.
+Front doors: :func:`compile` (returns an ``nn.Module``), :func:`check` (numerics against an fp64
+reference, per region), ``torch.compile(model, backend="fusion_compiler")`` (registered by this
+import) and the ``fusion-compiler`` CLI (``dump``, ``check``, ``bench``).
 Logging goes to the ``fusion_compiler`` logger; ``FUSION_COMPILER_LOG=debug`` (or ``info``) sends
 it to stderr at that level, ``debug`` including every pass's graph.
 """
@@ -8,11 +10,16 @@ it to stderr at that level, ``debug`` including every pass's graph.
 import logging as _logging
 import os as _os
 
+from .check import CheckReport, check
 from .compiler import CompiledModule, compile
+from .dynamo import register as _register_dynamo_backend
 from .errors import FusionError, UnsupportedError
 
-__all__ = ["compile", "CompiledModule", "FusionError", "UnsupportedError", "__version__"]
+__all__ = ["compile", "CompiledModule", "check", "CheckReport", "FusionError", "UnsupportedError",
+           "__version__"]
 __version__ = "0.1.0"
+
+_register_dynamo_backend()
 
 _level = _os.environ.get("FUSION_COMPILER_LOG")
 if _level:

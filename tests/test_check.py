@@ -1,0 +1,90 @@
+"""``fusion_compiler.check``: passes on the reference network, names a region broken on purpose
+(forward and, in training, backward), and uses the tolerance of the dtype (CPU, reference
+backend; the GPU fuzz in test_fuzz.py runs the same check on cuDNN regions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+from fusion_compiler import check
+from fusion_compiler.check import TOLERANCES, tolerance
+from fusion_compiler.compiler import CompiledModule
+
+
+def _model(train: bool = False) -> torch.nn.Module:
+    return randomize_(se_resnet9_fixup(3, base_planes=16), seed=1).train(train)
+
+
+def test_check_passes_and_leaves_the_model_alone():
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = check(model, torch.randn(2, 3, 64, 64))
+    assert report.ok and report.mismatched_regions == []
+    assert [c.name for c in report.comparisons if c.region is None] == ["output 0"]
+    assert len({c.region for c in report.comparisons if c.region}) == 12
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert "check passed" in report.format()
+
+
+def test_check_names_the_region_broken_in_its_forward():
+    model = _model()
+    x = torch.randn(2, 3, 64, 64)
+    compiled = CompiledModule(model, backend="reference")
+    with torch.no_grad():
+        region = compiled.specialize(x).regions[4]
+    region.set_kernel(lambda *a: tuple(o * 1.05 for o in region.graph_module(*a)))
+    report = check(compiled, x)
+    assert not report.ok
+    assert report.mismatched_regions == ["r4"]  # errors do not carry over to later regions
+    assert any(c.region is None and not c.ok for c in report.comparisons)  # nor hide at the end
+    text = report.format()
+    assert "MISMATCH" in text and "check FAILED: regions r4" in text
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward, gradient times 3: a backward broken on purpose."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+def test_check_train_names_the_region_broken_in_its_backward():
+    model = _model(train=True)
+    x = torch.randn(2, 3, 64, 64)
+    compiled = CompiledModule(model, backend="reference")
+    region = compiled.specialize(x).regions[2]  # a training specialization (grad enabled)
+    kernel = region.kernel
+    region.set_kernel(lambda image, *rest: kernel(_ScaleGrad.apply(image), *rest))
+    report = check(compiled, x, train=True)
+    assert report.mismatched_regions == ["r2"]
+    bad = [c.name for c in report.comparisons if not c.ok and c.region == "r2"]
+    assert bad and all(name.startswith("grad of") for name in bad)  # its forward is right
+    assert any(c.name.startswith("grad ") and c.region is None and not c.ok
+               for c in report.comparisons)
+
+
+def test_check_train_passes_with_gradients_of_every_parameter():
+    model = _model(train=True)
+    report = check(model, torch.randn(2, 3, 64, 64), train=True)
+    assert report.ok, report.format()
+    grads = {c.name for c in report.comparisons if c.region is None}
+    assert {f"grad {n}" for n, _ in model.named_parameters()} <= grads
+    assert any(c.name.startswith("grad of") for c in report.comparisons if c.region)
+
+
+def test_tolerances_follow_the_dtype():
+    assert tolerance(torch.float16, "cpu") == TOLERANCES[torch.float16]
+    assert tolerance(torch.float32, "cpu") < tolerance(torch.bfloat16, "cpu")
+    with torch.backends.cudnn.flags(allow_tf32=True):  # fp32 on CUDA may run as TF32
+        assert tolerance(torch.float32, "cuda") == TOLERANCES[torch.float16]
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        assert tolerance(torch.float32, "cuda") == TOLERANCES[torch.float32]
+    with pytest.raises(ValueError, match="no tolerance"):
+        tolerance(torch.int32, "cpu")
