@@ -161,3 +161,15 @@ def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
         elif not p.any():
             p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
     return model
+
+
+def randomized_se_resnet9_fixup() -> SEResNet9Fixup:
+    """The RGB backbone (C=3) with :func:`randomize_` parameters: a ``MODEL_REF`` factory for
+    ``fusion-compiler check`` and ``bench`` (Fixup's zero-initialized weights would leave outputs
+    that prove nothing)."""
+    return randomize_(se_resnet9_fixup(3))
+
+
+def randomized_se_resnet9_fixup_depth() -> SEResNet9Fixup:
+    """The depth backbone (C=11, the agent's depth and semantic channels), randomized likewise."""
+    return randomize_(se_resnet9_fixup(11))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,13 +38,31 @@ def test_dump_json_reference_network():
     assert any("[N,K,1,1]" in row["reason"] for row in report["pytorch"])
 
 
+def test_dump_default_is_a_short_summary_first():
+    proc = _run("dump", REF, "--input", "128x3x64x64", "--dtype", "float16")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) < 120
+    assert lines[0].startswith(f"# {REF} on ")
+    header = "\n".join(lines[:8])
+    assert "convolutions:   12 of 12 in fused regions (100% of 19.53 GFLOP)" in header
+    assert "regions:        12 (" in header and "left to PyTorch: 0 convolution(s)" in header
+    assert "=== " not in proc.stdout  # no graph code unless --stage asks for it
+    out = proc.stdout
+    assert out.index("12 fused regions") < out.index("ops left to PyTorch, by reason")
+    # grouped: the four SE gates share one row, whatever convolution each follows
+    assert "4: mul x4" in out and "[N,K,1,1]" in out
+
+
 def test_dump_text_shows_graphs_and_tables():
     proc = _run("dump", REF, "--input", "2x3x64x64", "--stage", "captured,normalize,fused")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for heading in ("=== captured graph ===", "=== normalize graph ===", "=== fused graph ===",
-                    "12 fused regions", "convolutions not fused: none", "ops left to PyTorch:"):
+                    "12 fused regions", "convolutions not fused: none",
+                    "ops left to PyTorch, by reason"):
         assert heading in out
+    assert out.index("12 fused regions") < out.index("=== captured graph ===")
     # prologue and reduction fusion are off by default: plain conv chains, the sum left to PyTorch
     assert "conv3x3 > mul > add" in out and "[add]" not in out and "+ sum_hw" not in out
     assert "reduction fusion is off" in out
@@ -58,3 +77,43 @@ def test_dump_reports_bad_arguments():
     assert proc.returncode == 2 and "do not fit the model" in proc.stderr
     proc = _run("dump", REF, "--input", "1x3x64x64", "--stage", "bogus")
     assert proc.returncode == 2 and "unknown stage" in proc.stderr
+
+
+def test_dump_dot_has_one_cluster_per_region(tmp_path):
+    path = tmp_path / "graph.dot"
+    proc = _run("dump", REF, "--input", "2x3x64x64", "--format", "dot", "--out", str(path))
+    assert proc.returncode == 0, proc.stderr
+    text = path.read_text()
+    assert text.startswith("digraph fusion_compiler {") and text.rstrip().endswith("}")
+    assert text.count("subgraph cluster_r") == 12
+    assert text.count("{") == text.count("}")
+    declared = set(re.findall(r'^\s*"([^"]+)" \[label=', text, flags=re.M))
+    edges = re.findall(r'^\s*"([^"]+)" -> "([^"]+)";', text, flags=re.M)
+    assert len(edges) > 12 and all(a in declared and b in declared for a, b in edges)
+    # the first region's convolution reads the SpaceToDepth output from outside its cluster
+    assert any(b.startswith("r0_") and not a.startswith("r0_") for a, b in edges)
+
+
+def test_check_cli_passes_on_the_reference_network():
+    proc = _run("check", "examples.seresnet9_fixup:randomized_se_resnet9_fixup", "--input",
+                "2x3x64x64", "--format", "json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["mismatched_regions"] == []
+    regions = {c["region"] for c in report["comparisons"]}
+    assert {f"r{i}" for i in range(12)} <= regions and None in regions
+
+
+def test_bench_cli_on_cpu_times_eager_and_ours(tmp_path):
+    proc = _run("bench", "examples.seresnet9_fixup:randomized_se_resnet9_fixup", "--input",
+                "2x3x64x64", "--variants", "eager,eager+cudagraph,fusion_compiler", "--reps", "2",
+                "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "forward, ms per call: median (q1-q3); CPU" in proc.stdout
+    result = json.loads((tmp_path / "bench.json").read_text())["results"][0]
+    assert result["ms"]["eager"]["median"] > 0 and result["ms"]["fusion_compiler"]["median"] > 0
+    assert result["skipped"] == {"eager+cudagraph": "needs CUDA"}
+    # cold and warm first outputs in new processes (fusion_compiler only: reduce-overhead's
+    # CUDA graphs need CUDA)
+    assert result["compile_s"]["fusion_compiler, cold"] > 0
+    assert result["compile_s"]["fusion_compiler, warm"] > 0

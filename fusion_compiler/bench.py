@@ -1,0 +1,499 @@
+"""``fusion-compiler bench``: a model timed in eager PyTorch, ``torch.compile`` and fusion_compiler,
+side by side in one process.
+
+Inference times one forward; training (``train=True``) one forward, loss (mean of squares of every
+output, in fp32) and backward, the gradients set to ``None`` first and no optimizer step (so the
+figures are the model's, not an optimizer's). Variants:
+
+==================================  ================================================================
+``eager``                           the model itself
+``eager+cudagraph``                 the same call captured in one CUDA graph and replayed
+                                    (``torch.cuda.CUDAGraph``, static inputs)
+``torch.compile``                   ``torch.compile(model)`` (Inductor, default mode)
+``torch.compile reduce-overhead``   ``torch.compile(model, mode="reduce-overhead")`` (CUDA graph
+                                    trees; training steps marked with
+                                    ``torch.compiler.cudagraph_mark_step_begin``)
+``fusion_compiler``                 ``fusion_compiler.compile(model)`` with its defaults, and any
+                                    other ``fusion_variants`` (label -> ``compile`` options)
+``fusion_compiler+cudagraph``       training only: the compiled module's whole step captured in one
+                                    CUDA graph by hand (README, "Training")
+==================================  ================================================================
+
+Timing (the method of shared/BASELINES.md): after 3 warm-up calls, ``reps`` repetitions of
+``iters`` back-to-back calls, each repetition timed with CUDA events (``time.perf_counter`` on the
+CPU); ms per call is the median over repetitions, the spread their quartiles. ``iters`` defaults
+to what fills 20 ms. "compile s" is the variant's build plus first call in this process; "cold" and
+"warm" compile times are seconds to the first output in new processes
+(:mod:`fusion_compiler.first_output`) with empty cache directories and with the ones the cold run
+filled. For inference each variant's output is also compared with an fp32 copy of the model (TF32
+off), beside eager's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["bench", "BenchRecipe", "INFERENCE_VARIANTS", "TRAIN_VARIANTS", "time_ms",
+           "format_results", "plot", "device_name", "add_arguments", "write"]
+
+INFERENCE_VARIANTS = ("eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
+                      "fusion_compiler")
+TRAIN_VARIANTS = (*INFERENCE_VARIANTS, "fusion_compiler+cudagraph")
+_NEEDS_CUDA = {"eager+cudagraph", "torch.compile reduce-overhead", "fusion_compiler+cudagraph"}
+
+
+@dataclass(frozen=True)
+class BenchRecipe:
+    """How to rebuild the model and its inputs in a new process (for cold and warm compile
+    times): ``model_ref`` (``module:factory``), input ``shapes``, ``dtype`` name, ``device``,
+    whether parameters are channels_last."""
+
+    model_ref: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    device: str
+    channels_last: bool = False
+
+
+def device_name(device: torch.device | str) -> str:
+    """``torch.cuda.get_device_name`` on CUDA, else the CPU's name and core count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device | str, reps: int = 15,
+            iters: int | None = None) -> dict:
+    """Time ``fn``: ``{"median", "q1", "q3"`` (ms per call) ``, "iters", "reps"}`` (see module
+    doc: 3 warm-up calls, then ``reps`` timings of ``iters`` calls each; ``iters=None`` takes what
+    fills 20 ms, at least 1)."""
+    device = torch.device(device)
+    for _ in range(3):
+        fn()
+    _sync(device)
+    if iters is None:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        iters = max(1, min(1000, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    q1, median, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else samples * 3
+    return {"median": median, "q1": q1, "q3": q3, "iters": iters, "reps": reps}
+
+
+def _graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], object]:
+    """``step`` (static inputs) captured in one CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _floats(out: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _train_step(model: torch.nn.Module, run: Callable[..., Any], inputs: Sequence[Any],
+                mark: bool = False) -> Callable[[], None]:
+    """One forward and backward of ``run`` (the model or a compiled form of it): gradients of
+    every parameter set to ``None``, loss = sum over outputs of mean(out**2) in fp32."""
+    def step() -> None:
+        if mark:  # a new step for CUDA graph trees: earlier outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        sum(o.float().square().mean() for o in _floats(run(*inputs))).backward()
+    return step
+
+
+def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
+            fusion_variants: dict[str, dict], cache_dir: str, result: dict
+            ) -> dict[str, Callable[[], Callable[[], object]]]:
+    """Per variant, a function that builds it and returns the callable to time."""
+    import fusion_compiler as fc  # noqa: PLC0415
+    from .report import format_gradients, format_tuning  # noqa: PLC0415
+
+    def fresh() -> torch.nn.Module:  # training variants each get their own parameters
+        return copy.deepcopy(model) if train else model
+
+    def ours(options: dict, graph_whole_step: bool = False) -> Callable[[], object]:
+        m = fresh()
+        module = fc.compile(m, cache_dir=cache_dir, progress=False, **options)  # spinner instead
+        if not train:
+            spec = module.specialize(*inputs)
+            if not options:  # the defaults: what compile(model) chose, per region
+                result["fusion_compiler"] = {"cuda_graph": spec.cuda_graph,
+                                             "glue": spec.glue_backend, "notes": spec.notes,
+                                             "regions": _region_counts(spec)}
+                result["tuning"] = format_tuning(spec.regions)
+            return lambda: module(*inputs)
+        step = _train_step(m, module, inputs)
+        step()
+        if not options:
+            result["gradients"] = format_gradients(module.last.regions)
+        return _graphed(step) if graph_whole_step else step
+
+    def plain(run_of: Callable[[torch.nn.Module], Callable], graph: bool = False,
+              mark: bool = False) -> Callable[[], object]:
+        m = fresh()
+        run = run_of(m)
+        fn = _train_step(m, run, inputs, mark) if train else (lambda: run(*inputs))
+        return _graphed(fn) if graph else fn
+
+    makers = {
+        "eager": lambda: plain(lambda m: m),
+        "eager+cudagraph": lambda: plain(lambda m: m, graph=True),
+        "torch.compile": lambda: plain(torch.compile),
+        "torch.compile reduce-overhead": lambda: plain(
+            lambda m: torch.compile(m, mode="reduce-overhead"), mark=train),
+        "fusion_compiler+cudagraph": lambda: ours({}, graph_whole_step=True),
+    }
+    for label, options in fusion_variants.items():
+        makers[label] = lambda o=options: ours(o)
+    return makers
+
+
+def _region_counts(spec: Any) -> dict:
+    from collections import Counter  # noqa: PLC0415
+
+    return dict(Counter(r.backend for r in spec.regions))
+
+
+@contextlib.contextmanager
+def _status(console: Any, text: str):
+    if console is None:
+        yield
+        return
+    with console.status(text):
+        yield
+
+
+def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
+          variants: Sequence[str] | None = None, fusion_variants: dict[str, dict] | None = None,
+          reps: int | None = None, iters: int | None = None, recipe: BenchRecipe | None = None,
+          profile: bool = False, compile_labels: Sequence[str] | None = None,
+          progress: bool = True) -> dict:
+    """Time ``model`` on ``inputs`` in every variant (module doc) and return a JSON-ready result.
+
+    Args:
+        model: on its device, in its dtype and mode (not changed for inference; training variants
+            each train a copy).
+        inputs: the example inputs, used by every call.
+        variants: which to run (default: all for the mode that run on the device; the variants
+            that need CUDA are skipped on the CPU with that reason).
+        fusion_variants: label -> :func:`fusion_compiler.compile` options, each timed as a
+            variant of its own (default ``{"fusion_compiler": {}}``: the defaults).
+        reps, iters: see :func:`time_ms` (``reps`` default 15 on CUDA, 5 on the CPU).
+        recipe: rebuild instructions for cold and warm compile times in new processes
+            (inference only); ``None`` skips them.
+        profile: keep a kernel table (``torch.profiler``, 20 calls) of the fusion_compiler defaults
+            and of reduce-overhead (CUDA only: check the replays hold the expected kernels).
+        compile_labels: the fusion_compiler variants whose cold and warm compile times (with
+            ``recipe``) and first call at half the batch (inference) are measured (default: the
+            first of ``fusion_variants``).
+        progress: spinner and one line per variant on stderr.
+
+    Returns:
+        ``{"model", "inputs", "dtype", "device", "gpu", "torch", "train", "ms": {variant: time_ms
+        dict or None}, "compile_s": {...}, "rel_err_vs_fp32": {...}, "skipped": {variant: reason},
+        "errors": {variant: message}, "profiles": {variant: table}}``. A variant that fails is
+        reported in ``errors`` and the others go on.
+    """
+    from rich.console import Console  # noqa: PLC0415
+
+    console = Console(stderr=True) if progress else None
+    first = next(t for t in inputs if isinstance(t, torch.Tensor))
+    device = first.device
+    fusion_variants = fusion_variants or {"fusion_compiler": {}}
+    names = list(variants) if variants is not None else [
+        *(v for v in (TRAIN_VARIANTS if train else INFERENCE_VARIANTS) if v != "fusion_compiler"),
+        *fusion_variants]
+    result: dict = {"model": type(model).__name__, "inputs": [list(t.shape) for t in inputs],
+                    "dtype": str(first.dtype).removeprefix("torch."), "device": str(device),
+                    "gpu": device_name(device), "torch": torch.__version__, "train": train,
+                    "ms": {}, "compile_s": {}, "skipped": {}, "errors": {}}
+    reps = reps or (15 if device.type == "cuda" else 5)
+    cache_dir = tempfile.mkdtemp(prefix="fc-bench-plans-")
+    makers = _makers(model, inputs, train, fusion_variants, cache_dir, result)
+    unknown = [v for v in names if v not in makers]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {sorted(makers)}")
+    reference = None
+    if not train:
+        with torch.inference_mode(), _fp32_convolutions():
+            reference = _floats(copy.deepcopy(model).float()(*[
+                t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in inputs]))
+        result["rel_err_vs_fp32"] = {}
+    grad = torch.enable_grad() if train else torch.inference_mode()
+    with grad:
+        for name in names:
+            if name in _NEEDS_CUDA and device.type != "cuda":
+                result["skipped"][name] = "needs CUDA"
+                continue
+            try:
+                with _status(console, f"bench: building {name}"):
+                    t0 = time.perf_counter()
+                    fn = makers[name]()
+                    fn()
+                    _sync(device)
+                    result["compile_s"][name] = time.perf_counter() - t0
+                with _status(console, f"bench: timing {name}"):
+                    result["ms"][name] = time_ms(fn, device, reps, iters)
+                if reference is not None:
+                    out = _floats(fn())
+                    result["rel_err_vs_fp32"][name] = max(
+                        _rel_err(o, r) for o, r in zip(out, reference)) if out else None
+                if profile and device.type == "cuda" and name in (
+                        "fusion_compiler", "torch.compile reduce-overhead",
+                        "fusion_compiler+cudagraph", "eager+cudagraph"):
+                    result.setdefault("profiles", {})[name] = kernel_profile(fn)
+            except Exception as exc:  # one broken variant must not hide the others
+                result["ms"][name] = None
+                result["errors"][name] = " ".join(str(exc).split())[:300]
+            if console is not None:
+                ms = result["ms"].get(name)
+                console.log(f"{name}: " + (f"{ms['median']:.3f} ms, compiled in "
+                                           f"{result['compile_s'][name]:.1f} s" if ms else
+                                           f"failed: {result['errors'][name]}"))
+        timed = {k: fusion_variants[k] for k in compile_labels or list(fusion_variants)[:1]}
+        if not train and first.dim() > 0 and first.shape[0] >= 2:
+            with _status(console, "bench: first call at half the batch"):
+                _new_batch_seconds(model, inputs, timed, cache_dir, result)
+    if recipe is not None and not train:
+        with _status(console, "bench: compile times in new processes (cold and warm)"):
+            result["compile_s"].update(new_process_compile_seconds(recipe, timed))
+    return result
+
+
+def _rel_err(out: torch.Tensor, reference: torch.Tensor) -> float:
+    scale = reference.abs().max().item()
+    return (out.float() - reference).abs().max().item() / scale if scale else float("nan")
+
+
+@contextlib.contextmanager
+def _fp32_convolutions():
+    """True fp32 convolutions and matmuls for the reference (TF32 off)."""
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _new_batch_seconds(model: torch.nn.Module, inputs: Sequence[Any],
+                       fusion_variants: dict[str, dict], cache_dir: str, result: dict) -> None:
+    """Seconds of the first call at half the batch of a module compiled and called at the full
+    one (same process, warm plan cache)."""
+    import fusion_compiler as fc  # noqa: PLC0415
+
+    half = [t[: t.shape[0] // 2].clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+    device = next(t for t in inputs if isinstance(t, torch.Tensor)).device
+    for label, options in fusion_variants.items():
+        try:
+            module = fc.compile(model, cache_dir=cache_dir, **options)
+            module(*inputs)
+            _sync(device)
+            t0 = time.perf_counter()
+            module(*half)
+            _sync(device)
+            result["compile_s"][f"{label}, new batch"] = time.perf_counter() - t0
+        except Exception as exc:  # reported, the rest goes on
+            result["errors"][f"{label}, new batch"] = " ".join(str(exc).split())[:300]
+
+
+def new_process_compile_seconds(recipe: BenchRecipe, fusion_variants: dict[str, dict]) -> dict:
+    """Cold and warm seconds to the first output of each fusion_compiler variant and of
+    reduce-overhead (CUDA only), each in a new process: cold with empty plan and Inductor cache
+    directories, warm with the ones the cold run filled. A failure is reported as ``None`` with
+    its message under ``"<label>, <run> error"``."""
+    script = Path(__file__).with_name("first_output.py")
+    labels = dict(fusion_variants)
+    if recipe.device.startswith("cuda"):
+        labels["torch.compile reduce-overhead"] = None
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="fc-cold-") as tmp:
+        for label, options in labels.items():
+            plans, inductor = tempfile.mkdtemp(dir=tmp), tempfile.mkdtemp(dir=tmp)
+            env = {**os.environ, "FUSION_COMPILER_CACHE_DIR": plans,
+                   "TORCHINDUCTOR_CACHE_DIR": inductor}
+            variant = label if options is None else json.dumps(options)
+            command = [sys.executable, str(script), recipe.model_ref, variant, recipe.dtype,
+                       recipe.device, "1" if recipe.channels_last else "0",
+                       *("x".join(map(str, s)) for s in recipe.shapes)]
+            for run in ("cold", "warm"):
+                proc = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                                      env=env, cwd=os.getcwd())
+                if proc.returncode == 0:
+                    out[f"{label}, {run}"] = float(proc.stdout.strip().splitlines()[-1])
+                else:
+                    out[f"{label}, {run}"] = None
+                    out[f"{label}, {run} error"] = " ".join(proc.stderr.split())[-300:]
+    return out
+
+
+def kernel_profile(fn: Callable[[], object], calls: int = 20) -> str:
+    """Kernel names, counts and CUDA time of ``calls`` calls (``torch.profiler``), as a table."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
+def format_results(results: Sequence[dict]) -> str:
+    """Tables of :func:`bench` results: ms per call (median and quartiles) per variant and model,
+    with the device's name; compile seconds; errors against fp32; failures and skips."""
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console(width=200, force_terminal=False, color_system=None)
+    with console.capture() as cap:
+        for train in (False, True):
+            rows = [r for r in results if r["train"] == train]
+            if not rows:
+                continue
+            variants = list(dict.fromkeys(v for r in rows for v in r["ms"]))
+            table = Table(title=f"{'training step (forward + backward)' if train else 'forward'},"
+                                f" ms per call: median (q1-q3); {rows[0]['gpu']}, torch "
+                                f"{rows[0]['torch']}")
+            table.add_column("model")
+            for v in variants:
+                table.add_column(v, justify="right")
+            for r in rows:
+                cells = []
+                for v in variants:
+                    t = r["ms"].get(v)
+                    cells.append("-" if t is None else
+                                 f"{t['median']:.3f} ({t['q1']:.3f}-{t['q3']:.3f})")
+                table.add_row(_row_name(r), *cells)
+            console.print(table)
+        comp = Table(title="compile time, s (build and first call)")
+        comp.add_column("model")
+        keys = list(dict.fromkeys(k for r in results for k in r["compile_s"]
+                                  if not k.endswith(" error")))
+        for k in keys:
+            comp.add_column(k, justify="right")
+        for r in results:
+            comp.add_row(_row_name(r), *("-" if r["compile_s"].get(k) is None
+                                         else f"{r['compile_s'][k]:.1f}" for k in keys))
+        console.print(comp)
+        for r in results:
+            for v, err in r.get("rel_err_vs_fp32", {}).items():
+                if err is not None:
+                    console.print(f"{_row_name(r)}: {v} max rel. error vs fp32 {err:.2e}")
+            if "fusion_compiler" in r:
+                console.print(f"{_row_name(r)}: compile(model) took {r['fusion_compiler']}")
+            for v, msg in {**r.get("errors", {}), **{k: v for k, v in r["compile_s"].items()
+                                                     if k.endswith(" error")}}.items():
+                console.print(f"{_row_name(r)}: {v} failed: {msg}")
+            for v, why in r.get("skipped", {}).items():
+                console.print(f"{_row_name(r)}: {v} skipped: {why}")
+    return cap.get()
+
+
+def _row_name(r: dict) -> str:
+    shapes = ", ".join("x".join(map(str, s)) for s in r["inputs"])
+    return f"{r.get('label', r['model'])} {shapes} {r['dtype']}"
+
+
+def plot(results: Sequence[dict], path: Path) -> bool:
+    """Bar plot of the medians (one panel per result) to ``path``; ``False`` (nothing written)
+    when matplotlib is not installed (``pip install fusion_compiler[plot]``)."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        names = [v for v, t in r["ms"].items() if t is not None]
+        medians = [r["ms"][v]["median"] for v in names]
+        errors = [[m - r["ms"][v]["q1"] for v, m in zip(names, medians)],
+                  [r["ms"][v]["q3"] - m for v, m in zip(names, medians)]]
+        ax.barh(names, medians, xerr=errors,
+                color=["tab:green" if v.startswith("fusion") else "tab:gray" for v in names])
+        ax.set_xlabel("ms per step (median)" if r["train"] else "ms per call (median)")
+        ax.set_title(_row_name(r), fontsize=9)
+        ax.invert_yaxis()
+    fig.suptitle(f"fusion_compiler bench, {results[0]['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write(results: Sequence[dict], out: Path) -> list[Path]:
+    """``bench.json``, ``bench.txt`` and (with matplotlib) ``bench.png`` in ``out``; returns the
+    paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "bench.json", out / "bench.txt"]
+    written[0].write_text(json.dumps({"results": list(results)}, indent=1))
+    written[1].write_text(format_results(results))
+    if plot(results, out / "bench.png"):
+        written.append(out / "bench.png")
+    return written
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` command's own arguments (the model, inputs and compile options are the
+    CLI's common ones)."""
+    parser.add_argument("--variants", type=lambda s: [x for x in s.split(",") if x], default=None,
+                        help="comma-separated (default: all): " + ", ".join(TRAIN_VARIANTS))
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15 on "
+                        "CUDA, 5 on the CPU)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="calls per repetition (default: what fills 20 ms)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="store the parameters channels_last (inputs stay NCHW)")
+    parser.add_argument("--no-compile-times", action="store_true",
+                        help="skip the cold and warm compile times in new processes")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the kernels of 20 calls of the CUDA-graph variants")

@@ -1,0 +1,55 @@
+"""Seconds to the first output of a compiled model in a new process (run by path, not imported).
+
+``fusion-compiler bench`` runs this file as a script, once per cold or warm measurement::
+
+    python first_output.py MODEL_REF VARIANT DTYPE DEVICE CHANNELS_LAST SHAPE [SHAPE ...]
+
+(``VARIANT`` is ``torch.compile reduce-overhead`` or a JSON object of
+:func:`fusion_compiler.compile` options; ``SHAPE`` like ``128x3x64x64``). It builds the model and
+its inputs first, then starts the clock: for fusion_compiler before ``import fusion_compiler``
+(run as a script, the package is not imported yet, so its import is part of the cost), for
+``torch.compile`` before the ``torch.compile`` call; the clock stops when the first output is on
+the host's side of a device synchronization. Prints the seconds on the last line. The plan cache
+and the Inductor cache are wherever the environment points them
+(``FUSION_COMPILER_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def main(argv: list[str]) -> float:
+    ref, variant, dtype, device, channels_last, *shapes = argv
+    sys.path.insert(0, os.getcwd())
+    module_name, _, attr = ref.partition(":")
+    torch.manual_seed(0)
+    model = getattr(importlib.import_module(module_name), attr)()
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    if channels_last == "1":
+        model = model.to(memory_format=torch.channels_last)
+    inputs = [torch.randn([int(d) for d in s.split("x")], device=device, dtype=getattr(torch, dtype))
+              for s in shapes]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    if variant == "torch.compile reduce-overhead":
+        compiled = torch.compile(model, mode="reduce-overhead")
+    else:
+        import fusion_compiler  # noqa: PLC0415  (timed: part of the first output's cost)
+
+        compiled = fusion_compiler.compile(model, **json.loads(variant))
+    with torch.inference_mode():
+        compiled(*inputs)
+    sync()
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1:]))
