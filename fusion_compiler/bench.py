@@ -15,8 +15,8 @@ figures are the model's, not an optimizer's). Variants:
                                     ``torch.compiler.cudagraph_mark_step_begin``)
 ``fusion_compiler``                 ``fusion_compiler.compile(model)`` with its defaults, and any
                                     other ``fusion_variants`` (label -> ``compile`` options)
-``fusion_compiler+cudagraph``       training only: the compiled module's whole step captured in one
-                                    CUDA graph by hand (README, "Training")
+``fusion_compiler+cudagraph``       training only: the step of the first ``fusion_variants`` entry
+                                    captured in one CUDA graph by hand (README, "Training")
 ==================================  ================================================================
 
 Timing (the method of shared/BASELINES.md): after 3 warm-up calls, ``reps`` repetitions of
@@ -157,12 +157,15 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
     def fresh() -> torch.nn.Module:  # training variants each get their own parameters
         return copy.deepcopy(model) if train else model
 
-    def ours(options: dict, graph_whole_step: bool = False) -> Callable[[], object]:
+    first = next(iter(fusion_variants))  # the variant whose choices and tables are reported
+
+    def ours(label: str, graph_whole_step: bool = False) -> Callable[[], object]:
+        options = fusion_variants[label]
         m = fresh()
         module = fc.compile(m, cache_dir=cache_dir, progress=False, **options)  # spinner instead
         if not train:
             spec = module.specialize(*inputs)
-            if not options:  # the defaults: what compile(model) chose, per region
+            if label == first:  # what compile(model) chose, per region
                 result["fusion_compiler"] = {"cuda_graph": spec.cuda_graph,
                                              "glue": spec.glue_backend, "notes": spec.notes,
                                              "regions": _region_counts(spec)}
@@ -170,7 +173,7 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
             return lambda: module(*inputs)
         step = _train_step(m, module, inputs)
         step()
-        if not options:
+        if label == first:
             result["gradients"] = format_gradients(module.last.regions)
         return _graphed(step) if graph_whole_step else step
 
@@ -187,10 +190,10 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
         "torch.compile": lambda: plain(torch.compile),
         "torch.compile reduce-overhead": lambda: plain(
             lambda m: torch.compile(m, mode="reduce-overhead"), mark=train),
-        "fusion_compiler+cudagraph": lambda: ours({}, graph_whole_step=True),
+        "fusion_compiler+cudagraph": lambda: ours(first, graph_whole_step=True),
     }
-    for label, options in fusion_variants.items():
-        makers[label] = lambda o=options: ours(o)
+    for label in fusion_variants:
+        makers[label] = lambda lab=label: ours(lab)
     return makers
 
 
@@ -413,15 +416,17 @@ def format_results(results: Sequence[dict]) -> str:
                                  f"{t['median']:.3f} ({t['q1']:.3f}-{t['q3']:.3f})")
                 table.add_row(_row_name(r), *cells)
             console.print(table)
-        comp = Table(title="compile time, s (build and first call)")
-        comp.add_column("model")
+        # one row per measurement, one column per model: the names are long, the figures short
+        comp = Table(title="compile time, s: build and first call in this process; 'cold' and "
+                           "'warm': first output in a new process, empty and filled caches")
+        comp.add_column("variant")
+        for r in results:
+            comp.add_column(_row_name(r), justify="right")
         keys = list(dict.fromkeys(k for r in results for k in r["compile_s"]
                                   if not k.endswith(" error")))
         for k in keys:
-            comp.add_column(k, justify="right")
-        for r in results:
-            comp.add_row(_row_name(r), *("-" if r["compile_s"].get(k) is None
-                                         else f"{r['compile_s'][k]:.1f}" for k in keys))
+            comp.add_row(k, *("-" if r["compile_s"].get(k) is None
+                              else f"{r['compile_s'][k]:.1f}" for r in results))
         console.print(comp)
         for r in results:
             for v, err in r.get("rel_err_vs_fp32", {}).items():

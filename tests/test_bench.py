@@ -26,6 +26,7 @@ def test_training_step_variants_and_tables(tmp_path):
     assert result["ms"]["fusion_compiler"]["median"] > 0
     assert result["skipped"] == {"fusion_compiler+cudagraph": "needs CUDA"}
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # copies trained
+    assert "backward per region" in result["gradients"]
     text = format_results([result])
     assert "training step (forward + backward), ms per call" in text and "Sequential" in text
     paths = write([result], tmp_path)

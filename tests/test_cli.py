@@ -113,6 +113,8 @@ def test_bench_cli_on_cpu_times_eager_and_ours(tmp_path):
     result = json.loads((tmp_path / "bench.json").read_text())["results"][0]
     assert result["ms"]["eager"]["median"] > 0 and result["ms"]["fusion_compiler"]["median"] > 0
     assert result["skipped"] == {"eager+cudagraph": "needs CUDA"}
+    assert result["fusion_compiler"]["regions"] == {"reference": 12}  # what the defaults chose
+    assert "12 fused regions" not in proc.stdout and "compile(model) took" in proc.stdout
     # cold and warm first outputs in new processes (fusion_compiler only: reduce-overhead's
     # CUDA graphs need CUDA)
     assert result["compile_s"]["fusion_compiler, cold"] > 0
