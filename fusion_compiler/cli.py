@@ -87,7 +87,8 @@ def _emit(text: str, out: Path | None) -> None:
 
 
 def _dump(args: argparse.Namespace) -> int:
-    from .report import describe, format_text, specialize_for_dump  # noqa: PLC0415
+    from .dump import specialize_for_dump  # noqa: PLC0415
+    from .report import describe, format_text  # noqa: PLC0415
 
     model, inputs, device = _load(args)
     spec = specialize_for_dump(model, inputs, **_options(args))

@@ -20,7 +20,7 @@ from .ops import is_call
 from .region import Region
 
 __all__ = ["format_regions", "format_tuning", "format_gradients", "unfused_convolutions",
-           "pytorch_nodes", "conv_flops", "summarize", "specialize_for_dump", "describe", "dump",
+           "pytorch_nodes", "conv_flops", "summarize", "describe",
            "group_by_reason", "format_summary", "format_text", "DEFAULT_STAGES", "STAGES_HELP"]
 
 DEFAULT_STAGES: tuple[str, ...] = ()  # graph code only when asked for
@@ -190,25 +190,9 @@ def _is_conv_node(node: fx.Node, gm: fx.GraphModule) -> bool:
         gm.get_submodule(node.target), torch.nn.modules.conv._ConvNd))
 
 
-def specialize_for_dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto",
-                        **options: Any) -> Any:
-    """Compile ``model`` for ``inputs`` (under ``torch.no_grad`` unless the model is in training
-    mode) and return the :class:`~fusion_compiler.compiler.Specialization`, without running it.
-
-    ``options`` are :func:`fusion_compiler.compile`'s (``cache_dir``, ``autotune``,
-    ``fuse_prologue``, ``fuse_reduction``). The specialization is compiled without a CUDA graph and
-    without a glue backend (both only change how the graph is called, not its regions).
-    """
-    from .compiler import CompiledModule  # noqa: PLC0415  (compiler imports this module lazily)
-
-    compiled = CompiledModule(model, backend=backend, **{"cuda_graph": False, "glue_backend": None,
-                                                         **options})
-    with torch.set_grad_enabled(model.training):
-        return compiled.specialize(*inputs)
-
-
 def describe(spec: Any, stages: Sequence[str] = DEFAULT_STAGES) -> dict:
-    """A JSON-ready description of a specialization: ``inputs``, ``summary`` (:func:`summarize`),
+    """A JSON-ready description of a specialization (``CompiledModule.specialize``'s result,
+    :func:`fusion_compiler.dump.specialize_for_dump`'s): ``inputs``, ``summary`` (:func:`summarize`),
     ``stages`` (stage name -> Python code of the graph: ``captured``, a pass name such as
     ``normalize``, ``fused`` (with every region's own graph) or ``lowered``), ``regions`` (see
     :meth:`Region.describe`), ``unfused`` (convolutions outside every region, with reasons) and
@@ -234,13 +218,6 @@ def describe(spec: Any, stages: Sequence[str] = DEFAULT_STAGES) -> dict:
         "unfused": unfused_convolutions(gm),
         "pytorch": pytorch_nodes(gm),
     }
-
-
-def dump(model: torch.nn.Module, inputs: Sequence[Any], *, backend: str = "auto",
-         stages: Sequence[str] = DEFAULT_STAGES, **options: Any) -> dict:
-    """:func:`describe` of :func:`specialize_for_dump`: compile ``model`` for ``inputs`` and
-    describe the result (``options`` as for :func:`specialize_for_dump`)."""
-    return describe(specialize_for_dump(model, inputs, backend=backend, **options), stages)
 
 
 _REGION_REASON = re.compile(r"^not fused into the region of \S+: ")

@@ -4,7 +4,7 @@ cuDNN's heuristics rank the engines that can run a graph, but their first choice
 fastest: on an H100 (cuDNN 9.19, fp16) the first plan of a 512->512 3x3 conv + add + ReLU at
 N=128, 2x2 took 23.7 us and the fifth 12.8 us. The frontend exposes the ranked list
 (``get_execution_plan_count``, ``build_plan_at_index``: cuDNN frontend docs, "Autotuning");
-:class:`~.cudnn.CudnnPlan` builds the first ``autotune`` of them (in worker processes,
+:class:`~.cudnn_plan.CudnnPlan` builds the first ``autotune`` of them (in worker processes,
 :mod:`.plan_workers`), times each with :func:`gpu_time_ms` (CUDA graph replays timed with CUDA
 events) on random data of the graph's own shapes, strides and dtypes (:func:`sample_pack`), and
 keeps the fastest.

@@ -19,7 +19,7 @@ traces the region's backward formula), each piece is called through the ``fusion
 op, so the traced graph holds an opaque call with known output shape and strides; run eagerly it
 executes the plan directly (no dispatcher overhead).
 
-Each graph is built into a :class:`~.cudnn.CudnnPlan` (cached, autotuned). When autotuning is on,
+Each graph is built into a :class:`~.cudnn_plan.CudnnPlan` (cached, autotuned). When autotuning is on,
 each is also timed against PyTorch's ``convolution_backward`` (then ``threshold_backward`` for
 dgrad_drelu) on random data of its shapes, the two timed alternately
 (:func:`~.autotune.paired_time_ms`), and PyTorch's ops run instead when they were faster: no
@@ -46,6 +46,7 @@ from ..region import Region
 from ..runtime.region_op import is_traced, register_kernel, run_region
 from .autotune import paired_time_ms, sample_tensor
 from .cudnn_graph import channel_padding, import_cudnn, recipe_dtype, to_nhwc
+from .cudnn_plan import CudnnPlan, WeightCache
 from .cudnn_recipe import CudnnGraph, build_pygraph, nhwc_strides
 
 __all__ = ["conv_grad_recipe", "conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS",
@@ -143,8 +144,6 @@ class CudnnConvGradients:
 
     def __init__(self, backend, region: Region, skip: frozenset[str] = frozenset(),
                  weight_cache=None):
-        from .cudnn import CudnnPlan, _WeightCache  # noqa: PLC0415  (cudnn imports this module)
-
         conv = region.conv
         self.torch = TorchConvGradients(conv)
         self.device = node_device(conv)
@@ -153,7 +152,7 @@ class CudnnConvGradients:
         self.w_stride = tuple(conv.args[1].meta["val"].stride())  # the parameter's own layout
         self.y_shape = tuple(_shape(conv))
         self.dtype = conv.meta["val"].dtype
-        self._weights = weight_cache if weight_cache is not None else _WeightCache()
+        self._weights = weight_cache if weight_cache is not None else WeightCache()
         self.plans: dict[str, Any] = {}
         self.pieces: list[GradientPiece] = []
         self._ops: dict[str, tuple[_GradientOp, int]] = {}  # kind -> (op kernel, run_region key)
