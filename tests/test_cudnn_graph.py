@@ -141,3 +141,59 @@ def test_plan_records_round_trip_and_never_raise(tmp_path):
     next(tmp_path.glob("*.json")).write_text("{not json")
     assert cache.load_record(header, "pytorch_timing") is None  # corrupt: ignored, re-measured
     PlanCache(None).store_record(header, "pytorch_timing", {})  # caching off: a no-op
+
+
+class _SqueezeConv(nn.Module):
+    """An SE-style 1x1 conv with 12 output channels (not a multiple of 8), a per-channel bias, a
+    residual read after the conv, a ReLU and (optionally) the H, W sum of the result."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 12, 1, bias=False)
+        self.bias = nn.Parameter(torch.rand(1, 12, 1, 1))
+
+    def forward(self, x, residual):
+        y = torch.relu(self.conv(x) + self.bias + residual)
+        return y, y.sum((2, 3), keepdim=True)
+
+
+def test_output_channels_are_padded_to_eight():
+    from fusion_compiler.backends.cudnn_graph import output_padding, region_recipe
+
+    model = _SqueezeConv().half().eval()
+    x, residual = (torch.randn(4, c, 5, 5, dtype=torch.float16) for c in (16, 12))
+    region = specialize(model, x, residual).regions[0]
+    pad = output_padding(region)
+    assert pad is not None and pad[0] == 16
+    recipe = region_recipe(region)
+    dims = {t["name"]: t["dim"] for t in recipe["inputs"]}
+    roles = {o.role: o.name for o in region.operands()}
+    assert dims[roles["weight"]] == [16, 16, 1, 1]  # K padded, C unchanged
+    assert dims[roles["channel"]] == [1, 16, 1, 1] and dims[roles["full"]] == [4, 16, 5, 5]
+    assert dims[roles["image"]] == [4, 16, 5, 5]
+    assert [o["dim"][1] for o in recipe["outputs"]] == [16] * len(recipe["outputs"])
+    graph = graph_json(region)  # the frontend takes the padded graph
+    assert _types(graph).count("CONV_FPROP") == 1
+
+
+def test_grouped_convolution_output_channels_are_not_padded():
+    from fusion_compiler.backends.cudnn_graph import output_padding
+
+    model = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False)).half().eval()
+    region = specialize(model, torch.randn(2, 6, 8, 8, dtype=torch.float16)).regions[0]
+    assert output_padding(region) is None
+
+
+def test_padders_zero_the_new_channels_and_keep_the_rest():
+    from fusion_compiler.backends.cudnn import _operand_padder, _weight_padder
+
+    w = torch.randn(12, 3, 3, 3)
+    padded = _weight_padder(8, 16)(w)
+    assert padded.shape == (16, 8, 3, 3) and padded.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(padded[:12, :3], w) and not padded[12:].any() and not padded[:, 3:].any()
+    bias = torch.randn(12, 1, 1)
+    b = _operand_padder(16, "channel")(bias)
+    assert b.shape == (1, 16, 1, 1) and torch.equal(b[0, :12], bias) and not b[0, 12:].any()
+    full = torch.randn(2, 12, 4, 4)
+    f = _operand_padder(16, "full")(full)
+    assert f.shape == (2, 16, 4, 4) and torch.equal(f[:, :12], full) and not f[:, 12:].any()

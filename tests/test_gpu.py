@@ -189,3 +189,52 @@ def test_pytorch_timing_is_cached_with_the_plan(tmp_path):
     assert all(r.plan_from_cache for r in second)
     assert [r.timing for r in second] == [r.timing for r in first]
     assert [r.backend for r in second] == [r.backend for r in first]
+
+
+class _NarrowHead(nn.Module):
+    """A conv with 6 output channels (a multiple of neither 8 nor 4: padded for cuDNN), a
+    per-channel bias, a residual read after the conv, a ReLU, and the H, W sum of the result."""
+
+    def __init__(self, in_channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, 6, 3, padding=1, bias=False)
+        self.bias = nn.Parameter(torch.rand(1, 6, 1, 1) - 0.5)
+
+    def forward(self, x, residual):
+        y = torch.relu(self.conv(x) + self.bias + residual)
+        return y, y.sum((2, 3), keepdim=True)
+
+
+@pytest.mark.parametrize("in_channels", [16, 5])  # 5: input channels padded too
+@pytest.mark.parametrize("fusion", ["default", "all"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_output_channels_padded_for_cudnn(dtype, fusion, in_channels):
+    torch.manual_seed(0)
+    model = _NarrowHead(in_channels).to("cuda", dtype).eval()
+    x = torch.randn(4, in_channels, 9, 9, device="cuda", dtype=dtype)
+    residual = torch.randn(4, 6, 9, 9, device="cuda", dtype=dtype)
+    want = _fp64_reference(model, x, residual)
+    tol = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 3e-3}[dtype]
+    options = FUSE_ALL if fusion == "all" else {}
+    for runtime in ({"cuda_graph": False, "glue_backend": None}, {}):  # direct; graph + glue
+        compiled = fc.compile(model, backend="cudnn", cache_dir=False, autotune=1,
+                              **options, **runtime)
+        with torch.inference_mode():
+            got = compiled(x, residual)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and rel_err(g.float().cpu(), w) < tol
+        assert got[0].is_contiguous(memory_format=torch.channels_last) or got[0].is_contiguous()
+        region = compiled.last.regions[0]
+        assert (region.backend, region.status) == ("cudnn", "lowered"), region.reason
+
+
+def test_padded_output_channels_stay_on_pytorch_in_training():
+    model = _NarrowHead(16).to("cuda", torch.float16).train()
+    x = torch.randn(4, 16, 9, 9, device="cuda", dtype=torch.float16)
+    residual = torch.randn(4, 6, 9, 9, device="cuda", dtype=torch.float16)
+    compiled = fc.compile(model, cache_dir=False, autotune=1)
+    out, _ = compiled(x, residual)
+    out.float().sum().backward()
+    region = compiled.last.regions[0]
+    assert region.backend == "reference" and "inference only" in region.reason
+    assert model.conv.weight.grad is not None

@@ -42,7 +42,8 @@ from ..runtime.region_op import is_traced, register_backward, register_kernel, r
 from .base import Kernel, Support
 from .autotune import PYTORCH_MARGIN, gpu_time_ms, sample_inputs
 from .cudnn_backward import CudnnConvGradients
-from .cudnn_graph import channel_padding, import_cudnn, output_dtype, region_recipe, to_nhwc
+from .cudnn_graph import (channel_padding, import_cudnn, output_dtype, output_padding,
+                          padded_output, region_recipe, to_nhwc)
 from .cudnn_plan import CudnnPlan, WeightCache, condense_error
 from .cudnn_recipe import any_batch_key, nhwc_strides, recipe_key
 from .plan_workers import build_candidates, workers_for
@@ -238,9 +239,10 @@ class CudnnBackend:
             return Support(False, f"dtype {dtype} is not fused (fp16, bf16 and fp32 are)")
         k = region.conv.meta["val"].shape[1]
         multiple = 4 if dtype == torch.float32 else 8
-        if k % multiple:
+        if k % multiple and output_padding(region) is None:
             return Support(False, f"{k} output channels is not a multiple of {multiple}, which "
-                                  f"cuDNN's NHWC {dtype} engines need")
+                                  f"cuDNN's NHWC {dtype} engines need, and they cannot be padded "
+                                  f"({_no_padding_reason(region)})")
         return Support(True)
 
     def lower(self, region: Region, training: bool = False) -> Kernel:
@@ -262,6 +264,10 @@ class CudnnBackend:
             UnsupportedError: cuDNN rejected the forward graph (the reason is cuDNN's own
                 message), or PyTorch's ops were faster (the reason gives both times).
         """
+        if training and output_padding(region) is not None:
+            k = region.conv.meta["val"].shape[1]
+            raise UnsupportedError(f"{k} output channels are padded for cuDNN in inference only; "
+                                   f"in training this region runs on PyTorch", region.region_id)
         kernel = CudnnKernel(self, region, direct=not training)
         if self.autotune > 1:
             slower = _slower_than_pytorch(region, kernel)
@@ -273,6 +279,16 @@ class CudnnBackend:
             register_backward(kernel.key, RegionBackward(region, grads))
             region.gradients = grads.pieces
         return kernel.call
+
+
+def _no_padding_reason(region: Region) -> str:
+    """Why :func:`.cudnn_graph.output_padding` declines ``region`` (it returned ``None``)."""
+    conv = region.conv
+    if conv.args[6] != 1:
+        return f"a grouped convolution ({conv.args[6]} groups)"
+    if conv.args[1].op != "placeholder":
+        return "the weight is computed in the region"
+    return "an operand is read both before and after the convolution"
 
 
 def _batch(recipe: dict) -> int:
@@ -327,12 +343,23 @@ class CudnnKernel:
                               f"region {region.region_id}")
 
         pad = channel_padding(region)
+        out_pad = output_padding(region)
+        in_pads = pad[1] if pad is not None else set()
+        out_pads = out_pad[1] if out_pad is not None else {}
+        conv = region.conv
         self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
         # the convolution weight's channels_last copy, shared with the dgrad (one copy per step)
         self.weight_cache: WeightCache | None = None
         for node, op in zip(placeholders, region.operands()):
-            if pad is not None and node.name in pad[1]:
+            if node is conv.args[1] and (node.name in in_pads or node.name in out_pads):
+                # zero input and/or output channels, made once per weight version
+                self.prepare.append(WeightCache(_weight_padder(
+                    pad[0] if node.name in in_pads else None,
+                    out_pad[0] if node.name in out_pads else None)))
+            elif node.name in in_pads:
                 self.prepare.append(_padder(pad[0]))
+            elif node.name in out_pads:
+                self.prepare.append(_operand_padder(out_pad[0], op.role))
             elif op.role in ("scalar", "channel"):
                 # [1] / [K] / [1,K,1,1] contiguous: the same memory as the declared [1,K,1,1]
                 self.prepare.append(torch.Tensor.contiguous)
@@ -343,11 +370,16 @@ class CudnnKernel:
             else:
                 self.prepare.append(to_nhwc)
         self.outputs = []  # (shape, strides, dtype cuDNN writes, dtype the region returns)
+        self.padded: list[tuple[tuple[int, ...], int] | None] = []  # (shape written, channels)
         for out in region.output_nodes:
             val = out.meta["val"]
-            self.outputs.append((tuple(val.shape), tuple(nhwc_strides(tuple(val.shape))),
-                                 output_dtype(out), val.dtype))
+            shape = tuple(val.shape)
+            self.outputs.append((shape, tuple(nhwc_strides(shape)), output_dtype(out),
+                                 val.dtype))
+            self.padded.append((shape[:1] + (out_pad[0],) + shape[2:], shape[1])
+                               if out_pad is not None and padded_output(out, conv) else None)
         self._converts = any(written != want for _, _, written, want in self.outputs)
+        self._pads_outputs = any(p is not None for p in self.padded)
         self.key = register_kernel(self, [(s, st, dt) for s, st, _, dt in self.outputs])
         region.plan = self.plan.plan_name
         region.plan_from_cache = self.plan.from_cache
@@ -355,6 +387,8 @@ class CudnnKernel:
         region.tuning = self.plan.tuning
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._pads_outputs:
+            return self._padded_call(inputs)
         outs = tuple(torch.empty_strided(shape, stride, dtype=written, device=self.device)
                      for shape, stride, written, _ in self.outputs)
         self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs)
@@ -363,11 +397,50 @@ class CudnnKernel:
         return tuple(out if out.dtype == want else out.to(want)
                      for out, (_, _, _, want) in zip(outs, self.outputs))
 
+    def _padded_call(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Outputs with padded channels are written at their padded size, then their first
+        channels copied out in the declared layout (one copy each)."""
+        outs = []
+        for (shape, stride, written, _), padded in zip(self.outputs, self.padded):
+            size = shape if padded is None else padded[0]
+            outs.append(torch.empty_strided(size, nhwc_strides(size), dtype=written,
+                                            device=self.device))
+        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs)
+        result = []
+        for out, (shape, stride, _, want), padded in zip(outs, self.outputs, self.padded):
+            if padded is not None:
+                out = torch.empty_strided(shape, stride, dtype=out.dtype,
+                                          device=self.device).copy_(out[:, :padded[1]])
+            result.append(out if out.dtype == want else out.to(want))
+        return tuple(result)
+
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What graphs call: the plan directly for inference, else the ``run_region`` op."""
         if self.direct and not is_traced(inputs[0]):
             return self(*inputs)
         return tuple(run_region(self.key, list(inputs)))
+
+
+def _weight_padder(in_channels: int | None, out_channels: int | None
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``[K,C,R,S]`` weight -> channels_last ``[K',C',R,S]`` with zero output channels up to
+    ``out_channels`` and zero input channels up to ``in_channels`` (``None``: unchanged), in one
+    copy."""
+    def pad(w: torch.Tensor) -> torch.Tensor:
+        k, c = out_channels or w.shape[0], in_channels or w.shape[1]
+        krsc = F.pad(w.permute(0, 2, 3, 1), (0, c - w.shape[1], 0, 0, 0, 0, 0, k - w.shape[0]))
+        return krsc.permute(0, 3, 1, 2)
+    return pad
+
+
+def _operand_padder(channels: int, role: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An epilogue operand with the conv's output channels -> ``channels`` channels (zeros
+    after): a ``"channel"`` operand (``[K]``, ``[K,1,1]``, ``[1,K,1,1]``) as ``[1,K',1,1]``, a
+    ``"full"`` one ``[N,K,P,Q]`` as channels_last ``[N,K',P,Q]``."""
+    padder = _padder(channels)
+    if role == "full":
+        return padder
+    return lambda t: padder(t.reshape(1, -1, 1, 1))
 
 
 def _padder(channels: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -34,7 +34,8 @@ from ..region import Region
 from .cudnn_recipe import CudnnGraph, build_pygraph, nhwc_strides
 
 __all__ = ["CudnnGraph", "region_recipe", "build_graph", "graph_json", "nhwc_strides", "to_nhwc",
-           "recipe_dtype", "import_cudnn", "channel_padding", "output_dtype",
+           "recipe_dtype", "import_cudnn", "channel_padding", "output_padding", "padded_output",
+           "output_dtype",
            "BATCHED_ROLES"]
 
 BATCHED_ROLES = ("image", "full", "spatial")
@@ -102,6 +103,47 @@ def channel_padding(region: Region) -> tuple[int, set[str]] | None:
     return -(-c // multiple) * multiple, {image.name, weight.name}
 
 
+def output_padding(region: Region) -> tuple[int, dict[str, int]] | None:
+    """``(K_padded, {placeholder name: dimension to pad})`` when the convolution's output channel
+    count ``K`` is not a multiple of 8 (fp16/bf16) or 4 (fp32), which cuDNN's NHWC engines need
+    (CUDNN_FACTS.md "Support surface"), else ``None``.
+
+    The graph then computes ``K_padded`` channels: the weight gets zero output channels
+    (dimension 0), per-channel and full epilogue operands get channels of zeros (their channel
+    dimension), and every output after the convolution has ``K_padded`` channels, of which the
+    kernel returns the first ``K``. Exact for any epilogue, since its ops are pointwise per
+    channel (or an H, W sum per channel): the padded channels never mix with the real ones.
+    ``None`` too when padding cannot be exact or cheap: grouped convolutions (``groups != 1``), a
+    weight computed in the region, an operand read both before and after the convolution.
+    """
+    conv = region.conv
+    weight, groups = conv.args[1], conv.args[6]
+    k = conv.meta["val"].shape[1]
+    multiple = 4 if conv.args[0].meta["val"].dtype == torch.float32 else 8
+    if k % multiple == 0 or groups != 1 or weight.op != "placeholder":
+        return None
+    pads = {weight.name: 0}
+    roles = {o.name: o.role for o in region.operands()}
+    for ph in region.graph_module.graph.find_nodes(op="placeholder"):
+        if ph is weight or ph is conv.args[0]:
+            continue
+        after = [padded_output(u, conv) for u in ph.users]
+        if not any(after):
+            continue  # a prologue operand: input channels, not output channels
+        if not all(after):
+            return None
+        shape = tuple(ph.meta["val"].shape)
+        if roles[ph.name] in ("channel", "full") and _as4d(shape)[1] == k:
+            pads[ph.name] = len(shape) - 3
+    return -(-k // multiple) * multiple, pads
+
+
+def padded_output(node: fx.Node, conv: fx.Node) -> bool:
+    """Whether region output ``node`` is computed after ``conv`` (so has its output channels,
+    padded with :func:`output_padding`)."""
+    return node is conv or not _before(node, conv)
+
+
 def _is_scalar(arg: Any) -> bool:
     return not isinstance(arg, fx.Node) or arg.meta["val"].numel() == 1
 
@@ -118,6 +160,7 @@ def region_recipe(region: Region) -> dict:
     conv = region.conv
     io = recipe_dtype(conv.args[0].meta["val"].dtype)
     channel_pad = channel_padding(region)
+    out_pad = output_padding(region)
     roles = {o.name: o.role for o in region.operands()}
     inputs, ops = [], []
 
@@ -130,6 +173,8 @@ def region_recipe(region: Region) -> dict:
             dims = _as4d(tuple(val.shape))
             if channel_pad is not None and node.name in channel_pad[1]:
                 dims[1] = channel_pad[0]
+            if out_pad is not None and node.name in out_pad[1]:
+                dims[0 if node is conv.args[1] else 1] = out_pad[0]
             inputs.append({"name": node.name, "dim": dims, "stride": nhwc_strides(dims),
                            "dtype": recipe_dtype(val.dtype),
                            "batched": roles[node.name] in BATCHED_ROLES})
@@ -156,6 +201,7 @@ def region_recipe(region: Region) -> dict:
                                   "upper_clip": float(node.args[2])}})
         elif is_hw_sum(node):
             n, k = _shape(node)[:2]
+            k = k if out_pad is None else out_pad[0]
             ops.append({"op": "reduction_add", "name": node.name,
                         "args": {"input": ref(node.args[0])},
                         "out": {"dim": [n, k, 1, 1], "stride": [k, 1, k, k], "batched": True}})
@@ -164,6 +210,8 @@ def region_recipe(region: Region) -> dict:
     outputs = []
     for out in region.output_nodes:
         dims = _as4d(tuple(out.meta["val"].shape))
+        if out_pad is not None and padded_output(out, conv):
+            dims[1] = out_pad[0]
         outputs.append({"ref": out.name, "dim": dims, "stride": nhwc_strides(dims),
                         "dtype": recipe_dtype(output_dtype(out)), "batched": True})
     return {"io": io, "inputs": inputs, "ops": ops, "outputs": outputs}

@@ -225,19 +225,31 @@ class WeightCache:
     again, and a weight computed afresh each call (a rewritten weight in training, an inference
     tensor) is always converted: a new tensor may reuse a freed one's memory and version number,
     so storage address and version alone would return a stale copy.
+
+    Args:
+        convert: makes the copy from the weight (default: ``contiguous(channels_last)``, and a
+            weight already channels_last is used as it is); e.g. a zero-padding of its channels.
     """
 
-    def __init__(self):
+    def __init__(self, convert: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.convert = convert
         self.source: weakref.ref | None = None
         self.version = -1
         self.value: torch.Tensor | None = None
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_contiguous(memory_format=torch.channels_last):
-            return t
+        convert = self.convert
+        if convert is None:
+            if t.is_contiguous(memory_format=torch.channels_last):
+                return t
+            convert = _channels_last
         if t.is_inference():  # made under inference_mode: no version counter, a fresh tensor
-            return t.contiguous(memory_format=torch.channels_last)
+            return convert(t)
         if self.source is None or self.source() is not t or self.version != t._version:
-            self.value = t.contiguous(memory_format=torch.channels_last)
+            self.value = convert(t)
             self.source, self.version = weakref.ref(t), t._version
         return self.value
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
