@@ -165,8 +165,8 @@ def conv_flops(node: fx.Node, gm: fx.GraphModule) -> int | None:
 
 def summarize(spec: Any) -> dict:
     """Coverage of a specialization: convolutions in regions of all, their share of convolution
-    FLOPs (all regions, and those lowered to cuDNN), regions per backend, fallback reasons with
-    their counts. JSON-ready; FLOPs are counted from traced shapes (:func:`conv_flops`)."""
+    FLOPs (all regions, and those lowered to cuDNN), regions per backend, kinds of fallback
+    reasons with their counts (the region table has each region's whole reason). JSON-ready; FLOPs are counted from traced shapes (:func:`conv_flops`)."""
     gm = spec.graph_module
     regions = spec.regions
     unfused = [n for n in gm.graph.nodes if _is_conv_node(n, gm)]
@@ -181,8 +181,15 @@ def summarize(spec: Any) -> dict:
         "conv_flops_in_regions": fused / total if total else None,
         "conv_flops_on_cudnn": cudnn / total if total else None,
         "regions_per_backend": dict(Counter(r.backend for r in regions)),
-        "fallback_reasons": dict(Counter(r.reason for r in regions if r.status == "fallback")),
+        "fallback_reasons": dict(Counter(_reason_kind(r.reason) for r in regions
+                                         if r.status == "fallback")),
     }
+
+
+def _reason_kind(reason: str) -> str:
+    """A fallback reason without its particulars, to count alike ones together: the text before
+    the first ``": "`` (the times, cuDNN's message), a leading channel count as ``K``."""
+    return re.sub(r"^\d+ output channels", "K output channels", reason.split(": ", 1)[0])
 
 
 def _is_conv_node(node: fx.Node, gm: fx.GraphModule) -> bool:
