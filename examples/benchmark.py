@@ -4,8 +4,11 @@ of its own, with more fusion_compiler variants than ``fusion-compiler bench`` ti
     python examples/benchmark.py --out bench_out                 # every model
     python examples/benchmark.py --models seresnet9-rgb --profile
     python examples/benchmark.py --models seresnet9-rgb-train    # forward + backward, N=2048
+    python examples/benchmark.py --models zoo --variants eager,"torch.compile reduce-overhead",fusion_compiler
 
 Everything is fp16 (inputs NCHW; ``--channels-last`` stores the parameters channels_last).
+torchvision models have random weights and batch-norm statistics calibrated on random data
+(:func:`calibrate_batch_norm`), so their fp16 activations do not overflow.
 Timing, variants and compile times are those of :mod:`fusion_compiler.bench`; the extra
 fusion_compiler variants (``FUSION_VARIANTS``) show what each default is worth. Each model runs
 in a new process: torch.compile's caches and CUDA graph pools from one model's variants would
@@ -40,9 +43,15 @@ MODELS = {
     "seresnet9-depth": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup_depth",
                         (512, 11, 64, 64), False),
     "resnet50": ("torchvision.models:resnet50", (128, 3, 224, 224), False),
+    "resnet50-n32": ("torchvision.models:resnet50", (32, 3, 224, 224), False),
+    "mobilenet_v2": ("torchvision.models:mobilenet_v2", (32, 3, 224, 224), False),
+    "efficientnet_b0": ("torchvision.models:efficientnet_b0", (32, 3, 224, 224), False),
+    "regnet_y_400mf": ("torchvision.models:regnet_y_400mf", (32, 3, 224, 224), False),
     "seresnet9-rgb-train": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
                             (2048, 3, 64, 64), True),
 }
+ZOO = ["resnet50-n32", "resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y_400mf"]
+"""``--models zoo``: the torchvision CNNs (random weights, batch-norm statistics calibrated)."""
 # label -> compile() options; the first is compile(model) with no options
 FUSION_VARIANTS = {
     "fusion_compiler": {},
@@ -59,20 +68,42 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     """Benchmark model ``name`` in this process."""
     ref, shape, train = MODELS[name]
     torch.manual_seed(0)
-    model = load_model(ref).cuda().half().train(train)
+    model = load_model(ref).cuda()
+    if ref.startswith("torchvision"):
+        calibrate_batch_norm(model, shape)
+    model = model.half().train(train)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     x = torch.randn(shape, device="cuda", dtype=torch.half)
     recipe = BenchRecipe(ref, (shape,), "float16", "cuda", args.channels_last)
     options = {} if args.autotune is None else {"autotune": args.autotune}
     variants = TRAIN_FUSION_VARIANTS if train else FUSION_VARIANTS
-    result = bench(model, [x], train=train, reps=args.reps, iters=args.iters,
-                   variants=args.variants.split(",") if args.variants else None,
-                   fusion_variants={k: {**v, **options} for k, v in variants.items()},
-                   recipe=None if train else recipe, profile=args.profile,
-                   compile_labels=["fusion_compiler", "fusion_compiler glue=None"])
+    chosen = args.variants.split(",") if args.variants else None
+    labels = [v for v in ("fusion_compiler", "fusion_compiler glue=None")
+              if v in variants and (chosen is None or v in chosen)]
+    result = bench(model, [x], train=train, reps=args.reps, iters=args.iters, variants=chosen,
+                   fusion_variants={k: {**v, **options} for k, v in variants.items()
+                                    if chosen is None or k in chosen or k == "fusion_compiler"},
+                   recipe=None if train or args.no_compile_times else recipe,
+                   profile=args.profile, compile_labels=labels or None)
     result["label"] = name + (", params channels_last" if args.channels_last else "")
     return result
+
+
+@torch.no_grad()
+def calibrate_batch_norm(model: torch.nn.Module, shape: tuple[int, ...], steps: int = 4) -> None:
+    """Give a randomly initialized model batch-norm statistics of its own activations: a few
+    fp32 train-mode forwards on random inputs with a cumulative average (``momentum=None``).
+    With the initial statistics (mean 0, variance 1) activations grow layer by layer and
+    overflow fp16 (efficientnet_b0's output error against fp32 was 1.0 for every variant)."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    model.train()
+    for _ in range(steps):
+        model(torch.randn(shape, device="cuda"))
+    model.eval()
 
 
 def own_process(name: str, args: argparse.Namespace) -> dict:
@@ -86,14 +117,17 @@ def own_process(name: str, args: argparse.Namespace) -> dict:
             if value is not None:
                 command += [flag, str(value)]
         command += ["--profile"] * args.profile + ["--channels-last"] * args.channels_last
+        command += ["--no-compile-times"] * args.no_compile_times
         subprocess.run(command, check=True, cwd=ROOT)
         return json.loads(path.read_text())
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help="comma-separated: " + ", ".join(MODELS))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="seresnet9-rgb,seresnet9-depth,resnet50,"
+                                              "seresnet9-rgb-train",
+                        help="comma-separated (default: %(default)s): zoo (= "
+                             + ", ".join(ZOO) + "), " + ", ".join(MODELS))
     parser.add_argument("--variants", default=None, help="comma-separated (default: all)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--iters", type=int, default=None)
@@ -102,6 +136,8 @@ def main() -> int:
     parser.add_argument("--autotune", type=int, default=None,
                         help="cuDNN plans timed per region (default: compile()'s)")
     parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--no-compile-times", action="store_true",
+                        help="skip the cold and warm compile times in new processes")
     parser.add_argument("--result-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -109,7 +145,8 @@ def main() -> int:
     if args.result_json:  # a child process: one model
         args.result_json.write_text(json.dumps(run_one(args.models, args)))
         return 0
-    results = [own_process(name, args) for name in args.models.split(",")]
+    names = [n for part in args.models.split(",") for n in (ZOO if part == "zoo" else [part])]
+    results = [own_process(name, args) for name in names]
     print(format_results(results))
     for r in results:
         for key in ("tuning", "gradients"):

@@ -152,7 +152,7 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
             ) -> dict[str, Callable[[], Callable[[], object]]]:
     """Per variant, a function that builds it and returns the callable to time."""
     import fusion_compiler as fc  # noqa: PLC0415
-    from .report import format_gradients, format_tuning  # noqa: PLC0415
+    from .report import format_gradients, format_tuning, summarize  # noqa: PLC0415
 
     def fresh() -> torch.nn.Module:  # training variants each get their own parameters
         return copy.deepcopy(model) if train else model
@@ -168,7 +168,8 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
             if label == first:  # what compile(model) chose, per region
                 result["fusion_compiler"] = {"cuda_graph": spec.cuda_graph,
                                              "glue": spec.glue_backend, "notes": spec.notes,
-                                             "regions": _region_counts(spec)}
+                                             "regions": _region_counts(spec),
+                                             "conv_gflop": summarize(spec)["conv_gflop"]}
                 result["tuning"] = format_tuning(spec.regions)
             return lambda: module(*inputs)
         step = _train_step(m, module, inputs)
@@ -240,7 +241,9 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
     Returns:
         ``{"model", "inputs", "dtype", "device", "gpu", "torch", "train", "ms": {variant: time_ms
         dict or None}, "compile_s": {...}, "rel_err_vs_fp32": {...}, "skipped": {variant: reason},
-        "errors": {variant: message}, "profiles": {variant: table}}``. A variant that fails is
+        "errors": {variant: message}, "profiles": {variant: table}, "gpu_ops": {variant: GPU
+        operations per call} (CUDA), "first"`` (the label of the first fusion variant) ``}``,
+        and the keys below. A variant that fails is
         reported in ``errors`` and the others go on.
     """
     from rich.console import Console  # noqa: PLC0415
@@ -255,7 +258,8 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
     result: dict = {"model": type(model).__name__, "inputs": [list(t.shape) for t in inputs],
                     "dtype": str(first.dtype).removeprefix("torch."), "device": str(device),
                     "gpu": device_name(device), "torch": torch.__version__, "train": train,
-                    "ms": {}, "compile_s": {}, "skipped": {}, "errors": {}}
+                    "ms": {}, "compile_s": {}, "skipped": {}, "errors": {},
+                    "first": next(iter(fusion_variants))}
     reps = reps or (15 if device.type == "cuda" else 5)
     cache_dir = tempfile.mkdtemp(prefix="fc-bench-plans-")
     makers = _makers(model, inputs, train, fusion_variants, cache_dir, result)
@@ -269,6 +273,7 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                 t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 for t in inputs]))
         result["rel_err_vs_fp32"] = {}
+    first_fusion = result["first"]
     grad = torch.enable_grad() if train else torch.inference_mode()
     with grad:
         for name in names:
@@ -288,8 +293,10 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                     out = _floats(fn())
                     result["rel_err_vs_fp32"][name] = max(
                         _rel_err(o, r) for o, r in zip(out, reference)) if out else None
+                if device.type == "cuda":
+                    result.setdefault("gpu_ops", {})[name] = gpu_ops_per_call(fn)
                 if profile and device.type == "cuda" and name in (
-                        "fusion_compiler", "torch.compile reduce-overhead",
+                        first_fusion, "torch.compile reduce-overhead",
                         "fusion_compiler+cudagraph", "eager+cudagraph"):
                     result.setdefault("profiles", {})[name] = kernel_profile(fn)
             except Exception as exc:  # one broken variant must not hide the others
@@ -378,6 +385,20 @@ def new_process_compile_seconds(recipe: BenchRecipe, fusion_variants: dict[str, 
     return out
 
 
+def gpu_ops_per_call(fn: Callable[[], object], calls: int = 5) -> float:
+    """GPU operations (kernels, copies and fills) per call of ``fn``, counted by
+    ``torch.profiler`` over ``calls`` calls: what a CUDA-graph replay launches."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    device_events = [e for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(device_events) / calls
+
+
 def kernel_profile(fn: Callable[[], object], calls: int = 20) -> str:
     """Kernel names, counts and CUDA time of ``calls`` calls (``torch.profiler``), as a table."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
@@ -434,6 +455,14 @@ def format_results(results: Sequence[dict]) -> str:
                     console.print(f"{_row_name(r)}: {v} max rel. error vs fp32 {err:.2e}")
             if "fusion_compiler" in r:
                 console.print(f"{_row_name(r)}: compile(model) took {r['fusion_compiler']}")
+                gflop, t = r["fusion_compiler"].get("conv_gflop"), r["ms"].get(r["first"])
+                if gflop and t:
+                    console.print(f"{_row_name(r)}: {gflop:.2f} GFLOP of convolutions per "
+                                  f"forward, {gflop / t['median']:.1f} TFLOP/s over the whole "
+                                  f"{r['first']} forward")
+            if r.get("gpu_ops"):
+                console.print(f"{_row_name(r)}: GPU operations per call: " + ", ".join(
+                    f"{v} {n:g}" for v, n in r["gpu_ops"].items()))
             for v, msg in {**r.get("errors", {}), **{k: v for k, v in r["compile_s"].items()
                                                      if k.endswith(" error")}}.items():
                 console.print(f"{_row_name(r)}: {v} failed: {msg}")
