@@ -58,10 +58,18 @@ def capture(model: torch.nn.Module) -> fx.GraphModule:
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
-            control flow, for instance); the message carries fx's own error.
+            control flow, for instance); the message carries fx's own error. A
+            ``DistributedDataParallel`` module (its ``forward`` is DDP's own) gets a message
+            naming the fix.
     """
     if isinstance(model, fx.GraphModule):
         return model
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise FusionError(
+            "fusion_compiler.compile got a DistributedDataParallel module: compile the model "
+            "inside it and wrap the result, DDP(fusion_compiler.compile(model)), so DDP still "
+            "all-reduces the gradients (or use torch.compile(DDP(model), "
+            "backend='fusion_compiler'))")
     try:
         return fx.symbolic_trace(model)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -204,18 +205,25 @@ class CompiledModule(torch.nn.Module):
             passes = [*passes[:at], Pass("autocast", functools.partial(make_autocast_explicit,
                                                                         dtype=amp)), *passes[at:]]
         captured = capture(self.model)
-        shapes_header = self._shapes_header(captured, key, passes)
-        known = self._shape_cache.load_record(shapes_header, "shapes")
-        manager = PassManager(passes, args, on_stage=on_stage, known_shapes=known)
-        gm = manager.run(captured)
-        if manager.recorded:
-            self._shape_cache.store_record(shapes_header, "shapes",
-                                           {**(known or {}), **manager.recorded})
-        frozen = frozenset(ph.name for ph, needs in zip(gm.graph.find_nodes(op="placeholder"),
-                                                          requires) if not needs)
-        lower(gm, self.backend, progress=self.progress, training=grad,
-              derived_backward=self.derived_backward, no_grad_inputs=frozen,
-              cache_dir=self.cache_dir, autotune=self.autotune)
+        text = self._shapes_text(captured, key, passes)
+        shapes_header = PlanCache.header(text, {"kind": "shapes"})
+        # Processes sharing the cache directory (DDP ranks) compile this one at a time: the
+        # first builds and tunes, the others find its plans and choices and run the same plans.
+        # The lock ignores the device index (each rank has its own GPU); the shapes do not
+        # (their recorded devices say where plans run).
+        lock = PlanCache.header(re.sub(r"\bcuda:\d+", "cuda", text), {"kind": "compile"})
+        with self._shape_cache.lock(lock, f"compile {type(self.model).__name__}"):
+            known = self._shape_cache.load_record(shapes_header, "shapes")
+            manager = PassManager(passes, args, on_stage=on_stage, known_shapes=known)
+            gm = manager.run(captured)
+            if manager.recorded:
+                self._shape_cache.store_record(shapes_header, "shapes",
+                                               {**(known or {}), **manager.recorded})
+            frozen = frozenset(ph.name for ph, needs in zip(
+                gm.graph.find_nodes(op="placeholder"), requires) if not needs)
+            lower(gm, self.backend, progress=self.progress, training=grad,
+                  derived_backward=self.derived_backward, no_grad_inputs=frozen,
+                  cache_dir=self.cache_dir, autotune=self.autotune)
         channels_last_inputs(gm)
         on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
         if grad and on_cuda and (pools := nchw_padded_avg_pools(gm)):
@@ -258,20 +266,18 @@ class CompiledModule(torch.nn.Module):
                 print(format_gradients(spec.regions))
         return spec
 
-    def _shapes_header(self, captured: fx.GraphModule, key: tuple,
-                       passes: Sequence[Pass]) -> dict:
-        """The cache header of the shapes propagated through ``passes`` for this model and
-        specialization ``key``: everything they depend on (the traced code, the module tree with
-        each module's configuration, parameter and buffer metadata, the inputs, the passes and
-        their options, the versions of torch and fusion_compiler)."""
+    def _shapes_text(self, captured: fx.GraphModule, key: tuple, passes: Sequence[Pass]) -> str:
+        """What the shapes propagated through ``passes`` for this model and specialization
+        ``key`` depend on, as text (hashed into their cache header): the traced code, the module
+        tree with each module's configuration, parameter and buffer metadata, the inputs, the
+        passes and their options, the versions of torch and fusion_compiler."""
         from . import __version__  # noqa: PLC0415
 
         state = [(name, tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device))
                  for name, t in (*self.model.named_parameters(), *self.model.named_buffers())]
         steps = [(p.name, sorted(getattr(p.fn, "keywords", {}).items(), key=str)) for p in passes]
-        text = repr((torch.__version__, __version__, captured.code, repr(self.model), state,
+        return repr((torch.__version__, __version__, captured.code, repr(self.model), state,
                      key, steps))
-        return PlanCache.header(text, {"kind": "shapes"})
 
     def _note(self, notes: list[str], reason: str) -> None:
         """Record why a default was not taken on the specialization; log it once per module."""

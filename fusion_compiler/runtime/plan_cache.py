@@ -17,16 +17,21 @@ what was stored in this process in memory, so identical graphs still build once 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
+import filelock
 import platformdirs
 
 __all__ = ["PlanCache", "default_cache_dir", "StaleEntry"]
 
+log = logging.getLogger("fusion_compiler")
 ENV_VAR = "FUSION_COMPILER_CACHE_DIR"
 _FORMAT = 2  # 2: keyed by the canonical recipe, not the frontend's graph JSON
 
@@ -67,6 +72,30 @@ class PlanCache:
 
     def path(self, header: dict) -> Path | None:
         return None if self.directory is None else self.directory / f"{self.key(header)}.plan"
+
+    @contextlib.contextmanager
+    def lock(self, header: dict, what: str = "compile") -> Iterator[None]:
+        """Hold an exclusive lock on ``header``'s entry across processes (a ``filelock`` on
+        ``<key>.lock`` in the directory; nothing without one). Used around a specialization's
+        compile, so that processes sharing the cache directory (the ranks of a
+        DistributedDataParallel job) compile one at a time: the first builds and tunes, the
+        others wait, then find every plan and choice in the cache and take them, without timing.
+        A lock held by a process that dies is released by the operating system (``flock``).
+        """
+        if self.directory is None:
+            yield
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(self.directory / f"{self.key(header)}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            log.info("waiting for another process to %s (lock %s)", what, lock.lock_file)
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
 
     def has(self, header: dict) -> bool:
         """Whether a plan is stored for ``header`` (it may still turn out stale when loaded)."""

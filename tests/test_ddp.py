@@ -1,0 +1,96 @@
+"""DistributedDataParallel on the CPU (gloo, reference backend): ``DDP(fusion_compiler.compile(m))``
+gives eager DDP's gradients on every rank, and ``compile(DDP(m))`` names the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusion_compiler import FusionError, compile as fc_compile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_RANK = """
+import copy, json, os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+sys.path.insert(0, {root!r})
+import fusion_compiler as fc
+from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="file://" + {init!r}, rank=rank, world_size=2)
+base = randomize_(se_resnet9_fixup(3, base_planes=32), seed=1).train()
+twin = copy.deepcopy(base)
+x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(rank))  # differ per rank
+# both ranks share one cache directory: they compile one at a time (PlanCache.lock)
+for model in (DDP(fc.compile(base, backend="reference", cache_dir={cache!r})), DDP(twin)):
+    model(x).square().mean().backward()
+# (a parameter behind a ReLU that is off for every input has all-zero gradients in both)
+diff = max((p.grad - q.grad).abs().max().item() / (q.grad.abs().max().item() or 1.0)
+           for p, q in zip(base.parameters(), twin.parameters()))
+total = sum(p.grad.sum().item() for p in base.parameters())
+print(json.dumps({{"rank": rank, "diff": diff, "sum": total}}))
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_of_compiled_module_matches_eager_ddp_on_every_rank(tmp_path):
+    script = _RANK.format(root=str(ROOT), init=str(tmp_path / "init"),
+                          cache=str(tmp_path / "plans"))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    results = []
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["diff"] < 1e-5 for r in results), results
+    # all-reduced: both ranks hold the same gradients although their inputs differ
+    assert results[0]["sum"] == pytest.approx(results[1]["sum"], rel=1e-6)
+
+
+def test_compile_of_ddp_module_names_the_fix():
+    ddp = torch.nn.parallel.DistributedDataParallel.__new__(
+        torch.nn.parallel.DistributedDataParallel)  # no process group needed to be refused
+    torch.nn.Module.__init__(ddp)
+    with pytest.raises(FusionError, match=r"DDP\(fusion_compiler.compile\(model\)\)"):
+        fc_compile(ddp)
+
+
+_HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from fusion_compiler.runtime.plan_cache import PlanCache
+with PlanCache(Path({cache!r})).lock({{"kind": "test"}}):
+    print("held", flush=True)
+    time.sleep(2.0)
+"""
+
+
+def test_plan_cache_lock_makes_other_processes_wait(tmp_path, caplog):
+    """The lock DDP ranks compile under: a second process waits for the first to finish."""
+    import logging
+    import time
+
+    from fusion_compiler.runtime.plan_cache import PlanCache
+
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER.format(root=str(ROOT),
+                                                                     cache=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    start = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="fusion_compiler"):
+        with PlanCache(tmp_path).lock({"kind": "test"}, "compile the test"):
+            waited = time.perf_counter() - start
+    holder.wait(timeout=30)
+    assert waited > 1.0
+    assert "waiting for another process to compile the test" in caplog.text
+    with PlanCache(None).lock({"kind": "test"}):  # no directory: nothing to lock
+        pass
