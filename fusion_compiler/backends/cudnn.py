@@ -3,10 +3,11 @@
 Per region (and so per shapes, strides, dtypes and device, since regions are specialized) it
 describes the graph as a recipe (:mod:`.cudnn_graph`), loads the plan from the on-disk
 :class:`~fusion_compiler.runtime.plan_cache.PlanCache` or builds candidate plans (heuristics A then
-FALLBACK) and keeps the fastest (:class:`~.cudnn_plan.CudnnPlan`). Building is CPU work (0.03-0.5 s a plan in
-the compiling process on an H100 machine, see :mod:`.plan_workers`), so
+FALLBACK) and keeps the fastest (:class:`~.cudnn_plan.CudnnPlan`). Building is CPU work
+(0.03-0.5 s a plan in the compiling process on an H100 machine, see :mod:`.plan_workers`), so
 :meth:`CudnnBackend.prefetch` hands the plans of all regions of a graph to worker processes at once
-before they are lowered one by one. Regions with the same graph on the same shapes share one plan (one build, one autotune).
+before they are lowered one by one. Regions with the same graph on the same shapes share one plan
+(one build, one autotune).
 A region whose graph was tuned at another batch size (within a factor of 2) reuses that choice of
 engine and knobs and that decision against PyTorch's ops: one build, no timing.
 
@@ -17,7 +18,10 @@ that only grows. Inference kernels are called directly (``CudnnKernel.__call__``
 
 Layouts: activations and weights are passed to cuDNN channels_last (NHWC); inputs that are NCHW are
 converted by the kernel, outputs are channels_last. When a convolution's input channel count is not
-a multiple of 8 (fp16/bf16) or 4 (fp32) the image and weight are zero-padded in channels.
+a multiple of 8 (fp16/bf16) or 4 (fp32) the image and weight are zero-padded in channels; when its
+output channel count is not, inference kernels pad the weight's output channels and the epilogue's
+per-channel and full operands, and copy the real channels out of the padded outputs
+(:func:`.cudnn_graph.output_padding`).
 
 Precision: fp16 and bf16 I/O with fp32 intermediate and compute types; fp32 I/O follows
 ``torch.backends.cudnn.allow_tf32`` (TF32 allowed by default, as PyTorch's own cuDNN convolutions).

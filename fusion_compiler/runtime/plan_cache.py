@@ -80,22 +80,28 @@ class PlanCache:
         compile, so that processes sharing the cache directory (the ranks of a
         DistributedDataParallel job) compile one at a time: the first builds and tunes, the
         others wait, then find every plan and choice in the cache and take them, without timing.
-        A lock held by a process that dies is released by the operating system (``flock``).
+        A lock held by a process that dies is released by the operating system (``flock``);
+        a directory where no lock file can be made (read-only) is compiled in without one.
         """
-        if self.directory is None:
-            yield
-            return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(self.directory / f"{self.key(header)}.lock")
-        try:
-            lock.acquire(timeout=0)
-        except filelock.Timeout:
-            log.info("waiting for another process to %s (lock %s)", what, lock.lock_file)
-            lock.acquire()
+        lock = None
+        if self.directory is not None:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                lock = filelock.FileLock(self.directory / f"{self.key(header)}.lock")
+                try:
+                    lock.acquire(timeout=0)
+                except filelock.Timeout:
+                    log.info("waiting for another process to %s (lock %s)", what,
+                             lock.lock_file)
+                    lock.acquire()
+            except OSError as exc:  # a read-only directory: compile without the lock
+                log.info("no compile lock in %s (%s)", self.directory, exc)
+                lock = None
         try:
             yield
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
 
     def has(self, header: dict) -> bool:
         """Whether a plan is stored for ``header`` (it may still turn out stale when loaded)."""
