@@ -82,6 +82,16 @@ def _as4d(shape: tuple[int, ...]) -> list[int]:
     return [1] * (4 - len(shape)) + list(shape)
 
 
+def _padded_count(conv: fx.Node, channels: int) -> int | None:
+    """``channels`` rounded up to the multiple cuDNN's NHWC engines need (8 for fp16/bf16, 4 for
+    fp32), or ``None`` when it is one already or zero-padding does not apply: a grouped
+    convolution, or a weight computed inside the region."""
+    multiple = 4 if conv.args[0].meta["val"].dtype == torch.float32 else 8
+    if channels % multiple == 0 or conv.args[6] != 1 or conv.args[1].op != "placeholder":
+        return None
+    return -(-channels // multiple) * multiple
+
+
 def channel_padding(region: Region) -> tuple[int, set[str]] | None:
     """``(C_padded, names of the placeholders to pad)`` when the convolution's input channel count
     ``C`` is not a multiple of 8 (fp16/bf16) or 4 (fp32) (CUDNN_FACTS.md "Support surface"), else
@@ -90,17 +100,15 @@ def channel_padding(region: Region) -> tuple[int, set[str]] | None:
     ``None`` is returned too and cuDNN decides.
     """
     conv = region.conv
-    weight, groups = conv.args[1], conv.args[6]
-    c = weight.meta["val"].shape[1]
-    multiple = 4 if conv.args[0].meta["val"].dtype == torch.float32 else 8
-    if c % multiple == 0 or groups != 1 or weight.op != "placeholder":
+    padded = _padded_count(conv, conv.args[1].meta["val"].shape[1])
+    if padded is None:
         return None
     image = conv.args[0]
     while image.op != "placeholder":
         if not (image.target in BINARY and _is_scalar(image.args[1])):
             return None
         image = image.args[0]
-    return -(-c // multiple) * multiple, {image.name, weight.name}
+    return padded, {image.name, conv.args[1].name}
 
 
 def output_padding(region: Region) -> tuple[int, dict[str, int]] | None:
@@ -117,10 +125,9 @@ def output_padding(region: Region) -> tuple[int, dict[str, int]] | None:
     weight computed in the region, an operand read both before and after the convolution.
     """
     conv = region.conv
-    weight, groups = conv.args[1], conv.args[6]
-    k = conv.meta["val"].shape[1]
-    multiple = 4 if conv.args[0].meta["val"].dtype == torch.float32 else 8
-    if k % multiple == 0 or groups != 1 or weight.op != "placeholder":
+    weight, k = conv.args[1], conv.meta["val"].shape[1]
+    padded = _padded_count(conv, k)
+    if padded is None:
         return None
     pads = {weight.name: 0}
     roles = {o.name: o.role for o in region.operands()}
@@ -135,7 +142,7 @@ def output_padding(region: Region) -> tuple[int, dict[str, int]] | None:
         shape = tuple(ph.meta["val"].shape)
         if roles[ph.name] in ("channel", "full") and _as4d(shape)[1] == k:
             pads[ph.name] = len(shape) - 3
-    return -(-k // multiple) * multiple, pads
+    return padded, pads
 
 
 def padded_output(node: fx.Node, conv: fx.Node) -> bool:
