@@ -458,7 +458,7 @@ def format_results(results: Sequence[dict]) -> str:
                 gflop, t = r["fusion_compiler"].get("conv_gflop"), r["ms"].get(r["first"])
                 if gflop and t:
                     console.print(f"{_row_name(r)}: {gflop:.2f} GFLOP of convolutions per "
-                                  f"forward, {gflop / t['median']:.1f} TFLOP/s over the whole "
+                                  f"forward, {gflop / t['median']:.3g} TFLOP/s over the whole "
                                   f"{r['first']} forward")
             if r.get("gpu_ops"):
                 console.print(f"{_row_name(r)}: GPU operations per call: " + ", ".join(
