@@ -349,7 +349,7 @@ class CudnnKernel:
         pad = channel_padding(region)
         out_pad = output_padding(region)
         in_pads = pad[1] if pad is not None else set()
-        out_pads = out_pad[1] if out_pad is not None else {}
+        out_pads = out_pad[1] if out_pad is not None else set()
         conv = region.conv
         self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
         # the convolution weight's channels_last copy, shared with the dgrad (one copy per step)

@@ -111,8 +111,8 @@ def channel_padding(region: Region) -> tuple[int, set[str]] | None:
     return padded, {image.name, conv.args[1].name}
 
 
-def output_padding(region: Region) -> tuple[int, dict[str, int]] | None:
-    """``(K_padded, {placeholder name: dimension to pad})`` when the convolution's output channel
+def output_padding(region: Region) -> tuple[int, set[str]] | None:
+    """``(K_padded, names of the placeholders to pad)`` when the convolution's output channel
     count ``K`` is not a multiple of 8 (fp16/bf16) or 4 (fp32), which cuDNN's NHWC engines need
     (CUDNN_FACTS.md "Support surface"), else ``None``.
 
@@ -129,7 +129,7 @@ def output_padding(region: Region) -> tuple[int, dict[str, int]] | None:
     padded = _padded_count(conv, k)
     if padded is None:
         return None
-    pads = {weight.name: 0}
+    pads = {weight.name}
     roles = {o.name: o.role for o in region.operands()}
     for ph in region.graph_module.graph.find_nodes(op="placeholder"):
         if ph is weight or ph is conv.args[0]:
@@ -139,9 +139,8 @@ def output_padding(region: Region) -> tuple[int, dict[str, int]] | None:
             continue  # a prologue operand: input channels, not output channels
         if not all(after):
             return None
-        shape = tuple(ph.meta["val"].shape)
-        if roles[ph.name] in ("channel", "full") and _as4d(shape)[1] == k:
-            pads[ph.name] = len(shape) - 3
+        if roles[ph.name] in ("channel", "full") and _as4d(tuple(ph.meta["val"].shape))[1] == k:
+            pads.add(ph.name)
     return padded, pads
 
 
