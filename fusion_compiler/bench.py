@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from .check import floating_outputs, relative_error
 
 __all__ = ["bench", "BenchRecipe", "INFERENCE_VARIANTS", "TRAIN_VARIANTS", "time_ms",
            "format_results", "plot", "device_name", "add_arguments", "write"]
@@ -117,22 +118,13 @@ def time_ms(fn: Callable[[], object], device: torch.device | str, reps: int = 15
     return {"median": median, "q1": q1, "q3": q3, "iters": iters, "reps": reps}
 
 
-def _graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], object]:
-    """``step`` (static inputs) captured in one CUDA graph; returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+def _graphed(step: Callable[[], object]) -> Callable[[], object]:
+    """``step`` (static inputs: it takes none) warmed up 3 times on a side stream and captured
+    in one CUDA graph (:class:`~fusion_compiler.runtime.cuda_graph.CudaGraphRunner`); calling the
+    result replays it and returns the graph's own outputs."""
+    from .runtime.cuda_graph import CudaGraphRunner  # noqa: PLC0415
 
-
-def _floats(out: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return CudaGraphRunner(step, [], warmup=3, copy_outputs=False)
 
 
 def _train_step(model: torch.nn.Module, run: Callable[..., Any], inputs: Sequence[Any],
@@ -143,7 +135,7 @@ def _train_step(model: torch.nn.Module, run: Callable[..., Any], inputs: Sequenc
         if mark:  # a new step for CUDA graph trees: earlier outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         model.zero_grad(set_to_none=True)
-        sum(o.float().square().mean() for o in _floats(run(*inputs))).backward()
+        sum(o.float().square().mean() for o in floating_outputs(run(*inputs))).backward()
     return step
 
 
@@ -166,10 +158,11 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
         if not train:
             spec = module.specialize(*inputs)
             if label == first:  # what compile(model) chose, per region
+                summary = summarize(spec)
                 result["fusion_compiler"] = {"cuda_graph": spec.cuda_graph,
                                              "glue": spec.glue_backend, "notes": spec.notes,
-                                             "regions": _region_counts(spec),
-                                             "conv_gflop": summarize(spec)["conv_gflop"]}
+                                             "regions": summary["regions_per_backend"],
+                                             "conv_gflop": summary["conv_gflop"]}
                 result["tuning"] = format_tuning(spec.regions)
             return lambda: module(*inputs)
         step = _train_step(m, module, inputs)
@@ -196,12 +189,6 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
     for label in fusion_variants:
         makers[label] = lambda lab=label: ours(lab)
     return makers
-
-
-def _region_counts(spec: Any) -> dict:
-    from collections import Counter  # noqa: PLC0415
-
-    return dict(Counter(r.backend for r in spec.regions))
 
 
 @contextlib.contextmanager
@@ -269,7 +256,7 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
     reference = None
     if not train:
         with torch.inference_mode(), _fp32_convolutions():
-            reference = _floats(copy.deepcopy(model).float()(*[
+            reference = floating_outputs(copy.deepcopy(model).float()(*[
                 t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 for t in inputs]))
         result["rel_err_vs_fp32"] = {}
@@ -290,9 +277,9 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                 with _status(console, f"bench: timing {name}"):
                     result["ms"][name] = time_ms(fn, device, reps, iters)
                 if reference is not None:
-                    out = _floats(fn())
+                    out = floating_outputs(fn())
                     result["rel_err_vs_fp32"][name] = max(
-                        _rel_err(o, r) for o, r in zip(out, reference)) if out else None
+                        relative_error(o, r) for o, r in zip(out, reference)) if out else None
                 if device.type == "cuda":
                     result.setdefault("gpu_ops", {})[name] = gpu_ops_per_call(fn)
                 if profile and device.type == "cuda" and name in (
@@ -315,11 +302,6 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
         with _status(console, "bench: compile times in new processes (cold and warm)"):
             result["compile_s"].update(new_process_compile_seconds(recipe, timed))
     return result
-
-
-def _rel_err(out: torch.Tensor, reference: torch.Tensor) -> float:
-    scale = reference.abs().max().item()
-    return (out.float() - reference).abs().max().item() / scale if scale else float("nan")
 
 
 @contextlib.contextmanager

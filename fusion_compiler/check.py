@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_flatten
 from .compiler import CompiledModule
 from .region import Region
 
-__all__ = ["check", "CheckReport", "Comparison", "tolerance", "TOLERANCES", "EAGER_FACTOR"]
+__all__ = ["check", "CheckReport", "Comparison", "tolerance", "relative_error", "floating_outputs",
+           "TOLERANCES", "EAGER_FACTOR"]
 
 # Largest error (max |a - r| / max |r| against fp64) accepted per dtype: about 20 unit roundoffs
 # of the dtype (fp16 u = 2^-11 = 4.9e-4, bf16 u = 2^-8 = 3.9e-3); fp32 1e-4 leaves room for
@@ -60,8 +61,9 @@ def tolerance(dtype: torch.dtype, device: torch.device | str) -> float:
     return TOLERANCES[dtype]
 
 
-def _error(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    """max |a - r| / max |r| in fp64 (``0.0`` when both are all zeros)."""
+def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """``max |a - r| / max |r|`` in fp64 (``0.0`` when both are all zeros, ``inf`` when only the
+    reference is)."""
     reference = reference.detach().double()
     diff = (actual.detach().double() - reference).abs().max().item()
     scale = reference.abs().max().item()
@@ -161,6 +163,12 @@ class _RegionRecorder(fx.Interpreter):
         return out
 
 
+def floating_outputs(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a model's output (any nesting of tuples, lists, dicts)."""
+    return [t for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
 def _double(a: Any, grad: bool = False) -> Any:
     if isinstance(a, torch.Tensor) and a.is_floating_point():
         return a.detach().double().requires_grad_(grad)
@@ -168,17 +176,11 @@ def _double(a: Any, grad: bool = False) -> Any:
 
 
 def _upstream(outputs: Sequence[torch.Tensor], seed: int) -> list[torch.Tensor]:
-    """Upstream gradients for ``outputs``: U(0.5, 1.5) in each output's dtype and layout."""
+    """Upstream gradients for ``outputs``: U(0.5, 1.5) in each output's dtype and layout (drawn
+    in fp32, then rounded)."""
     gen = torch.Generator(device=outputs[0].device if outputs else "cpu").manual_seed(seed)
-    return [torch.rand(o.shape, generator=gen, device=o.device, dtype=torch.float32)
-            .add_(0.5).to(o.dtype).contiguous(memory_format=_format_of(o)) for o in outputs]
-
-
-def _format_of(t: torch.Tensor) -> torch.memory_format:
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(
-            memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
+    return [torch.empty_like(o, dtype=torch.float32).uniform_(0.5, 1.5, generator=gen)
+            .to(o.dtype) for o in outputs]
 
 
 def _weighted_sum(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -225,16 +227,12 @@ def check(model: torch.nn.Module, *inputs: Any, train: bool | None = None,
                          ["x".join(map(str, t.shape)) for t in inputs
                           if isinstance(t, torch.Tensor)])
 
-    def run(module: Any, args: Sequence[Any]) -> list[torch.Tensor]:
-        out = module(*args)
-        return [t for t in tree_flatten(out)[0]
-                if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
     with torch.set_grad_enabled(train):
-        outs, eager_outs = run(compiled, inputs), run(eager, inputs)
-        ref_outs = run(reference, [_double(a) for a in inputs])
+        outs, eager_outs = floating_outputs(compiled(*inputs)), floating_outputs(eager(*inputs))
+        ref_outs = floating_outputs(reference(*(_double(a) for a in inputs)))
     for i, (o, e, r) in enumerate(zip(outs, eager_outs, ref_outs)):
-        report.comparisons.append(Comparison(f"output {i}", None, _error(o, r), _error(e, r), tol))
+        report.comparisons.append(Comparison(f"output {i}", None, relative_error(o, r),
+                                             relative_error(e, r), tol))
     if train:
         grads = _upstream(outs, seed)
         for module, values in ((compiled, outs), (eager, eager_outs), (reference, ref_outs)):
@@ -244,8 +242,8 @@ def check(model: torch.nn.Module, *inputs: Any, train: bool | None = None,
         for (name, p), pe, pr in named:
             if p.grad is not None and pr.grad is not None:
                 report.comparisons.append(Comparison(
-                    f"grad {name}", None, _error(p.grad, pr.grad),
-                    None if pe.grad is None else _error(pe.grad, pr.grad), tol))
+                    f"grad {name}", None, relative_error(p.grad, pr.grad),
+                    None if pe.grad is None else relative_error(pe.grad, pr.grad), tol))
     _check_regions(compiled, inputs, train, tol, seed, report)
     return report
 
@@ -264,7 +262,8 @@ def _check_regions(compiled: CompiledModule, inputs: Sequence[Any], train: bool,
             eager = sub(*args)
         for i, (o, e, r) in enumerate(zip(outs, eager, ref)):
             report.comparisons.append(Comparison(f"forward {region.output_nodes[i].name}",
-                                                 region.region_id, _error(o, r), _error(e, r), tol))
+                                                 region.region_id, relative_error(o, r),
+                                                 relative_error(e, r), tol))
         if train:
             derived = region.backend != "reference" or compiled.derived_backward
             _check_region_grads(call, region, args, outs, derived, tol, seed, report)
@@ -314,5 +313,6 @@ def _check_region_grads(call: fx.Node, region: Region, args: tuple, outs: tuple,
         name = placeholders[i].name
         report.comparisons.append(Comparison(
             f"grad of {name} ({roles.get(name, 'input')})", region.region_id,
-            _error(compiled[k], ref[k]), None if eager[k] is None else _error(eager[k], ref[k]),
+            relative_error(compiled[k], ref[k]),
+            None if eager[k] is None else relative_error(eager[k], ref[k]),
             tol))
