@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from .region import Region
+from .report import op_name_of
 
 __all__ = ["to_dot", "BACKEND_COLORS"]
 
@@ -33,12 +34,10 @@ def _shape(node: fx.Node) -> str:
 
 
 def _label(node: fx.Node, gm: fx.GraphModule) -> str:
-    if node.op == "call_module":
-        op = type(gm.get_submodule(node.target)).__name__
-    elif node.op in ("placeholder", "output"):
+    if node.op in ("placeholder", "output"):
         op = node.op if node.op == "output" else f"input {node.name}"
     else:
-        op = getattr(node.target, "__name__", str(node.target))
+        op = op_name_of(node, gm)
     shape = _shape(node)
     return f"{op}\\n{shape}" if shape else op
 

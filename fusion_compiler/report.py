@@ -20,7 +20,7 @@ from .ops import is_call
 from .region import Region
 
 __all__ = ["format_regions", "format_tuning", "format_gradients", "unfused_convolutions",
-           "pytorch_nodes", "conv_flops", "summarize", "describe",
+           "pytorch_nodes", "op_name_of", "conv_flops", "summarize", "describe",
            "group_by_reason", "format_summary", "format_text", "DEFAULT_STAGES", "STAGES_HELP"]
 
 DEFAULT_STAGES: tuple[str, ...] = ()  # graph code only when asked for
@@ -43,7 +43,8 @@ def _add_row(table: Table, *cells: str) -> None:
     table.add_row(*(Text(str(c)) for c in cells))
 
 
-def _target_name(node: fx.Node, gm: fx.GraphModule) -> str:
+def op_name_of(node: fx.Node, gm: fx.GraphModule) -> str:
+    """What a node of ``gm`` calls: a module's class name, else the function or method name."""
     if node.op == "call_module":
         return type(gm.get_submodule(node.target)).__name__
     return getattr(node.target, "__name__", str(node.target))
@@ -56,8 +57,8 @@ def unfused_convolutions(gm: fx.GraphModule) -> list[dict]:
     for node in gm.graph.nodes:
         if _is_conv_node(node, gm):
             reason = reasons.get(node.name) or (
-                f"{_target_name(node, gm)}: only 2-d, zero-padded convolutions are fused")
-            result.append({"node": node.name, "op": _target_name(node, gm), "reason": reason})
+                f"{op_name_of(node, gm)}: only 2-d, zero-padded convolutions are fused")
+            result.append({"node": node.name, "op": op_name_of(node, gm), "reason": reason})
     return result
 
 
@@ -70,7 +71,7 @@ def pytorch_nodes(gm: fx.GraphModule) -> list[dict]:
             continue
         if node.op == "call_module" and isinstance(gm.get_submodule(node.target), Region):
             continue
-        name = _target_name(node, gm)
+        name = op_name_of(node, gm)
         if name in _QUIET and node.name not in reasons:
             continue
         reason = reasons.get(node.name, "not part of a convolution chain")
