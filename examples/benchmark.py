@@ -61,7 +61,8 @@ FUSION_VARIANTS = {
     "fusion_compiler cuda_graph=False glue=inductor": {"cuda_graph": False,
                                                       "glue_backend": "inductor"},
 }
-TRAIN_FUSION_VARIANTS = {"fusion_compiler": {}, "fusion_compiler glue=None": {"glue_backend": None}}
+TRAIN_FUSION_VARIANTS = {"fusion_compiler": {}, "fusion_compiler glue=None": {"glue_backend": None},
+                         "fusion_compiler cuda_graph=False": {"cuda_graph": False}}
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict:

@@ -15,8 +15,9 @@ figures are the model's, not an optimizer's). Variants:
                                     ``torch.compiler.cudagraph_mark_step_begin``)
 ``fusion_compiler``                 ``fusion_compiler.compile(model)`` with its defaults, and any
                                     other ``fusion_variants`` (label -> ``compile`` options)
-``fusion_compiler+cudagraph``       training only: the step of the first ``fusion_variants`` entry
-                                    captured in one CUDA graph by hand (README, "Training")
+``fusion_compiler+cudagraph``       training only: the step of the first ``fusion_variants`` entry,
+                                    compiled with ``cuda_graph=False``, captured in one CUDA graph
+                                    by hand (README, "Training")
 ==================================  ================================================================
 
 Timing (the method of shared/BASELINES.md): after 3 warm-up calls, ``reps`` repetitions of
@@ -153,6 +154,8 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
 
     def ours(label: str, graph_whole_step: bool = False) -> Callable[[], object]:
         options = fusion_variants[label]
+        if graph_whole_step:  # the step is captured by hand: no graph inside it
+            options = {**options, "cuda_graph": False}
         m = fresh()
         module = fc.compile(m, cache_dir=cache_dir, progress=False, **options)  # spinner instead
         if not train:

@@ -248,8 +248,8 @@ class CompiledModule(torch.nn.Module):
                             else t, out)
 
         runner, graphed = run, None
-        if self.cuda_graph and not grad and on_cuda:
-            runner, graphed = self._graphed(run, args, notes)
+        if self.cuda_graph and on_cuda:
+            runner, graphed = self._graphed(run, args, notes, training=grad)
         spec = Specialization(key, gm, runner, stages, glue, graphed, notes)
         self.specializations[key] = spec
         while len(self.specializations) > self.max_specializations:
@@ -307,20 +307,28 @@ class CompiledModule(torch.nn.Module):
             return None
         return "inductor"
 
-    def _graphed(self, run: Callable[..., Any], args: Sequence[Any], notes: list[str]
-                 ) -> tuple[Callable[..., Any], str | None]:
-        """``run`` replayed as a CUDA graph (see :mod:`.runtime.cuda_graph`), or ``run`` itself
-        when the forward cannot be captured (the reason is noted)."""
+    def _graphed(self, run: Callable[..., Any], args: Sequence[Any], notes: list[str],
+                 training: bool = False) -> tuple[Callable[..., Any], str | None]:
+        """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training
+        specialization forward and backward graphs, :mod:`.runtime.cuda_graph_training`), or
+        ``run`` itself when it cannot be captured (the reason is noted)."""
         from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
+        from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
 
-        params = [t for t in (*self.model.parameters(), *self.model.buffers())
-                  if not t.is_inference()]
         static = self.cuda_graph == "static"
         try:
-            runner = CudaGraphRunner(run, args, guard=lambda: tuple(p._version for p in params),
-                                     copy_outputs=not static)
+            if training:
+                runner = TrainingGraphRunner(run, args, list(self.model.parameters()),
+                                             list(self.model.buffers()), copy_outputs=not static)
+            else:
+                params = [t for t in (*self.model.parameters(), *self.model.buffers())
+                          if not t.is_inference()]
+                runner = CudaGraphRunner(run, args,
+                                         guard=lambda: tuple(p._version for p in params),
+                                         copy_outputs=not static)
         except CaptureError as exc:
-            self._note(notes, f"the forward runs without a CUDA graph: {exc}")
+            what = "training step" if training else "forward"
+            self._note(notes, f"the {what} runs without a CUDA graph: {exc}")
             return run, None
         return runner, "static" if static else "safe"
 

@@ -135,3 +135,33 @@ def test_dead_plan_workers_fail_their_jobs_instead_of_hanging():
                 future.result(timeout=60)
     finally:
         workers.close()
+
+
+def test_weight_copies_are_remade_in_captures_whose_replays_follow_updates():
+    """The channels_last weight copy is cached per parameter version in eager calls and in
+    captures redone on parameter changes, made once per compile()'s training capture (forward and
+    backward share it), and made at every use in a capture nobody marked (a step captured by
+    hand, whose replays follow optimizer updates no host check sees)."""
+    from fusion_compiler.backends.cudnn_plan import WeightCache
+    from fusion_compiler.runtime import cuda_graph
+
+    made = []
+    cache = WeightCache(convert=lambda t: made.append(1) or t.clone())
+    w = torch.randn(8, 4, 3, 3)
+    cache(w), cache(w)
+    assert len(made) == 1
+    with cuda_graph.parameters_guarded():
+        cache(w)
+    assert len(made) == 1
+    with cuda_graph.parameters_updated_between_replays():
+        cache(w), cache(w)
+    assert len(made) == 2
+    with cuda_graph.parameters_updated_between_replays():
+        cache(w)
+    assert len(made) == 3
+    with cuda_graph._scoped(cuda_graph.EVERY_CALL):  # what an unmarked capture reports
+        cache(w), cache(w)
+    assert len(made) == 5
+    w.add_(1)  # a new version
+    cache(w)
+    assert len(made) == 6

@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ..errors import UnsupportedError, condense
+from ..runtime.cuda_graph import EVERY_CALL, weight_cache_scope
 from ..runtime.plan_cache import PlanCache, StaleEntry
 from .autotune import PlanTiming, fastest, gpu_time_ms, sample_pack
 from .cudnn_graph import import_cudnn
@@ -226,6 +227,12 @@ class WeightCache:
     tensor) is always converted: a new tensor may reuse a freed one's memory and version number,
     so storage address and version alone would return a stale copy.
 
+    In a CUDA graph capture whose replays follow optimizer updates (a graphed training step) the
+    copy is made inside the graph, so every replay converts the weight as the optimizer left it:
+    once per step for ``compile()``'s own training graphs (forward and backward share it), at every
+    use in a capture of someone else's (see
+    :func:`~fusion_compiler.runtime.cuda_graph.weight_cache_scope`).
+
     Args:
         convert: makes the copy from the weight (default: ``contiguous(channels_last)``, and a
             weight already channels_last is used as it is); e.g. a zero-padding of its channels.
@@ -235,6 +242,7 @@ class WeightCache:
         self.convert = convert
         self.source: weakref.ref | None = None
         self.version = -1
+        self.scope: int | None = None  # weight_cache_scope() when the value was made
         self.value: torch.Tensor | None = None
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -245,9 +253,12 @@ class WeightCache:
             convert = _channels_last
         if t.is_inference():  # made under inference_mode: no version counter, a fresh tensor
             return convert(t)
-        if self.source is None or self.source() is not t or self.version != t._version:
-            self.value = convert(t)
-            self.source, self.version = weakref.ref(t), t._version
+        if self.source is not None and self.source() is t and self.version == t._version:
+            scope = weight_cache_scope()
+            if scope is None or (scope == self.scope and scope != EVERY_CALL):
+                return self.value
+        self.value = convert(t)
+        self.source, self.version, self.scope = weakref.ref(t), t._version, weight_cache_scope()
         return self.value
 
 

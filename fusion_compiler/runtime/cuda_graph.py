@@ -17,18 +17,74 @@ runs it without a graph.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import itertools
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import condense
 
-__all__ = ["CudaGraphRunner", "CaptureError"]
+__all__ = ["CudaGraphRunner", "CaptureError", "EVERY_CALL", "parameters_guarded",
+           "parameters_updated_between_replays", "weight_cache_scope"]
+
 
 
 class CaptureError(RuntimeError):
     """The forward could not be captured in a CUDA graph; the message says why (CUDA's error)."""
+
+
+_EPOCHS = itertools.count(1)
+_UNSET = object()
+_scope: Any = _UNSET
+EVERY_CALL = -1
+"""What :func:`weight_cache_scope` returns in a capture nobody marked: cache nothing."""
+
+
+@contextlib.contextmanager
+def _scoped(value: Any) -> Iterator[Any]:
+    global _scope
+    outer, _scope = _scope, value
+    try:
+        yield value
+    finally:
+        _scope = outer
+
+
+def parameters_updated_between_replays() -> contextlib.AbstractContextManager[int]:
+    """Mark a capture whose replays must see in-place parameter updates (a training step: the
+    optimizer updates parameters between replays, and nothing captures again).
+
+    Work that a kernel caches per parameter version on the host (a channels_last copy of a weight)
+    must then be done inside the graph: while this context is open, :func:`weight_cache_scope`
+    returns a number new to this context, and caches make their value once in it (the forward and
+    backward captures of one step share it).
+    """
+    return _scoped(next(_EPOCHS))
+
+
+def parameters_guarded() -> contextlib.AbstractContextManager[None]:
+    """Mark a capture that is redone whenever a parameter changes (:class:`CudaGraphRunner` with
+    a ``guard`` on the parameters' versions): host-side caches per parameter version stay valid,
+    and their values are read by the graph, not recomputed in it."""
+    return _scoped(None)
+
+
+def weight_cache_scope() -> int | None:
+    """How long a value cached per parameter version (``Tensor._version``) may be reused now.
+
+    ``None``: while the version is unchanged (eager calls, and captures under
+    :func:`parameters_guarded`). A positive number: within the open
+    :func:`parameters_updated_between_replays` context of that number only. :data:`EVERY_CALL`:
+    not at all, in any other CUDA graph capture (a training step a user captures by hand, whose
+    replays follow optimizer updates that no version check on the host can see).
+    """
+    if _scope is not _UNSET:
+        return _scope
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return EVERY_CALL
+    return None
 
 
 def _release_rng_capture(device: int) -> None:
@@ -80,12 +136,18 @@ class CudaGraphRunner:
         try:
             # thread_local: CUDA calls of other threads (a DataLoader's pinning thread) do not
             # invalidate this capture
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), \
+                    self._scope():
                 self.static_outputs = fn(*self.static_inputs)
         except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
             _release_rng_capture(torch.cuda.current_device())
             self.close()
             raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
+
+    def _scope(self) -> contextlib.AbstractContextManager:
+        """Host caches per parameter version may be read by the graph when a guard recaptures
+        on parameter changes; otherwise their work must be captured."""
+        return parameters_guarded() if self.guard is not None else contextlib.nullcontext()
 
     def __call__(self, *args: Any) -> Any:
         if self.guard is not None and self.guard() != self.token:

@@ -1,0 +1,228 @@
+"""Replay a training specialization's forward and backward as two CUDA graphs.
+
+What :class:`TrainingGraphRunner` keeps of plain autograd:
+
+- **Gradients reach ``.grad`` through autograd.** One ``torch.autograd.Function`` takes the inputs
+  and the parameters that require grad; its backward replays the backward graph and returns the
+  gradients, which autograd's ``AccumulateGrad`` adds into ``.grad`` as for any op, so micro-batch
+  accumulation, ``zero_grad`` in either form and DistributedDataParallel's gradient hooks work
+  unchanged. The returned gradients are fresh copies of the graph's buffers (one
+  ``torch._foreach_copy_`` into tensors laid out like their parameters), never the buffers
+  themselves: ``torch.cuda.make_graphed_callables`` returns its buffers, ``AccumulateGrad`` may
+  keep one as ``.grad``, and the next replay then overwrites an accumulated gradient
+  (pytorch/pytorch#181723). Inside the graph each gradient is made to the strides of its
+  parameter, so DDP's buckets take them without a layout copy.
+- **Parameters are read in place.** The graphs read parameters and buffers at their addresses, so
+  an optimizer's in-place update is seen by the next replay. Replacing a parameter tensor, or
+  changing which parameters require grad, captures the graphs again (checked before each forward).
+- **Buffers see one update per call.** Warm-up runs (which update BatchNorm's running statistics)
+  are undone: the buffers are restored after capture.
+- **Outputs survive later calls** (``copy_outputs``): each forward returns copies of the graph's
+  output buffers.
+
+Limits (each raises ``RuntimeError`` naming the fix): a backward must follow its own forward
+before the next forward of the same specialization (the forward graph's saved activations are
+overwritten by the next replay), and once (``retain_graph`` does not keep them); no double backward
+(``create_graph=True``).
+
+Capture is that of :mod:`.cuda_graph` (warm-up on a side stream, then ``torch.cuda.graph`` with
+thread-local error mode); the backward graph shares the forward graph's memory pool (the pattern of
+``torch.cuda.make_graphed_callables``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..errors import condense
+from .cuda_graph import CaptureError, _release_rng_capture, parameters_updated_between_replays
+
+__all__ = ["TrainingGraphRunner"]
+
+
+def _like_parameter(g: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
+    """``g`` with the strides of ``p`` (a copy only when they differ)."""
+    if g is None or g.stride() == p.stride():
+        return g
+    return torch.empty_like(p).copy_(g)
+
+
+class TrainingGraphRunner:
+    """Capture ``fn``'s forward and backward for inputs like ``example_args`` in two CUDA graphs.
+
+    Args:
+        fn: the training forward (tensors in, a pytree of tensors out); it must launch work only
+            on the current stream and must not synchronize with the host.
+        example_args: real CUDA tensors (and other values passed as they are); a tensor's
+            ``requires_grad`` says whether its gradient is computed.
+        parameters: the parameters ``fn`` reads (those that require grad get gradients).
+        buffers: the buffers ``fn`` may update in place (restored after warm-up and capture).
+        warmup: forward + backward runs on a side stream before capture.
+        copy_outputs: return copies of the forward's output buffers (else the buffers, which the
+            next call overwrites).
+
+    Raises:
+        CaptureError: the forward or the backward cannot be captured.
+    """
+
+    def __init__(self, fn: Callable[..., Any], example_args: Sequence[Any],
+                 parameters: Sequence[torch.nn.Parameter], buffers: Sequence[torch.Tensor] = (),
+                 warmup: int = 3, copy_outputs: bool = True):
+        self.fn, self.warmup, self.copy_outputs = fn, warmup, copy_outputs
+        self.all_parameters = list(parameters)
+        self.buffers = [b for b in buffers if not b.is_inference()]
+        self.static_inputs = [a.detach().clone().requires_grad_(a.requires_grad)
+                              if isinstance(a, torch.Tensor) else a for a in example_args]
+        self.fwd_graph: torch.cuda.CUDAGraph | None = None
+        self.bwd_graph: torch.cuda.CUDAGraph | None = None
+        self.generation = 0  # forward replays so far: a backward must belong to the latest
+        self._capture()
+
+    def _token(self) -> tuple:
+        return tuple((p.data_ptr(), p.requires_grad) for p in self.all_parameters)
+
+    def _capture(self) -> None:
+        self.close()
+        self.token = self._token()
+        self.parameters = [p for p in self.all_parameters if p.requires_grad]
+        wrt = [a for a in self.static_inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+        self.input_grad_count = len(wrt)
+        wrt += self.parameters
+        saved = [b.clone() for b in self.buffers]
+        try:
+            self._warm_up(wrt)
+            with parameters_updated_between_replays():
+                self._capture_graphs(wrt)
+        except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
+            _release_rng_capture(torch.cuda.current_device())
+            self.close()
+            raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
+        finally:
+            with torch.no_grad():
+                for b, s in zip(self.buffers, saved):
+                    b.copy_(s)
+
+    def _differentiable(self, out: Any) -> list[torch.Tensor]:
+        return [t for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def _warm_up(self, wrt: list[torch.Tensor]) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.enable_grad():
+            for _ in range(self.warmup):
+                outs = self._differentiable(self.fn(*self.static_inputs))
+                if outs and wrt:
+                    torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs],
+                                        allow_unused=True)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _capture_graphs(self, wrt: list[torch.Tensor]) -> None:
+        self.fwd_graph = torch.cuda.CUDAGraph()
+        with torch.enable_grad(), torch.cuda.graph(self.fwd_graph,
+                                                   capture_error_mode="thread_local"):
+            out = self.fn(*self.static_inputs)
+        flat, self.out_spec = tree_flatten(out)
+        diff = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
+        self.diff_positions = [i for i, d in enumerate(diff) if d]
+        outs = [flat[i] for i in self.diff_positions]
+        self.static_grad_outputs = [torch.empty_like(o) for o in outs]
+        self.bwd_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.bwd_graph, pool=self.fwd_graph.pool(),
+                              capture_error_mode="thread_local"):
+            grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs,
+                                        allow_unused=True) if outs and wrt else [None] * len(wrt)
+            n = self.input_grad_count
+            grads = [*grads[:n], *(_like_parameter(g, p)
+                                   for g, p in zip(grads[n:], self.parameters))]
+        self.static_grads = [None if g is None else g.detach() for g in grads]
+        self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+
+    # ------------------------------------------------------------------ calls
+    def __call__(self, *args: Any) -> Any:
+        if self._token() != self.token:
+            self._capture()
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        flat = _Replay.apply(self, len(tensors), *tensors, *self.parameters)
+        return tree_unflatten(list(flat), self.out_spec)
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
+        """Copy ``inputs`` into the static buffers, replay the forward graph, return the outputs
+        (flattened; copies with ``copy_outputs``)."""
+        statics = [s for s in self.static_inputs if isinstance(s, torch.Tensor)]
+        for static, a in zip(statics, inputs):
+            if a.data_ptr() != static.data_ptr():
+                static.copy_(a)
+        self.fwd_graph.replay()
+        self.generation += 1
+        if not self.copy_outputs:
+            return list(self.static_outputs)
+        return [t.clone() if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
+
+    def backward(self, generation: int, grad_outputs: Sequence[torch.Tensor | None]
+                 ) -> list[torch.Tensor | None]:
+        """Replay the backward graph for the forward replay ``generation`` with these output
+        gradients (``None``: zero); return fresh copies of the input and parameter gradients."""
+        if generation != self.generation:
+            raise RuntimeError(
+                "fusion_compiler: backward of a CUDA-graphed training call after a later call of "
+                "the same compiled module: that call's replay overwrote the activations this "
+                "backward needs. Call backward before the next forward (accumulate gradients "
+                "over micro-batches one forward + backward at a time), or compile with "
+                "cuda_graph=False.")
+        self.generation += 1  # a second backward of the same forward is refused too
+        for static, g in zip(self.static_grad_outputs, grad_outputs):
+            if g is None:
+                static.zero_()
+            elif g.data_ptr() != static.data_ptr():
+                static.copy_(g)
+        self.bwd_graph.replay()
+        present = [g for g in self.static_grads if g is not None]
+        fresh = [torch.empty_like(g) for g in present]
+        if fresh:
+            torch._foreach_copy_(fresh, present)
+        it = iter(fresh)
+        return [None if g is None else next(it) for g in self.static_grads]
+
+    def close(self) -> None:
+        """Free both graphs and their memory pool."""
+        for graph in (self.fwd_graph, self.bwd_graph):
+            if graph is not None:
+                graph.reset()
+        self.fwd_graph = self.bwd_graph = None
+        self.static_outputs, self.static_grads, self.static_grad_outputs = [], [], []
+
+    def output_tensors(self) -> list[torch.Tensor]:
+        return [t for t in self.static_outputs if isinstance(t, torch.Tensor)]
+
+
+class _Replay(torch.autograd.Function):
+    """Autograd's view of one graphed training call: inputs are the call's tensors, then the
+    parameters that require grad; outputs the flattened outputs of the forward."""
+
+    @staticmethod
+    def forward(ctx, runner: TrainingGraphRunner, n_inputs: int, *tensors: torch.Tensor):
+        ctx.runner, ctx.generation = runner, None
+        inputs = tensors[:n_inputs]
+        outs = runner.forward(inputs)
+        ctx.generation = runner.generation
+        ctx.input_requires = [t.requires_grad for t in inputs]
+        diff = set(runner.diff_positions)
+        ctx.mark_non_differentiable(*(t for i, t in enumerate(outs)
+                                      if isinstance(t, torch.Tensor) and i not in diff))
+        return tuple(outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs: torch.Tensor | None):
+        runner = ctx.runner
+        grads = runner.backward(ctx.generation,
+                                [grad_outputs[i] for i in runner.diff_positions])
+        n = runner.input_grad_count
+        it = iter(grads[:n])
+        input_grads = [next(it) if needs else None for needs in ctx.input_requires]
+        return (None, None, *input_grads, *grads[n:])
