@@ -3,12 +3,16 @@ SE-ResNet9-Fixup and a small head, DistributedDataParallel all-reduces the gradi
 weights with fp32 masters and dynamic loss scaling (``MasterWeightOptimizer``).
 
     torchrun --nproc-per-node 2 examples/train_ddp.py                 # compiled encoder
-    torchrun --nproc-per-node 2 examples/train_ddp.py --eager         # the same loop, eager
+    torchrun --nproc-per-node 2 examples/train_ddp.py --variant eager # the same loop, eager
+    torchrun --nproc-per-node 2 examples/train_ddp.py --variant reduce-overhead
 
 Per rank it prints the median step time (forward, backward with the all-reduce, optimizer step;
 CUDA events over ``--steps`` steps after ``--warmup``) and the loss, and rank 0 the steps per
-second of the whole job. The compiled encoder is ``DDP(fusion_compiler.compile(model))``; the
-ranks share the plan cache directory, so one rank tunes and the others load its plans.
+second of the whole job. Variants: ``fusion_compiler`` (default) wraps the compiled encoder,
+``DDP(Agent(fusion_compiler.compile(encoder)))``, and the ranks share the plan cache directory, so
+one rank tunes and the others load its plans; ``eager`` is ``DDP(Agent(encoder))``;
+``reduce-overhead`` is ``torch.compile(DDP(Agent(encoder)), mode="reduce-overhead")`` (each step
+marked with ``torch.compiler.cudagraph_mark_step_begin``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from examples.seresnet9_fixup import randomize_, se_resnet9_fixup  # noqa: E402
 from examples.train_seresnet9 import MasterWeightOptimizer  # noqa: E402
 
 
+VARIANTS = ("fusion_compiler", "eager", "reduce-overhead")
+
+
 class Agent(nn.Module):
     """Encoder, then a linear value head on the flattened features (N, 1)."""
 
@@ -49,16 +56,19 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1024, help="per rank (default %(default)s)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--eager", action="store_true", help="do not compile the encoder")
+    parser.add_argument("--variant", choices=VARIANTS, default="fusion_compiler")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl")
     torch.manual_seed(0)  # the same initial weights on every rank
     encoder = randomize_(se_resnet9_fixup(3)).cuda().half().train()
-    if not args.eager:
+    if args.variant == "fusion_compiler":
         encoder = fc.compile(encoder)
     model = DDP(Agent(encoder).cuda().half())
+    mark = args.variant == "reduce-overhead"
+    if mark:
+        model = torch.compile(model, mode="reduce-overhead")
     opt = MasterWeightOptimizer(model.parameters(),
                                 lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
     gen = torch.Generator("cuda").manual_seed(rank)  # each rank its own observations
@@ -68,6 +78,8 @@ def main() -> int:
     for step in range(args.warmup + args.steps):
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()
+        if mark:  # a new step for CUDA graph trees: the last step's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad()
         loss = (model(x).float() - target).square().mean()
         opt.backward(loss)
@@ -77,7 +89,7 @@ def main() -> int:
         if step >= args.warmup:
             times.append(start.elapsed_time(end))
     ms = statistics.median(times)
-    label = "eager" if args.eager else "fusion_compiler"
+    label = args.variant
     print(f"rank {rank}/{world} {label}: {ms:.2f} ms/step (median of {args.steps}), "
           f"loss {loss.item():.4f}, {torch.cuda.get_device_name()}", flush=True)
     total = torch.tensor([args.batch * 1000.0 / ms], device="cuda")

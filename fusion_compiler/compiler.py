@@ -249,7 +249,9 @@ class CompiledModule(torch.nn.Module):
 
         runner, graphed = run, None
         if self.cuda_graph and on_cuda:
-            runner, graphed = self._graphed(run, args, notes, training=grad)
+            runner, graphed = self._graphed(run, args, notes, training=grad,
+                                            module=call if isinstance(call, torch.nn.Module)
+                                            else gm)
         spec = Specialization(key, gm, runner, stages, glue, graphed, notes)
         self.specializations[key] = spec
         while len(self.specializations) > self.max_specializations:
@@ -308,7 +310,8 @@ class CompiledModule(torch.nn.Module):
         return "inductor"
 
     def _graphed(self, run: Callable[..., Any], args: Sequence[Any], notes: list[str],
-                 training: bool = False) -> tuple[Callable[..., Any], str | None]:
+                 training: bool = False, module: torch.nn.Module | None = None
+                 ) -> tuple[Callable[..., Any], str | None]:
         """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training
         specialization forward and backward graphs, :mod:`.runtime.cuda_graph_training`), or
         ``run`` itself when it cannot be captured (the reason is noted)."""
@@ -319,7 +322,8 @@ class CompiledModule(torch.nn.Module):
         try:
             if training:
                 runner = TrainingGraphRunner(run, args, list(self.model.parameters()),
-                                             list(self.model.buffers()), copy_outputs=not static)
+                                             list(self.model.buffers()), module=module,
+                                             copy_outputs=not static)
             else:
                 params = [t for t in (*self.model.parameters(), *self.model.buffers())
                           if not t.is_inference()]

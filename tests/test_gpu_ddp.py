@@ -32,12 +32,20 @@ twin = copy.deepcopy(base)
 gen = torch.Generator("cuda").manual_seed(rank)  # each rank its own data
 x = torch.randn(64, 3, 64, 64, device="cuda", dtype=torch.half, generator=gen)
 compiled = fc.compile(base, cache_dir={cache!r})
-for model in (DDP(compiled), DDP(twin)):
-    (model(x).float().square().mean() * 1024).backward()
+wrapped = (DDP(compiled), DDP(twin))
+for step in range(2):  # the second step's replay must see the first step's update
+    for model in wrapped:
+        model.zero_grad(set_to_none=True)
+        (model(x).float().square().mean() * 1024).backward()
+    if step == 0:
+        with torch.no_grad():
+            for p, q in zip(base.parameters(), twin.parameters()):
+                p.sub_(q.grad, alpha=1e-5)  # the same update for both copies
+                q.sub_(q.grad, alpha=1e-5)
 errs = [((p.grad.float() - q.grad.float()).norm() / q.grad.float().norm().clamp_min(1e-30)).item()
         for p, q in zip(base.parameters(), twin.parameters())]
 regions = compiled.last.regions
-print(json.dumps({{"rank": rank, "engines": [r.plan.split(" ")[0] for r in regions],
+print(json.dumps({{"rank": rank, "cuda_graph": compiled.last.cuda_graph, "engines": [r.plan.split(" ")[0] for r in regions],
                   "backends": [r.backend for r in regions],
                   "tuned": sum(bool(r.tuning) for r in regions),
                   "loaded": sum(bool(r.plan_from_cache) for r in regions),
@@ -63,6 +71,7 @@ def test_ddp_two_gpus_same_plans_one_tuner_eager_gradients(tmp_path):
     assert sorted([a["tuned"], b["tuned"]])[0] == 0  # one rank tuned, the other loaded
     assert max(a["loaded"], b["loaded"]) == len(a["engines"])
     assert a["checksum"] == b["checksum"]  # all-reduced gradients agree
+    assert a["cuda_graph"] == "safe"  # graphed training under DDP
     # against eager fp16 DDP: fp16 sums differ in order (Fixup's scalar biases are
     # ill-conditioned: up to ~6e-2 L2 between eager variants, fusion_compiler/backward.py)
     assert a["median_grad_err"] < 1e-2 and a["max_grad_err"] < 0.1, a

@@ -61,6 +61,9 @@ class TrainingGraphRunner:
             ``requires_grad`` says whether its gradient is computed.
         parameters: the parameters ``fn`` reads (those that require grad get gradients).
         buffers: the buffers ``fn`` may update in place (restored after warm-up and capture).
+        module: the module through which ``fn`` reads ``parameters`` (``fn`` calls it): warm-up
+            and capture swap its parameters for aliases (``torch.func.functional_call``), see
+            :meth:`_aliases`. ``None``: ``fn`` reads the parameters themselves.
         warmup: forward + backward runs on a side stream before capture.
         copy_outputs: return copies of the forward's output buffers (else the buffers, which the
             next call overwrites).
@@ -71,8 +74,9 @@ class TrainingGraphRunner:
 
     def __init__(self, fn: Callable[..., Any], example_args: Sequence[Any],
                  parameters: Sequence[torch.nn.Parameter], buffers: Sequence[torch.Tensor] = (),
-                 warmup: int = 3, copy_outputs: bool = True):
-        self.fn, self.warmup, self.copy_outputs = fn, warmup, copy_outputs
+                 module: torch.nn.Module | None = None, warmup: int = 3,
+                 copy_outputs: bool = True):
+        self.fn, self.module, self.warmup, self.copy_outputs = fn, module, warmup, copy_outputs
         self.all_parameters = list(parameters)
         self.buffers = [b for b in buffers if not b.is_inference()]
         self.static_inputs = [a.detach().clone().requires_grad_(a.requires_grad)
@@ -91,12 +95,13 @@ class TrainingGraphRunner:
         self.parameters = [p for p in self.all_parameters if p.requires_grad]
         wrt = [a for a in self.static_inputs if isinstance(a, torch.Tensor) and a.requires_grad]
         self.input_grad_count = len(wrt)
-        wrt += self.parameters
+        named, aliases = self._aliases()
+        wrt += aliases
         saved = [b.clone() for b in self.buffers]
         try:
-            self._warm_up(wrt)
+            self._warm_up(named, wrt)
             with parameters_updated_between_replays():
-                self._capture_graphs(wrt)
+                self._capture_graphs(named, wrt)
         except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
             _release_rng_capture(torch.cuda.current_device())
             self.close()
@@ -110,22 +115,44 @@ class TrainingGraphRunner:
         return [t for t in tree_flatten(out)[0]
                 if isinstance(t, torch.Tensor) and t.requires_grad]
 
-    def _warm_up(self, wrt: list[torch.Tensor]) -> None:
+    def _aliases(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """New leaf tensors sharing each parameter's storage, by name in ``module`` (for
+        ``functional_call``), and those of the parameters that require grad, in order.
+
+        Warm-up and capture differentiate with respect to these, never the parameters
+        themselves: hooks on a parameter's gradient accumulator (DistributedDataParallel's
+        all-reduce, a user's) must not run then (DDP's enqueue work outside the capture stream,
+        which invalidates the capture), and they run as usual when a replay's gradients are
+        accumulated. The graphs read the same storage, so updates in place are seen."""
+        alias = {id(p): p.detach().requires_grad_(p.requires_grad)
+                 for p in self.all_parameters}
+        named = {} if self.module is None else {
+            name: alias.setdefault(id(p), p.detach().requires_grad_(p.requires_grad))
+            for name, p in self.module.named_parameters(remove_duplicate=False)}
+        return named, [alias[id(p)] for p in self.parameters]
+
+    def _run(self, named: dict[str, torch.Tensor]) -> Any:
+        if self.module is None:
+            return self.fn(*self.static_inputs)
+        return torch.func.functional_call(_Bound(self.module, self.fn), {
+            f"module.{name}": t for name, t in named.items()}, tuple(self.static_inputs))
+
+    def _warm_up(self, named: dict[str, torch.Tensor], wrt: list[torch.Tensor]) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.enable_grad():
             for _ in range(self.warmup):
-                outs = self._differentiable(self.fn(*self.static_inputs))
+                outs = self._differentiable(self._run(named))
                 if outs and wrt:
                     torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs],
                                         allow_unused=True)
         torch.cuda.current_stream().wait_stream(side)
 
-    def _capture_graphs(self, wrt: list[torch.Tensor]) -> None:
+    def _capture_graphs(self, named: dict[str, torch.Tensor], wrt: list[torch.Tensor]) -> None:
         self.fwd_graph = torch.cuda.CUDAGraph()
         with torch.enable_grad(), torch.cuda.graph(self.fwd_graph,
                                                    capture_error_mode="thread_local"):
-            out = self.fn(*self.static_inputs)
+            out = self._run(named)
         flat, self.out_spec = tree_flatten(out)
         diff = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
         self.diff_positions = [i for i, d in enumerate(diff) if d]
@@ -198,6 +225,17 @@ class TrainingGraphRunner:
 
     def output_tensors(self) -> list[torch.Tensor]:
         return [t for t in self.static_outputs if isinstance(t, torch.Tensor)]
+
+
+class _Bound(torch.nn.Module):
+    """``fn`` as the forward of a module holding ``module``, for ``functional_call``."""
+
+    def __init__(self, module: torch.nn.Module, fn: Callable[..., Any]):
+        super().__init__()
+        self.module, self.fn = module, fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
 
 
 class _Replay(torch.autograd.Function):
