@@ -111,7 +111,8 @@ class CompiledModule(torch.nn.Module):
     training specialization, whose cuDNN regions run a fused backward (:mod:`.backward`).
     ``derived_backward`` makes PyTorch-backend regions use that backward too (for tests).
     ``glue_backend`` hands each specialization's graph to ``torch.compile`` with that backend,
-    ``cuda_graph`` replays inference forwards as CUDA graphs, and at most ``max_specializations``
+    ``cuda_graph`` replays forwards (and training backwards) as CUDA graphs, and at most
+    ``max_specializations``
     are kept, the least recently used evicted first (see :func:`compile` for all three).
 
     Raises (on call):
@@ -369,7 +370,10 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             synchronization, ``.item()``, a CPU tensor) runs without a graph, and the reason is
             logged once. ``"static"``: the same graph, but calls return the graph's own output
             buffers, overwritten by the next call (no copy: clone what you keep). ``False``: no
-            CUDA graph. Training specializations are never captured.
+            CUDA graph. A training specialization is captured as a forward and a backward graph
+            (:class:`~fusion_compiler.runtime.cuda_graph_training.TrainingGraphRunner`):
+            gradients reach ``.grad`` through autograd; ``backward`` must follow its forward
+            before the next call (else ``RuntimeError``).
         cache_dir: where serialized cuDNN plans are kept (default: ``$FUSION_COMPILER_CACHE_DIR``
             or the user cache directory; ``False`` disables the cache).
         autotune: per region, how many of cuDNN's ranked execution plans to build and time on
