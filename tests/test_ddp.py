@@ -1,5 +1,6 @@
 """DistributedDataParallel on the CPU (gloo, reference backend): ``DDP(fusion_compiler.compile(m))``
-gives eager DDP's gradients on every rank, and ``compile(DDP(m))`` names the fix."""
+and ``torch.compile(DDP(m), backend="fusion_compiler")`` give eager DDP's gradients on every rank,
+and ``fusion_compiler.compile(DDP(m))`` names the fix."""
 
 from __future__ import annotations
 
@@ -25,16 +26,23 @@ from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", init_method="file://" + {init!r}, rank=rank, world_size=2)
 base = randomize_(se_resnet9_fixup(3, base_planes=32), seed=1).train()
-twin = copy.deepcopy(base)
+twin, dyn = copy.deepcopy(base), copy.deepcopy(base)
 x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(rank))  # differ per rank
 # both ranks share one cache directory: they compile one at a time (PlanCache.lock)
-for model in (DDP(fc.compile(base, backend="reference", cache_dir={cache!r})), DDP(twin)):
+models = (DDP(fc.compile(base, backend="reference", cache_dir={cache!r})), DDP(twin),
+          # Dynamo splits the graph at DDP's bucket boundaries; each piece goes to the backend
+          torch.compile(DDP(dyn), backend="fusion_compiler",
+                        options={{"backend": "reference", "cache_dir": {cache!r}}}))
+for model in models:
     model(x).square().mean().backward()
-# (a parameter behind a ReLU that is off for every input has all-zero gradients in both)
-diff = max((p.grad - q.grad).abs().max().item() / (q.grad.abs().max().item() or 1.0)
-           for p, q in zip(base.parameters(), twin.parameters()))
+
+def diff(a, b):  # (a parameter behind a ReLU off for every input has zero gradients in both)
+    return max((p.grad - q.grad).abs().max().item() / (q.grad.abs().max().item() or 1.0)
+               for p, q in zip(a.parameters(), b.parameters()))
+
 total = sum(p.grad.sum().item() for p in base.parameters())
-print(json.dumps({{"rank": rank, "diff": diff, "sum": total}}))
+print(json.dumps({{"rank": rank, "diff": diff(base, twin), "dynamo_diff": diff(dyn, twin),
+                  "sum": total}}))
 dist.destroy_process_group()
 """
 
@@ -51,6 +59,7 @@ def test_ddp_of_compiled_module_matches_eager_ddp_on_every_rank(tmp_path):
         assert proc.returncode == 0, err[-2000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert all(r["diff"] < 1e-4 for r in results), results  # fp32, reduction order varies
+    assert all(r["dynamo_diff"] < 1e-4 for r in results), results  # torch.compile(DDP(m))
     # all-reduced: both ranks hold the same gradients although their inputs differ
     assert results[0]["sum"] == pytest.approx(results[1]["sum"], rel=1e-6)
 
