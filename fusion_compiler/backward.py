@@ -60,7 +60,7 @@ import torch.fx as fx
 from .ops import is_conv, is_hw_sum
 from .region import Region
 
-__all__ = ["ConvGradients", "TorchConvGradients", "RegionBackward", "saved_nodes",
+__all__ = ["ConvGradients", "TorchConvGradients", "RegionBackward", "layout_like", "saved_nodes",
            "training_region", "folded_scale"]
 
 aten = torch.ops.aten
@@ -182,6 +182,19 @@ def _value(node: Any, values: dict[fx.Node, Any]) -> Any:
     return values[node]
 
 
+def layout_like(g: torch.Tensor, ref: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """``g`` (same shape as ``ref``) with ``ref``'s strides where that is free: a view when the
+    two differ only in the strides of size-1 dimensions (a 1x1 weight's gradient written
+    channels_last, which DistributedDataParallel's buckets would otherwise flag and copy; size-1
+    dimensions are never stepped along, so the view addresses the same elements). Other
+    differences give a copy with ``copy``, else ``g`` as it is."""
+    if g.stride() == ref.stride() or g.shape != ref.shape:
+        return g
+    if all(a == b or n == 1 for a, b, n in zip(g.stride(), ref.stride(), g.shape)):
+        return g.as_strided(ref.shape, ref.stride())
+    return torch.empty_like(ref, dtype=g.dtype).copy_(g) if copy else g
+
+
 def _sum_to(g: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """``g`` summed over the dimensions an operand of ``shape`` was broadcast along."""
     return g.sum_to_size(tuple(shape)) if tuple(g.shape) != tuple(shape) else g
@@ -263,7 +276,7 @@ class RegionBackward:
         result: list[torch.Tensor | None] = []
         for ph, x in zip(self.placeholders, inputs):
             g = grads.get(ph)
-            result.append(None if g is None else g.to(x.dtype).reshape(x.shape))
+            result.append(None if g is None else layout_like(g.to(x.dtype).reshape(x.shape), x))
         return result
 
     def _dgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

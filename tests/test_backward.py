@@ -276,3 +276,20 @@ def test_kernels_and_their_backward_die_with_the_compiled_module():
     del compiled
     gc.collect()
     assert len(region_op._KERNELS) == before
+
+
+def test_layout_like_views_size_one_stride_differences_and_copies_only_when_asked():
+    """A 1x1 weight's channels_last gradient gets the parameter's strides as a view (what DDP's
+    bucket views compare); other layout differences are copied only with ``copy=True``."""
+    from fusion_compiler.backward import layout_like
+
+    w = torch.randn(64, 48, 1, 1)
+    g = torch.randn(64, 48, 1, 1).contiguous(memory_format=torch.channels_last)
+    view = layout_like(g, w)
+    assert view.stride() == w.stride() and view.data_ptr() == g.data_ptr()
+    assert torch.equal(view, g)
+    w3 = torch.randn(8, 4, 3, 3)
+    g3 = torch.randn(8, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+    assert layout_like(g3, w3) is g3
+    copied = layout_like(g3, w3, copy=True)
+    assert copied.stride() == w3.stride() and torch.equal(copied, g3)

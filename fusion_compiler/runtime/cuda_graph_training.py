@@ -38,17 +38,11 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..backward import layout_like
 from ..errors import condense
 from .cuda_graph import CaptureError, _release_rng_capture, parameters_updated_between_replays
 
 __all__ = ["TrainingGraphRunner"]
-
-
-def _like_parameter(g: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor | None:
-    """``g`` with the strides of ``p`` (a copy only when they differ)."""
-    if g is None or g.stride() == p.stride():
-        return g
-    return torch.empty_like(p).copy_(g)
 
 
 class TrainingGraphRunner:
@@ -164,7 +158,7 @@ class TrainingGraphRunner:
             grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs,
                                         allow_unused=True) if outs and wrt else [None] * len(wrt)
             n = self.input_grad_count
-            grads = [*grads[:n], *(_like_parameter(g, p)
+            grads = [*grads[:n], *(None if g is None else layout_like(g, p, copy=True)
                                    for g, p in zip(grads[n:], self.parameters))]
         self.static_grads = [None if g is None else g.detach() for g in grads]
         self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
