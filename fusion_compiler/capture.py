@@ -1,13 +1,14 @@
 """Capture: an ``nn.Module`` becomes a ``torch.fx.GraphModule`` with tensor metadata on its nodes.
 
-Shapes, dtypes and strides are propagated without running the model on real data: by running the
-graph on tensors of PyTorch's ``meta`` device (no memory, no kernels; each op's meta function
-computes its output's shape, dtype and strides), or, under ``torch.autocast`` and for inputs that
-are already ``FakeTensor`` s, with fake tensors (``torch.fx.passes.fake_tensor_prop``). Either way
-the first use imports ``torch._dynamo`` (fake tensors on construction, meta tensors through the
-Python meta functions of ``torch._refs``) and sympy (the convolution's meta function): 1.5-2 s on
-a 2-core CPU. That is why the pass manager caches what was propagated
-(:func:`encode_meta`, :func:`apply_meta`). After :func:`propagate_shapes`
+Shapes, dtypes and strides are propagated by running the graph once on copies of the real inputs
+when that is cheap (the pass manager decides, see :class:`~fusion_compiler.passes.PassManager`),
+else without real data: on tensors of PyTorch's ``meta`` device (no memory, no kernels; each op's
+meta function computes its output's shape, dtype and strides), or, under ``torch.autocast`` and
+for inputs that are already ``FakeTensor`` s, with fake tensors
+(``torch.fx.passes.fake_tensor_prop``). The first meta or fake propagation imports
+``torch._dynamo`` (fake tensors on construction, meta tensors through the Python meta functions of
+``torch._refs``) and sympy (the convolution's meta function): 1.5-2 s on a 2-core CPU. The pass
+manager also caches what was propagated (:func:`encode_meta`, :func:`apply_meta`). After :func:`propagate_shapes`
 every node's ``meta["val"]`` holds a meta tensor or ``FakeTensor`` (or a Python value/tuple of them
 for shape arithmetic and multi-output nodes) and ``meta["device"]`` the device the value lives on
 when the graph runs (:func:`node_device`).
@@ -20,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map_only
 
 from .errors import FusionError
 
@@ -80,14 +82,18 @@ def capture(model: torch.nn.Module) -> fx.GraphModule:
         ) from exc
 
 
-def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                     real: bool = False) -> fx.GraphModule:
     """Fill ``node.meta["val"]`` and ``node.meta["device"]`` for every node of ``gm``.
 
-    Real tensors in ``example_inputs`` stand in by their shape, dtype, strides and device only;
-    parameters and buffers of ``gm`` are only read for metadata. Runs on meta tensors
-    (:class:`_MetaPropagation`) unless ``torch.autocast`` is on (autocast casts per device type,
-    and meta tensors have none) or an input is already a ``FakeTensor`` (Dynamo passes them):
-    then with fake tensors on their real devices.
+    With ``real`` (and real tensors in ``example_inputs``, autocast off) the graph runs once on
+    copies of the inputs (:func:`_real_propagation`): no meta function runs, so neither
+    ``torch._dynamo`` nor sympy is imported, and each value's strides and device are what eager
+    PyTorch gives. Otherwise real tensors in ``example_inputs`` stand in by their shape, dtype,
+    strides and device only, and parameters and buffers of ``gm`` are only read for metadata: the
+    graph runs on meta tensors (:class:`_MetaPropagation`), or with fake tensors on their real
+    devices when ``torch.autocast`` is on (autocast casts per device type, and meta tensors have
+    none) or an input is already a ``FakeTensor`` (Dynamo passes them).
     """
     fake_inputs = any(isinstance(a, torch.Tensor) and hasattr(a, "fake_mode") for a in example_inputs)
     device = next((a.device for a in example_inputs if isinstance(a, torch.Tensor)), None)
@@ -95,9 +101,44 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.Gr
         device.type)
     if fake_inputs or autocast:
         _fake_propagation(gm, example_inputs)
+    elif real:
+        _real_propagation(gm, example_inputs)
     else:
         _MetaPropagation(gm, device).run(*example_inputs)
     return gm
+
+
+def _real_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Run ``gm`` on clones of ``example_inputs`` under ``no_grad`` and record each node's value
+    as a meta tensor of the same shape, dtype and strides, and its device.
+
+    The run leaves no trace: tensor inputs are cloned (an in-place op cannot change the caller's),
+    the random number generators of the CPU and the inputs' GPU are forked (dropout draws), and
+    buffers are restored afterwards (batch norm in training mode updates its running statistics).
+    """
+    devices = sorted({a.device.index or 0 for a in example_inputs
+                      if isinstance(a, torch.Tensor) and a.is_cuda})
+    inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    buffers = [b for b in gm.buffers() if not b.is_inference()]
+    saved = [b.clone() for b in buffers]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            _RecordingInterpreter(gm).run(*inputs)
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
+
+
+class _RecordingInterpreter(fx.Interpreter):
+    """Run a graph on real tensors; record each node's value as meta tensors and its device."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor):
+            n.meta["device"] = result.device
+        n.meta["val"] = tree_map_only(torch.Tensor, _to_meta, result)
+        return result
 
 
 def _fake_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

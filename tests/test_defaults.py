@@ -77,19 +77,65 @@ _WARM = textwrap.dedent("""
 """)
 
 
-def test_a_warm_compile_propagates_no_shapes_and_imports_no_dynamo(tmp_path):
-    """The first compile of a model for an input signature propagates shapes (meta kernels, which
-    import sympy and torch._dynamo) and caches them; a new process compiling the same model for
-    the same inputs reads them and runs no meta kernel."""
+def test_cold_and_warm_compiles_import_no_dynamo(tmp_path):
+    """The first compile of a small model propagates shapes by running the graph on the inputs
+    (no meta kernel, which would import sympy and torch._dynamo) and caches them; a new process
+    compiling the same model for the same inputs reads them and runs nothing."""
     script = _WARM.format(root=str(ROOT), cache=str(tmp_path))
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            timeout=300, cwd=ROOT) for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr
-    (err, dynamo, sympy) = runs[1].stdout.split()
-    assert float(err) < 1e-4
-    assert (dynamo, sympy) == ("False", "False")
+        (err, dynamo, sympy) = run.stdout.split()
+        assert float(err) < 1e-4
+        assert (dynamo, sympy) == ("False", "False")
     assert list(tmp_path.glob("*.shapes.json"))
+
+
+class _SideEffects(nn.Module):
+    """Batch norm in training mode (updates its running statistics), dropout (draws random
+    numbers) and an in-place ReLU on the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        x = x.relu_()
+        return torch.nn.functional.dropout(self.bn(self.conv(x)), 0.5, training=True)
+
+
+def test_propagation_on_the_inputs_leaves_no_trace_and_matches_meta_propagation():
+    from fusion_compiler.capture import capture, propagate_shapes
+
+    model = _SideEffects().train()
+    x = torch.randn(2, 4, 8, 8)
+    before = (x.clone(), [b.clone() for b in model.buffers()], torch.get_rng_state())
+    real = propagate_shapes(capture(model), [x], real=True)
+    assert torch.equal(x, before[0])
+    assert all(torch.equal(b, s) for b, s in zip(model.buffers(), before[1]))
+    assert torch.equal(torch.get_rng_state(), before[2])
+    meta = propagate_shapes(capture(model), [x])
+    for a, b in zip(real.graph.nodes, meta.graph.nodes):
+        va, vb = a.meta["val"], b.meta["val"]
+        if isinstance(vb, torch.Tensor):
+            assert va.device.type == "meta" and a.meta["device"] == b.meta["device"], a.name
+            assert (va.shape, va.stride(), va.dtype) == (vb.shape, vb.stride(), vb.dtype), a.name
+
+
+def test_slow_propagation_on_the_inputs_falls_back_to_meta(monkeypatch):
+    """After a run over REAL_PROPAGATION_BUDGET_S the later stages use meta tensors."""
+    from fusion_compiler import capture as capture_module
+    from fusion_compiler.passes import manager
+
+    calls = []
+    real_run = capture_module._MetaPropagation.run
+    monkeypatch.setattr(capture_module._MetaPropagation, "run",
+                        lambda self, *a: calls.append(1) or real_run(self, *a))
+    monkeypatch.setattr(manager, "REAL_PROPAGATION_BUDGET_S", 0.0)
+    with torch.no_grad():
+        fc.compile(_small(), cache_dir=False)(torch.randn(2, 8, 6, 6))
+    assert len(calls) == 6  # every stage after "captured" (which is run on the inputs)
 
 
 def test_the_shape_cache_is_keyed_by_module_configuration(tmp_path):
