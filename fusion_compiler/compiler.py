@@ -142,8 +142,8 @@ class CompiledModule(torch.nn.Module):
         self.max_specializations = max_specializations
         self.cache_dir = cache_dir
         self.autotune = autotune
-        self.passes = list(passes) if passes is not None else default_passes(
-            fuse_prologue=fuse_prologue, fuse_reduction=fuse_reduction)
+        self.passes = list(passes) if passes is not None else None  # None: default_passes
+        self._fuse_options = {"fuse_prologue": fuse_prologue, "fuse_reduction": fuse_reduction}
         self.show_report = report
         self.progress = progress
         self._arity = len(capture(model).graph.find_nodes(op="placeholder"))  # fail early
@@ -200,7 +200,9 @@ class CompiledModule(torch.nn.Module):
                 formats.extend(_memory_format(n.meta.get("val") if isinstance(n, fx.Node) else n)
                                for n in tree_flatten(out.args[0])[0])
 
-        passes = self.passes
+        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        passes = self.passes if self.passes is not None else default_passes(
+            **self._fuse_options, cuda=on_cuda)
         if amp is not None:  # casts before the fuse pass, so regions form in the autocast dtype
             at = next((i for i, p in enumerate(passes) if p.name == "fuse"), len(passes))
             passes = [*passes[:at], Pass("autocast", functools.partial(make_autocast_explicit,
@@ -226,7 +228,6 @@ class CompiledModule(torch.nn.Module):
                   derived_backward=self.derived_backward, no_grad_inputs=frozen,
                   cache_dir=self.cache_dir, autotune=self.autotune)
         channels_last_inputs(gm)
-        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
         if grad and on_cuda and (pools := nchw_padded_avg_pools(gm)):
             log.info("%d padded avg_pool2d input(s) made NCHW: PyTorch's channels_last CUDA "
                      "backward is wrong with padding (pytorch/pytorch#188344)", pools)

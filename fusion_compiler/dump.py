@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from .compiler import CompiledModule, Specialization
+from .passes import default_passes
 from .report import DEFAULT_STAGES, describe
 
 __all__ = ["specialize_for_dump", "dump"]
@@ -20,8 +21,14 @@ def specialize_for_dump(model: torch.nn.Module, inputs: Sequence[Any], *, backen
 
     ``options`` are :func:`fusion_compiler.compile`'s (``cache_dir``, ``autotune``,
     ``fuse_prologue``, ``fuse_reduction``). The specialization is compiled without a CUDA graph and
-    without a glue backend (both only change how the graph is called, not its regions).
+    without a glue backend (both only change how the graph is called, not its regions), and with
+    the passes ``compile()`` runs for CUDA inputs whatever the inputs' device (the cuDNN layout
+    rewrites included, see :func:`~fusion_compiler.passes.default_passes`), so a machine without
+    a GPU shows the graphs a GPU gets.
     """
+    if "passes" not in options:
+        options["passes"] = default_passes(fuse_prologue=options.pop("fuse_prologue", False),
+                                           fuse_reduction=options.pop("fuse_reduction", False))
     compiled = CompiledModule(model, backend=backend, **{"cuda_graph": False, "glue_backend": None,
                                                          **options})
     with torch.set_grad_enabled(model.training):

@@ -40,12 +40,18 @@ def specialize(model: torch.nn.Module, *inputs: torch.Tensor, backend: str = "re
     """Compile ``model`` for ``inputs`` without running it; returns the Specialization.
 
     Unless ``options`` say otherwise, prologue and reduction fusion are on (``FUSE_ALL``): the
-    pattern tests exercise everything the fuse pass can do, not only the defaults.
+    pattern tests exercise everything the fuse pass can do, not only the defaults; and the passes
+    are those ``compile()`` runs for CUDA inputs, also for CPU inputs.
     """
     from fusion_compiler.compiler import CompiledModule
+    from fusion_compiler.passes import default_passes
 
+    options = {**FUSE_ALL, **options}
+    if "passes" not in options:  # the CUDA pipeline whatever the device, as the dump shows it
+        options["passes"] = default_passes(fuse_prologue=options.pop("fuse_prologue"),
+                                           fuse_reduction=options.pop("fuse_reduction"))
     with torch.no_grad():
-        return CompiledModule(model, backend=backend, **{**FUSE_ALL, **options}).specialize(*inputs)
+        return CompiledModule(model, backend=backend, **options).specialize(*inputs)
 
 
 def patterns(spec) -> list[str]:
