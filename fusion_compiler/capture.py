@@ -8,10 +8,10 @@ for inputs that are already ``FakeTensor`` s, with fake tensors
 (``torch.fx.passes.fake_tensor_prop``). The first meta or fake propagation imports
 ``torch._dynamo`` (fake tensors on construction, meta tensors through the Python meta functions of
 ``torch._refs``) and sympy (the convolution's meta function): 1.5-2 s on a 2-core CPU. The pass
-manager also caches what was propagated (:func:`encode_meta`, :func:`apply_meta`). After :func:`propagate_shapes`
-every node's ``meta["val"]`` holds a meta tensor or ``FakeTensor`` (or a Python value/tuple of them
-for shape arithmetic and multi-output nodes) and ``meta["device"]`` the device the value lives on
-when the graph runs (:func:`node_device`).
+manager also caches what was propagated (:func:`encode_meta`, :func:`apply_meta`). After
+:func:`propagate_shapes` every node's ``meta["val"]`` holds a meta tensor or ``FakeTensor`` (or a
+Python value/tuple of them for shape arithmetic and multi-output nodes) and ``meta["device"]`` the
+device the value lives on when the graph runs (:func:`node_device`).
 """
 
 from __future__ import annotations
@@ -116,11 +116,12 @@ def _real_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
     the random number generators of the CPU and the inputs' GPU are forked (dropout draws), and
     buffers are restored afterwards (batch norm in training mode updates its running statistics).
     """
-    devices = sorted({a.device.index or 0 for a in example_inputs
+    devices = sorted({a.get_device() for a in example_inputs
                       if isinstance(a, torch.Tensor) and a.is_cuda})
-    inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
     buffers = [b for b in gm.buffers() if not b.is_inference()]
-    saved = [b.clone() for b in buffers]
+    with torch.no_grad():
+        inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
+        saved = [b.clone() for b in buffers]
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             _RecordingInterpreter(gm).run(*inputs)

@@ -112,8 +112,9 @@ class CompiledModule(torch.nn.Module):
     ``derived_backward`` makes PyTorch-backend regions use that backward too (for tests).
     ``glue_backend`` hands each specialization's graph to ``torch.compile`` with that backend,
     ``cuda_graph`` replays forwards (and training backwards) as CUDA graphs, and at most
-    ``max_specializations``
-    are kept, the least recently used evicted first (see :func:`compile` for all three).
+    ``max_specializations`` are kept, the least recently used evicted first (see :func:`compile`
+    for all three). ``passes`` (default: :func:`~fusion_compiler.passes.default_passes` for the
+    inputs' device) is the pass pipeline.
 
     Raises (on call):
         TypeError: wrong number of inputs, or a floating input whose dtype differs from the

@@ -45,7 +45,8 @@ for step in range(2):  # the second step's replay must see the first step's upda
 errs = [((p.grad.float() - q.grad.float()).norm() / q.grad.float().norm().clamp_min(1e-30)).item()
         for p, q in zip(base.parameters(), twin.parameters())]
 regions = compiled.last.regions
-print(json.dumps({{"rank": rank, "cuda_graph": compiled.last.cuda_graph, "engines": [r.plan.split(" ")[0] for r in regions],
+print(json.dumps({{"rank": rank, "cuda_graph": compiled.last.cuda_graph,
+                  "engines": [r.plan.split(" ")[0] for r in regions],
                   "backends": [r.backend for r in regions],
                   "tuned": sum(bool(r.tuning) for r in regions),
                   "loaded": sum(bool(r.plan_from_cache) for r in regions),

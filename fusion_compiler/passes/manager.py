@@ -18,8 +18,9 @@ log = logging.getLogger("fusion_compiler")
 REAL_PROPAGATION_BUDGET_S = 0.2
 """Shapes are propagated by running the graph on (copies of) the example inputs while one such
 run takes at most this long (seconds, host time; the first run 5x as long); after a slower run the
-later stages use meta tensors. SE-ResNet9 at N=2 on a 2-core CPU: about 0.02 s a run, where meta propagation of the
-first stage also imports ``torch._dynamo`` and sympy (about 1.5 s)."""
+later stages use meta tensors, so a large input costs at most about one extra forward. SE-ResNet9
+at N=2 on a 2-core CPU: about 0.02 s a run, where meta propagation of the first stage also imports
+``torch._dynamo`` and sympy (about 1.5 s)."""
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,11 @@ class PassManager:
     After every pass the graph is linted, recompiled and its ``node.meta["val"]`` refreshed by
     shape propagation (:func:`~fusion_compiler.capture.propagate_shapes`), so each pass sees
     shapes, dtypes and strides of every node: by running the graph on copies of the example inputs
-    (no side effects; see ``_real_propagation``) while a run stays within
-    :data:`REAL_PROPAGATION_BUDGET_S` and succeeds, else on meta tensors. ``known_shapes`` (stage name -> table of
-    :func:`~fusion_compiler.capture.encode_meta`) holds what an earlier compile of the same model
-    for the same inputs recorded: a stage found there is not propagated again (no meta kernel runs,
-    which on a first use imports sympy and ``torch._dynamo``: seconds); ``recorded`` holds the
-    tables of the stages propagated now.
+    (no side effects, see ``capture._real_propagation``) while a run stays within
+    :data:`REAL_PROPAGATION_BUDGET_S` and succeeds, else on meta tensors. ``known_shapes`` (stage
+    name -> table of :func:`~fusion_compiler.capture.encode_meta`) holds what an earlier compile
+    of the same model for the same inputs recorded: a stage found there is not propagated again;
+    ``recorded`` holds the tables of the stages propagated now.
     ``on_stage(name, gm)`` is called with the captured graph (``"captured"``) and after each pass;
     with ``FUSION_COMPILER_LOG=debug`` every stage's code is also logged.
     """

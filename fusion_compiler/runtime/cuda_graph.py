@@ -30,7 +30,6 @@ __all__ = ["CudaGraphRunner", "CaptureError", "EVERY_CALL", "parameters_guarded"
            "parameters_updated_between_replays", "weight_cache_scope"]
 
 
-
 class CaptureError(RuntimeError):
     """The forward could not be captured in a CUDA graph; the message says why (CUDA's error)."""
 
