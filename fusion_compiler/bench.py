@@ -38,6 +38,7 @@ import copy
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -51,7 +52,8 @@ import torch
 
 from .check import floating_outputs, relative_error
 
-__all__ = ["bench", "BenchRecipe", "INFERENCE_VARIANTS", "TRAIN_VARIANTS", "time_ms",
+__all__ = ["bench", "BenchRecipe", "INFERENCE_VARIANTS", "TRAIN_VARIANTS", "KERNEL_CATEGORIES",
+           "kernel_categories", "kernel_category", "kernel_profile", "time_ms",
            "format_results", "plot", "device_name", "add_arguments", "write"]
 
 INFERENCE_VARIANTS = ("eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
@@ -231,7 +233,8 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
     Returns:
         ``{"model", "inputs", "dtype", "device", "gpu", "torch", "train", "ms": {variant: time_ms
         dict or None}, "compile_s": {...}, "rel_err_vs_fp32": {...}, "skipped": {variant: reason},
-        "errors": {variant: message}, "profiles": {variant: table}, "gpu_ops": {variant: GPU
+        "errors": {variant: message}, "profiles": {variant: table}, "kernel_time": {variant:
+        :func:`kernel_categories`} (with ``profile``), "gpu_ops": {variant: GPU
         operations per call} (CUDA), "first"`` (the label of the first fusion variant) ``}``,
         and the keys below. A variant that fails is
         reported in ``errors`` and the others go on.
@@ -288,7 +291,9 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                 if profile and device.type == "cuda" and name in (
                         first_fusion, "torch.compile reduce-overhead",
                         "fusion_compiler+cudagraph", "eager+cudagraph"):
-                    result.setdefault("profiles", {})[name] = kernel_profile(fn)
+                    table, split = kernel_profile(fn)
+                    result.setdefault("profiles", {})[name] = table
+                    result.setdefault("kernel_time", {})[name] = split
             except Exception as exc:  # one broken variant must not hide the others
                 result["ms"][name] = None
                 result["errors"][name] = " ".join(str(exc).split())[:300]
@@ -384,15 +389,67 @@ def gpu_ops_per_call(fn: Callable[[], object], calls: int = 5) -> float:
     return len(device_events) / calls
 
 
-def kernel_profile(fn: Callable[[], object], calls: int = 20) -> str:
-    """Kernel names, counts and CUDA time of ``calls`` calls (``torch.profiler``), as a table."""
+KERNEL_CATEGORIES = (
+    ("conv dgrad", r"dgrad"),
+    ("conv wgrad", r"wgrad"),
+    ("conv forward", r"convFwd|fprop|implicit_gemm|conv2d|convolution"),
+    ("triton glue", r"^triton_"),
+    ("gemm", r"gemm|nvjet|cutlass|cublas"),
+    ("copies", r"^Memcpy|^Memset|copy"),
+    ("other", r""),
+)
+"""Kernel categories of :func:`kernel_categories`: (name, regular expression searched in the
+kernel's name), the first match wins. cuDNN and PyTorch convolution kernels on sm90 are named
+``cudnn_generated_fort_native_sm90_convFwd...`` (fused forward graphs) and
+``sm90_xmma_{fprop,dgrad,wgrad}_implicit_gemm...`` (as profiled on an H100 with cuDNN 9.19)."""
+
+
+def kernel_category(name: str) -> str:
+    """The :data:`KERNEL_CATEGORIES` name of a kernel called ``name``."""
+    return next(cat for cat, pattern in KERNEL_CATEGORIES if re.search(pattern, name))
+
+
+def kernel_categories(kernels: Sequence[tuple[str, float]], calls: int) -> dict[str, dict]:
+    """Per category, GPU time (ms) and kernel count per call, from ``(kernel name, microseconds)``
+    pairs recorded over ``calls`` calls; ``"total"`` sums them."""
+    out: dict[str, dict] = {}
+    for name, us in kernels:
+        cat = out.setdefault(kernel_category(name), {"ms": 0.0, "kernels": 0.0})
+        cat["ms"] += us / 1e3 / calls
+        cat["kernels"] += 1 / calls
+    out["total"] = {"ms": sum(c["ms"] for c in out.values()),
+                    "kernels": sum(c["kernels"] for c in out.values())}
+    return out
+
+
+def kernel_profile(fn: Callable[[], object], calls: int = 20) -> tuple[str, dict[str, dict]]:
+    """Kernel names, counts and CUDA time of ``calls`` calls (``torch.profiler``), as a table, and
+    the time per call by category (:func:`kernel_categories`)."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    kernels = [(e.name, e.device_time) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    return table, kernel_categories(kernels, calls)
+
+
+def format_time_split(results: Sequence[dict]) -> str:
+    """Where the time of each profiled variant goes, per call: GPU time by kernel category (ms,
+    kernel count) and the gaps (median wall time less the kernels' time: launches, waits)."""
+    lines = []
+    for r in results:
+        for variant, cats in r.get("kernel_time", {}).items():
+            t = r["ms"].get(variant)
+            gaps = "" if t is None else f"; gaps {t['median'] - cats['total']['ms']:.3f} ms"
+            parts = ", ".join(f"{name} {c['ms']:.3f} ({c['kernels']:.0f})"
+                              for name, c in cats.items() if name != "total")
+            lines.append(f"{_row_name(r)}: {variant}: kernels {cats['total']['ms']:.3f} ms in "
+                         f"{cats['total']['kernels']:.0f}{gaps}: {parts}")
+    return "\n".join(lines)
 
 
 def format_results(results: Sequence[dict]) -> str:
@@ -448,6 +505,11 @@ def format_results(results: Sequence[dict]) -> str:
             if r.get("gpu_ops"):
                 console.print(f"{_row_name(r)}: GPU operations per call: " + ", ".join(
                     f"{v} {n:g}" for v, n in r["gpu_ops"].items()))
+        split = format_time_split(results)
+        if split:
+            console.print("GPU time per call by kernel category, ms (kernels):")
+            console.print(split)
+        for r in results:
             for v, msg in {**r.get("errors", {}), **{k: v for k, v in r["compile_s"].items()
                                                      if k.endswith(" error")}}.items():
                 console.print(f"{_row_name(r)}: {v} failed: {msg}")

@@ -41,3 +41,26 @@ def test_unknown_variant_is_an_error():
 def test_time_ms_reports_median_and_quartiles():
     t = time_ms(lambda: torch.randn(64, 64) @ torch.randn(64, 64), "cpu", reps=5, iters=None)
     assert t["q1"] <= t["median"] <= t["q3"] and t["iters"] >= 1 and t["reps"] == 5
+
+
+def test_kernel_categories_split_gpu_time_per_call():
+    """Kernel names as an H100 profile of a compiled training step shows them."""
+    from fusion_compiler.bench import format_time_split, kernel_categories
+
+    kernels = [("cudnn_generated_fort_native_sm90_convFwd_pointwise_pointwise", 80.0),
+               ("sm90_xmma_dgrad_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc", 60.0),
+               ("sm90_xmma_wgrad_indexed_implicit_gemm_f16f16_f16f32_f32", 40.0),
+               ("triton_red_fused_sum_threshold_backward_52", 20.0),
+               ("nvjet_sm90_hsh_32x64_64x16_2x1_v_bz_splitK_NTN", 10.0),
+               ("Memcpy DtoD (Device -> Device)", 10.0),
+               ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor>", 4.0)]
+    split = kernel_categories(kernels * 2, calls=2)
+    assert {k: round(v["ms"], 3) for k, v in split.items()} == {
+        "conv forward": 0.08, "conv dgrad": 0.06, "conv wgrad": 0.04, "triton glue": 0.02,
+        "gemm": 0.01, "copies": 0.01, "other": 0.004, "total": 0.224}
+    assert split["total"]["kernels"] == 7
+    result = {"model": "m", "inputs": [(2, 3)], "dtype": "float16", "ms": {"v": {"median": 0.3}},
+              "kernel_time": {"v": split}}
+    line = format_time_split([result])
+    assert line.startswith("m 2x3 float16: v: kernels 0.224 ms in 7; gaps 0.076 ms: ")
+    assert "conv forward 0.080 (1)" in line
