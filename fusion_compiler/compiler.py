@@ -381,7 +381,8 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         autotune: per region, how many of cuDNN's ranked execution plans to build and time on
             random data of the region's shapes; the fastest is kept (and cached), and the region
             stays on PyTorch ops when those time at least 10% faster. ``1`` takes heuristics'
-            first plan that builds and times nothing (fastest compile).
+            first plan that builds and times nothing (fastest compile); region kinds known to run
+            slowly on cuDNN then stay on PyTorch (``backends.cudnn.known_slow_on_cudnn``).
         fuse_prologue: fuse pointwise ops on a convolution's input (the Fixup ``x + bias``) into
             its region. Off by default: on an H100 with cuDNN 9.19 the fused kernel was 2-4x
             slower than the convolution plus a separate add (see ``passes.default_passes``).

@@ -52,7 +52,8 @@ from .cudnn_plan import CudnnPlan, WeightCache, condense_error
 from .cudnn_recipe import any_batch_key, nhwc_strides, recipe_key
 from .plan_workers import build_candidates, workers_for
 
-__all__ = ["CudnnBackend", "CudnnKernel", "CudnnPlan", "HEURISTICS", "DEFAULT_AUTOTUNE"]
+__all__ = ["CudnnBackend", "CudnnKernel", "CudnnPlan", "HEURISTICS", "DEFAULT_AUTOTUNE",
+           "known_slow_on_cudnn"]
 
 log = logging.getLogger("fusion_compiler")
 DEFAULT_AUTOTUNE = 8
@@ -272,6 +273,8 @@ class CudnnBackend:
             k = region.conv.meta["val"].shape[1]
             raise UnsupportedError(f"{k} output channels are padded for cuDNN in inference only; "
                                    f"in training this region runs on PyTorch", region.region_id)
+        if self.autotune <= 1 and (slow := known_slow_on_cudnn(region)):
+            raise UnsupportedError(slow, region.region_id)
         kernel = CudnnKernel(self, region, direct=not training)
         if self.autotune > 1:
             slower = _slower_than_pytorch(region, kernel)
@@ -283,6 +286,35 @@ class CudnnBackend:
             register_backward(kernel.key, RegionBackward(region, grads))
             region.gradients = grads.pieces
         return kernel.call
+
+
+def known_slow_on_cudnn(region: Region) -> str:
+    """Why ``region`` stays on PyTorch ops when nothing is timed (``autotune <= 1``), or ``""``.
+
+    A static rule for region kinds that cuDNN's runtime-fusion engines ran much slower than
+    PyTorch on an H100 (cuDNN 9.19); with ``autotune > 1`` timing decides instead:
+
+    - depthwise convolutions of 7x7 taps or more: convnext_tiny with ``autotune=1`` ran 13.3 ms
+      against eager's 4.8 ms (issue "Performance frontier");
+    - convolutions of 7x7 taps or more whose input channels are zero-padded for cuDNN (resnet's
+      stem: a 7x7 stride-2 conv on 3 channels), slower than PyTorch's conv + pointwise ops in
+      every timed plan (see ``_slower_than_pytorch``).
+    """
+    conv = region.conv
+    x, w = conv.args[0].meta["val"], conv.args[1].meta["val"]
+    kh, kw = w.shape[2], w.shape[3]
+    if kh * kw < 49:
+        return ""
+    channels, groups = x.shape[1], conv.args[6]
+    if groups > 1 and groups == channels:
+        return (f"a depthwise {kh}x{kw} convolution: cuDNN's runtime-fusion engines ran these "
+                f"slower than PyTorch (convnext_tiny, H100: 13.3 ms against eager's 4.8 ms); "
+                f"with autotune > 1 timing decides")
+    if channel_padding(region):
+        return (f"a {kh}x{kw} convolution on {channels} input channels, zero-padded for cuDNN: "
+                f"slower than PyTorch's ops on an H100 in every timed plan; with autotune > 1 "
+                f"timing decides")
+    return ""
 
 
 def _no_padding_reason(region: Region) -> str:
