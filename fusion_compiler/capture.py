@@ -16,8 +16,9 @@ device the value lives on when the graph runs (:func:`node_device`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,7 +27,7 @@ from torch.utils._pytree import tree_map_only
 from .errors import FusionError
 
 __all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "tensor_meta", "node_device",
-           "encode_meta", "apply_meta"]
+           "encode_meta", "apply_meta", "restored"]
 
 
 @dataclass(frozen=True)
@@ -108,27 +109,35 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
     return gm
 
 
+@contextlib.contextmanager
+def restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Give ``tensors`` back their values on exit (one copy each, taken on entry; tensors made
+    under ``inference_mode`` cannot be written and are left out): for work that runs a model
+    without meaning to, which must not move batch norm's running statistics."""
+    tensors = [t for t in tensors if not t.is_inference()]
+    with torch.no_grad():
+        saved = [t.clone() for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, s in zip(tensors, saved):
+                t.copy_(s)
+
+
 def _real_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """Run ``gm`` on clones of ``example_inputs`` under ``no_grad`` and record each node's value
     as a meta tensor of the same shape, dtype and strides, and its device.
 
     The run leaves no trace: tensor inputs are cloned (an in-place op cannot change the caller's),
     the random number generators of the CPU and the inputs' GPU are forked (dropout draws), and
-    buffers are restored afterwards (batch norm in training mode updates its running statistics).
+    buffers are :func:`restored` (batch norm in training mode updates its running statistics).
     """
     devices = sorted({a.get_device() for a in example_inputs
                       if isinstance(a, torch.Tensor) and a.is_cuda})
-    buffers = [b for b in gm.buffers() if not b.is_inference()]
-    with torch.no_grad():
+    with torch.no_grad(), restored(list(gm.buffers())), torch.random.fork_rng(devices=devices):
         inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
-        saved = [b.clone() for b in buffers]
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            _RecordingInterpreter(gm).run(*inputs)
-    finally:
-        with torch.no_grad():
-            for b, s in zip(buffers, saved):
-                b.copy_(s)
+        _RecordingInterpreter(gm).run(*inputs)
 
 
 class _RecordingInterpreter(fx.Interpreter):

@@ -252,9 +252,7 @@ class CompiledModule(torch.nn.Module):
 
         runner, graphed = run, None
         if self.cuda_graph and on_cuda:
-            runner, graphed = self._graphed(run, args, notes, training=grad,
-                                            module=call if isinstance(call, torch.nn.Module)
-                                            else gm)
+            runner, graphed = self._graphed(run, call, args, notes, training=grad)
         spec = Specialization(key, gm, runner, stages, glue, graphed, notes)
         self.specializations[key] = spec
         while len(self.specializations) > self.max_specializations:
@@ -312,21 +310,21 @@ class CompiledModule(torch.nn.Module):
             return None
         return "inductor"
 
-    def _graphed(self, run: Callable[..., Any], args: Sequence[Any], notes: list[str],
-                 training: bool = False, module: torch.nn.Module | None = None
+    def _graphed(self, run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
+                 notes: list[str], training: bool = False
                  ) -> tuple[Callable[..., Any], str | None]:
         """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training
         specialization forward and backward graphs, :mod:`.runtime.cuda_graph_training`), or
-        ``run`` itself when it cannot be captured (the reason is noted)."""
+        ``run`` itself when it cannot be captured (the reason is noted). ``module`` is what
+        ``run`` calls (the graph module, or ``torch.compile``'s wrapper of it)."""
         from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
         from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
 
         static = self.cuda_graph == "static"
         try:
             if training:
-                runner = TrainingGraphRunner(run, args, list(self.model.parameters()),
-                                             list(self.model.buffers()), module=module,
-                                             copy_outputs=not static)
+                runner = TrainingGraphRunner(run, module, args, list(self.model.parameters()),
+                                             list(self.model.buffers()), copy_outputs=not static)
             else:
                 params = [t for t in (*self.model.parameters(), *self.model.buffers())
                           if not t.is_inference()]

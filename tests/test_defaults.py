@@ -212,3 +212,43 @@ def test_weight_copies_are_remade_in_captures_whose_replays_follow_updates():
     w.add_(1)  # a new version
     cache(w)
     assert len(made) == 6
+
+
+def test_graphed_training_differentiates_through_aliases_that_run_no_parameter_hooks():
+    """Warm-up and capture of a graphed training step take gradients with respect to aliases of
+    the parameters (``TrainingGraphRunner._aliases``, read through ``functional_call``): the same
+    storage and the same gradients, but hooks on the parameters themselves (DDP's) do not run.
+    The CUDA-graph part needs a GPU (``test_gpu_graphed_training.py``); this runs the alias part
+    on the CPU without capturing."""
+    from fusion_compiler.runtime.cuda_graph_training import TrainingGraphRunner
+
+    model = _small().train()
+    x = torch.randn(2, 8, 6, 6)
+    runner = TrainingGraphRunner.__new__(TrainingGraphRunner)  # no capture: CPU only
+    # as in compile(): fn is a function that calls the module
+    runner.fn, runner.module, runner.static_inputs = (lambda t: model(t)), model, [x]
+    runner.all_parameters = list(model.parameters())
+    runner.parameters = [p for p in runner.all_parameters if p.requires_grad]
+    fired = []
+    for p in model.parameters():
+        p.register_hook(lambda g: fired.append(1))
+    named, aliases = runner._aliases()
+    assert set(named) == {n for n, _ in model.named_parameters()}
+    assert [a.data_ptr() for a in aliases] == [p.data_ptr() for p in runner.parameters]
+    got = torch.autograd.grad(runner._run(named).square().sum(), aliases)
+    assert not fired
+    want = torch.autograd.grad(model(x).square().sum(), runner.parameters)
+    assert len(fired) == len(want)  # the hooks do run when the parameters themselves are used
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_restored_gives_buffers_back_their_values():
+    from fusion_compiler.capture import restored
+
+    bn = nn.BatchNorm2d(4).train()
+    before = [b.clone() for b in bn.buffers()]
+    with restored(list(bn.buffers())):
+        bn(torch.randn(2, 4, 3, 3))
+        assert not torch.equal(bn.running_mean, before[0])
+    assert all(torch.equal(b, s) for b, s in zip(bn.buffers(), before))

@@ -22,7 +22,7 @@ import itertools
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..errors import condense
 
@@ -159,9 +159,6 @@ class CudaGraphRunner:
             return self.static_outputs
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                         self.static_outputs)
-
-    def output_tensors(self) -> list[torch.Tensor]:
-        return [t for t in tree_flatten(self.static_outputs)[0] if isinstance(t, torch.Tensor)]
 
     def close(self) -> None:
         """Free the graph, its memory pool and the static buffers (the runner is unusable after)."""

@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..backward import layout_like
+from ..capture import restored
 from ..errors import condense
 from .cuda_graph import CaptureError, _release_rng_capture, parameters_updated_between_replays
 
@@ -51,13 +52,13 @@ class TrainingGraphRunner:
     Args:
         fn: the training forward (tensors in, a pytree of tensors out); it must launch work only
             on the current stream and must not synchronize with the host.
+        module: the module through which ``fn`` reads ``parameters`` (``fn`` calls it): warm-up
+            and capture swap its parameters for aliases (``torch.func.functional_call``), see
+            :meth:`_aliases`.
         example_args: real CUDA tensors (and other values passed as they are); a tensor's
             ``requires_grad`` says whether its gradient is computed.
         parameters: the parameters ``fn`` reads (those that require grad get gradients).
         buffers: the buffers ``fn`` may update in place (restored after warm-up and capture).
-        module: the module through which ``fn`` reads ``parameters`` (``fn`` calls it): warm-up
-            and capture swap its parameters for aliases (``torch.func.functional_call``), see
-            :meth:`_aliases`. ``None``: ``fn`` reads the parameters themselves.
         warmup: forward + backward runs on a side stream before capture.
         copy_outputs: return copies of the forward's output buffers (else the buffers, which the
             next call overwrites).
@@ -66,13 +67,13 @@ class TrainingGraphRunner:
         CaptureError: the forward or the backward cannot be captured.
     """
 
-    def __init__(self, fn: Callable[..., Any], example_args: Sequence[Any],
-                 parameters: Sequence[torch.nn.Parameter], buffers: Sequence[torch.Tensor] = (),
-                 module: torch.nn.Module | None = None, warmup: int = 3,
+    def __init__(self, fn: Callable[..., Any], module: torch.nn.Module,
+                 example_args: Sequence[Any], parameters: Sequence[torch.nn.Parameter],
+                 buffers: Sequence[torch.Tensor] = (), warmup: int = 3,
                  copy_outputs: bool = True):
         self.fn, self.module, self.warmup, self.copy_outputs = fn, module, warmup, copy_outputs
         self.all_parameters = list(parameters)
-        self.buffers = [b for b in buffers if not b.is_inference()]
+        self.buffers = list(buffers)
         self.static_inputs = [a.detach().clone().requires_grad_(a.requires_grad)
                               if isinstance(a, torch.Tensor) else a for a in example_args]
         self.fwd_graph: torch.cuda.CUDAGraph | None = None
@@ -91,19 +92,15 @@ class TrainingGraphRunner:
         self.input_grad_count = len(wrt)
         named, aliases = self._aliases()
         wrt += aliases
-        saved = [b.clone() for b in self.buffers]
         try:
-            self._warm_up(named, wrt)
-            with parameters_updated_between_replays():
-                self._capture_graphs(named, wrt)
+            with restored(self.buffers):
+                self._warm_up(named, wrt)
+                with parameters_updated_between_replays():
+                    self._capture_graphs(named, wrt)
         except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
             _release_rng_capture(torch.cuda.current_device())
             self.close()
             raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
-        finally:
-            with torch.no_grad():
-                for b, s in zip(self.buffers, saved):
-                    b.copy_(s)
 
     def _differentiable(self, out: Any) -> list[torch.Tensor]:
         return [t for t in tree_flatten(out)[0]
@@ -118,16 +115,13 @@ class TrainingGraphRunner:
         all-reduce, a user's) must not run then (DDP's enqueue work outside the capture stream,
         which invalidates the capture), and they run as usual when a replay's gradients are
         accumulated. The graphs read the same storage, so updates in place are seen."""
-        alias = {id(p): p.detach().requires_grad_(p.requires_grad)
-                 for p in self.all_parameters}
-        named = {} if self.module is None else {
-            name: alias.setdefault(id(p), p.detach().requires_grad_(p.requires_grad))
-            for name, p in self.module.named_parameters(remove_duplicate=False)}
-        return named, [alias[id(p)] for p in self.parameters]
+        read = list(self.module.named_parameters(remove_duplicate=False))
+        params = {id(p): p for p in (*self.all_parameters, *(p for _, p in read))}
+        alias = {key: p.detach().requires_grad_(p.requires_grad) for key, p in params.items()}
+        return ({name: alias[id(p)] for name, p in read},
+                [alias[id(p)] for p in self.parameters])
 
     def _run(self, named: dict[str, torch.Tensor]) -> Any:
-        if self.module is None:
-            return self.fn(*self.static_inputs)
         return torch.func.functional_call(_Bound(self.module, self.fn), {
             f"module.{name}": t for name, t in named.items()}, tuple(self.static_inputs))
 
@@ -217,8 +211,6 @@ class TrainingGraphRunner:
         self.fwd_graph = self.bwd_graph = None
         self.static_outputs, self.static_grads, self.static_grad_outputs = [], [], []
 
-    def output_tensors(self) -> list[torch.Tensor]:
-        return [t for t in self.static_outputs if isinstance(t, torch.Tensor)]
 
 
 class _Bound(torch.nn.Module):
@@ -238,7 +230,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: TrainingGraphRunner, n_inputs: int, *tensors: torch.Tensor):
-        ctx.runner, ctx.generation = runner, None
+        ctx.runner = runner
         inputs = tensors[:n_inputs]
         outs = runner.forward(inputs)
         ctx.generation = runner.generation
