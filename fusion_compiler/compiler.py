@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -22,6 +24,7 @@ from .region import Region
 from .runtime.hoist import hoist_parameter_subgraphs
 from .runtime.layout import channels_last_inputs, nchw_padded_avg_pools
 from .runtime.plan_cache import PlanCache, default_cache_dir
+from .runtime.tiered import TieredRunner
 
 __all__ = ["compile", "CompiledModule", "CUDA_GRAPH_MODES", "DEFAULT_MAX_SPECIALIZATIONS"]
 
@@ -129,7 +132,7 @@ class CompiledModule(torch.nn.Module):
                  fuse_reduction: bool = False, passes: Sequence[Pass] | None = None,
                  report: bool = False, progress: bool | None = None,
                  derived_backward: bool = False, glue_backend: str | None = "auto",
-                 max_specializations: int = DEFAULT_MAX_SPECIALIZATIONS):
+                 max_specializations: int = DEFAULT_MAX_SPECIALIZATIONS, tiered: bool = True):
         super().__init__()
         if cuda_graph not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graph must be one of {CUDA_GRAPH_MODES}, got {cuda_graph!r}")
@@ -137,6 +140,7 @@ class CompiledModule(torch.nn.Module):
             raise ValueError(f"max_specializations must be at least 1, got {max_specializations}")
         self.derived_backward = derived_backward
         self.glue_backend = glue_backend
+        self.tiered = tiered
         self.model = model
         self.backend = backend
         self.cuda_graph = "auto" if cuda_graph is True else cuda_graph
@@ -236,23 +240,31 @@ class CompiledModule(torch.nn.Module):
         notes: list[str] = []
         glue = self._glue_backend(on_cuda, ungraphed_inference=not grad and not self.cuda_graph,
                                   notes=notes)
-        call = gm if glue is None else torch.compile(gm, backend=glue, fullgraph=True,
-                                                     dynamic=False)
 
-        def run(*inputs: Any) -> Any:
-            if hoisted is not None:
-                hoisted.refresh()
-            out = call(*inputs)
-            if not any(f is not None for f in formats):
-                return out
-            flat = iter(formats)
-            return tree_map(lambda t: t.contiguous(memory_format=f)
-                            if (f := next(flat)) is not None and not t.is_contiguous(memory_format=f)
-                            else t, out)
+        def runner_for(call: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*inputs: Any) -> Any:
+                if hoisted is not None:
+                    hoisted.refresh()
+                out = call(*inputs)
+                if not any(f is not None for f in formats):
+                    return out
+                flat = iter(formats)
+                return tree_map(lambda t: t.contiguous(memory_format=f)
+                                if (f := next(flat)) is not None
+                                and not t.is_contiguous(memory_format=f) else t, out)
+            return run
 
-        runner, graphed = run, None
+        tiered = (self.tiered and glue is not None and not grad and amp is None and on_cuda
+                  and bool(self.cuda_graph))
+        call = gm if glue is None or tiered else torch.compile(gm, backend=glue, fullgraph=True,
+                                                               dynamic=False)
+        runner, graphed = runner_for(call), None
         if self.cuda_graph and on_cuda:
-            runner, graphed = self._graphed(run, call, args, notes, training=grad)
+            runner, graphed = self._graphed(runner, call, args, notes, training=grad)
+        if tiered and graphed is None:  # no graph: eager glue is the faster one uncaptured
+            glue = None
+        elif tiered:
+            runner = self._tiered(runner, gm, glue, runner_for, notes)
         spec = Specialization(key, gm, runner, stages, glue, graphed, notes)
         self.specializations[key] = spec
         while len(self.specializations) > self.max_specializations:
@@ -310,6 +322,62 @@ class CompiledModule(torch.nn.Module):
             return None
         return "inductor"
 
+    def _tiered(self, first: Any, gm: fx.GraphModule, glue: str,
+                runner_for: Callable[[Callable[..., Any]], Callable[..., Any]],
+                notes: list[str]) -> TieredRunner:
+        """``first`` (the CUDA-graph runner of ``gm`` with eager glue) until ``gm`` compiled by
+        ``torch.compile(backend=glue)`` on the background thread replaces it, in a CUDA graph of
+        its own (:mod:`.runtime.tiered`). The background compile runs ``gm`` once on copies of
+        the inputs, on a stream of its own, in the caller's grad and inference modes, with the
+        regions not executed (:func:`~fusion_compiler.runtime.region_op.dry_run`)."""
+        from .runtime.region_op import dry_run  # noqa: PLC0415
+
+        example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
+        device = next(a.device for a in example if isinstance(a, torch.Tensor))
+        ready = torch.cuda.Event()
+        ready.record()
+        modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+
+        def in_modes() -> contextlib.ExitStack:
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.inference_mode(modes[0]))
+            stack.enter_context(torch.set_grad_enabled(modes[1]))
+            return stack
+
+        def build() -> Any:  # on the background thread (which also imports torch._dynamo)
+            compiled = torch.compile(gm, backend=glue, fullgraph=True, dynamic=False)
+            stream = torch.cuda.Stream(device)
+            stream.wait_event(ready)
+            with in_modes(), torch.cuda.stream(stream), dry_run():
+                compiled(*example)
+            stream.synchronize()
+            return compiled
+
+        def finish(compiled: Any) -> Callable[..., Any]:  # on the calling thread
+            with in_modes():
+                runner, graphed = self._graphed(runner_for(compiled), compiled, example, notes)
+            if graphed is None:
+                raise RuntimeError("its CUDA graph could not be captured")
+            return runner
+
+        def failed(reason: str) -> None:
+            self._note(notes, f"Inductor's glue failed to compile; eager glue kept: {reason}")
+
+        return TieredRunner(first, build, finish, failed)
+
+    def wait_for_background_compiles(self, timeout: float | None = None) -> bool:
+        """Block until every specialization's background glue compile (see ``tiered`` in
+        :func:`compile`) has ended, at most ``timeout`` seconds in all, and switch those
+        specializations to their compiled glue now. Returns ``False`` if the timeout passed
+        first. Benchmarks call it before timing the steady state."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for spec in list(self.specializations.values()):
+            if isinstance(spec.run, TieredRunner):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not spec.run.wait(left):
+                    return False
+        return True
+
     def _graphed(self, run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
                  notes: list[str], training: bool = False
                  ) -> tuple[Callable[..., Any], str | None]:
@@ -355,7 +423,8 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             autotune: int = DEFAULT_AUTOTUNE, fuse_prologue: bool = False,
             fuse_reduction: bool = False, report: bool = False,
             progress: bool | None = None, glue_backend: str | None = "auto",
-            max_specializations: int = DEFAULT_MAX_SPECIALIZATIONS) -> CompiledModule:
+            max_specializations: int = DEFAULT_MAX_SPECIALIZATIONS,
+            tiered: bool = True) -> CompiledModule:
     """Compile ``model`` into fused regions and return a module that computes the same function.
 
     Args:
@@ -403,6 +472,14 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         max_specializations: how many specializations (input signatures) are kept; when one
             more is compiled, the least recently used is evicted (its CUDA graph, memory pool and
             plans freed, one INFO log line).
+        tiered: for an inference specialization in a CUDA graph whose glue ``torch.compile``
+            compiles (Inductor by default), answer the first calls from a CUDA graph with eager
+            glue while the glue compiles on a background thread, and switch to the compiled glue
+            at the first call after it is ready (:mod:`.runtime.tiered`). The first output then
+            comes without waiting for Inductor (seconds); outputs before and after the switch may
+            differ in the last bits. ``CompiledModule.wait_for_background_compiles()`` waits for
+            the switch. ``False``: the first call waits for the compile. Training and
+            ``torch.autocast`` specializations always wait.
 
     Training: a call that needs gradients compiles a training specialization whose cuDNN regions
     have a derived backward (dgrad and wgrad as cuDNN graphs, :mod:`fusion_compiler.backward`);
@@ -419,7 +496,8 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
     compiled = CompiledModule(model, backend=backend, cuda_graph=cuda_graph, cache_dir=cache_dir,
                               autotune=autotune, fuse_prologue=fuse_prologue,
                               fuse_reduction=fuse_reduction, report=report, progress=progress,
-                              glue_backend=glue_backend, max_specializations=max_specializations)
+                              glue_backend=glue_backend, max_specializations=max_specializations,
+                              tiered=tiered)
     if example_inputs is not None:
         compiled.specialize(*example_inputs)
     return compiled

@@ -121,7 +121,7 @@ def test_inductor_glue_with_cuda_graph_matches_plain_execution():
     plain = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=False,
                        glue_backend=None)
     glued = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=True,
-                       glue_backend="inductor")
+                       glue_backend="inductor", tiered=False)
     with torch.inference_mode():
         for _ in range(2):
             x = torch.randn(128, 3, 64, 64, device="cuda", dtype=torch.half)

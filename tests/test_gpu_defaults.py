@@ -1,7 +1,7 @@
-"""``compile(model)`` with no options on a GPU: CUDA graphs with safe outputs, the ``"static"``
-opt-in, the logged fallback when a forward cannot be captured, the direct (no custom op) call path
-without CUDA graphs, bounded specializations that give GPU memory back, and plan choices reused
-at a new batch size. All tests carry ``@pytest.mark.gpu``."""
+"""``compile(model)`` with no options on a GPU: tiered glue compiles, CUDA graphs with safe
+outputs, the ``"static"`` opt-in, the logged fallback when a forward cannot be captured, the
+direct (no custom op) call path without CUDA graphs, bounded specializations that give GPU memory
+back, and plan choices reused at a new batch size. All tests carry ``@pytest.mark.gpu``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from conftest import rel_err
 import fusion_compiler as fc
 import fusion_compiler.backends.cudnn as cudnn_backend
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+from fusion_compiler.runtime.tiered import TieredRunner
 
 pytestmark = pytest.mark.gpu
 
@@ -34,16 +35,46 @@ def _x(n: int) -> torch.Tensor:
     return torch.randn(n, 3, 64, 64, device="cuda", dtype=torch.half)
 
 
-def test_defaults_capture_a_cuda_graph_with_inductor_glue_and_match_fp64(tmp_path):
+def _runs_triton(fn) -> bool:
+    """Whether one call of ``fn`` launches a Triton (Inductor) kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any(e.name.startswith("triton_") for e in prof.events())
+
+
+def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tmp_path):
+    """The first calls replay a graph with eager glue while Inductor compiles the glue in the
+    background; a new batch size during that compile gets its own; both switch to a graph with
+    Inductor's kernels, and every output matches fp64."""
     model = _reference_net()
     compiled = fc.compile(model, cache_dir=tmp_path)
-    x = _x(32)
+    x, half = _x(32), _x(16)
     with torch.inference_mode():
-        out = compiled(x)
-    spec = compiled.last
+        outs = [compiled(x)]
+        spec = compiled.last
+        assert isinstance(spec.run, TieredRunner) and spec.run.tier == 1
+        assert not _runs_triton(lambda: compiled(x))
+        outs.append(compiled(half))
+        assert compiled.wait_for_background_compiles(600)
+        assert all(s.run.tier == 2 for s in compiled.specializations.values())
+        assert _runs_triton(lambda: compiled(x))
+        outs += [compiled(x), compiled(half)]
     assert (spec.cuda_graph, spec.glue_backend, spec.notes) == ("safe", "inductor", [])
     assert all(r.backend == "cudnn" for r in spec.regions)
-    assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
+    for out, inp in zip(outs, (x, half, x, half)):
+        assert rel_err(out.float().cpu(), _fp64(model, inp)) < 2e-3
+
+
+def test_without_tiering_the_first_call_waits_for_inductor(tmp_path):
+    compiled = fc.compile(_reference_net(), cache_dir=tmp_path, tiered=False)
+    x = _x(16)
+    with torch.inference_mode():
+        compiled(x)
+        assert not isinstance(compiled.last.run, TieredRunner)
+        assert _runs_triton(lambda: compiled(x))
 
 
 def test_default_outputs_survive_later_calls(tmp_path):

@@ -15,18 +15,35 @@ in the backward pass.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import weakref
 from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["run_region", "register_kernel", "register_backward", "is_traced"]
+__all__ = ["run_region", "register_kernel", "register_backward", "is_traced", "dry_run"]
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _OUTPUTS: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
 _BACKWARD_ATTR = "_fusion_compiler_backward"
 _KEYS = itertools.count()
+_DRY = threading.local()
+
+
+@contextlib.contextmanager
+def dry_run():
+    """On this thread, make :func:`run_region` return uninitialized outputs of the right shapes
+    without running the kernel: a compile that must execute the graph once (``torch.compile``
+    compiles on the first call) then leaves the regions' plans and workspaces alone, which a CUDA
+    graph of another thread may be replaying (:mod:`fusion_compiler.runtime.tiered`)."""
+    outer = getattr(_DRY, "on", False)
+    _DRY.on = True
+    try:
+        yield
+    finally:
+        _DRY.on = outer
 
 
 def is_traced(t: torch.Tensor) -> bool:
@@ -60,7 +77,10 @@ def register_backward(key: int, backward: Callable) -> None:
 
 @torch.library.custom_op("fusion_compiler::run_region", mutates_args=())
 def run_region(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run the kernel registered under ``key`` on ``inputs``; returns fresh output tensors."""
+    """Run the kernel registered under ``key`` on ``inputs``; returns fresh output tensors
+    (uninitialized ones, the kernel not run, inside :func:`dry_run`)."""
+    if getattr(_DRY, "on", False):
+        return _run_region_fake(key, inputs)
     kernel: Callable = _KERNELS[key]
     return list(kernel(*inputs))
 

@@ -1,0 +1,103 @@
+"""The tiered runner (first tier until the background compile is done) and the regions' dry run,
+on the CPU: the mechanism without CUDA (tests/test_gpu_defaults.py runs it on the GPU)."""
+
+import threading
+
+import torch
+
+from fusion_compiler.runtime import region_op
+from fusion_compiler.runtime.tiered import TieredRunner, submit
+
+
+class _Tier:
+    def __init__(self, name):
+        self.name, self.closed = name, False
+
+    def __call__(self, x):
+        return (self.name, x)
+
+    def close(self):
+        self.closed = True
+
+
+def test_calls_stay_on_the_first_tier_until_the_build_ends_then_switch_and_close_it():
+    gate = threading.Event()
+    first, second = _Tier("first"), _Tier("second")
+    built = []
+
+    def build():
+        gate.wait(10)
+        return "artifact"
+
+    def finish(artifact):
+        built.append((artifact, threading.current_thread() is threading.main_thread()))
+        return second
+
+    runner = TieredRunner(first, build, finish, on_failure=lambda why: None)
+    assert runner(1) == ("first", 1) and runner.tier == 1 and runner.pending
+    assert runner.wait(0.05) is False  # still compiling
+    gate.set()
+    assert runner.wait(10) is True
+    assert built == [("artifact", True)]  # finish runs on the calling thread
+    assert runner(2) == ("second", 2) and runner.tier == 2 and not runner.pending
+    assert first.closed and not second.closed
+    runner.close()
+    assert second.closed
+
+
+def test_a_failed_build_keeps_the_first_tier_and_reports_why():
+    reasons = []
+
+    def build():
+        raise ValueError("no Triton\nhere")
+
+    first = _Tier("first")
+    runner = TieredRunner(first, build, finish=lambda a: _Tier("second"),
+                          on_failure=reasons.append)
+    assert runner.wait(10)
+    assert runner(3) == ("first", 3) and runner.tier == 1 and not first.closed
+    assert reasons == ["ValueError: no Triton here"]
+
+
+def test_closing_while_the_build_runs_drops_its_result():
+    gate, finished = threading.Event(), []
+    first = _Tier("first")
+    runner = TieredRunner(first, build=lambda: gate.wait(10),
+                          finish=lambda a: finished.append(a) or _Tier("second"),
+                          on_failure=finished.append)
+    runner.close()
+    gate.set()
+    submit(lambda: None).result(10)  # the worker has moved past the dropped job
+    assert first.closed and finished == [] and not runner.pending
+
+
+def test_background_jobs_run_one_at_a_time_in_order():
+    order, lock = [], threading.Lock()
+
+    def job(i):
+        def run():
+            with lock:
+                order.append(i)
+            return i
+        return run
+
+    futures = [submit(job(i)) for i in range(5)]
+    assert [f.result(10) for f in futures] == list(range(5)) and order == list(range(5))
+
+
+def test_dry_run_returns_outputs_of_the_registered_shapes_without_running_the_kernel():
+    calls = []
+
+    class Kernel:
+        def __call__(self, x):
+            calls.append(x)
+            return (x * 2,)
+
+    kernel = Kernel()
+    key = region_op.register_kernel(kernel, [((2, 3), (3, 1), torch.float32)])
+    x = torch.randn(2, 3)
+    with region_op.dry_run():
+        (out,) = region_op.run_region(key, [x])
+    assert calls == [] and out.shape == (2, 3) and out.stride() == (3, 1)
+    (out,) = region_op.run_region(key, [x])  # outside, the kernel runs again
+    assert len(calls) == 1 and torch.equal(out, x * 2)
