@@ -24,7 +24,7 @@ from .region import Region
 from .runtime.hoist import hoist_parameter_subgraphs
 from .runtime.layout import channels_last_inputs, nchw_padded_avg_pools
 from .runtime.plan_cache import PlanCache, default_cache_dir
-from .runtime.tiered import TieredRunner
+from .runtime.tiered import TieredRunner, drain
 
 __all__ = ["compile", "CompiledModule", "CUDA_GRAPH_MODES", "DEFAULT_MAX_SPECIALIZATIONS"]
 
@@ -259,6 +259,8 @@ class CompiledModule(torch.nn.Module):
         call = gm if glue is None or tiered else torch.compile(gm, backend=glue, fullgraph=True,
                                                                dynamic=False)
         runner, graphed = runner_for(call), None
+        if glue is not None and not tiered:  # compiles on this thread: one compile at a time
+            drain()
         if self.cuda_graph and on_cuda:
             runner, graphed = self._graphed(runner, call, args, notes, training=grad)
         if tiered and graphed is None:  # no graph: eager glue is the faster one uncaptured

@@ -6,7 +6,7 @@ import threading
 import torch
 
 from fusion_compiler.runtime import region_op
-from fusion_compiler.runtime.tiered import TieredRunner, submit
+from fusion_compiler.runtime.tiered import TieredRunner, drain, submit
 
 
 class _Tier:
@@ -101,3 +101,14 @@ def test_dry_run_returns_outputs_of_the_registered_shapes_without_running_the_ke
     assert calls == [] and out.shape == (2, 3) and out.stride() == (3, 1)
     (out,) = region_op.run_region(key, [x])  # outside, the kernel runs again
     assert len(calls) == 1 and torch.equal(out, x * 2)
+
+
+def test_a_runner_dropped_before_its_turn_builds_nothing_and_drain_waits_for_the_queue():
+    gate, built = threading.Event(), []
+    blocker = submit(lambda: gate.wait(10))  # keeps the worker busy
+    runner = TieredRunner(_Tier("first"), build=lambda: built.append(1),
+                          finish=lambda a: _Tier("second"), on_failure=built.append)
+    del runner
+    assert drain(0.05) is False
+    gate.set()
+    assert drain(10) is True and blocker.done() and built == []

@@ -23,9 +23,10 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import weakref
 from typing import Any, Callable
 
-__all__ = ["TieredRunner", "submit"]
+__all__ = ["TieredRunner", "submit", "drain"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -59,6 +60,16 @@ def submit(fn: Callable[[], Any]) -> concurrent.futures.Future:
     return future
 
 
+def drain(timeout: float | None = None) -> bool:
+    """Block until every job submitted so far has ended (at most ``timeout`` s); returns whether
+    they have. A compile on the calling thread waits for them first: two compiles at once would
+    share Dynamo's and Inductor's process-wide configuration."""
+    if _queue is None:
+        return True
+    done, _ = concurrent.futures.wait([submit(lambda: None)], timeout=timeout)
+    return bool(done)
+
+
 class TieredRunner:
     """Calls go to ``first`` until ``build()``, run by :func:`submit`, has finished; the next call
     then switches to ``finish(build())`` and closes ``first``.
@@ -80,8 +91,11 @@ class TieredRunner:
                  finish: Callable[[Any], Callable[..., Any]],
                  on_failure: Callable[[str], None]):
         self.run, self.tier = first, 1
-        self._finish, self._on_failure = finish, on_failure
-        self._future: concurrent.futures.Future | None = submit(build)
+        self._build, self._finish, self._on_failure = build, finish, on_failure
+        me = weakref.ref(self)  # a runner dropped before its turn costs no compile
+        self._future: concurrent.futures.Future | None = submit(
+            lambda: None if (runner := me()) is None or runner._build is None
+            else runner._build())
 
     def __call__(self, *args: Any) -> Any:
         if self._future is not None and self._future.done():
@@ -108,7 +122,7 @@ class TieredRunner:
     def _switch(self) -> None:
         future, self._future = self._future, None
         finish, on_failure = self._finish, self._on_failure
-        self._finish = self._on_failure = None  # what they hold (example inputs) is freed
+        self._build = self._finish = self._on_failure = None  # their example inputs are freed
         try:
             second = finish(future.result())
         except Exception as exc:  # the compile or the capture failed: stay on the first tier
@@ -123,7 +137,7 @@ class TieredRunner:
         """Drop the pending compile (its result is discarded) and close the current tier."""
         if self._future is not None:
             self._future.cancel()
-            self._future = self._finish = self._on_failure = None
+            self._future = self._build = self._finish = self._on_failure = None
         close = getattr(self.run, "close", None)
         if close is not None:
             close()
