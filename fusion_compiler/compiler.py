@@ -254,7 +254,7 @@ class CompiledModule(torch.nn.Module):
                                 and not t.is_contiguous(memory_format=f) else t, out)
             return run
 
-        tiered = (self.tiered and glue is not None and not grad and amp is None and on_cuda
+        tiered = (self.tiered and glue == "inductor" and not grad and amp is None and on_cuda
                   and bool(self.cuda_graph))
         call = gm if glue is None or tiered else torch.compile(gm, backend=glue, fullgraph=True,
                                                                dynamic=False)
@@ -266,7 +266,7 @@ class CompiledModule(torch.nn.Module):
         if tiered and graphed is None:  # no graph: eager glue is the faster one uncaptured
             glue = None
         elif tiered:
-            runner = self._tiered(runner, gm, glue, runner_for, notes)
+            runner = self._tiered(runner, gm, runner_for, notes)
         spec = Specialization(key, gm, runner, stages, glue, graphed, notes)
         self.specializations[key] = spec
         while len(self.specializations) > self.max_specializations:
@@ -324,14 +324,22 @@ class CompiledModule(torch.nn.Module):
             return None
         return "inductor"
 
-    def _tiered(self, first: Any, gm: fx.GraphModule, glue: str,
+    def _tiered(self, first: Any, gm: fx.GraphModule,
                 runner_for: Callable[[Callable[..., Any]], Callable[..., Any]],
                 notes: list[str]) -> TieredRunner:
         """``first`` (the CUDA-graph runner of ``gm`` with eager glue) until ``gm`` compiled by
-        ``torch.compile(backend=glue)`` on the background thread replaces it, in a CUDA graph of
-        its own (:mod:`.runtime.tiered`). The background compile runs ``gm`` once on copies of
-        the inputs, on a stream of its own, in the caller's grad and inference modes, with the
-        regions not executed (:func:`~fusion_compiler.runtime.region_op.dry_run`)."""
+        Inductor on the background thread replaces it, in a CUDA graph of its own
+        (:mod:`.runtime.tiered`).
+
+        The graph goes to Inductor directly (``torch._inductor.compile``: AOTAutograd traces it,
+        each region one ``run_region`` op), not through ``torch.compile``: Dynamo on one thread
+        must not run beside Python on another (torch 2.11 keeps some of its per-call state
+        process-wide, pytorch/pytorch#196637; here it compiled the calling thread's region
+        calls as frames of their own until the recompile limit). Parameters stay attributes
+        the compiled code reads, so in-place updates reach it. The compiled graph then runs once
+        on copies of the inputs, on a stream of its own, in the caller's grad and inference
+        modes, with the regions not executed
+        (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there."""
         from .runtime.region_op import dry_run  # noqa: PLC0415
 
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
@@ -346,8 +354,10 @@ class CompiledModule(torch.nn.Module):
             stack.enter_context(torch.set_grad_enabled(modes[1]))
             return stack
 
-        def build() -> Any:  # on the background thread (which also imports torch._dynamo)
-            compiled = torch.compile(gm, backend=glue, fullgraph=True, dynamic=False)
+        def build() -> Any:  # on the background thread
+            from torch._inductor import compile as inductor_compile  # noqa: PLC0415
+
+            compiled = inductor_compile(gm, example)
             stream = torch.cuda.Stream(device)
             stream.wait_event(ready)
             with in_modes(), torch.cuda.stream(stream), dry_run():
@@ -474,9 +484,9 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         max_specializations: how many specializations (input signatures) are kept; when one
             more is compiled, the least recently used is evicted (its CUDA graph, memory pool and
             plans freed, one INFO log line).
-        tiered: for an inference specialization in a CUDA graph whose glue ``torch.compile``
-            compiles (Inductor by default), answer the first calls from a CUDA graph with eager
-            glue while the glue compiles on a background thread, and switch to the compiled glue
+        tiered: for an inference specialization in a CUDA graph whose glue Inductor compiles
+            (the default on CUDA), answer the first calls from a CUDA graph with eager glue while
+            Inductor compiles the glue on a background thread, and switch to the compiled glue
             at the first call after it is ready (:mod:`.runtime.tiered`). The first output then
             comes without waiting for Inductor (seconds); outputs before and after the switch may
             differ in the last bits. ``CompiledModule.wait_for_background_compiles()`` waits for

@@ -67,6 +67,12 @@ def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tm
     assert all(r.backend == "cudnn" for r in spec.regions)
     for out, inp in zip(outs, (x, half, x, half)):
         assert rel_err(out.float().cpu(), _fp64(model, inp)) < 2e-3
+    with torch.no_grad():  # a parameter of the glue (the SE MLP), updated in place
+        model.layer1.se.fc1.bias.add_(0.5)
+    with torch.inference_mode():
+        updated = compiled(x)
+    assert not torch.equal(updated, outs[2])
+    assert rel_err(updated.float().cpu(), _fp64(model, x)) < 2e-3
 
 
 def test_without_tiering_the_first_call_waits_for_inductor(tmp_path):
