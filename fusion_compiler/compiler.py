@@ -357,7 +357,8 @@ class CompiledModule(torch.nn.Module):
         def build() -> Any:  # on the background thread
             from torch._inductor import compile as inductor_compile  # noqa: PLC0415
 
-            compiled = inductor_compile(gm, example)
+            with in_modes(), torch.no_grad():  # an inference graph (no backward traced)
+                compiled = inductor_compile(gm, example)
             stream = torch.cuda.Stream(device)
             stream.wait_event(ready)
             with in_modes(), torch.cuda.stream(stream), dry_run():
