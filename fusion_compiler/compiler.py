@@ -24,7 +24,7 @@ from .region import Region
 from .runtime.hoist import hoist_parameter_subgraphs
 from .runtime.layout import channels_last_inputs, nchw_padded_avg_pools
 from .runtime.plan_cache import PlanCache, default_cache_dir
-from .runtime.tiered import TieredRunner, drain
+from .runtime.tiered import TieredRunner, drain, isolated_copy
 
 __all__ = ["compile", "CompiledModule", "CUDA_GRAPH_MODES", "DEFAULT_MAX_SPECIALIZATIONS"]
 
@@ -335,14 +335,17 @@ class CompiledModule(torch.nn.Module):
         each region one ``run_region`` op), not through ``torch.compile``: Dynamo on one thread
         must not run beside Python on another (torch 2.11 keeps some of its per-call state
         process-wide, pytorch/pytorch#196637; here it compiled the calling thread's region
-        calls as frames of their own until the recompile limit). Parameters stay attributes
-        the compiled code reads, so in-place updates reach it. The compiled graph then runs once
+        calls as frames of their own until the recompile limit). It compiles an
+        :func:`~fusion_compiler.runtime.tiered.isolated_copy` of ``gm``, which shares tensors with
+        the model (in-place updates reach the compiled code) but no module. The compiled graph
+        then runs once
         on copies of the inputs, on a stream of its own, in the caller's grad and inference
         modes, with the regions not executed
         (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there."""
         from .runtime.region_op import dry_run  # noqa: PLC0415
 
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
+        private = isolated_copy(gm, opaque=lambda m: isinstance(m, Region))
         device = next(a.device for a in example if isinstance(a, torch.Tensor))
         ready = torch.cuda.Event()
         ready.record()
@@ -358,7 +361,7 @@ class CompiledModule(torch.nn.Module):
             from torch._inductor import compile as inductor_compile  # noqa: PLC0415
 
             with in_modes(), torch.no_grad():  # an inference graph (no backward traced)
-                compiled = inductor_compile(gm, example)
+                compiled = inductor_compile(private, example)
             stream = torch.cuda.Stream(device)
             stream.wait_event(ready)
             with in_modes(), torch.cuda.stream(stream), dry_run():

@@ -112,3 +112,29 @@ def test_a_runner_dropped_before_its_turn_builds_nothing_and_drain_waits_for_the
     assert drain(0.05) is False
     gate.set()
     assert drain(10) is True and blocker.done() and built == []
+
+
+def test_the_isolated_copy_shares_tensors_but_no_module_with_the_model():
+    import fusion_compiler as fc
+    from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+    from fusion_compiler.region import Region
+    from fusion_compiler.runtime.tiered import isolated_copy
+
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    compiled = fc.compile(model, cache_dir=False, glue_backend=None)
+    with torch.inference_mode():
+        want = compiled(x)
+    gm = compiled.last.graph_module
+    copy = isolated_copy(gm, opaque=lambda m: isinstance(m, Region))
+    with torch.inference_mode():
+        assert torch.equal(copy(x), want)
+    ours = {id(m) for m in model.modules()} | {id(m) for m in gm.modules()}
+    assert not any(id(m) in ours for m in copy.modules())
+    params = {id(p) for p in model.parameters()}
+    assert params >= {id(p) for p in copy.parameters()} and len(list(copy.parameters())) > 0
+    linear = next(m for m in copy.modules() if isinstance(m, torch.nn.Linear))
+    original = linear.weight
+    linear.weight = torch.nn.Parameter(torch.zeros_like(original))  # what a trace's swap does
+    assert any(p is original for p in model.parameters())
+    assert not any(p is linear.weight for p in model.parameters())

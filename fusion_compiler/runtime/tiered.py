@@ -20,13 +20,17 @@ touches a region's workspace (regions are not executed there, see
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
 import weakref
 from typing import Any, Callable
 
-__all__ = ["TieredRunner", "submit", "drain"]
+import torch
+import torch.fx as fx
+
+__all__ = ["TieredRunner", "submit", "drain", "isolated_copy"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -68,6 +72,70 @@ def drain(timeout: float | None = None) -> bool:
         return True
     done, _ = concurrent.futures.wait([submit(lambda: None)], timeout=timeout)
     return bool(done)
+
+
+class _Opaque(torch.nn.Module):
+    """Calls ``module`` without registering it: its parameters and submodules stay out of
+    ``named_parameters()``/``named_modules()`` of whatever holds this wrapper."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "target", module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.target(*args, **kwargs)
+
+
+def _private(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` (and of its submodules) whose parameter, buffer and submodule
+    tables are its own: the same tensor objects, but replacing one on the copy leaves ``module``
+    alone."""
+    clone = copy.copy(module)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    clone._modules = {k: None if m is None else _private(m) for k, m in module._modules.items()}
+    return clone
+
+
+def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool]
+                  ) -> fx.GraphModule:
+    """``gm`` with no module object shared with the model it came from, for a compile on another
+    thread.
+
+    AOTAutograd (under ``torch._inductor.compile``) traces a module by swapping its parameters
+    and buffers for fake tensors, attribute by attribute, for the length of the trace. A graph
+    module traced from a model holds the model's own leaf modules (an ``nn.Linear`` of the SE
+    gate, a convolution whose region replaced its call), so a trace on one thread would swap them
+    under a forward the calling thread runs at the same time (it then read fake tensors: "Cannot
+    access data pointer of Tensor (e.g. FakeTensor...)"). In the copy every ``get_attr`` and
+    ``call_module`` target is a flat attribute of a new root: tensors are the same objects (in-place
+    updates, e.g. by an optimizer or ``HoistedParameters.refresh``, reach the compiled code), leaf
+    modules are :func:`_private` copies, and modules for which ``opaque(module)`` holds (regions,
+    which hold no state the trace needs) are called through a wrapper that hides their contents.
+    """
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph._codegen = copy.deepcopy(gm.graph._codegen)  # the inputs' and outputs' pytree specs
+    root = torch.nn.Module()
+    names: dict[tuple[str, str], str] = {}
+    for node in graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        key = (node.op, node.target)
+        if key not in names:
+            names[key] = name = f"_{node.op}_{len(names)}"
+            if node.op == "call_module":
+                module = gm.get_submodule(node.target)
+                setattr(root, name, _Opaque(module) if opaque(module) else _private(module))
+            else:
+                *path, field = node.target.split(".")
+                value = getattr(gm.get_submodule(".".join(path)), field)
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                    root.register_buffer(name, value)
+                else:
+                    setattr(root, name, value)
+        node.target = names[key]
+    return fx.GraphModule(root, graph)
 
 
 class TieredRunner:
