@@ -34,7 +34,7 @@ def test_calls_stay_on_the_first_tier_until_the_build_ends_then_switch_and_close
         return second
 
     runner = TieredRunner(first, build, finish, on_failure=lambda why: None)
-    assert runner(1) == ("first", 1) and runner.tier == 1 and runner.pending
+    assert runner(1) == ("first", 1) and runner.tier == 1 and runner.pending  # build submitted
     assert runner.wait(0.05) is False  # still compiling
     gate.set()
     assert runner.wait(10) is True
@@ -65,6 +65,7 @@ def test_closing_while_the_build_runs_drops_its_result():
     runner = TieredRunner(first, build=lambda: gate.wait(10),
                           finish=lambda a: finished.append(a) or _Tier("second"),
                           on_failure=finished.append)
+    assert runner(0) == ("first", 0)  # the first call submits the build
     runner.close()
     gate.set()
     submit(lambda: None).result(10)  # the worker has moved past the dropped job

@@ -139,8 +139,9 @@ def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool]
 
 
 class TieredRunner:
-    """Calls go to ``first`` until ``build()``, run by :func:`submit`, has finished; the next call
-    then switches to ``finish(build())`` and closes ``first``.
+    """Calls go to ``first`` until ``build()``, run by :func:`submit` after the first call (or
+    at :meth:`wait`), has finished; the next call then switches to ``finish(build())`` and closes
+    ``first``.
 
     Args:
         first: the first tier's callable (``close()`` is called on it, if it has one, after the
@@ -160,25 +161,34 @@ class TieredRunner:
                  on_failure: Callable[[str], None]):
         self.run, self.tier = first, 1
         self._build, self._finish, self._on_failure = build, finish, on_failure
-        me = weakref.ref(self)  # a runner dropped before its turn costs no compile
-        self._future: concurrent.futures.Future | None = submit(
-            lambda: None if (runner := me()) is None or runner._build is None
-            else runner._build())
+        self._future: concurrent.futures.Future | None = None
+
+    def _start(self) -> None:
+        """Submit the build (once). Deferred to the end of the first call, so the background
+        thread does not hold the GIL while the first output is being made."""
+        if self._future is None and self._build is not None:
+            me = weakref.ref(self)  # a runner dropped before its turn costs no compile
+            self._future = submit(lambda: None if (runner := me()) is None or
+                                  runner._build is None else runner._build())
 
     def __call__(self, *args: Any) -> Any:
         if self._future is not None and self._future.done():
             self._switch()
-        return self.run(*args)
+        out = self.run(*args)
+        if self._future is None and self.tier == 1:
+            self._start()
+        return out
 
     @property
     def pending(self) -> bool:
-        """Whether the second tier is still compiling (or compiled, not yet switched to)."""
-        return self._future is not None
+        """Whether the second tier is still to come (not yet switched to, nor failed)."""
+        return self._build is not None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background compile ends (at most ``timeout`` s), then switch tiers on
         this thread. Returns ``False`` when the timeout passed first, else ``True`` (also when the
         compile failed: calls then stay on the first tier)."""
+        self._start()
         if self._future is None:
             return True
         done, _ = concurrent.futures.wait([self._future], timeout=timeout)
@@ -205,7 +215,7 @@ class TieredRunner:
         """Drop the pending compile (its result is discarded) and close the current tier."""
         if self._future is not None:
             self._future.cancel()
-            self._future = self._build = self._finish = self._on_failure = None
+        self._future = self._build = self._finish = self._on_failure = None
         close = getattr(self.run, "close", None)
         if close is not None:
             close()
