@@ -298,9 +298,9 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                 console.log(f"{name}: " + (f"{ms['median']:.3f} ms, compiled in "
                                            f"{result['compile_s'][name]:.1f} s" if ms else
                                            f"failed: {result['errors'][name]}"))
-        # The profiler runs after all timings: once it has run, CUPTI stays attached and every
-        # later kernel launch costs more host time (variants launching many kernels from Python
-        # then time slower than the ones timed before it)
+        # The profiler runs after all timings, so no variant is timed after a profiler session
+        # and another not (whether one changes later host-side launch cost was not settled: one
+        # probe on the H100 timed eager faster after it, within that machine's run-to-run spread)
         for name, fn in built.items() if device.type == "cuda" else ():
             try:
                 result.setdefault("gpu_ops", {})[name] = gpu_ops_per_call(fn)
