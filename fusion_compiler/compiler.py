@@ -341,7 +341,10 @@ class CompiledModule(torch.nn.Module):
         then runs once
         on copies of the inputs, on a stream of its own, in the caller's grad and inference
         modes, with the regions not executed
-        (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there."""
+        (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there.
+        All of it holds :data:`~fusion_compiler.runtime.cuda_graph.CAPTURE_LOCK`: a new
+        specialization's capture on the calling thread waits for it."""
+        from .runtime.cuda_graph import CAPTURE_LOCK  # noqa: PLC0415
         from .runtime.region_op import dry_run  # noqa: PLC0415
 
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
@@ -357,16 +360,17 @@ class CompiledModule(torch.nn.Module):
             stack.enter_context(torch.set_grad_enabled(modes[1]))
             return stack
 
-        def build() -> Any:  # on the background thread
+        def build() -> Any:  # on the background thread; no capture may run meanwhile
             from torch._inductor import compile as inductor_compile  # noqa: PLC0415
 
-            with in_modes(), torch.no_grad():  # an inference graph (no backward traced)
-                compiled = inductor_compile(private, example)
-            stream = torch.cuda.Stream(device)
-            stream.wait_event(ready)
-            with in_modes(), torch.cuda.stream(stream), dry_run():
-                compiled(*example)
-            stream.synchronize()
+            with CAPTURE_LOCK:
+                with in_modes(), torch.no_grad():  # an inference graph (no backward traced)
+                    compiled = inductor_compile(private, example)
+                stream = torch.cuda.Stream(device)
+                stream.wait_event(ready)
+                with in_modes(), torch.cuda.stream(stream), dry_run():
+                    compiled(*example)
+                stream.synchronize()
             return compiled
 
         def finish(compiled: Any) -> Callable[..., Any]:  # on the calling thread

@@ -35,6 +35,16 @@ def pytest_collection_modifyitems(config, items):
 FUSE_ALL = {"fuse_prologue": True, "fuse_reduction": True}
 
 
+@pytest.fixture(autouse=True)
+def _background_compiles_end_with_their_test():
+    """A test's background glue compiles (``compile(tiered=True)``) end before the next test
+    starts, so no test runs beside another's compile."""
+    yield
+    from fusion_compiler.runtime import tiered
+
+    tiered.drain()
+
+
 def specialize(model: torch.nn.Module, *inputs: torch.Tensor, backend: str = "reference",
                **options):
     """Compile ``model`` for ``inputs`` without running it; returns the Specialization.

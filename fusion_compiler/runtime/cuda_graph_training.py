@@ -41,7 +41,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..backward import layout_like
 from ..capture import restored
 from ..errors import condense
-from .cuda_graph import CaptureError, _release_rng_capture, parameters_updated_between_replays
+from .cuda_graph import (CAPTURE_LOCK, CaptureError, _release_rng_capture,
+                         parameters_updated_between_replays)
 
 __all__ = ["TrainingGraphRunner"]
 
@@ -137,6 +138,10 @@ class TrainingGraphRunner:
         torch.cuda.current_stream().wait_stream(side)
 
     def _capture_graphs(self, named: dict[str, torch.Tensor], wrt: list[torch.Tensor]) -> None:
+        with CAPTURE_LOCK:
+            self._capture_locked(named, wrt)
+
+    def _capture_locked(self, named: dict[str, torch.Tensor], wrt: list[torch.Tensor]) -> None:
         self.fwd_graph = torch.cuda.CUDAGraph()
         with torch.enable_grad(), torch.cuda.graph(self.fwd_graph,
                                                    capture_error_mode="thread_local"):

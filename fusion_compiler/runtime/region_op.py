@@ -49,8 +49,11 @@ def dry_run():
 def is_traced(t: torch.Tensor) -> bool:
     """Whether ``t`` is a tracing tensor (FakeTensor, FunctionalTensor, ...: any subclass but a
     Parameter) rather than real data, or Dynamo is tracing: then a region must be called through
-    :func:`run_region`, which tracing sees as one opaque op with known output metadata."""
-    return torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter)
+    :func:`run_region`, which tracing sees as one opaque op with known output metadata.
+    (``is_dynamo_compiling``, not ``is_compiling``: the latter also reads a process-wide flag that
+    a trace on another thread, a background compile, sets.)"""
+    return torch.compiler.is_dynamo_compiling() or type(t) not in (torch.Tensor,
+                                                                     torch.nn.Parameter)
 
 
 def register_kernel(kernel: object,
