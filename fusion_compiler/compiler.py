@@ -338,9 +338,8 @@ class CompiledModule(torch.nn.Module):
         calls as frames of their own until the recompile limit). It compiles an
         :func:`~fusion_compiler.runtime.tiered.isolated_copy` of ``gm``, which shares tensors with
         the model (in-place updates reach the compiled code) but no module. The compiled graph
-        then runs once
-        on copies of the inputs, on a stream of its own, in the caller's grad and inference
-        modes, with the regions not executed
+        then runs once on copies of the inputs, on a stream of its own, in the caller's grad and
+        inference modes, with the regions not executed
         (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there.
         All of it holds :data:`~fusion_compiler.runtime.cuda_graph.CAPTURE_LOCK`: a new
         specialization's capture on the calling thread waits for it."""

@@ -11,8 +11,8 @@ its inputs first, then starts the clock: for fusion_compiler before ``import fus
 ``torch.compile`` before the ``torch.compile`` call; the clock stops when the first output is on
 the host's side of a device synchronization. Prints the seconds on the last line, and after them,
 when a background glue compile was still running (``compile(tiered=True)``), the seconds until
-it was done and the compiled glue switched in. The plan cache and the Inductor cache are wherever the environment points them
-(``FUSION_COMPILER_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``).
+it was done and the compiled glue switched in. The plan cache and the Inductor cache are wherever
+the environment points them (``FUSION_COMPILER_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``).
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ _DRY = threading.local()
 @contextlib.contextmanager
 def dry_run():
     """On this thread, make :func:`run_region` return uninitialized outputs of the right shapes
-    without running the kernel: a compile that must execute the graph once (``torch.compile``
-    compiles on the first call) then leaves the regions' plans and workspaces alone, which a CUDA
-    graph of another thread may be replaying (:mod:`fusion_compiler.runtime.tiered`)."""
+    without running the kernel: a background compile that runs its compiled graph once (Triton's
+    autotuning happens at the first run) then leaves the regions' plans and workspaces alone,
+    which a CUDA graph of another thread may be replaying (:mod:`fusion_compiler.runtime.tiered`)."""
     outer = getattr(_DRY, "on", False)
     _DRY.on = True
     try:
@@ -50,8 +50,8 @@ def is_traced(t: torch.Tensor) -> bool:
     """Whether ``t`` is a tracing tensor (FakeTensor, FunctionalTensor, ...: any subclass but a
     Parameter) rather than real data, or Dynamo is tracing: then a region must be called through
     :func:`run_region`, which tracing sees as one opaque op with known output metadata.
-    (``is_dynamo_compiling``, not ``is_compiling``: the latter also reads a process-wide flag that
-    a trace on another thread, a background compile, sets.)"""
+    (``is_dynamo_compiling``, not ``is_compiling``: the latter also reads a process-wide flag,
+    which a trace on another thread, a background compile, may set.)"""
     return torch.compiler.is_dynamo_compiling() or type(t) not in (torch.Tensor,
                                                                      torch.nn.Parameter)
 

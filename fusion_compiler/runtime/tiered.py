@@ -12,16 +12,16 @@ frees the first tier. The tiers compute the same function; outputs may differ in
 While the background thread compiles, it holds the GIL in Python's switch-interval slices (5 ms),
 so calls in that window can take longer. Its GPU work runs on a stream of its own and never
 touches a region's workspace (regions are not executed there, see
-:func:`fusion_compiler.runtime.region_op.dry_run`). Captures of this package use
-``capture_error_mode="thread_local"``, so the background thread's device synchronizations
-(Triton's autotuning) do not invalidate a capture on the calling thread.
+:func:`fusion_compiler.runtime.region_op.dry_run`). A compile holds
+:data:`~fusion_compiler.runtime.cuda_graph.CAPTURE_LOCK` from start to end, so a capture on the
+calling thread (a new specialization's) waits for it: beside a capture, a background compile
+failed with "operation not permitted when stream is capturing".
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
-import logging
 import queue
 import threading
 import weakref
@@ -31,8 +31,6 @@ import torch
 import torch.fx as fx
 
 __all__ = ["TieredRunner", "submit", "drain", "isolated_copy"]
-
-log = logging.getLogger("fusion_compiler")
 
 _worker_lock = threading.Lock()
 _queue: "queue.SimpleQueue[tuple[concurrent.futures.Future, Callable[[], Any]]] | None" = None
