@@ -135,24 +135,21 @@ class CudaGraphRunner:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with CAPTURE_LOCK:
-            self._warm_up_and_capture(fn, side)
-
-    def _warm_up_and_capture(self, fn: Callable[..., Any], side: torch.cuda.Stream) -> None:
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                fn(*self.static_inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: CUDA calls of other threads (a DataLoader's pinning thread) do not
-            # invalidate this capture
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), \
-                    self._scope():
-                self.static_outputs = fn(*self.static_inputs)
-        except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
-            _release_rng_capture(torch.cuda.current_device())
-            self.close()
-            raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    fn(*self.static_inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: CUDA calls of other threads (a DataLoader's pinning thread) do
+                # not invalidate this capture
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), \
+                        self._scope():
+                    self.static_outputs = fn(*self.static_inputs)
+            except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
+                _release_rng_capture(torch.cuda.current_device())
+                self.close()
+                raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
 
     def _scope(self) -> contextlib.AbstractContextManager:
         """Host caches per parameter version may be read by the graph when a guard recaptures

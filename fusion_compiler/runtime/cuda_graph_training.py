@@ -96,7 +96,7 @@ class TrainingGraphRunner:
         try:
             with restored(self.buffers):
                 self._warm_up(named, wrt)
-                with parameters_updated_between_replays():
+                with parameters_updated_between_replays(), CAPTURE_LOCK:
                     self._capture_graphs(named, wrt)
         except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
             _release_rng_capture(torch.cuda.current_device())
@@ -138,10 +138,6 @@ class TrainingGraphRunner:
         torch.cuda.current_stream().wait_stream(side)
 
     def _capture_graphs(self, named: dict[str, torch.Tensor], wrt: list[torch.Tensor]) -> None:
-        with CAPTURE_LOCK:
-            self._capture_locked(named, wrt)
-
-    def _capture_locked(self, named: dict[str, torch.Tensor], wrt: list[torch.Tensor]) -> None:
         self.fwd_graph = torch.cuda.CUDAGraph()
         with torch.enable_grad(), torch.cuda.graph(self.fwd_graph,
                                                    capture_error_mode="thread_local"):
@@ -215,7 +211,6 @@ class TrainingGraphRunner:
                 graph.reset()
         self.fwd_graph = self.bwd_graph = None
         self.static_outputs, self.static_grads, self.static_grad_outputs = [], [], []
-
 
 
 class _Bound(torch.nn.Module):
