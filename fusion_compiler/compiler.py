@@ -24,7 +24,7 @@ from .region import Region
 from .runtime.hoist import hoist_parameter_subgraphs
 from .runtime.layout import channels_last_inputs, nchw_padded_avg_pools
 from .runtime.plan_cache import PlanCache, default_cache_dir
-from .runtime.tiered import TieredRunner, drain, isolated_copy
+from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy
 
 __all__ = ["compile", "CompiledModule", "CUDA_GRAPH_MODES", "DEFAULT_MAX_SPECIALIZATIONS"]
 
@@ -212,31 +212,13 @@ class CompiledModule(torch.nn.Module):
             at = next((i for i, p in enumerate(passes) if p.name == "fuse"), len(passes))
             passes = [*passes[:at], Pass("autocast", functools.partial(make_autocast_explicit,
                                                                         dtype=amp)), *passes[at:]]
-        captured = capture(self.model)
-        text = self._shapes_text(captured, key, passes)
-        shapes_header = PlanCache.header(text, {"kind": "shapes"})
-        # Processes sharing the cache directory (DDP ranks) compile this one at a time: the
-        # first builds and tunes, the others find its plans and choices and run the same plans.
-        # The lock ignores the device index (each rank has its own GPU); the shapes do not
-        # (their recorded devices say where plans run).
-        lock = PlanCache.header(re.sub(r"\bcuda:\d+", "cuda", text), {"kind": "compile"})
-        with self._shape_cache.lock(lock, f"compile {type(self.model).__name__}"):
-            known = self._shape_cache.load_record(shapes_header, "shapes")
-            manager = PassManager(passes, args, on_stage=on_stage, known_shapes=known)
-            gm = manager.run(captured)
-            if manager.recorded:
-                self._shape_cache.store_record(shapes_header, "shapes",
-                                               {**(known or {}), **manager.recorded})
-            frozen = frozenset(ph.name for ph, needs in zip(
-                gm.graph.find_nodes(op="placeholder"), requires) if not needs)
-            lower(gm, self.backend, progress=self.progress, training=grad,
-                  derived_backward=self.derived_backward, no_grad_inputs=frozen,
-                  cache_dir=self.cache_dir, autotune=self.autotune)
-        channels_last_inputs(gm)
-        if grad and on_cuda and (pools := nchw_padded_avg_pools(gm)):
-            log.info("%d padded avg_pool2d input(s) made NCHW: PyTorch's channels_last CUDA "
-                     "backward is wrong with padding (pytorch/pytorch#188344)", pools)
-        hoisted = None if grad else hoist_parameter_subgraphs(gm)
+        with COMPILE_LOCK:  # never beside a background compile (see the lock's docstring)
+            gm = self._passes_and_lowering(key, args, passes, on_stage, grad, requires)
+            channels_last_inputs(gm)
+            if grad and on_cuda and (pools := nchw_padded_avg_pools(gm)):
+                log.info("%d padded avg_pool2d input(s) made NCHW: PyTorch's channels_last CUDA "
+                         "backward is wrong with padding (pytorch/pytorch#188344)", pools)
+            hoisted = None if grad else hoist_parameter_subgraphs(gm)
         notes: list[str] = []
         glue = self._glue_backend(on_cuda, ungraphed_inference=not grad and not self.cuda_graph,
                                   notes=notes)
@@ -282,6 +264,33 @@ class CompiledModule(torch.nn.Module):
             if grad:
                 print(format_gradients(spec.regions))
         return spec
+
+    def _passes_and_lowering(self, key: tuple, args: Sequence[Any], passes: Sequence[Pass],
+                             on_stage: Callable[[str, fx.GraphModule], None], grad: bool,
+                             requires: tuple[bool, ...]) -> fx.GraphModule:
+        """The model captured, rewritten by ``passes`` (shapes from the shape cache where it has
+        them) and lowered: every region has its kernel."""
+        captured = capture(self.model)
+        text = self._shapes_text(captured, key, passes)
+        shapes_header = PlanCache.header(text, {"kind": "shapes"})
+        # Processes sharing the cache directory (DDP ranks) compile this one at a time: the
+        # first builds and tunes, the others find its plans and choices and run the same plans.
+        # The lock ignores the device index (each rank has its own GPU); the shapes do not
+        # (their recorded devices say where plans run).
+        lock = PlanCache.header(re.sub(r"\bcuda:\d+", "cuda", text), {"kind": "compile"})
+        with self._shape_cache.lock(lock, f"compile {type(self.model).__name__}"):
+            known = self._shape_cache.load_record(shapes_header, "shapes")
+            manager = PassManager(passes, args, on_stage=on_stage, known_shapes=known)
+            gm = manager.run(captured)
+            if manager.recorded:
+                self._shape_cache.store_record(shapes_header, "shapes",
+                                               {**(known or {}), **manager.recorded})
+            frozen = frozenset(ph.name for ph, needs in zip(
+                gm.graph.find_nodes(op="placeholder"), requires) if not needs)
+            lower(gm, self.backend, progress=self.progress, training=grad,
+                  derived_backward=self.derived_backward, no_grad_inputs=frozen,
+                  cache_dir=self.cache_dir, autotune=self.autotune)
+        return gm
 
     def _shapes_text(self, captured: fx.GraphModule, key: tuple, passes: Sequence[Pass]) -> str:
         """What the shapes propagated through ``passes`` for this model and specialization
@@ -341,9 +350,8 @@ class CompiledModule(torch.nn.Module):
         then runs once on copies of the inputs, on a stream of its own, in the caller's grad and
         inference modes, with the regions not executed
         (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there.
-        All of it holds :data:`~fusion_compiler.runtime.cuda_graph.CAPTURE_LOCK`: a new
-        specialization's capture on the calling thread waits for it."""
-        from .runtime.cuda_graph import CAPTURE_LOCK  # noqa: PLC0415
+        All of it holds :data:`~fusion_compiler.runtime.tiered.COMPILE_LOCK`: a new
+        specialization's compile on the calling thread waits for it."""
         from .runtime.region_op import dry_run  # noqa: PLC0415
 
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
@@ -362,7 +370,7 @@ class CompiledModule(torch.nn.Module):
         def build() -> Any:  # on the background thread; no capture may run meanwhile
             from torch._inductor import compile as inductor_compile  # noqa: PLC0415
 
-            with CAPTURE_LOCK:
+            with COMPILE_LOCK:
                 with in_modes(), torch.no_grad():  # an inference graph (no backward traced)
                     compiled = inductor_compile(private, example)
                 stream = torch.cuda.Stream(device)

@@ -139,3 +139,32 @@ def test_the_isolated_copy_shares_tensors_but_no_module_with_the_model():
     linear.weight = torch.nn.Parameter(torch.zeros_like(original))  # what a trace's swap does
     assert any(p is original for p in model.parameters())
     assert not any(p is linear.weight for p in model.parameters())
+
+
+def test_a_compile_waits_for_a_background_compile_whose_trace_sets_fx_globals():
+    """AOTAutograd's trace on the background thread turns on ``torch.fx.traceback``'s
+    process-wide node-metadata copying; a fuse pass beside it failed ("replace_with already has
+    .meta keys"). The job here does what that trace does, holding COMPILE_LOCK as a background
+    compile does: the compile on this thread waits for it and succeeds."""
+    from torch.fx import traceback as fx_traceback
+
+    from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+    from fusion_compiler.runtime.tiered import COMPILE_LOCK
+    from conftest import patterns, specialize
+
+    inside, release = threading.Event(), threading.Event()
+
+    def trace_like():
+        with COMPILE_LOCK, fx_traceback.preserve_node_meta():
+            fx_traceback.current_meta["nn_module_stack"] = {"bg": ("bg", torch.nn.Module)}
+            inside.set()
+            release.wait(10)
+
+    job = submit(trace_like)
+    assert inside.wait(10)
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    spec = specialize(randomize_(se_resnet9_fixup(3)).eval(), torch.randn(2, 3, 64, 64))
+    assert job.done() and len(patterns(spec)) == 12
+    assert not any("nn_module_stack" in n.meta and "bg" in n.meta["nn_module_stack"]
+                   for n in spec.graph_module.graph.nodes)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..capture import node_device
-from ..runtime.cuda_graph import CAPTURE_LOCK
+from ..runtime.tiered import COMPILE_LOCK
 
 __all__ = ["PlanTiming", "fastest", "sample_pack", "sample_tensor", "sample_inputs", "gpu_time_ms",
            "paired_time_ms", "PYTORCH_MARGIN"]
@@ -102,7 +102,7 @@ def _captured(run: Callable[[], object], iters: int, stream: torch.cuda.Stream
     tens of ms per graph in a compiling process and autotuning captures about a hundred."""
     graph = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with CAPTURE_LOCK, torch.cuda.stream(stream):
+    with COMPILE_LOCK, torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             for _ in range(iters):

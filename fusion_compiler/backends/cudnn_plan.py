@@ -184,7 +184,7 @@ class CudnnPlan:
         return self.name
 
     def timed_against_pytorch(self, measure: Callable[[], tuple[float, float]],
-                              record_name: str = "pytorch_timing") -> tuple[float, float]:
+                              record_name: str = "pytorch_timing_paired") -> tuple[float, float]:
         """``(cudnn_ms, pytorch_ms)`` of this plan against the PyTorch ops it replaces.
 
         ``measure()`` runs only when the plan was built now or the cache holds no record named

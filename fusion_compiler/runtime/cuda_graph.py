@@ -19,27 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils._pytree import tree_map
 
 from ..errors import condense
+from .tiered import COMPILE_LOCK
 
-__all__ = ["CudaGraphRunner", "CaptureError", "CAPTURE_LOCK", "EVERY_CALL", "parameters_guarded",
+__all__ = ["CudaGraphRunner", "CaptureError", "EVERY_CALL", "parameters_guarded",
            "parameters_updated_between_replays", "weight_cache_scope"]
 
 
 class CaptureError(RuntimeError):
     """The forward could not be captured in a CUDA graph; the message says why (CUDA's error)."""
 
-
-CAPTURE_LOCK = threading.RLock()
-"""Held by every CUDA graph capture of this package and, for its whole length, by a background
-glue compile (:mod:`.tiered`): on an H100 a background compile beside a capture failed with
-"operation not permitted when stream is capturing", although the captures use
-``capture_error_mode="thread_local"``."""
 
 _EPOCHS = itertools.count(1)
 _UNSET = object()
@@ -134,7 +128,7 @@ class CudaGraphRunner:
         self.token = self.guard() if self.guard is not None else None
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with CAPTURE_LOCK:
+        with COMPILE_LOCK:
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):
                     fn(*self.static_inputs)

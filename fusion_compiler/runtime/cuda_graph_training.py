@@ -41,8 +41,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..backward import layout_like
 from ..capture import restored
 from ..errors import condense
-from .cuda_graph import (CAPTURE_LOCK, CaptureError, _release_rng_capture,
+from .cuda_graph import (CaptureError, _release_rng_capture,
                          parameters_updated_between_replays)
+from .tiered import COMPILE_LOCK
 
 __all__ = ["TrainingGraphRunner"]
 
@@ -96,7 +97,7 @@ class TrainingGraphRunner:
         try:
             with restored(self.buffers):
                 self._warm_up(named, wrt)
-                with parameters_updated_between_replays(), CAPTURE_LOCK:
+                with parameters_updated_between_replays(), COMPILE_LOCK:
                     self._capture_graphs(named, wrt)
         except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
             _release_rng_capture(torch.cuda.current_device())
