@@ -8,6 +8,7 @@ A plan needs a backend object for handles, workspaces, the plan cache and candid
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable, Protocol, Sequence
@@ -89,6 +90,10 @@ class CudnnPlan:
         self.graph = self._load() or self._build(key)
         self.workspace_bytes = int(self.graph.get_workspace_size())
         backend.workspace(device, self.workspace_bytes)  # grow now, not during capture
+        # execute()'s operands, in this order: inputs, outputs, constants
+        self._uids = (*self.input_uids, *self.output_uids, *self.constants)
+        self._constant_values = list(self.constants.values())
+        self._ordered = "tensor_uids" in inspect.signature(self.graph.execute).parameters
 
     def _deserialize(self, blob: bytes) -> Any:
         cudnn = import_cudnn()
@@ -210,12 +215,21 @@ class CudnnPlan:
 
     def execute(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Run the plan: ``inputs``/``outputs`` in the graph's input/output order, laid out as
-        declared (fully packed NHWC for 4-d tensors), on the current torch stream."""
+        declared (fully packed NHWC for 4-d tensors), on the current torch stream.
+
+        The operands go to the frontend as a list with their UIDs fixed at construction
+        (``execute(..., tensor_uids=...)``, cuDNN frontend 1.32: it caches the operands'
+        metadata by UID instead of reading a dict each call); older frontends get the dict."""
+        ws = self.backend.workspace(self.device, self.workspace_bytes)
+        handle = self.backend.handle(self.device)
+        if self._ordered:
+            self.graph.execute([*inputs, *outputs, *self._constant_values], ws, handle=handle,
+                               tensor_uids=self._uids)
+            return
         pack = dict(zip(self.input_uids, inputs))
         pack.update(zip(self.output_uids, outputs))
         pack.update(self.constants)
-        ws = self.backend.workspace(self.device, self.workspace_bytes)
-        self.graph.execute(pack, ws, handle=self.backend.handle(self.device))
+        self.graph.execute(pack, ws, handle=handle)
 
 
 class WeightCache:
