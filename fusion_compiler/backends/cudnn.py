@@ -336,9 +336,9 @@ def _slower_than_pytorch(region: Region, kernel: "CudnnKernel") -> str:
     inputs = sample_inputs(region)
 
     def measure() -> tuple[float, float]:
-        # Paired (replays alternating): timed one after the other, the first of the two ran on
-        # a GPU still raising its clocks; on a freshly started H100 the stem conv1x1 timed
-        # 0.0230 ms on cuDNN against 0.0158 ms for PyTorch, and 0.0059 ms on cuDNN otherwise.
+        # Paired (replays alternating), so drift during the measurement affects both alike:
+        # timed one after the other, on a freshly started H100 the stem conv1x1 timed 0.0230 ms
+        # on cuDNN against 0.0158 ms for PyTorch, and 0.0059 ms on cuDNN in other runs.
         fused, torch_ = paired_time_ms([lambda: kernel(*inputs),
                                         lambda: region.graph_module(*inputs)], reps=5)
         return fused, torch_
