@@ -135,8 +135,27 @@ def test_slow_propagation_on_the_inputs_falls_back_to_meta(monkeypatch):
     monkeypatch.setattr(manager, "REAL_PROPAGATION_BUDGET_S", 0.0)
     with torch.no_grad():
         fc.compile(_small(), cache_dir=False)(torch.randn(2, 8, 6, 6))
-    # every stage after "captured" (which is run on the inputs)
-    assert len(calls) == len(fc.passes.default_passes(cuda=False))
+    # every stage after "captured" (which is run on the inputs) that changed the graph:
+    # normalize and fuse (fold_bn finds no batch norm, verify changes nothing)
+    assert len(calls) == 2
+
+
+def test_a_pass_that_changes_no_graph_is_not_propagated_again(monkeypatch):
+    from fusion_compiler.capture import capture
+    from fusion_compiler.passes import Pass, PassManager, default_passes, manager
+
+    calls = []
+    real_propagate = manager.propagate_shapes
+    monkeypatch.setattr(manager, "propagate_shapes",
+                        lambda *a, **k: calls.append(1) or real_propagate(*a, **k))
+    passes = default_passes(cuda=False)
+    noop = Pass("noop", lambda gm: gm)
+    run = PassManager([passes[0], noop, *passes[1:]], [torch.randn(2, 8, 6, 6)])
+    with torch.no_grad():
+        gm = run.run(capture(_small()))
+    assert len(calls) == 3  # captured, normalize, fuse
+    assert run.recorded["noop"] == run.recorded["normalize"]
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
 
 
 def test_the_shape_cache_is_keyed_by_module_configuration(tmp_path):

@@ -35,7 +35,9 @@ class PassManager:
     """Run ``passes`` in order on a graph specialized to ``example_inputs``.
 
     After every pass the graph is linted, recompiled and its ``node.meta["val"]`` refreshed by
-    shape propagation (:func:`~fusion_compiler.capture.propagate_shapes`), so each pass sees
+    shape propagation (:func:`~fusion_compiler.capture.propagate_shapes`; skipped when the pass
+    changed no graph: the same generated code of the graph and of every graph module in it, and
+    every node still has its value), so each pass sees
     shapes, dtypes and strides of every node: by running the graph on copies of the example inputs
     (no side effects, see ``capture._real_propagation``) while a run stays within
     :data:`REAL_PROPAGATION_BUDGET_S` and succeeds, else on meta tensors. ``known_shapes`` (stage
@@ -55,10 +57,16 @@ class PassManager:
         self.known_shapes = known_shapes or {}
         self.recorded: dict[str, dict] = {}
         self.real = True  # propagate by running on the inputs while that stays cheap
+        self._last: dict | None = None  # the table of the latest stage
 
-    def _propagate(self, stage: str, gm: fx.GraphModule) -> None:
+    def _propagate(self, stage: str, gm: fx.GraphModule, unchanged: bool = False) -> None:
         known = self.known_shapes.get(stage)
         if known is not None and apply_meta(gm, known):
+            self._last = known
+            return
+        if unchanged:  # the pass left every graph as it was: the metadata still holds
+            if self._last is not None:
+                self.recorded[stage] = self._last
             return
         if self.real:
             start = time.perf_counter()
@@ -75,7 +83,7 @@ class PassManager:
                 self.real = False
         else:
             propagate_shapes(gm, self.example_inputs)
-        table = encode_meta(gm)
+        table = self._last = encode_meta(gm)
         if table is not None:
             self.recorded[stage] = table
 
@@ -100,9 +108,18 @@ class PassManager:
             raise ValueError(f"inputs of shape {shapes} do not fit the model: {first}") from exc
         self._stage("captured", gm)
         for p in self.passes:
+            before = _codes(gm)
             gm = p.fn(gm)
             gm.graph.lint()
             gm.recompile()
-            self._propagate(p.name, gm)
+            unchanged = _codes(gm) == before and all(
+                "val" in n.meta for n in gm.graph.nodes if n.op != "output")
+            self._propagate(p.name, gm, unchanged=unchanged)
             self._stage(p.name, gm)
         return gm
+
+
+def _codes(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """The generated code of ``gm`` and of every graph module inside it (regions): equal before
+    and after a pass when the pass changed no graph."""
+    return [(name, m.code) for name, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
