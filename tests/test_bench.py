@@ -61,6 +61,8 @@ def test_kernel_categories_split_gpu_time_per_call():
     assert split["total"]["kernels"] == 7
     result = {"model": "m", "inputs": [(2, 3)], "dtype": "float16", "ms": {"v": {"median": 0.3}},
               "kernel_time": {"v": split}}
-    line = format_time_split([result])
+    assert split["triton glue"]["slowest"] == ["triton_red_fused_sum_threshold_backward_52", 20.0]
+    line, *slowest = format_time_split([result]).splitlines()
     assert line.startswith("m 2x3 float16: v: kernels 0.224 ms in 7; gaps 0.076 ms: ")
     assert "conv forward 0.080 (1)" in line
+    assert "    slowest triton glue: triton_red_fused_sum_threshold_backward_52 20.0 us" in slowest
