@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -352,27 +353,12 @@ def _new_batch_seconds(model: torch.nn.Module, inputs: Sequence[Any],
     for label, options in fusion_variants.items():
         plan_workers.shutdown()  # workers started from here on read the fresh CUDA_CACHE_PATH
         with tempfile.TemporaryDirectory(prefix="fc-new-batch-") as tmp, \
-                _environment(CUDA_CACHE_PATH=os.path.join(tmp, "jit")):
+                unittest.mock.patch.dict(os.environ, CUDA_CACHE_PATH=os.path.join(tmp, "jit")):
             # a copy of the plan cache: plans another variant built at half the batch must not
             # be found there
             plans = shutil.copytree(cache_dir, os.path.join(tmp, "plans"))
             _new_batch_of(fc, label, options, model, inputs, half, device, plans, result)
-        plan_workers.shutdown()
-
-
-@contextlib.contextmanager
-def _environment(**values: str):
-    """``os.environ`` with ``values`` set, restored on exit."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    plan_workers.shutdown()  # no worker outlives the JIT cache directory it was started with
 
 
 def _new_batch_of(fc: Any, label: str, options: dict, model: torch.nn.Module,
@@ -474,15 +460,14 @@ def kernel_categories(kernels: Sequence[tuple[str, float]], calls: int) -> dict[
     microseconds per launch); ``"total"`` sums the times and counts. The slowest kernel is worth
     a look when a variant's time moves between runs: on an H100 one Triton reduction of
     SE-ResNet9's glue took 3.5, 11.5 or 20.6 us, depending on the compile."""
-    out: dict[str, dict] = {}
     launches: dict[str, list[float]] = {}
     for name, us in kernels:
-        cat = out.setdefault(kernel_category(name), {"ms": 0.0, "kernels": 0.0})
-        cat["ms"] += us / 1e3 / calls
-        cat["kernels"] += 1 / calls
         launches.setdefault(name, []).append(us)
+    out: dict[str, dict] = {}
     for name, times in launches.items():
-        cat = out[kernel_category(name)]
+        cat = out.setdefault(kernel_category(name), {"ms": 0.0, "kernels": 0.0})
+        cat["ms"] += sum(times) / 1e3 / calls
+        cat["kernels"] += len(times) / calls
         mean = sum(times) / len(times)
         if "slowest" not in cat or mean > cat["slowest"][1]:
             cat["slowest"] = [name, mean]
