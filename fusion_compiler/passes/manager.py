@@ -37,8 +37,8 @@ class PassManager:
     After every pass the graph is linted, recompiled and its ``node.meta["val"]`` refreshed by
     shape propagation (:func:`~fusion_compiler.capture.propagate_shapes`; skipped when the pass
     changed no graph: the same generated code of the graph and of every graph module in it, and
-    every node still has its value), so each pass sees
-    shapes, dtypes and strides of every node: by running the graph on copies of the example inputs
+    every node still has its value), so each pass sees shapes, dtypes and strides of every node:
+    by running the graph on copies of the example inputs
     (no side effects, see ``capture._real_propagation``) while a run stays within
     :data:`REAL_PROPAGATION_BUDGET_S` and succeeds, else on meta tensors. ``known_shapes`` (stage
     name -> table of :func:`~fusion_compiler.capture.encode_meta`) holds what an earlier compile

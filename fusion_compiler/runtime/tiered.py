@@ -31,10 +31,11 @@ import torch.fx as fx
 __all__ = ["TieredRunner", "COMPILE_LOCK", "submit", "drain", "isolated_copy"]
 
 COMPILE_LOCK = threading.RLock()
-"""Held by a background compile (:func:`submit`) from start to end, and on the calling thread by
-every compile of a specialization (capture, passes, lowering with its autotuning) and every CUDA
-graph capture of this package, which therefore never run beside a background compile. Beside
-one, on an H100 with torch 2.11:
+"""Held by a background glue compile from start to end (the job ``CompiledModule`` hands to
+:func:`submit`; ``submit`` itself takes no lock), and on the calling thread by every compile of a
+specialization (capture, passes, lowering with its autotuning) and every CUDA graph capture of
+this package, which therefore never run beside a background compile. Beside one, on an H100 with
+torch 2.11:
 
 - a capture failed with "operation not permitted when stream is capturing", although captures
   use ``capture_error_mode="thread_local"``;
