@@ -106,6 +106,29 @@ def _inductor_compile(gm: fx.GraphModule, example: Sequence[Any]) -> Callable[..
         return inductor_compile(gm, fakes)
 
 
+def _without_custom_op_alias_check() -> contextlib.AbstractContextManager[Any]:
+    """A context for the first call of a graph Inductor compiled, the call in which Inductor's
+    Triton kernels autotune (each benchmarks its configs at its first launch).
+
+    AOTAutograd runs a compiled graph's first call under a dispatch mode that checks the outputs
+    of custom ops (here ``run_region``) for aliasing (``torch._functorch.config.
+    check_custom_op_aliasing``). Under it every op of Inductor's benchmark loop (the L2 flush,
+    the event records) goes through Python: on an H100 a small ``zero_`` took 38 us instead of
+    8, the host launched slower than the kernels ran, and each config of a 3-9 us reduction timed
+    0.10-0.23 ms, so configs were picked at random: in 2 of 5 SE-ResNet9 compiles one SE squeeze
+    got XBLOCK=1 and took 20.7 us per forward where XBLOCK=8 takes 3.6
+    (Inductor's autotune debug log, torch 2.11). With the check off for that call
+    the first call's timings match a later re-benchmark (8-9 us with the launch), and the check
+    runs at the next first call instead (AOTAutograd keeps it pending). A no-op on a torch
+    without that option.
+    """
+    from torch._functorch import config  # noqa: PLC0415
+
+    if not hasattr(config, "check_custom_op_aliasing"):
+        return contextlib.nullcontext()
+    return config.patch(check_custom_op_aliasing=False)
+
+
 def _memory_format(t: Any) -> torch.memory_format | None:
     """The memory format eager returned for an output (``None``: leave it as it comes)."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -266,8 +289,9 @@ class CompiledModule(torch.nn.Module):
         runner, graphed = runner_for(call), None
         if glue is not None and not tiered:  # compiles on this thread: one compile at a time
             drain()
-        if self.cuda_graph and on_cuda:
-            runner, graphed = self._graphed(runner, call, args, notes, training=grad)
+        if self.cuda_graph and on_cuda:  # the warm-up call compiles a torch.compile'd glue
+            with _without_custom_op_alias_check():
+                runner, graphed = self._graphed(runner, call, args, notes, training=grad)
         if tiered and graphed is None:  # no graph: eager glue is the faster one uncaptured
             glue = None
         elif tiered:
@@ -396,7 +420,8 @@ class CompiledModule(torch.nn.Module):
                     compiled = _inductor_compile(private, example)
                 stream = torch.cuda.Stream(device)
                 stream.wait_event(ready)
-                with in_modes(), torch.cuda.stream(stream), dry_run():
+                with in_modes(), torch.cuda.stream(stream), dry_run(), \
+                        _without_custom_op_alias_check():
                     compiled(*example)
                 stream.synchronize()
             return compiled

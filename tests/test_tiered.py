@@ -3,6 +3,7 @@ on the CPU: the mechanism without CUDA (tests/test_gpu_defaults.py runs it on th
 
 import threading
 
+import pytest
 import torch
 
 from fusion_compiler.runtime import region_op
@@ -168,3 +169,46 @@ def test_a_compile_waits_for_a_background_compile_whose_trace_sets_fx_globals():
     assert job.done() and len(patterns(spec)) == 12
     assert not any("nn_module_stack" in n.meta and "bg" in n.meta["nn_module_stack"]
                    for n in spec.graph_module.graph.nodes)
+
+
+
+def test_the_first_call_of_inductor_glue_runs_without_the_custom_op_aliasing_check(monkeypatch):
+    """Inductor's Triton kernels autotune in the first call of a compiled graph; under
+    AOTAutograd's custom-op aliasing check (a Python dispatch mode) the host was too slow for its
+    timings to mean anything (``compiler._without_custom_op_alias_check``). The check runs at the
+    next first call instead. Inductor on the CPU stands in for CUDA: the check is AOTAutograd's."""
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    from fusion_compiler.compiler import _inductor_compile, _without_custom_op_alias_check
+
+    if not hasattr(runtime_wrappers, "_check_custom_op_aliasing"):
+        pytest.skip("this torch has no custom-op aliasing check")
+    checked = []
+    check = runtime_wrappers._check_custom_op_aliasing
+    monkeypatch.setattr(runtime_wrappers, "_check_custom_op_aliasing",
+                        lambda name, *a: (checked.append(name), check(name, *a))[1])
+
+    class Glue(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.fc_test.twice(x.sin()).cos()
+
+    x = torch.randn(4, 8) + 1.0
+    with torch.no_grad():
+        compiled = _inductor_compile(torch.fx.symbolic_trace(Glue()), [x])
+        with _without_custom_op_alias_check():
+            out = compiled(x)
+        assert checked == []
+        torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out,
+                                   (2 * x.sin()).cos())
+        compiled(x)
+    assert checked == ["fc_test::twice"]
+
+
+@torch.library.custom_op("fc_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
