@@ -507,8 +507,9 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             (same, but each fallback is a warning) or ``"reference"`` (PyTorch ops only).
         cuda_graph: ``"auto"`` (default; ``True`` is the same): on CUDA, every inference
             specialization captures its whole forward in one CUDA graph and each call replays it;
-            the outputs are copied out of the graph's buffers, so nothing a call returned is
-            overwritten by a later call. A forward that cannot be captured (a host
+            nothing a call returned is overwritten by a later call (the graph's output buffers
+            are returned while nothing holds the previous call's, else copies from a spare graph:
+            :mod:`~fusion_compiler.runtime.cuda_graph`). A forward that cannot be captured (a host
             synchronization, ``.item()``, a CPU tensor) runs without a graph, and the reason is
             logged once. ``"static"``: the same graph, but calls return the graph's own output
             buffers, overwritten by the next call (no copy: clone what you keep). ``False``: no

@@ -64,7 +64,10 @@ def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tm
         assert _runs_triton(lambda: compiled(x))
         outs += [compiled(x), compiled(half)]
     assert (spec.cuda_graph, spec.glue_backend, spec.notes) == ("safe", "inductor", [])
-    assert all(r.backend == "cudnn" for r in spec.regions)
+    # a region's PyTorch ops may time faster than its plan on this GPU (paired timing)
+    assert all(r.backend == "cudnn" or "PyTorch ops were faster" in r.reason
+               for r in spec.regions), [(r.region_id, r.reason) for r in spec.regions]
+    assert sum(r.backend == "cudnn" for r in spec.regions) >= 10
     for out, inp in zip(outs, (x, half, x, half)):
         assert rel_err(out.float().cpu(), _fp64(model, inp)) < 2e-3
     with torch.no_grad():  # a parameter of the glue (the SE MLP), updated in place
@@ -114,6 +117,30 @@ def test_default_outputs_survive_later_calls(tmp_path):
         assert y1.data_ptr() != y2.data_ptr() and torch.equal(y1, kept)
         assert not torch.equal(y1, y2)
         assert rel_err(y2.float().cpu(), _fp64(model, x2)) < 2e-3
+
+
+def test_default_outputs_are_the_graph_buffers_while_nothing_holds_the_last_ones(tmp_path):
+    """A call hands out the graph's buffers when the previous call's output (or any view of it)
+    is no longer held; otherwise a spare graph's copied outputs, and nothing held changes."""
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None)
+    xs = [_x(16) for _ in range(4)]
+    with torch.inference_mode():
+        buffer = compiled(xs[0]).data_ptr()  # dropped at once
+        y1 = compiled(xs[1])
+        assert y1.data_ptr() == buffer
+        view = y1[3]  # a view holds the buffer too
+        kept = view.clone()
+        del y1
+        y2 = compiled(xs[2])
+        y3 = compiled(xs[3])
+        assert len({buffer, y2.data_ptr(), y3.data_ptr()}) == 3
+        assert torch.equal(view, kept)
+        del view
+        y0 = compiled(xs[0])
+        assert y0.data_ptr() == buffer
+    for y, x in ((y0, xs[0]), (y2, xs[2]), (y3, xs[3])):
+        assert rel_err(y.float().cpu(), _fp64(model, x)) < 2e-3
 
 
 def test_static_outputs_are_the_graph_buffers(tmp_path):
