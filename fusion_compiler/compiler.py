@@ -117,10 +117,10 @@ def _without_custom_op_alias_check() -> contextlib.AbstractContextManager[Any]:
     the event records) goes through Python: on an H100 a small ``zero_`` took 38 us instead of
     8, the host launched slower than the kernels ran, and each config of a 3-9 us reduction timed
     0.10-0.23 ms, so configs were picked at random: in 2 of 5 SE-ResNet9 compiles one SE squeeze
-    got XBLOCK=1 and took 20.7 us per forward where XBLOCK=8 takes 3.6
-    (Inductor's autotune debug log, torch 2.11). With the check off for that call
-    the first call's timings match a later re-benchmark (8-9 us with the launch), and the check
-    runs at the next first call instead (AOTAutograd keeps it pending). A no-op on a torch
+    got XBLOCK=1 and took 20.7 us per forward where XBLOCK=8 takes 3.6 (Inductor's autotune
+    debug log, torch 2.11). With the check off for that call the timings match a re-benchmark
+    after it (8-9 us with the launch; 4 of 4 compiles then chose the 2.1 us config), and the
+    check runs at the next call instead (AOTAutograd keeps it pending). A no-op on a torch
     without that option.
     """
     from torch._functorch import config  # noqa: PLC0415
