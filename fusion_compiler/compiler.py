@@ -510,8 +510,10 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         cuda_graph: ``"auto"`` (default; ``True`` is the same): on CUDA, every inference
             specialization captures its whole forward in one CUDA graph and each call replays it;
             nothing a call returned is overwritten by a later call (the graph's output buffers
-            are returned while nothing holds the previous call's, else copies from a spare graph:
-            :mod:`~fusion_compiler.runtime.cuda_graph`). A forward that cannot be captured (a host
+            are returned while nothing holds the previous call's, else copies from a spare graph),
+            and a call passing the previous call's input tensors again replays a graph that reads
+            them in place (:mod:`~fusion_compiler.runtime.cuda_graph`). A forward that cannot be
+            captured (a host
             synchronization, ``.item()``, a CPU tensor) runs without a graph, and the reason is
             logged once. ``"static"``: the same graph, but calls return the graph's own output
             buffers, overwritten by the next call (no copy: clone what you keep). ``False``: no

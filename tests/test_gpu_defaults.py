@@ -143,6 +143,34 @@ def test_default_outputs_are_the_graph_buffers_while_nothing_holds_the_last_ones
         assert rel_err(y.float().cpu(), _fp64(model, x)) < 2e-3
 
 
+def test_a_caller_refilling_its_input_tensor_gets_a_graph_that_reads_it_in_place(tmp_path):
+    """The second call with the same input tensor captures a direct graph (no input copy); a
+    refilled tensor gives the new result; held outputs or another tensor take the copying
+    graph; every output matches fp64 after all the calls."""
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None)
+    buffer, other = _x(16), _x(16)
+    fills = [_x(16) for _ in range(3)]
+    with torch.inference_mode():
+        compiled(buffer)
+        runner = compiled.last.run
+        assert runner._direct is None
+        buffer.copy_(fills[0])
+        y0 = compiled(buffer)
+        assert runner._direct and y0.data_ptr() == runner._direct.outputs.data_ptr()
+        kept = y0.clone()
+        buffer.copy_(fills[1])
+        y1 = compiled(buffer)  # y0 is held: the copying graph
+        assert y1.data_ptr() != y0.data_ptr()
+        del y0
+        buffer.copy_(fills[2])
+        y2 = compiled(buffer)  # the direct graph again
+        assert y2.data_ptr() == runner._direct.outputs.data_ptr()
+        y3 = compiled(other)
+    for y, x in ((kept, fills[0]), (y1, fills[1]), (y2, fills[2]), (y3, other)):
+        assert rel_err(y.float().cpu(), _fp64(model, x)) < 2e-3
+
+
 def test_static_outputs_are_the_graph_buffers(tmp_path):
     compiled = fc.compile(_reference_net(), cache_dir=tmp_path, glue_backend=None,
                           cuda_graph="static")

@@ -4,13 +4,24 @@ The forward is warmed up on a side stream (so every cuDNN plan is built, the wor
 Inductor's kernels compiled before capture: ``execute()`` must not build inside a capture,
 CUDNN_FACTS.md), then captured once. Each call copies the inputs into static buffers and replays.
 
+Inputs: a call copies its tensors into the graph's input buffers (a device copy each; SE-ResNet9
+depth reads 46 MB per call, 27 us on an H100). A caller that passes the very tensors of its
+previous call again (same addresses and strides: it refilled them in place, as a batch simulator
+refills its observation buffer) gets, at that second call, a *direct* graph captured on those
+tensors, which reads them where they are: no input copy for as long as the caller keeps passing
+them. It has a memory pool of its own (one more set of the forward's intermediate buffers); only
+the first tensors so reused get one, and a call with any others takes the copying graph. (With
+the caching allocator a new tensor often lands where the last call's freed one was: a direct
+graph then serves a caller that makes a new input each call.) Not with ``cuda_graph="static"``,
+whose calls return the one graph's output buffers, the same every call.
+
 Outputs: with ``copy_outputs`` (the default of ``compile()``) a later call never overwrites what
 an earlier one returned. A call hands out the graph's output buffers themselves (as new tensor
 objects) when nothing holds what the previous call handed out: the buffers' storages are then
 referenced by the runner alone (``torch._C._storage_Use_Count``, the check Inductor's CUDA graph
 trees make on their outputs). When something still does (the output, or a view of it), the call
-replays a second graph, captured at the first such call in the same memory pool, whose outputs
-never leave the runner, and returns copies of them (one device copy per output, on the current
+replays a spare graph, captured at the first such call in the main graph's memory pool, whose
+outputs never leave the runner, and returns copies of them (one device copy per output, on the current
 stream). On an H100, SE-ResNet9 RGB N=128 ran 0.177 ms per call with a copy on every call and
 0.167 ms with none (``cuda_graph="static"``, ``examples/benchmark.py``): the copy is a kernel of
 its own after the graph. Handing out the buffers, it ran 0.165 ms against static's 0.168 in one
@@ -106,6 +117,49 @@ def _release_rng_capture(device: int) -> None:
     generator.graphsafe_set_state(generator.clone_state())
 
 
+class _Capture:
+    """One captured CUDA graph of the forward and its output buffers, with what handing those
+    buffers out needs: their storages (``_cdata`` pointers) and the reference counts they have
+    while only the runner holds them (``None`` when they are never handed out: this torch
+    cannot count references, or an output aliases an input of the capture)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, inputs: Sequence[Any],
+                 hand_out: bool):
+        self.graph, self.outputs = graph, outputs
+        self.storages: list[int] | None = None
+        flat = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
+        read = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+        if hand_out and hasattr(torch._C, "_storage_Use_Count") and not any(
+                t.untyped_storage().data_ptr() in read for t in flat):
+            self.storages = [t.untyped_storage()._cdata for t in flat]
+        self.sole_use = self._use_counts()
+
+    def _use_counts(self) -> tuple[int, ...] | None:
+        if self.storages is None:
+            return None
+        return tuple(torch._C._storage_Use_Count(cdata) for cdata in self.storages)
+
+    def held(self) -> bool:
+        """Whether something besides the runner holds a buffer handed out (or a view of one)."""
+        return self.storages is not None and self._use_counts() != self.sole_use
+
+    def replay(self, outputs: str) -> Any:
+        """Replay and return the outputs: ``"buffers"`` the output buffers themselves,
+        ``"copies"`` copies of them, ``"safe"`` the buffers as new tensor objects (each one held
+        adds to its storage's count) when they may be handed out, else copies."""
+        self.graph.replay()
+        if outputs == "buffers":
+            return self.outputs
+        if outputs == "copies" or self.storages is None:
+            return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                            self.outputs)
+        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, self.outputs)
+
+    def reset(self) -> None:
+        self.graph.reset()
+        self.outputs = None
+
+
 class CudaGraphRunner:
     """Capture ``fn(*example_args)`` in a CUDA graph; call with inputs of the same shapes/dtypes.
 
@@ -128,13 +182,27 @@ class CudaGraphRunner:
         self.fn, self.warmup, self.guard = fn, warmup, guard
         self.copy_outputs = copy_outputs
         self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_args]
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self._spare: torch.cuda.CUDAGraph | None | bool = None  # False: cannot be captured
+        self.main: _Capture | None = None
+        self._spare: _Capture | None | bool = None  # False: cannot be captured
+        self._direct: _Capture | None | bool = None
+        self._direct_key: tuple | None = None
+        self._last_key: tuple | None = None
         self._capture()
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The main graph (reading the static input buffers)."""
+        return self.main.graph if self.main is not None else None
+
+    @property
+    def static_outputs(self) -> Any:
+        """The main graph's output buffers."""
+        return self.main.outputs if self.main is not None else None
 
     def _capture(self) -> None:
         fn = self.fn
         self.token = self.guard() if self.guard is not None else None
+        self._drop_extra_graphs()  # a recapture drops the spare and direct graphs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with COMPILE_LOCK:
@@ -142,93 +210,84 @@ class CudaGraphRunner:
                 for _ in range(self.warmup):
                     fn(*self.static_inputs)
             torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph()
             try:
                 # thread_local: CUDA calls of other threads (a DataLoader's pinning thread) do
                 # not invalidate this capture
-                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), \
-                        self._scope():
-                    self.static_outputs = fn(*self.static_inputs)
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"), self._scope():
+                    outputs = fn(*self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
                 _release_rng_capture(torch.cuda.current_device())
                 self.close()
                 raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
-        self._spare = self._spare_outputs = None  # a recapture drops the old spare graph
-        self._storages = self._handed_out_storages() if self.copy_outputs else None
-        self._sole_use = self._use_counts()
+        self.main = _Capture(graph, outputs, self.static_inputs, self.copy_outputs)
 
-    def _handed_out_storages(self) -> list[int] | None:
-        """The storages (``_cdata`` pointers) of the output buffers, which calls hand out while
-        nothing holds the last ones; ``None`` when they are never handed out: this torch cannot
-        count their references, or an output aliases a static input, which every call
-        overwrites before replaying."""
-        if not hasattr(torch._C, "_storage_Use_Count"):
-            return None
-        outputs = [t for t in tree_flatten(self.static_outputs)[0] if isinstance(t, torch.Tensor)]
-        inputs = {a.untyped_storage().data_ptr() for a in self.static_inputs
-                  if isinstance(a, torch.Tensor)}
-        if any(t.untyped_storage().data_ptr() in inputs for t in outputs):
-            return None
-        return [t.untyped_storage()._cdata for t in outputs]
-
-    def _use_counts(self) -> tuple[int, ...] | None:
-        """How many references each handed-out storage has now (the runner's own while nothing
-        else holds them)."""
-        if self._storages is None:
-            return None
-        return tuple(torch._C._storage_Use_Count(cdata) for cdata in self._storages)
-
-    def _replay_spare(self, args: Sequence[Any]) -> Any:
-        """Outputs for a call made while something holds buffers handed out earlier: the spare
-        graph's (captured now if this is its first use), copied. It shares the main graph's
-        memory pool: the two never run at once, and the main graph's outputs were alive at its
-        capture, so it never writes them. When it cannot be captured now (a background compile
-        holds :data:`~.tiered.COMPILE_LOCK`) or at all, the call runs ``fn`` without a graph."""
-        if self._spare is None and COMPILE_LOCK.acquire(blocking=False):
-            spare = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(spare, pool=self.graph.pool(),
-                                      capture_error_mode="thread_local"), self._scope():
-                    self._spare_outputs = self.fn(*self.static_inputs)
-                self._spare = spare
-            except Exception:  # noqa: BLE001 - uncaptured calls are the way out
-                _release_rng_capture(torch.cuda.current_device())
-                self._spare = False
-            finally:
-                COMPILE_LOCK.release()
-        if not self._spare:
-            return self.fn(*args)
-        self._spare.replay()
-        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
-                        self._spare_outputs)
+    def _try_capture(self, args: Sequence[Any], pool: Any) -> _Capture | bool:
+        """A further capture of the forward on ``args`` (in ``pool``, ``None``: a pool of its
+        own), or ``False`` when it cannot be made: a background compile holds
+        :data:`~.tiered.COMPILE_LOCK` (beside one captures failed), or capture failed."""
+        if not COMPILE_LOCK.acquire(blocking=False):
+            return False
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), \
+                    self._scope():
+                outputs = self.fn(*args)
+            return _Capture(graph, outputs, args, self.copy_outputs)
+        except Exception:  # noqa: BLE001 - the calls go on without this graph
+            _release_rng_capture(torch.cuda.current_device())
+            return False
+        finally:
+            COMPILE_LOCK.release()
 
     def _scope(self) -> contextlib.AbstractContextManager:
         """Host caches per parameter version may be read by the graph when a guard recaptures
         on parameter changes; otherwise their work must be captured."""
         return parameters_guarded() if self.guard is not None else contextlib.nullcontext()
 
+    @staticmethod
+    def _key(args: Sequence[Any]) -> tuple:
+        """Where the tensor arguments are: (address, strides) each."""
+        return tuple((a.data_ptr(), a.stride()) if isinstance(a, torch.Tensor) else None
+                     for a in args)
+
     def __call__(self, *args: Any) -> Any:
         if self.guard is not None and self.guard() != self.token:
             self._capture()
+        outputs = "safe" if self.copy_outputs else "buffers"
+        key = self._key(args)
+        if key == self._last_key and self.copy_outputs:  # the caller refilled its tensors
+            if self._direct is None:
+                self._direct, self._direct_key = self._try_capture(args, None), key
+            direct = self._direct
+            if direct and key == self._direct_key and not direct.held():
+                return direct.replay(outputs)
+        self._last_key = key
         for static, a in zip(self.static_inputs, args):
             if isinstance(static, torch.Tensor):
                 static.copy_(a)
-        if self._sole_use is not None and self._use_counts() != self._sole_use:
-            return self._replay_spare(args)  # a buffer (or a view of it) handed out is held
-        self.graph.replay()
-        if not self.copy_outputs:
-            return self.static_outputs
-        if self._sole_use is None:  # buffers never handed out
-            return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
-                            self.static_outputs)
-        # new tensor objects on the buffers: each one held adds to its storage's count
-        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
-                        self.static_outputs)
+        if not self.main.held():
+            return self.main.replay(outputs)
+        # a buffer handed out (or a view of one) is still held: the spare graph, whose outputs
+        # never leave the runner
+        if self._spare is None:
+            self._spare = self._try_capture(self.static_inputs, self.main.graph.pool())
+        if not self._spare:
+            return self.fn(*args)
+        return self._spare.replay("copies")
+
+    def _drop_extra_graphs(self) -> None:
+        for extra in (self._spare, self._direct):
+            if extra:
+                extra.reset()
+        self._spare = self._direct = None
+        self._direct_key = self._last_key = None
 
     def close(self) -> None:
-        """Free the graph, its memory pool and the static buffers (the runner is unusable after)."""
-        for graph in (self._spare, self.graph):
-            if graph:
-                graph.reset()
-        self.graph = self._spare = None
-        self.static_inputs, self.static_outputs, self._spare_outputs = [], None, None
+        """Free the graphs, their memory pools and the static buffers (the runner is unusable
+        after)."""
+        self._drop_extra_graphs()
+        if self.main is not None:
+            self.main.reset()
+        self.main = None
+        self.static_inputs = []
