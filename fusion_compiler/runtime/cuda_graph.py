@@ -22,11 +22,12 @@ referenced by the runner alone (``torch._C._storage_Use_Count``, the check Induc
 trees make on their outputs). When something still does (the output, or a view of it), the call
 replays a spare graph, captured at the first such call in the main graph's memory pool, whose
 outputs never leave the runner, and returns copies of them (one device copy per output, on the
-current stream). On an H100, SE-ResNet9 RGB N=128 ran 0.177 ms per call with a copy on every call and
-0.167 ms with none (``cuda_graph="static"``, ``examples/benchmark.py``): the copy is a kernel of
-its own after the graph. Handing out the buffers, it ran 0.165 ms against static's 0.168 in one
-run (depth C=11 N=512: 0.389 against 0.387). Without ``copy_outputs`` (``cuda_graph="static"``)
-calls return the static buffers themselves, which the next call overwrites.
+current stream). On an H100, SE-ResNet9 RGB N=128 ran 0.177 ms per call with a copy on every
+call and 0.167 ms with none (``cuda_graph="static"``, ``examples/benchmark.py``): the copy is a
+kernel of its own after the graph. Handing out the buffers, it ran 0.165 ms against static's
+0.168 in one run (depth C=11 N=512: 0.389 against 0.387). Without ``copy_outputs``
+(``cuda_graph="static"``) calls return the static buffers themselves, which the next call
+overwrites.
 
 A forward that cannot be captured (a host synchronization such as ``.item()``, a copy from pageable
 host memory, data-dependent shapes) raises :class:`CaptureError` at construction; the caller then
