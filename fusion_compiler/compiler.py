@@ -121,7 +121,10 @@ def _without_custom_op_alias_check() -> contextlib.AbstractContextManager[Any]:
     debug log, torch 2.11). With the check off for that call the timings match a re-benchmark
     after it (8-9 us with the launch; 4 of 4 compiles then chose the 2.1 us config), and the
     check runs at the next call instead (AOTAutograd keeps it pending). A no-op on a torch
-    without that option.
+    without that option. The option is process-wide (``config.patch`` saves and restores it),
+    so this is used only where no other thread patches it meanwhile: the background compile
+    holds :data:`~fusion_compiler.runtime.tiered.COMPILE_LOCK`, and a glue compile on the
+    calling thread first waits for the background ones (``tiered.drain``).
     """
     from torch._functorch import config  # noqa: PLC0415
 
@@ -288,10 +291,14 @@ class CompiledModule(torch.nn.Module):
         call = gm if glue is None or tiered else torch.compile(gm, backend=glue, fullgraph=True,
                                                                dynamic=False)
         runner, graphed = runner_for(call), None
-        if glue is not None and not tiered:  # compiles on this thread: one compile at a time
+        compiles_here = glue is not None and not tiered
+        if compiles_here:  # one compile at a time: after the background ones
             drain()
-        if self.cuda_graph and on_cuda:  # the warm-up call compiles a torch.compile'd glue
-            with _without_custom_op_alias_check():
+        if self.cuda_graph and on_cuda:
+            # the warm-up call compiles (and autotunes) a torch.compile'd glue; the option is
+            # process-wide, so it is patched only then, with no background compile running
+            with (_without_custom_op_alias_check() if compiles_here
+                  else contextlib.nullcontext()):
                 runner, graphed = self._graphed(runner, call, args, notes, training=grad)
         if tiered and graphed is None:  # no graph: eager glue is the faster one uncaptured
             glue = None
