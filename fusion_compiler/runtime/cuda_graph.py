@@ -184,7 +184,8 @@ class CudaGraphRunner:
         self.copy_outputs = copy_outputs
         self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_args]
         self.main: _Capture | None = None
-        self._spare: _Capture | None | bool = None  # False: cannot be captured
+        # None: not captured yet; False: capture failed (see _try_capture)
+        self._spare: _Capture | None | bool = None
         self._direct: _Capture | None | bool = None
         self._direct_key: tuple | None = None
         self._last_key: tuple | None = None
@@ -223,12 +224,13 @@ class CudaGraphRunner:
                 raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
         self.main = _Capture(graph, outputs, self.static_inputs, self.copy_outputs)
 
-    def _try_capture(self, args: Sequence[Any], pool: Any) -> _Capture | bool:
+    def _try_capture(self, args: Sequence[Any], pool: Any) -> _Capture | bool | None:
         """A further capture of the forward on ``args`` (in ``pool``, ``None``: a pool of its
-        own), or ``False`` when it cannot be made: a background compile holds
-        :data:`~.tiered.COMPILE_LOCK` (beside one captures failed), or capture failed."""
+        own); ``None`` when it cannot be made now (a background compile holds
+        :data:`~.tiered.COMPILE_LOCK`: beside one, captures failed; a later call tries again),
+        ``False`` when capture failed (no later call tries)."""
         if not COMPILE_LOCK.acquire(blocking=False):
-            return False
+            return None
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), \
