@@ -171,7 +171,6 @@ def test_a_compile_waits_for_a_background_compile_whose_trace_sets_fx_globals():
                    for n in spec.graph_module.graph.nodes)
 
 
-
 def test_the_first_call_of_inductor_glue_runs_without_the_custom_op_aliasing_check(monkeypatch):
     """Inductor's Triton kernels autotune in the first call of a compiled graph; under
     AOTAutograd's custom-op aliasing check (a Python dispatch mode) the host was too slow for its

@@ -16,6 +16,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..ops import is_call
+
 __all__ = ["small_linears_as_reductions", "MAX_WEIGHT", "MAX_MACS"]
 
 MAX_WEIGHT = 16384
@@ -32,7 +34,7 @@ def _linear(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object]
         module = gm.get_submodule(node.target)
         bias = f"{node.target}.bias" if module.bias is not None else None
         return node.args[0], f"{node.target}.weight", bias
-    if node.op == "call_function" and node.target is F.linear:
+    if is_call(node, F.linear):
         args = [*node.args, *([None] * 3)][:3]
         return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
     return None
