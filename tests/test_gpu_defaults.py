@@ -48,9 +48,11 @@ def _runs_triton(fn) -> bool:
 def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tmp_path):
     """The first calls replay a graph with eager glue while Inductor compiles the glue in the
     background; a new batch size during that compile gets its own; both switch to a graph with
-    Inductor's kernels, and every output matches fp64."""
+    Inductor's kernels, and every output matches fp64. ``autotune=1`` is the one option: with
+    timing, a region at N=32 sometimes went to PyTorch on a near tie (paired timing, H100), and
+    this test checks the tiers, not the tuning (as the glue tests in test_gpu.py do)."""
     model = _reference_net()
-    compiled = fc.compile(model, cache_dir=tmp_path)
+    compiled = fc.compile(model, cache_dir=tmp_path, autotune=1)
     x, half = _x(32), _x(16)
     with torch.inference_mode():
         outs = [compiled(x)]
@@ -64,10 +66,7 @@ def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tm
         assert _runs_triton(lambda: compiled(x))
         outs += [compiled(x), compiled(half)]
     assert (spec.cuda_graph, spec.glue_backend, spec.notes) == ("safe", "inductor", [])
-    # a region's PyTorch ops may time faster than its plan on this GPU (paired timing)
-    assert all(r.backend == "cudnn" or "PyTorch ops were faster" in r.reason
-               for r in spec.regions), [(r.region_id, r.reason) for r in spec.regions]
-    assert sum(r.backend == "cudnn" for r in spec.regions) >= 10
+    assert all(r.backend == "cudnn" for r in spec.regions)
     for out, inp in zip(outs, (x, half, x, half)):
         assert rel_err(out.float().cpu(), _fp64(model, inp)) < 2e-3
     with torch.no_grad():  # a parameter of the glue (the SE MLP), updated in place
