@@ -20,7 +20,7 @@ from .capture import TensorSpec, capture, input_specs
 from .lowering import lower, regions_of
 from .passes import Pass, PassManager, default_passes
 from .passes.autocast import make_autocast_explicit
-from .passes.glue import small_linears_as_reductions
+from .passes.glue import se_gates, small_linears_as_reductions
 from .region import Region
 from .runtime.hoist import hoist_parameter_subgraphs
 from .runtime.layout import channels_last_inputs, nchw_padded_avg_pools
@@ -411,6 +411,7 @@ class CompiledModule(torch.nn.Module):
 
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
         private = isolated_copy(gm, opaque=lambda m: isinstance(m, Region))
+        se_gates(private)
         small_linears_as_reductions(private)
         device = next(a.device for a in example if isinstance(a, torch.Tensor))
         ready = torch.cuda.Event()

@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fusion_compiler.passes.glue import MAX_WEIGHT, small_linears_as_reductions
+from fusion_compiler.passes.glue import MAX_WEIGHT, se_gates, small_linears_as_reductions
 
 
 class _SE(nn.Module):
@@ -46,3 +46,62 @@ def test_a_large_linear_stays_a_matmul():
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["head"]
     for got, want in zip(gm(x), model(x)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _private_graph(model, x):
+    """The copy of ``compile(model)``'s graph that the glue rewrites get (normalized ops, regions
+    opaque), and the compiled module's output on ``x``."""
+    import fusion_compiler as fc
+    from fusion_compiler.region import Region
+    from fusion_compiler.runtime.tiered import isolated_copy
+
+    compiled = fc.compile(model, cache_dir=False, glue_backend=None)
+    with torch.inference_mode():
+        want = compiled(x)
+    return isolated_copy(compiled.last.graph_module, opaque=lambda m: isinstance(m, Region)), want
+
+
+def test_se_gates_replace_the_reference_networks_four_gates_with_the_same_result():
+    from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    gm, want = _private_graph(randomize_(se_resnet9_fixup(3)).eval(), x)
+    assert se_gates(gm) == 4
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.fusion_compiler.se_gate.default) == 4
+    assert torch.sigmoid not in ops and torch.relu in ops  # the blocks' own ReLUs stay
+    assert not [n for n in gm.graph.nodes if n.op == "call_module"
+                and isinstance(gm.get_submodule(n.target), nn.Linear)]
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_se_gates_match_the_eager_gate_and_leave_other_activations_alone():
+    torch.manual_seed(0)
+    x = torch.randn(3, 32, 6, 5) + 0.25
+    gm, want = _private_graph(_SE(c=32, r=4).eval(), x)
+    assert se_gates(gm) == 1
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x), want, rtol=1e-5, atol=1e-6)
+
+    class SiLUGate(_SE):
+        def forward(self, x):
+            g = torch.sigmoid(self.fc2(torch.nn.functional.silu(self.fc1(x.mean((2, 3))))))
+            return x * g[:, :, None, None]
+
+    gm, _ = _private_graph(SiLUGate(c=32, r=4).eval(), x)
+    assert se_gates(gm) == 0
+
+
+def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
+    from fusion_compiler.runtime.se_gate import se_gate
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 24, 5, 7).contiguous(memory_format=torch.channels_last)
+    w1, b1, w2, b2 = torch.randn(6, 24), torch.randn(6), torch.randn(24, 6), torch.randn(24)
+    h = torch.relu(x.double().mean((2, 3)) @ w1.double().T + b1.double())
+    want = torch.sigmoid(h @ w2.double().T + b2.double())
+    torch.testing.assert_close(se_gate(x, w1, b1, w2, b2).double(), want, rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(torch.ops.fusion_compiler.se_gate.default, (x, w1, None, w2, b2))
+

@@ -6,6 +6,9 @@ specialization's graph that Inductor compiles, never to the graph that runs eage
   over the input features. Inductor lowers a matmul to a cuBLAS kernel of its own (about 3 us
   each on an H100, however small, and nothing fuses into it); as a reduction it is a Triton kernel
   into which the bias, the ReLU or sigmoid after it, and their neighbours fuse.
+* :func:`se_gates` -- a squeeze-and-excitation gate (spatial mean, linear, ReLU, linear, sigmoid)
+  becomes one ``fusion_compiler::se_gate`` call (:mod:`fusion_compiler.runtime.se_gate`): one
+  Triton kernel where Inductor makes three or four.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 
 from ..ops import is_call
 
-__all__ = ["small_linears_as_reductions", "MAX_WEIGHT", "MAX_MACS"]
+__all__ = ["small_linears_as_reductions", "se_gates", "MAX_WEIGHT", "MAX_MACS"]
 
 MAX_WEIGHT = 16384
 """Largest weight (in elements) rewritten: SE-ResNet9's largest SE layer is 512x32."""
@@ -79,3 +82,86 @@ def small_linears_as_reductions(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return rewritten
+
+
+def _val(gm: fx.GraphModule, arg: object) -> torch.Tensor | None:
+    """The tensor (or its metadata) behind a graph value: an attribute path's tensor, a node's
+    ``meta["val"]``; ``None`` when unknown."""
+    if isinstance(arg, str):
+        return operator.attrgetter(arg)(gm)
+    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _spatial_mean_of(node: object) -> fx.Node | None:
+    """``x`` when ``node`` is the canonical spatial mean of a 4-d ``x`` that ``normalize`` makes of
+    ``mean``/``adaptive_avg_pool2d(., 1)``: ``mul(sum(x, [2, 3], keepdim), 1/(H*W))``, reshaped
+    to ``[N, C]`` or not; else ``None``."""
+    if isinstance(node, fx.Node) and (is_call(node, torch.reshape, torch.flatten) or (
+            node.op == "call_method" and node.target in ("view", "reshape", "flatten"))):
+        node = node.args[0]
+    if not is_call(node, torch.mul) or len(node.args) != 2:
+        return None
+    total, scale = node.args
+    if not isinstance(scale, float):
+        total, scale = scale, total
+    if not isinstance(scale, float) or not is_call(total, torch.sum) or len(total.args) < 2 \
+            or sorted(d % 4 for d in total.args[1]) != [2, 3]:
+        return None
+    x = total.args[0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 4:
+        return None
+    return x if abs(scale * val.shape[2] * val.shape[3] - 1.0) < 1e-6 else None
+
+
+def se_gates(gm: fx.GraphModule) -> int:
+    """Rewrite, in place, each ``sigmoid(linear2(relu(linear1(mean_hw(x)))))`` into
+    ``fusion_compiler::se_gate(x, W1, b1, W2, b2)`` (the op's result has the sigmoid's shape
+    ``[N, C]`` and dtype, so the multiply of ``x`` by the gate that follows is unchanged).
+
+    Matched when ``x`` is 4-d with known metadata, ``x``, the weights and the sigmoid share one
+    floating dtype, ``W1`` is ``[R, C]`` and ``W2`` ``[C, R]`` with ``C`` at most
+    :data:`~fusion_compiler.runtime.se_gate.MAX_CHANNELS`, ``R`` at most
+    :data:`~fusion_compiler.runtime.se_gate.MAX_HIDDEN` and ``R * C <= 32768`` (the kernel holds
+    a weight in registers). Gates of 1x1 convolutions (torchvision's ``SqueezeExcitation``) or
+    with another activation are not matched. Returns how many were rewritten."""
+    from ..runtime.se_gate import MAX_CHANNELS, MAX_HIDDEN, OP  # noqa: PLC0415
+
+    graph = gm.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        if not is_call(node, torch.sigmoid) or not isinstance(node.args[0], fx.Node):
+            continue
+        second = _linear(gm, node.args[0])
+        if second is None or not is_call(second[0], torch.relu) \
+                or not isinstance(second[0].args[0], fx.Node):
+            continue
+        first = _linear(gm, second[0].args[0])
+        x = _spatial_mean_of(first[0]) if first is not None else None
+        if x is None:
+            continue
+        (_, w1, b1), (_, w2, b2) = first, second
+        xv, w1v, w2v, out = x.meta["val"], _val(gm, w1), _val(gm, w2), node.meta.get("val")
+        if w1v is None or w2v is None or not isinstance(out, torch.Tensor) \
+                or not xv.dtype.is_floating_point \
+                or len({xv.dtype, w1v.dtype, w2v.dtype, out.dtype}) != 1 \
+                or w1v.dim() != 2 or w2v.dim() != 2:
+            continue
+        hidden, channels = w1v.shape
+        if tuple(w2v.shape) != (channels, hidden) or xv.shape[1] != channels \
+                or channels > MAX_CHANNELS or hidden > MAX_HIDDEN or hidden * channels > 32768:
+            continue
+        with graph.inserting_before(node):
+            operands = [graph.get_attr(a) if isinstance(a, str) else a for a in (w1, b1, w2, b2)]
+            gate = graph.call_function(OP, (x, *operands))
+        gate.meta = dict(node.meta)
+        node.replace_all_uses_with(gate)
+        graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
