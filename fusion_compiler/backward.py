@@ -14,6 +14,7 @@ op                      gradient rule (``g``: gradient of the op's output)
 ``relu``                ``g * (y > 0)`` from the saved output ``y`` (``threshold_backward``)
 ``clamp(x, lo, hi)``    ``g * (lo <= x <= hi)`` from the saved input
 ``sigmoid``/``tanh``    ``g * y * (1 - y)`` / ``g * (1 - y^2)`` from the saved output
+``silu``                ``g * s * (1 + x * (1 - s))``, ``s = sigmoid(x)``, from the saved input
 ``sum_hw``              ``g`` broadcast over H, W
 ``conv2d``              dgrad ``dx = conv_dgrad(g, w)`` and wgrad ``dw = conv_wgrad(x, g)``
 ======================  =================================================================
@@ -56,6 +57,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from .ops import is_conv, is_hw_sum
 from .region import Region
@@ -133,7 +135,7 @@ def _reads(node: fx.Node, folded: fx.Node | None = None) -> list[fx.Node]:
             [node] if node.target is torch.div else [])
     if node.target in (torch.relu, torch.sigmoid, torch.tanh):
         return [node]
-    if node.target is torch.clamp or is_conv(node):
+    if node.target is torch.clamp or node.target is F.silu or is_conv(node):
         return [a for a in node.args[:2] if isinstance(a, fx.Node)]
     return []
 
@@ -347,6 +349,8 @@ class RegionBackward:
             accumulate(args[0], aten.sigmoid_backward(g, value(node)))
         elif target is torch.tanh:
             accumulate(args[0], aten.tanh_backward(g, value(node)))
+        elif target is F.silu:
+            accumulate(args[0], aten.silu_backward(g, value(args[0])))
         elif is_hw_sum(node):
             accumulate(args[0], g.expand(node.args[0].meta["val"].shape))
         else:  # pragma: no cover - the fuse pass admits only the ops above

@@ -11,6 +11,7 @@ target                  form                                                    
 ``torch.relu``          ``relu(x)``                                                 relu
 ``torch.clamp``         ``clamp(x, lo, hi)`` (``lo == 0``: clipped ReLU)            relu(clips)
 ``torch.sigmoid``       ``sigmoid(x)``, ``tanh(x)``                                 pointwise
+``F.silu``              ``silu(x)`` (``x * sigmoid(x)``)                            swish
 ``torch.sum``           ``sum(x, [2, 3], keepdim=True)`` (sum over H, W)            reduction
 ======================  ==========================================================  ===========
 
@@ -23,11 +24,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 CONV = torch.conv2d
 BINARY = {torch.add: "add", torch.sub: "sub", torch.mul: "mul", torch.div: "div"}
 COMMUTATIVE = {torch.add, torch.mul}
-UNARY = {torch.relu: "relu", torch.sigmoid: "sigmoid", torch.tanh: "tanh", torch.clamp: "clamp"}
+UNARY = {torch.relu: "relu", torch.sigmoid: "sigmoid", torch.tanh: "tanh", torch.clamp: "clamp",
+         F.silu: "silu"}
 REDUCTION = torch.sum
 HW_DIMS = [2, 3]
 

@@ -260,6 +260,25 @@ def test_clipped_relu_and_relu6():
     assert any("clipped ReLU" in r for r in spec.graph_module.meta["fusion_reasons"].values())
 
 
+def _conv_bn_silu():
+    """EfficientNet-style: BatchNorm then SiLU (a module written in place, then the function)."""
+    class SiLUChain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn = nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+            self.act, self.conv2 = nn.SiLU(inplace=True), nn.Conv2d(16, 8, 1)
+
+        def forward(self, x):
+            return F.silu(self.conv2(self.act(self.bn(self.conv1(x)))))
+
+    return _randomize_bn(SiLUChain())
+
+
+def test_silu_joins_the_epilogue():
+    _check(_conv_bn_silu().eval(), torch.randn(2, 8, 6, 6),
+           ["conv3x3 > mul > add > silu", "conv1x1 > add > silu"])
+
+
 def _conv_relu_chain():
     """VGG-style: each ReLU output is read only by the next (stride-1) convolution."""
     return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
@@ -301,6 +320,7 @@ PATTERNS = {  # name -> (model factory, input shape): every pattern, for the num
     "fixup_block": (_fixup_block, (8, 32, 8, 8)),
     "multi_consumer": (MultiConsumer, (8, 8, 6, 6)),
     "relu6": (lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6()), (8, 8, 6, 6)),
+    "conv_bn_silu": (_conv_bn_silu, (8, 8, 6, 6)),
     "conv_relu_chain": (_conv_relu_chain, (8, 8, 6, 6)),
     "avgpool_between_convs": (_avgpool_between_convs, (8, 8, 8, 8)),
 }

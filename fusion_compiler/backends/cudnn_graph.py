@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ..errors import UnsupportedError
 from ..ops import BINARY, is_conv, is_hw_sum
@@ -201,6 +202,8 @@ def region_recipe(region: Region) -> dict:
         elif node.target in (torch.relu, torch.sigmoid, torch.tanh):
             ops.append({"op": node.target.__name__, "name": node.name,
                         "args": {"input": ref(node.args[0])}})
+        elif node.target is F.silu:
+            ops.append({"op": "swish", "name": node.name, "args": {"input": ref(node.args[0])}})
         elif node.target is torch.clamp:
             ops.append({"op": "relu", "name": node.name, "args": {"input": ref(node.args[0])},
                         "attrs": {"lower_clip": float(node.args[1]),

@@ -27,6 +27,7 @@ op                    ports                   attrs
 ``mul`` ``div``       a, b
 ``relu``              input                   lower_clip, upper_clip (optional)
 ``sigmoid`` ``tanh``  input
+``swish``             input                   (beta 1: SiLU)
 ``relu_backward``     loss, input
 ``reduction_add``     input
 ====================  ======================  ==============================================
@@ -54,7 +55,8 @@ _CONV = ("conv_fprop", "conv_dgrad", "conv_wgrad")
 _PORTS = {"conv_fprop": ("image", "weight"), "conv_dgrad": ("loss", "filter"),
           "conv_wgrad": ("image", "loss"), "add": ("a", "b"), "sub": ("a", "b"),
           "mul": ("a", "b"), "div": ("a", "b"), "relu": ("input",), "sigmoid": ("input",),
-          "tanh": ("input",), "relu_backward": ("loss", "input"), "reduction_add": ("input",)}
+          "tanh": ("input",), "swish": ("input",), "relu_backward": ("loss", "input"),
+          "reduction_add": ("input",)}
 
 
 def nhwc_strides(shape) -> list[int]:
@@ -126,6 +128,8 @@ def build_pygraph(recipe: dict, handle: Any = None) -> CudnnGraph:
             out = getattr(g, kind)(**args, compute_data_type=fp32, name=name)
         elif kind == "relu":
             out = g.relu(**args, name=name, **{k: float(v) for k, v in attrs.items()})
+        elif kind == "swish":
+            out = g.swish(**args, swish_beta=1.0, name=name)
         elif kind in ("sigmoid", "tanh", "relu_backward"):
             out = getattr(g, kind)(**args, name=name)
         elif kind == "reduction_add":

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ..ops import BINARY, is_conv
 
 __all__ = ["make_autocast_explicit"]
 
 
-_SAME_DTYPE = {torch.relu, torch.sigmoid, torch.tanh, torch.clamp, torch.reshape, torch.permute,
-               torch.flatten}
+_SAME_DTYPE = {torch.relu, torch.sigmoid, torch.tanh, torch.clamp, F.silu, torch.reshape,
+               torch.permute, torch.flatten}
 
 
 def make_autocast_explicit(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:

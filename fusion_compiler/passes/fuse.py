@@ -10,7 +10,7 @@ Rules (cuDNN generic runtime fusion, CUDNN_FACTS.md "Support surface"; DESIGN.md
 * **Epilogue** -- starting at the conv output, a chain of pointwise ops: binary ops whose other
   operand is ``[1,1,1,1]``, ``[1,K,1,1]``, ``[N,1,P,Q]`` or ``[N,K,P,Q]`` with the chain value as
   first operand (operands of ``add``/``mul`` are swapped when needed), ReLU, clipped ReLU
-  (``clamp(x, 0, c)``), sigmoid, tanh.
+  (``clamp(x, 0, c)``), sigmoid, tanh, SiLU.
 * **Reduction** (``reduction=True``; off in ``default_passes``) -- at most one
   ``sum(x, [2, 3], keepdim=True)`` (the SE squeeze), as an exit.
 * Intermediates that nodes outside the region still read become extra region outputs.

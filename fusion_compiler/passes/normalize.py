@@ -39,7 +39,7 @@ __all__ = ["normalize", "inplace_target"]
 _INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
                   operator.itruediv: torch.div, torch.relu_: torch.relu, F.relu_: torch.relu}
 # functions whose positional argument at this index is ``inplace``
-_INPLACE_POSITION = {F.relu: 1, F.relu6: 1, F.hardtanh: 3, F.elu: 2, F.leaky_relu: 2}
+_INPLACE_POSITION = {F.relu: 1, F.relu6: 1, F.hardtanh: 3, F.elu: 2, F.leaky_relu: 2, F.silu: 1}
 _METHODS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
             "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "clamp": torch.clamp,
             "clip": torch.clamp}
@@ -47,7 +47,7 @@ _FUNCS = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.
           operator.truediv: torch.div, torch.add: torch.add, torch.sub: torch.sub,
           torch.mul: torch.mul, torch.div: torch.div, torch.relu: torch.relu, F.relu: torch.relu,
           torch.sigmoid: torch.sigmoid, F.sigmoid: torch.sigmoid, torch.tanh: torch.tanh,
-          F.tanh: torch.tanh, torch.clamp: torch.clamp, torch.clip: torch.clamp}
+          F.tanh: torch.tanh, torch.clamp: torch.clamp, torch.clip: torch.clamp, F.silu: F.silu}
 
 
 def normalize(gm: fx.GraphModule) -> fx.GraphModule:
@@ -187,6 +187,8 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
             _replace(gm, node, torch.sigmoid, (x,))
         elif kind is nn.Tanh:
             _replace(gm, node, torch.tanh, (x,))
+        elif kind is nn.SiLU:
+            _replace(gm, node, F.silu, (x,))
         elif kind is nn.Identity:
             node.replace_all_uses_with(x)
             g.erase_node(node)
@@ -260,8 +262,8 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
     elif target in (torch.add, torch.sub, torch.mul, torch.div):
         if len(node.args) == 2 and not node.kwargs:
             _retarget(node, target)
-    elif target in (torch.relu, torch.sigmoid, torch.tanh):
-        if len(node.args) == 1 and set(node.kwargs) <= {"inplace"}:
+    elif target in (torch.relu, torch.sigmoid, torch.tanh, F.silu):
+        if len(node.args) <= 2 and set(node.kwargs) <= {"inplace"}:
             _retarget(node, target, (node.args[0],), {})
     elif target is F.relu6:
         _retarget(node, torch.clamp, (node.args[0], 0.0, 6.0), {})
