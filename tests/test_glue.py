@@ -1,5 +1,6 @@
 """The glue rewrites for Inductor (``passes/glue.py``), on the CPU."""
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -85,13 +86,47 @@ def test_se_gates_match_the_eager_gate_and_leave_other_activations_alone():
     with torch.inference_mode():
         torch.testing.assert_close(gm(x), want, rtol=1e-5, atol=1e-6)
 
-    class SiLUGate(_SE):
+    class TanhGate(_SE):
         def forward(self, x):
-            g = torch.sigmoid(self.fc2(torch.nn.functional.silu(self.fc1(x.mean((2, 3))))))
+            g = torch.sigmoid(self.fc2(torch.tanh(self.fc1(x.mean((2, 3))))))
             return x * g[:, :, None, None]
 
-    gm, _ = _private_graph(SiLUGate(c=32, r=4).eval(), x)
+    gm, _ = _private_graph(TanhGate(c=32, r=4).eval(), x)
     assert se_gates(gm) == 0
+
+
+def test_se_gates_of_1x1_convolutions_with_silu_as_torchvision_writes_them():
+    """An SE block written as torchvision's ``SqueezeExcitation`` is (EfficientNet: SiLU; RegNet:
+    ReLU) inside a conv block: the fuse pass leaves the SE convolutions to the glue, and the gate
+    becomes the op."""
+    class SqueezeExcitation(nn.Module):
+        def __init__(self, channels, squeezed, activation):
+            super().__init__()
+            self.avgpool = nn.AdaptiveAvgPool2d(1)
+            self.fc1, self.fc2 = nn.Conv2d(channels, squeezed, 1), nn.Conv2d(squeezed, channels, 1)
+            self.activation, self.scale_activation = activation(), nn.Sigmoid()
+
+        def forward(self, x):
+            scale = self.fc2(self.activation(self.fc1(self.avgpool(x))))
+            return x * self.scale_activation(scale)
+
+    class Block(nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            self.conv = nn.Conv2d(16, 48, 3, padding=1)
+            self.se = SqueezeExcitation(48, 12, activation=act)
+
+        def forward(self, x):
+            return torch.relu(self.se(self.conv(x)))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 7, 7)
+    for act in (nn.SiLU, nn.ReLU):
+        gm, want = _private_graph(Block(act).eval(), x)
+        assert se_gates(gm) == 1
+        assert not [n for n in gm.graph.nodes if n.target is torch.conv2d]
+        with torch.inference_mode():
+            torch.testing.assert_close(gm(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
@@ -103,5 +138,10 @@ def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
     h = torch.relu(x.double().mean((2, 3)) @ w1.double().T + b1.double())
     want = torch.sigmoid(h @ w2.double().T + b2.double())
     torch.testing.assert_close(se_gate(x, w1, b1, w2, b2).double(), want, rtol=1e-5, atol=1e-6)
-    torch.library.opcheck(torch.ops.fusion_compiler.se_gate.default, (x, w1, None, w2, b2))
+    h = torch.nn.functional.silu(x.double().mean((2, 3)) @ w1.double().T + b1.double())
+    torch.testing.assert_close(se_gate(x, w1, b1, w2, b2, "silu").double(),
+                               torch.sigmoid(h @ w2.double().T + b2.double()), rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(torch.ops.fusion_compiler.se_gate.default, (x, w1, None, w2, b2, "silu"))
+    with pytest.raises(ValueError, match="act must be"):
+        se_gate(x, w1, b1, w2, b2, "gelu")
 

@@ -19,7 +19,8 @@ def _needs_triton():
                                        (3, 24, 1, 1, 3)])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_se_gate_kernel_matches_fp64(n, c, h, w, r, layout, dtype):
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_se_gate_kernel_matches_fp64(n, c, h, w, r, layout, dtype, act):
     from fusion_compiler.runtime.se_gate import se_gate, se_gate_reference
 
     torch.manual_seed(0)
@@ -30,9 +31,9 @@ def test_se_gate_kernel_matches_fp64(n, c, h, w, r, layout, dtype):
     w2 = (torch.randn(c, r, device="cuda") / r ** 0.5).to(dtype)
     b1, b2 = (torch.randn(r, device="cuda").to(dtype), None) if c % 2 else (None, torch.randn(
         c, device="cuda").to(dtype))
-    got = se_gate(x, w1, b1, w2, b2)
+    got = se_gate(x, w1, b1, w2, b2, act)
     want = se_gate_reference(x.double(), w1.double(), None if b1 is None else b1.double(),
-                             w2.double(), None if b2 is None else b2.double())
+                             w2.double(), None if b2 is None else b2.double(), act)
     assert got.dtype == dtype and got.shape == (n, c)
     tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}[dtype]
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

@@ -6,9 +6,9 @@ specialization's graph that Inductor compiles, never to the graph that runs eage
   over the input features. Inductor lowers a matmul to a cuBLAS kernel of its own (about 3 us
   each on an H100, however small, and nothing fuses into it); as a reduction it is a Triton kernel
   into which the bias, the ReLU or sigmoid after it, and their neighbours fuse.
-* :func:`se_gates` -- a squeeze-and-excitation gate (spatial mean, linear, ReLU, linear, sigmoid)
-  becomes one ``fusion_compiler::se_gate`` call (:mod:`fusion_compiler.runtime.se_gate`): one
-  Triton kernel where Inductor makes three or four.
+* :func:`se_gates` -- a squeeze-and-excitation gate (spatial mean, linear or 1x1 convolution,
+  ReLU or SiLU, linear or 1x1 convolution, sigmoid) becomes one ``fusion_compiler::se_gate`` call
+  (:mod:`fusion_compiler.runtime.se_gate`): one Triton kernel where Inductor makes three or four.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ops import is_call
+from ..ops import is_call, is_conv
 
 __all__ = ["small_linears_as_reductions", "se_gates", "MAX_WEIGHT", "MAX_MACS"]
 
@@ -115,17 +115,46 @@ def _spatial_mean_of(node: object) -> fx.Node | None:
     return x if abs(scale * val.shape[2] * val.shape[3] - 1.0) < 1e-6 else None
 
 
+def _dense(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object, bool] | None:
+    """``(input, weight, bias, conv)`` of a fully connected layer: a linear layer (see
+    :func:`_linear`; ``conv`` false), or a 1x1 convolution without padding or groups of a
+    ``[N, C, 1, 1]`` value, its bias the ``[1, K, 1, 1]`` operand of an ``add`` after it, as
+    ``normalize`` writes a conv bias (``conv`` true; ``bias`` may be ``None``)."""
+    parts = _linear(gm, node)
+    if parts is not None:
+        return (*parts, False)
+    bias = None
+    if is_call(node, torch.add) and len(node.args) == 2 and is_conv(node.args[0]):
+        node, bias = node.args
+    if not is_conv(node):
+        return None
+    x, w, b, _, padding, _, groups = node.args
+    xv, wv, bv = _val(gm, x), _val(gm, w), _val(gm, bias) if bias is not None else None
+    if b is not None or groups != 1 or tuple(padding) != (0, 0) or xv is None or wv is None \
+            or xv.dim() != 4 or tuple(xv.shape[2:]) != (1, 1) or tuple(wv.shape[2:]) != (1, 1) \
+            or (bias is not None and (bv is None or tuple(bv.shape) != (1, wv.shape[0], 1, 1))):
+        return None
+    return x, w, bias, True
+
+
+_ACTIVATIONS = {torch.relu: "relu", F.silu: "silu"}
+
+
 def se_gates(gm: fx.GraphModule) -> int:
-    """Rewrite, in place, each ``sigmoid(linear2(relu(linear1(mean_hw(x)))))`` into
-    ``fusion_compiler::se_gate(x, W1, b1, W2, b2)`` (the op's result has the sigmoid's shape
-    ``[N, C]`` and dtype, so the multiply of ``x`` by the gate that follows is unchanged).
+    """Rewrite, in place, each squeeze-and-excitation gate
+    ``sigmoid(fc2(act(fc1(mean_hw(x)))))`` into ``fusion_compiler::se_gate(x, W1, b1, W2, b2,
+    act)``: ``fc1``/``fc2`` linear layers (SE-ResNet9) or 1x1 convolutions of the pooled
+    ``[N, C, 1, 1]`` value with their bias adds (torchvision's ``SqueezeExcitation``, which the
+    fuse pass leaves out of regions), ``act`` ReLU or SiLU. The result is reshaped to the
+    sigmoid's shape (``[N, C]`` or ``[N, C, 1, 1]``), so the multiply of ``x`` by the gate that
+    follows is unchanged.
 
     Matched when ``x`` is 4-d with known metadata, ``x``, the weights and the sigmoid share one
-    floating dtype, ``W1`` is ``[R, C]`` and ``W2`` ``[C, R]`` with ``C`` at most
-    :data:`~fusion_compiler.runtime.se_gate.MAX_CHANNELS`, ``R`` at most
-    :data:`~fusion_compiler.runtime.se_gate.MAX_HIDDEN` and ``R * C <= 32768`` (the kernel holds
-    a weight in registers). Gates of 1x1 convolutions (torchvision's ``SqueezeExcitation``) or
-    with another activation are not matched. Returns how many were rewritten."""
+    floating dtype, ``W1`` is ``[R, C]`` and ``W2`` ``[C, R]`` (``[R, C, 1, 1]``, ``[C, R, 1, 1]``
+    as convolutions) with ``C`` at most :data:`~fusion_compiler.runtime.se_gate.MAX_CHANNELS`,
+    ``R`` at most :data:`~fusion_compiler.runtime.se_gate.MAX_HIDDEN` and ``R * C <= 32768`` (the
+    kernel holds a weight in registers). Other gates (hard sigmoid, other activations) are not
+    matched. Returns how many were rewritten."""
     from ..runtime.se_gate import MAX_CHANNELS, MAX_HIDDEN, OP  # noqa: PLC0415
 
     graph = gm.graph
@@ -133,28 +162,37 @@ def se_gates(gm: fx.GraphModule) -> int:
     for node in list(graph.nodes):
         if not is_call(node, torch.sigmoid) or not isinstance(node.args[0], fx.Node):
             continue
-        second = _linear(gm, node.args[0])
-        if second is None or not is_call(second[0], torch.relu) \
-                or not isinstance(second[0].args[0], fx.Node):
+        second = _dense(gm, node.args[0])
+        act = second[0] if second is not None else None
+        if not is_call(act, *_ACTIVATIONS) or not isinstance(act.args[0], fx.Node):
             continue
-        first = _linear(gm, second[0].args[0])
+        first = _dense(gm, act.args[0])
         x = _spatial_mean_of(first[0]) if first is not None else None
-        if x is None:
+        if x is None or first[3] != second[3]:
             continue
-        (_, w1, b1), (_, w2, b2) = first, second
+        (_, w1, b1, conv), (_, w2, b2, _) = first, second
         xv, w1v, w2v, out = x.meta["val"], _val(gm, w1), _val(gm, w2), node.meta.get("val")
         if w1v is None or w2v is None or not isinstance(out, torch.Tensor) \
                 or not xv.dtype.is_floating_point \
-                or len({xv.dtype, w1v.dtype, w2v.dtype, out.dtype}) != 1 \
-                or w1v.dim() != 2 or w2v.dim() != 2:
+                or len({xv.dtype, w1v.dtype, w2v.dtype, out.dtype}) != 1:
             continue
-        hidden, channels = w1v.shape
-        if tuple(w2v.shape) != (channels, hidden) or xv.shape[1] != channels \
-                or channels > MAX_CHANNELS or hidden > MAX_HIDDEN or hidden * channels > 32768:
+        hidden, channels = w1v.shape[:2]
+        if w1v.dim() != (4 if conv else 2) or tuple(w2v.shape[:2]) != (channels, hidden) \
+                or xv.shape[1] != channels or channels > MAX_CHANNELS or hidden > MAX_HIDDEN \
+                or hidden * channels > 32768:
             continue
         with graph.inserting_before(node):
-            operands = [graph.get_attr(a) if isinstance(a, str) else a for a in (w1, b1, w2, b2)]
-            gate = graph.call_function(OP, (x, *operands))
+            w1n, b1n, w2n, b2n = (graph.get_attr(a) if isinstance(a, str) else a
+                                  for a in (w1, b1, w2, b2))
+            if conv:  # [K, C, 1, 1] weights and [1, K, 1, 1] biases as the op takes them
+                w1n = graph.call_function(torch.reshape, (w1n, (hidden, channels)))
+                w2n = graph.call_function(torch.reshape, (w2n, (channels, hidden)))
+                b1n = b1n if b1n is None else graph.call_function(torch.reshape, (b1n, (hidden,)))
+                b2n = b2n if b2n is None else graph.call_function(torch.reshape, (b2n, (channels,)))
+            gate = graph.call_function(OP, (x, w1n, b1n, w2n, b2n, _ACTIVATIONS[act.target]))
+            if out.dim() != 2:
+                gate.meta = {"val": out.reshape(out.shape[:2])} if "val" in node.meta else {}
+                gate = graph.call_function(torch.reshape, (gate, tuple(out.shape)))
         gate.meta = dict(node.meta)
         node.replace_all_uses_with(gate)
         graph.erase_node(node)
@@ -164,4 +202,3 @@ def se_gates(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return rewritten
-

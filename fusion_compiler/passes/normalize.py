@@ -257,6 +257,7 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
             if a["bias"] is not None:
                 bias = g.call_function(torch.reshape, (a["bias"], (1, -1, 1, 1)))
                 out = g.call_function(torch.add, (conv, bias))
+                out.meta.update(node.meta)  # the conv's value: later rewrites read its shape
         node.replace_all_uses_with(out)
         g.erase_node(node)
     elif target in (torch.add, torch.sub, torch.mul, torch.div):

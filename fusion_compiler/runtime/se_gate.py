@@ -4,7 +4,7 @@ Squeeze-and-excitation (Hu et al., "Squeeze-and-Excitation Networks", CVPR 2018,
 computes, per sample ``n`` and channel ``c``::
 
     s[n, :] = mean over h, w of x[n, :, h, w]                    # squeeze
-    g[n, :] = sigmoid(W2 @ relu(W1 @ s[n, :] + b1) + b2)         # excitation
+    g[n, :] = sigmoid(W2 @ act(W1 @ s[n, :] + b1) + b2)          # excitation, act: ReLU or SiLU
 
 and the block then multiplies ``x`` by ``g``. Inductor compiles this as three or four kernels (the
 spatial sum, then one reduction per linear layer; each 2-8 us on an H100 in SE-ResNet9), since it
@@ -35,20 +35,26 @@ MAX_HIDDEN = 64
 """Most hidden units ``R`` the Triton kernel takes (``R * C <= 32768`` is also required)."""
 
 
+_ACT = {"relu": 0, "silu": 1}
+
+
 def se_gate_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
-                      w2: torch.Tensor, b2: Optional[torch.Tensor]) -> torch.Tensor:
+                      w2: torch.Tensor, b2: Optional[torch.Tensor], act: str = "relu"
+                      ) -> torch.Tensor:
     """The gate as torch ops in fp32 (see module docstring).
 
     Args:
         x: ``[N, C, H, W]``, any layout, floating point.
         w1: ``[R, C]``; ``b1``: ``[R]`` or ``None``.
         w2: ``[C, R]``; ``b2``: ``[C]`` or ``None``.
+        act: the hidden layer's activation, ``"relu"`` or ``"silu"``.
 
     Returns:
         ``[N, C]`` contiguous, ``x.dtype``.
     """
     s = x.float().mean(dim=(2, 3))
-    h = torch.relu(torch.nn.functional.linear(s, w1.float(), None if b1 is None else b1.float()))
+    h = torch.nn.functional.linear(s, w1.float(), None if b1 is None else b1.float())
+    h = torch.nn.functional.silu(h) if act == "silu" else torch.relu(h)
     z = torch.nn.functional.linear(h, w2.float(), None if b2 is None else b2.float())
     return torch.sigmoid(z).to(x.dtype)
 
@@ -64,7 +70,7 @@ def _triton_kernel() -> Any:
 
     @triton.jit
     def se_gate_kernel(x, w1, b1, w2, b2, g, HW, C, R, s_n, s_hw, s_c, inv_hw,
-                       HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
+                       HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, ACT: tl.constexpr,
                        BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
@@ -85,7 +91,10 @@ def _triton_kernel() -> Any:
                                 other=0.0).to(tl.float32) * s[None, :], axis=1)
         if HAS_B1:
             hidden += tl.load(b1 + r, mask=r_in, other=0.0).to(tl.float32)
-        hidden = tl.maximum(hidden, 0.0)
+        if ACT == 1:  # SiLU
+            hidden = hidden / (1.0 + tl.exp(-hidden))
+        else:
+            hidden = tl.maximum(hidden, 0.0)
         z = tl.sum(tl.load(w2 + c[None, :] * R + r[:, None], mask=w_mask,
                            other=0.0).to(tl.float32) * hidden[:, None], axis=0)
         if HAS_B2:
@@ -101,7 +110,7 @@ def _pow2(v: int) -> int:
 
 
 def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
-            w2: torch.Tensor, b2: Optional[torch.Tensor]) -> torch.Tensor:
+            w2: torch.Tensor, b2: Optional[torch.Tensor], act: str) -> torch.Tensor:
     n, c, h, w = x.shape
     r = w1.shape[0]
     if h > 1 and w > 1 and x.stride(2) != w * x.stride(3):  # h and w must flatten to one axis
@@ -114,7 +123,7 @@ def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.T
     block_hw = max(1, min(_pow2(h * w), 4096 // block_c))
     kernel[(n,)](x, w1, w1 if b1 is None else b1, w2, w2 if b2 is None else b2, g,
                  h * w, c, r, x.stride(0), x.stride(3) if w > 1 else x.stride(2), x.stride(1),
-                 1.0 / (h * w), HAS_B1=b1 is not None, HAS_B2=b2 is not None,
+                 1.0 / (h * w), HAS_B1=b1 is not None, HAS_B2=b2 is not None, ACT=_ACT[act],
                  BLOCK_HW=block_hw, BLOCK_C=block_c, BLOCK_R=block_r,
                  num_warps=4 if block_c * max(block_r, block_hw) <= 8192 else 8)
     return g
@@ -122,20 +131,23 @@ def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.T
 
 @torch.library.custom_op("fusion_compiler::se_gate", mutates_args=())
 def se_gate(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-            b2: Optional[torch.Tensor]) -> torch.Tensor:
-    """``sigmoid(W2 @ relu(W1 @ mean_hw(x) + b1) + b2)`` per sample: ``x`` ``[N, C, H, W]``
+            b2: Optional[torch.Tensor], act: str = "relu") -> torch.Tensor:
+    """``sigmoid(W2 @ act(W1 @ mean_hw(x) + b1) + b2)`` per sample, ``act`` ``"relu"`` or
+    ``"silu"`` (else ``ValueError``): ``x`` ``[N, C, H, W]``
     (any layout whose H and W flatten to one axis, else it is copied to channels_last),
     ``w1`` ``[R, C]``, ``w2`` ``[C, R]``, biases ``[R]``/``[C]`` or ``None``; returns ``[N, C]``
     in ``x.dtype``. One Triton program per sample on CUDA (see module docstring), torch ops
     elsewhere (:func:`se_gate_reference`)."""
+    if act not in _ACT:
+        raise ValueError(f"se_gate: act must be 'relu' or 'silu', got {act!r}")
     kernel = _triton_kernel() if x.is_cuda else None
     if kernel is None:
-        return se_gate_reference(x, w1, b1, w2, b2)
-    return _launch(kernel, x, w1, b1, w2, b2)
+        return se_gate_reference(x, w1, b1, w2, b2, act)
+    return _launch(kernel, x, w1, b1, w2, b2, act)
 
 
 @se_gate.register_fake
-def _se_gate_fake(x, w1, b1, w2, b2):
+def _se_gate_fake(x, w1, b1, w2, b2, act="relu"):
     return x.new_empty((x.shape[0], x.shape[1]))
 
 
