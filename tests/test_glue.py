@@ -119,12 +119,20 @@ def test_se_gates_of_1x1_convolutions_with_silu_as_torchvision_writes_them():
         def forward(self, x):
             return torch.relu(self.se(self.conv(x)))
 
+    from fusion_compiler.passes import glue
+    from fusion_compiler.runtime.se_gate import OP
+
     torch.manual_seed(0)
     x = torch.randn(2, 16, 7, 7)
-    for act in (nn.SiLU, nn.ReLU):
+    for act, fused_squeeze in ((nn.SiLU, glue.FUSED_SQUEEZE), (nn.ReLU, 48 * 7 * 7 - 1)):
         gm, want = _private_graph(Block(act).eval(), x)
-        assert se_gates(gm) == 1
+        with pytest.MonkeyPatch.context() as patch:  # a smaller limit: the pooled mean goes in
+            patch.setattr(glue, "FUSED_SQUEEZE", fused_squeeze)
+            assert se_gates(gm) == 1
         assert not [n for n in gm.graph.nodes if n.target is torch.conv2d]
+        gate = next(n for n in gm.graph.nodes if n.target is OP)
+        pooled = gate.args[0].meta["val"].shape[2:] == (1, 1)
+        assert pooled == (fused_squeeze < 48 * 7 * 7), act
         with torch.inference_mode():
             torch.testing.assert_close(gm(x), want, rtol=1e-5, atol=1e-5)
 
