@@ -50,12 +50,23 @@ def _conv_reason(conv: fx.Node) -> str | None:
     if x.dim() != 4:
         return f"convolution input has rank {x.dim()}, regions need NCHW (rank 4)"
     if tuple(x.shape[2:]) == (1, 1) and tuple(w.shape[2:]) == (1, 1) \
-            and tuple(conv.args[4]) == (0, 0):
+            and tuple(conv.args[4]) == (0, 0) and conv.args[6] == 1 and _se_gate_sized(w):
         return ("a 1x1 convolution of a 1x1 image is a matrix-vector product (a squeeze-and-"
                 "excitation layer): left to the glue, where a whole SE gate becomes one kernel "
                 "(passes/glue.py se_gates); as cuDNN regions these took 2.7-14 us each on an H100 "
                 "(efficientnet_b0, N=32) and 13 of 32 timed slower than PyTorch's ops")
     return None
+
+
+def _se_gate_sized(w: torch.Tensor) -> bool:
+    """Whether a ``[K, C, 1, 1]`` weight fits the ``se_gate`` kernel as either layer of a gate.
+    Larger ones stay regions: left to the glue unmatched, regnet_y_400mf's 440x110 gates ran as
+    Inductor convolutions with cuDNN layout transforms around them (about 80 us a forward more on
+    an H100)."""
+    from ..runtime.se_gate import MAX_CHANNELS, MAX_GATE_WEIGHT, MAX_HIDDEN  # noqa: PLC0415
+
+    k, c = w.shape[:2]
+    return min(k, c) <= MAX_HIDDEN and max(k, c) <= MAX_CHANNELS and k * c <= MAX_GATE_WEIGHT
 
 
 def _other_operand(node: fx.Node, chain: fx.Node):

@@ -164,10 +164,11 @@ def se_gates(gm: fx.GraphModule) -> int:
     Matched when ``x`` is 4-d with known metadata, ``x``, the weights and the sigmoid share one
     floating dtype, ``W1`` is ``[R, C]`` and ``W2`` ``[C, R]`` (``[R, C, 1, 1]``, ``[C, R, 1, 1]``
     as convolutions) with ``C`` at most :data:`~fusion_compiler.runtime.se_gate.MAX_CHANNELS`,
-    ``R`` at most :data:`~fusion_compiler.runtime.se_gate.MAX_HIDDEN` and ``R * C <= 32768`` (the
-    kernel holds a weight in registers). Other gates (hard sigmoid, other activations) are not
-    matched. Returns how many were rewritten."""
-    from ..runtime.se_gate import MAX_CHANNELS, MAX_HIDDEN, OP  # noqa: PLC0415
+    ``R`` at most :data:`~fusion_compiler.runtime.se_gate.MAX_HIDDEN` and ``R * C`` at most
+    :data:`~fusion_compiler.runtime.se_gate.MAX_GATE_WEIGHT` (the kernel holds a weight in
+    registers). Other gates (hard sigmoid, other activations) are not matched. Returns how many
+    were rewritten."""
+    from ..runtime.se_gate import MAX_CHANNELS, MAX_GATE_WEIGHT, MAX_HIDDEN, OP  # noqa: PLC0415
 
     graph = gm.graph
     rewritten = 0
@@ -192,7 +193,7 @@ def se_gates(gm: fx.GraphModule) -> int:
         hidden, channels = w1v.shape[:2]
         if w1v.dim() != (4 if conv else 2) or tuple(w2v.shape[:2]) != (channels, hidden) \
                 or xv.shape[1] != channels or channels > MAX_CHANNELS or hidden > MAX_HIDDEN \
-                or hidden * channels > 32768:
+                or hidden * channels > MAX_GATE_WEIGHT:
             continue
         with graph.inserting_before(node):
             w1n, b1n, w2n, b2n = (graph.get_attr(a) if isinstance(a, str) else a

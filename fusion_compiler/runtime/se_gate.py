@@ -26,13 +26,15 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["se_gate", "se_gate_reference", "MAX_CHANNELS", "MAX_HIDDEN", "OP"]
+__all__ = ["se_gate", "se_gate_reference", "MAX_CHANNELS", "MAX_HIDDEN", "MAX_GATE_WEIGHT", "OP"]
 
 MAX_CHANNELS = 1024
 """Most channels ``C`` the Triton kernel takes (one program holds a ``[R, C]`` weight tile in
 registers); larger gates are left to the graph's own ops by the pass."""
 MAX_HIDDEN = 64
-"""Most hidden units ``R`` the Triton kernel takes (``R * C <= 32768`` is also required)."""
+"""Most hidden units ``R`` the Triton kernel takes."""
+MAX_GATE_WEIGHT = 32768
+"""Most elements ``R * C`` of a weight the Triton kernel takes."""
 
 
 _ACT = {"relu": 0, "silu": 1}
