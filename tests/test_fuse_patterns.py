@@ -279,6 +279,29 @@ def test_silu_joins_the_epilogue():
            ["conv3x3 > mul > add > silu", "conv1x1 > add > silu"])
 
 
+def test_se_layers_small_enough_for_the_gate_kernel_stay_out_of_regions():
+    """A 1x1 convolution of a 1x1 image (an SE layer) is left to the glue, with its reason, when
+    the se_gate kernel takes its weight; a larger one (1152x48, as in efficientnet_b0) is a
+    region as any convolution."""
+    class SE(nn.Module):
+        def __init__(self, c, r):
+            super().__init__()
+            self.conv = nn.Conv2d(8, c, 1)
+            self.fc1, self.fc2 = nn.Conv2d(c, r, 1), nn.Conv2d(r, c, 1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            g = torch.sigmoid(self.fc2(F.silu(self.fc1(F.adaptive_avg_pool2d(y, 1)))))
+            return y * g
+
+    spec = _check(SE(48, 12), torch.randn(2, 8, 5, 5), ["conv1x1 > add + sum_hw"])
+    reasons = spec.graph_module.meta["fusion_reasons"].values()
+    assert sum("matrix-vector product" in r for r in reasons) == 2
+    _check(SE(1152, 48), torch.randn(2, 8, 3, 3),
+           ["conv1x1 > add + sum_hw", "[mul] conv1x1 > add > silu", "conv1x1 > add > sigmoid"],
+           tol=1e-4)
+
+
 def _conv_relu_chain():
     """VGG-style: each ReLU output is read only by the next (stride-1) convolution."""
     return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
