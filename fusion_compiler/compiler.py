@@ -401,7 +401,9 @@ class CompiledModule(torch.nn.Module):
         process-wide, pytorch/pytorch#196637; here it compiled the calling thread's region
         calls as frames of their own until the recompile limit). It compiles an
         :func:`~fusion_compiler.runtime.tiered.isolated_copy` of ``gm``, which shares tensors with
-        the model (in-place updates reach the compiled code) but no module. The compiled graph
+        the model (in-place updates reach the compiled code) but no module, rewritten by
+        :mod:`.passes.glue` (SE gates as one ``se_gate`` kernel each, small linear layers as
+        reductions). The compiled graph
         then runs once on copies of the inputs, on a stream of its own, in the caller's grad and
         inference modes, with the regions not executed
         (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there.
