@@ -403,9 +403,8 @@ class CompiledModule(torch.nn.Module):
         :func:`~fusion_compiler.runtime.tiered.isolated_copy` of ``gm``, which shares tensors with
         the model (in-place updates reach the compiled code) but no module, rewritten by
         :mod:`.passes.glue` (SE gates as one ``se_gate`` kernel each, small linear layers as
-        reductions). The compiled graph
-        then runs once on copies of the inputs, on a stream of its own, in the caller's grad and
-        inference modes, with the regions not executed
+        reductions). The compiled graph then runs once on copies of the inputs, on a stream of
+        its own, in the caller's grad and inference modes, with the regions not executed
         (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there.
         All of it holds :data:`~fusion_compiler.runtime.tiered.COMPILE_LOCK`: a new
         specialization's compile on the calling thread waits for it."""
@@ -523,11 +522,11 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             are returned while nothing holds the previous call's, else copies from a spare graph),
             and a call passing the previous call's input tensors again replays a graph that reads
             them in place (:mod:`~fusion_compiler.runtime.cuda_graph`). A forward that cannot be
-            captured (a host
-            synchronization, ``.item()``, a CPU tensor) runs without a graph, and the reason is
-            logged once. ``"static"``: the same graph, but calls return the graph's own output
-            buffers, overwritten by the next call (no copy: clone what you keep). ``False``: no
-            CUDA graph. A training specialization is captured as a forward and a backward graph
+            captured (a host synchronization, ``.item()``, a CPU tensor) runs without a graph,
+            and the reason is logged once. ``"static"``: the same graph, but calls return the
+            graph's own output buffers, overwritten by the next call (no copy: clone what you
+            keep). ``False``: no CUDA graph. A training specialization is captured as a forward
+            and a backward graph
             (:class:`~fusion_compiler.runtime.cuda_graph_training.TrainingGraphRunner`):
             gradients reach ``.grad`` through autograd; ``backward`` must follow its forward
             before the next call (else ``RuntimeError``).

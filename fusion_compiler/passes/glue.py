@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ops import is_call, is_conv
+from ..ops import is_call, is_conv, is_hw_sum
 
 __all__ = ["small_linears_as_reductions", "se_gates", "MAX_WEIGHT", "MAX_MACS", "FUSED_SQUEEZE"]
 
@@ -28,6 +28,11 @@ MAX_WEIGHT = 16384
 MAX_MACS = 1 << 24
 """Largest product rows x in x out rewritten (multiply-accumulates): beyond, a GEMM's tensor cores
 win over a reduction's FMAs."""
+FUSED_SQUEEZE = 16384
+"""Most values per sample (``C*H*W``) whose spatial mean the ``se_gate`` kernel computes itself,
+one program streaming the sample; a larger gate gets the mean from the graph's own reduction. On
+an H100 a fused squeeze took 4.1-4.7 us per SE-ResNet9 gate (N=128, up to 64x16x16) but 70 us
+for efficientnet_b0's 32x112x112 at N=32: 32 programs streaming 0.8 MB each."""
 
 
 def _linear(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object] | None:
@@ -43,11 +48,18 @@ def _linear(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object]
     return None
 
 
-FUSED_SQUEEZE = 16384
-"""Most values per sample (``C*H*W``) whose spatial mean the ``se_gate`` kernel computes itself,
-one program streaming the sample; a larger gate gets the mean from the graph's own reduction. On
-an H100 a fused squeeze took 4.1-4.7 us per SE-ResNet9 gate (N=128, up to 64x16x16) but 70 us
-for efficientnet_b0's 32x112x112 at N=32: 32 programs streaming 0.8 MB each."""
+def _val(gm: fx.GraphModule, arg: object) -> torch.Tensor | None:
+    """The tensor (or its metadata) behind a graph value: an attribute path's tensor, a node's
+    ``meta["val"]``; ``None`` when unknown."""
+    if isinstance(arg, str):
+        return operator.attrgetter(arg)(gm)
+    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _graph_value(graph: fx.Graph, arg: object) -> object:
+    """``arg`` as a value of ``graph``: an attribute path becomes a ``get_attr`` node."""
+    return graph.get_attr(arg) if isinstance(arg, str) else arg
 
 
 def small_linears_as_reductions(gm: fx.GraphModule) -> int:
@@ -62,11 +74,8 @@ def small_linears_as_reductions(gm: fx.GraphModule) -> int:
         if parts is None:
             continue
         x, weight, bias = parts
-        val = x.meta.get("val") if isinstance(x, fx.Node) else None
-        w_val = operator.attrgetter(weight)(gm) if isinstance(weight, str) else (
-            weight.meta.get("val") if isinstance(weight, fx.Node) else None)
-        if not isinstance(val, torch.Tensor) or not isinstance(w_val, torch.Tensor) \
-                or w_val.dim() != 2 or val.dim() < 1:
+        val, w_val = _val(gm, x), _val(gm, weight)
+        if val is None or w_val is None or w_val.dim() != 2 or val.dim() < 1:
             continue
         out_features, in_features = w_val.shape
         rows = val.numel() // max(in_features, 1)
@@ -74,8 +83,7 @@ def small_linears_as_reductions(gm: fx.GraphModule) -> int:
             continue
         graph = gm.graph
         with graph.inserting_before(node):
-            w = graph.get_attr(weight) if isinstance(weight, str) else weight
-            b = graph.get_attr(bias) if isinstance(bias, str) else bias
+            w, b = _graph_value(graph, weight), _graph_value(graph, bias)
             product = graph.call_function(torch.mul, (graph.call_method("unsqueeze", (x, -1)),
                                                       graph.call_method("t", (w,))))
             out = graph.call_function(torch.sum, (product, -2))
@@ -91,15 +99,6 @@ def small_linears_as_reductions(gm: fx.GraphModule) -> int:
     return rewritten
 
 
-def _val(gm: fx.GraphModule, arg: object) -> torch.Tensor | None:
-    """The tensor (or its metadata) behind a graph value: an attribute path's tensor, a node's
-    ``meta["val"]``; ``None`` when unknown."""
-    if isinstance(arg, str):
-        return operator.attrgetter(arg)(gm)
-    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _spatial_mean_of(node: object) -> tuple[fx.Node, fx.Node] | None:
     """``(x, mean)`` when ``node`` is the canonical spatial mean of a 4-d ``x`` that ``normalize``
     makes of ``mean``/``adaptive_avg_pool2d(., 1)``: ``mean = mul(sum(x, [2, 3], keepdim),
@@ -113,15 +112,12 @@ def _spatial_mean_of(node: object) -> tuple[fx.Node, fx.Node] | None:
     total, scale = node.args
     if not isinstance(scale, float):
         total, scale = scale, total
-    if not isinstance(scale, float) or not is_call(total, torch.sum) or len(total.args) < 2 \
-            or sorted(d % 4 for d in total.args[1]) != [2, 3]:
+    if not isinstance(scale, float) or not is_hw_sum(total):
         return None
     x = total.args[0]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or val.dim() != 4:
-        return None
-    keepdim = bool(total.kwargs.get("keepdim", total.args[2] if len(total.args) > 2 else False))
-    if abs(scale * val.shape[2] * val.shape[3] - 1.0) >= 1e-6 or not keepdim:
+    if not isinstance(val, torch.Tensor) or val.dim() != 4 \
+            or abs(scale * val.shape[2] * val.shape[3] - 1.0) >= 1e-6:
         return None
     return x, mean
 
@@ -196,8 +192,7 @@ def se_gates(gm: fx.GraphModule) -> int:
                 or hidden * channels > MAX_GATE_WEIGHT:
             continue
         with graph.inserting_before(node):
-            w1n, b1n, w2n, b2n = (graph.get_attr(a) if isinstance(a, str) else a
-                                  for a in (w1, b1, w2, b2))
+            w1n, b1n, w2n, b2n = (_graph_value(graph, a) for a in (w1, b1, w2, b2))
             if conv:  # [K, C, 1, 1] weights and [1, K, 1, 1] biases as the op takes them
                 w1n = graph.call_function(torch.reshape, (w1n, (hidden, channels)))
                 w2n = graph.call_function(torch.reshape, (w2n, (channels, hidden)))
