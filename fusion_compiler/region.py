@@ -80,6 +80,11 @@ class Region(torch.nn.Module):
             (:func:`fusion_compiler.lowering.plan_dgrad_drelu`).
         masked_outputs: names of ReLU output nodes whose gradient arrives already masked (the
             consuming region's dgrad applied the ReLU backward): the backward passes it through.
+        nhwc_inputs: positions of the inputs the kernel reads as fully packed channels_last
+            activations: those a cuDNN kernel converts when they arrive otherwise, or, for a
+            region left to PyTorch because its ops timed faster, the activations it was timed on
+            as channels_last. :func:`fusion_compiler.runtime.layout.channels_last_activations`
+            makes the graph hand them so.
     """
 
     def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str]):
@@ -101,6 +106,7 @@ class Region(torch.nn.Module):
         self.dgrad_drelu = False
         self.dgrad_drelu_reason = ""
         self.masked_outputs: set[str] = set()
+        self.nhwc_inputs: frozenset[int] = frozenset()
         self._lowered: Callable[..., Any] | None = None  # None: run graph_module itself
 
     @property

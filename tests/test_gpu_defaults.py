@@ -269,3 +269,43 @@ def test_a_new_batch_size_reuses_the_plan_choice(tmp_path):
         if r.backend == "cudnn":  # one plan built, nothing timed
             assert "choice made at another batch size" in r.plan, r.plan
             assert len(r.tuning) == 1 and r.tuning[0].ms is None
+
+
+class _PoolFeedsTwoRegions(nn.Module):
+    """resnet's stem shape: a PyTorch op (the max pool) makes a value two regions read."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(8, 16, 3, padding=1)
+        self.a = nn.Conv2d(16, 16, 1)
+        self.b = nn.Conv2d(16, 32, 1)
+
+    def forward(self, x):
+        p = torch.nn.functional.max_pool2d(torch.relu(self.stem(x)), 2)
+        return torch.relu(self.a(p)).mean((2, 3)) + self.b(p).mean((2, 3))[:, :16]
+
+
+def test_inductor_glue_makes_region_activations_channels_last_itself(tmp_path):
+    """A value PyTorch ops make and cuDNN regions read is converted to channels_last once in the
+    graph (``runtime.layout.channels_last_activations``), so Inductor writes it channels_last
+    from the kernel that makes it: one replay launches no eager copy kernel (before, each region
+    copied the max-pool output inside its kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = _PoolFeedsTwoRegions().cuda().half().eval()
+    x = torch.randn(8, 8, 32, 32, device="cuda", dtype=torch.half)
+    compiled = fc.compile(model, cache_dir=tmp_path, autotune=1, tiered=False)
+    with torch.inference_mode():
+        err = rel_err(compiled(x).float().cpu(), _fp64(model, x))  # nothing holds the output
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            compiled(x)
+            torch.cuda.synchronize()
+    assert err < 2e-3
+    spec = compiled.last
+    assert spec.glue_backend == "inductor" and all(r.backend == "cudnn" for r in spec.regions)
+    converts = [n for n in spec.graph_module.graph.nodes if n.target == "contiguous"]
+    assert len(converts) == 2, spec.graph_module.code  # the graph input and the pool's output
+    copies = [e.name for e in prof.events() if e.device_type.name == "CUDA"
+              and "at::native" in e.name and "copy" in e.name.lower()]
+    assert not copies, copies

@@ -346,6 +346,10 @@ def _slower_than_pytorch(region: Region, kernel: "CudnnKernel") -> str:
     fused_ms, torch_ms = kernel.plan.timed_against_pytorch(measure)
     region.timing = {"cudnn_ms": fused_ms, "pytorch_ms": torch_ms}
     if torch_ms < PYTORCH_MARGIN * fused_ms:
+        # timed on channels_last activations (sample_inputs): the graph hands them so
+        # (runtime.layout.channels_last_activations)
+        region.nhwc_inputs = frozenset(i for i, op in enumerate(region.operands())
+                                       if op.role in ("image", "full") and len(op.shape) == 4)
         return (f"PyTorch ops were faster on this GPU: {torch_ms:.4f} ms against "
                 f"{fused_ms:.4f} ms on cuDNN (best timed plan, input preparation included)")
     return ""
@@ -419,6 +423,7 @@ class CudnnKernel:
         region.plan_from_cache = self.plan.from_cache
         region.workspace_bytes = self.plan.workspace_bytes
         region.tuning = self.plan.tuning
+        region.nhwc_inputs = frozenset(i for i, prep in enumerate(self.prepare) if prep is to_nhwc)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._pads_outputs:

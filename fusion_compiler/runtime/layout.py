@@ -3,8 +3,8 @@
 cuDNN regions read and write fully packed channels_last (NHWC) tensors, so the PyTorch ops between
 them see channels_last where eager saw NCHW. Two graph edits, made after lowering:
 
-* :func:`channels_last_inputs`: a 4-d graph input read by several cuDNN regions is converted once,
-  at the boundary, instead of once per region;
+* :func:`channels_last_activations`: a 4-d value that cuDNN regions read (a graph input, or a
+  PyTorch op's output) is converted once, where it is made, instead of inside each reading region;
 * :func:`nchw_padded_avg_pools`: in a training graph on CUDA, an ``avg_pool2d`` with padding gets
   an NCHW input, because PyTorch's CUDA backward of ``avg_pool2d`` for a channels_last input with
   ``padding > 0`` returns wrong input gradients (pytorch/pytorch#188344: the NHWC backward kernel
@@ -18,29 +18,68 @@ them see channels_last where eager saw NCHW. Two graph edits, made after lowerin
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops import avg_pool2d_args, is_call
+from ..region import Region
 
-__all__ = ["channels_last_inputs", "nchw_padded_avg_pools"]
+__all__ = ["channels_last_activations", "nchw_padded_avg_pools"]
 
 
-def channels_last_inputs(gm: fx.GraphModule) -> None:
-    """Convert a 4-d graph input read by several cuDNN regions to channels_last once, at the
-    boundary, instead of once per region (in place)."""
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        val = ph.meta.get("val")
-        users = [u for u in ph.users if u.op == "call_module"
-                 and getattr(gm.get_submodule(u.target), "backend", None) == "cudnn"]
-        if not isinstance(val, torch.Tensor) or val.dim() != 4 or len(users) < 2:
+def _region(gm: fx.GraphModule, node: fx.Node) -> "Region | None":
+    """The region ``node`` calls, or ``None``."""
+    if node.op != "call_module":
+        return None
+    module = gm.get_submodule(node.target)
+    return module if isinstance(module, Region) else None
+
+
+def _made_by_cudnn(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is an output of a cuDNN region (``getitem`` of its call): channels_last."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    region = _region(gm, node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    return region is not None and region.backend == "cudnn"
+
+
+def channels_last_activations(gm: fx.GraphModule) -> int:
+    """Convert each 4-d value that regions read as a channels_last activation
+    (``Region.nhwc_inputs``: cuDNN kernels, and regions left to PyTorch because their ops timed
+    faster on channels_last inputs) to channels_last once, right where it is made, unless a cuDNN
+    region made it (in place); returns how many values were converted.
+
+    Without it, every reading cuDNN region converts the value itself, inside its kernel: a graph
+    input or a PyTorch op's NCHW output read by two regions is copied twice, and a region left to
+    PyTorch runs its convolution on NCHW data (resnet50's stem at N=32 on an H100: 186 us against
+    86 us channels_last, PyTorch's convolution alone). Under Inductor the
+    conversion also fuses into the kernel that makes the value, because a custom op's inputs get
+    the strides they had when the graph was traced: on an H100, torchvision resnet50 at N=32
+    (its stem convolution left to PyTorch) spent 2 x 32 us per forward in eager NCHW -> NHWC
+    copies of the max-pool output, one in each of the two regions reading it.
+    """
+    converted = 0
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() != 4 or _made_by_cudnn(gm, node):
             continue
-        with gm.graph.inserting_after(ph):
-            conv = gm.graph.call_method("contiguous", (ph,), {"memory_format": torch.channels_last})
-        for u in users:
-            u.replace_input_with(ph, conv)
-    gm.recompile()
+        readers = [u for u in node.users if (region := _region(gm, u)) is not None
+                   and any(u.args[i] is node for i in region.nhwc_inputs)]
+        if not readers:
+            continue
+        with gm.graph.inserting_after(node):
+            nhwc = gm.graph.call_method("contiguous", (node,),
+                                        {"memory_format": torch.channels_last})
+        nhwc.meta["val"] = val.contiguous(memory_format=torch.channels_last)
+        for u in readers:
+            u.replace_input_with(node, nhwc)
+        converted += 1
+    if converted:
+        gm.recompile()
+    return converted
 
 
 def nchw_padded_avg_pools(gm: fx.GraphModule) -> int:
