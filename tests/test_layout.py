@@ -66,3 +66,33 @@ def test_region_activations_are_made_channels_last_once_where_they_are_made():
     assert len(converts[1].users) == 2  # one conversion for both regions reading the pool
     # the stem region's output comes from cuDNN (already channels_last): not converted
     torch.testing.assert_close(gm(x), want)
+
+
+def test_four_channel_images_pad_a_pytorch_regions_image_and_weight_with_a_zero_channel():
+    """A region left to PyTorch whose convolution reads a 3-channel bf16 image gets a zero fourth
+    channel in image and weight, added before its call: the same values, and gradients still
+    reach the 3-channel weight and image. fp32 stays as it is. (On CUDA only in ``compile``; the
+    edit itself is device-agnostic.)"""
+    import copy
+
+    import fusion_compiler as fc
+    from fusion_compiler.runtime.layout import four_channel_images
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3), nn.ReLU()).to(torch.bfloat16)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.bfloat16, requires_grad=True)
+    gm = fc.compile(model, glue_backend=None).specialize(x).graph_module
+    assert four_channel_images(gm) == 1
+    pads = [n for n in gm.graph.nodes if n.target is F.pad]
+    assert [n.args[0].op for n in pads] == ["placeholder", "get_attr"]
+    region = next(m for m in gm.modules() if type(m).__name__ == "Region")
+    assert [tuple(ph.meta["val"].shape) for ph in region.graph_module.graph.nodes
+            if ph.op == "placeholder"][:2] == [(2, 4, 32, 32), (8, 4, 7, 7)]
+    got = gm(x)
+    ref = copy.deepcopy(model).double()(x.detach().double())
+    assert (got.double() - ref).abs().max() / ref.abs().max() < 2e-2
+    grads = torch.autograd.grad(got.float().square().sum(), [x, model[0].weight])
+    assert grads[0].shape == x.shape and grads[1].shape == (8, 3, 7, 7)
+    assert all(g.abs().sum() > 0 for g in grads)
+    fp32 = fc.compile(nn.Conv2d(3, 8, 3)).specialize(torch.randn(1, 3, 8, 8)).graph_module
+    assert four_channel_images(fp32) == 0
