@@ -23,7 +23,8 @@ from .passes.autocast import make_autocast_explicit
 from .passes.glue import se_gates, small_linears_as_reductions
 from .region import Region
 from .runtime.hoist import hoist_parameter_subgraphs
-from .runtime.layout import channels_last_activations, four_channel_images, nchw_padded_avg_pools
+from .runtime.layout import (channel_padded_images, channels_last_activations, four_channel_images,
+                             nchw_padded_avg_pools)
 from .runtime.plan_cache import PlanCache, default_cache_dir
 from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy
 
@@ -266,6 +267,8 @@ class CompiledModule(torch.nn.Module):
             gm = self._passes_and_lowering(key, args, passes, on_stage, grad, requires)
             if on_cuda:
                 four_channel_images(gm)
+                if not grad:
+                    channel_padded_images(gm)
             channels_last_activations(gm)
             if grad and on_cuda and (pools := nchw_padded_avg_pools(gm)):
                 log.info("%d padded avg_pool2d input(s) made NCHW: PyTorch's channels_last CUDA "

@@ -85,6 +85,9 @@ class Region(torch.nn.Module):
             region left to PyTorch because its ops timed faster, the activations it was timed on
             as channels_last. :func:`fusion_compiler.runtime.layout.channels_last_activations`
             makes the graph hand them so.
+        padded_images: ``{position: channels}``: inputs a cuDNN kernel zero-pads to more
+            channels (channels_last) before its plan runs, and takes as they come when they
+            arrive so (:func:`fusion_compiler.runtime.layout.channel_padded_images`).
     """
 
     def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str]):
@@ -107,6 +110,7 @@ class Region(torch.nn.Module):
         self.dgrad_drelu_reason = ""
         self.masked_outputs: set[str] = set()
         self.nhwc_inputs: frozenset[int] = frozenset()
+        self.padded_images: dict[int, int] = {}
         self._lowered: Callable[..., Any] | None = None  # None: run graph_module itself
 
     @property

@@ -96,3 +96,40 @@ def test_four_channel_images_pad_a_pytorch_regions_image_and_weight_with_a_zero_
     assert all(g.abs().sum() > 0 for g in grads)
     fp32 = fc.compile(nn.Conv2d(3, 8, 3)).specialize(torch.randn(1, 3, 8, 8)).graph_module
     assert four_channel_images(fp32) == 0
+
+
+def test_an_image_a_cudnn_region_pads_is_padded_once_in_the_graph():
+    """Two regions that zero-pad the same 3-channel image to 8 channels (as cuDNN kernels mark
+    it in ``Region.padded_images``) read one channels_last 8-channel tensor the graph makes."""
+    import fusion_compiler as fc
+    from fusion_compiler.region import Region
+    from fusion_compiler.runtime.layout import channel_padded_images
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 8, 3), nn.Conv2d(3, 8, 1)
+
+        def forward(self, x):
+            return self.a(x).sum() + self.b(x).sum()
+
+    gm = fc.compile(Two().eval(), glue_backend=None).specialize(torch.randn(2, 3, 8, 8)).graph_module
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"
+             and isinstance(gm.get_submodule(n.target), Region)]
+    assert len(calls) == 2 and channel_padded_images(gm) == 0
+    for call in calls:
+        gm.get_submodule(call.target).padded_images = {0: 8}
+    # a region left to PyTorch (e.g. declined by timing after its kernel was built) is not
+    # edited: its ops take the image with its own 3 channels
+    assert channel_padded_images(gm) == 0
+    for call in calls:
+        gm.get_submodule(call.target).backend = "cudnn"
+    assert channel_padded_images(gm) == 1
+    padded = calls[0].args[0]
+    assert calls[1].args[0] is padded
+    wide = padded.args[0]
+    assert (padded.target, wide.target, wide.args[0].target) == ("permute", F.pad, "permute")
+    assert wide.args[1] == (0, 5) and wide.args[0].args[0].op == "placeholder"
+    val = padded.meta["val"]
+    assert val.shape == (2, 8, 8, 8) and val.is_contiguous(memory_format=torch.channels_last)
+    assert channel_padded_images(gm) == 0  # already padded: the regions read 8 channels

@@ -350,6 +350,7 @@ def _slower_than_pytorch(region: Region, kernel: "CudnnKernel") -> str:
         # (runtime.layout.channels_last_activations)
         region.nhwc_inputs = frozenset(i for i, op in enumerate(region.operands())
                                        if op.role in ("image", "full") and len(op.shape) == 4)
+        region.padded_images = {}  # PyTorch's ops take the image with its own channels
         return (f"PyTorch ops were faster on this GPU: {torch_ms:.4f} ms against "
                 f"{fused_ms:.4f} ms on cuDNN (best timed plan, input preparation included)")
     return ""
@@ -424,6 +425,8 @@ class CudnnKernel:
         region.workspace_bytes = self.plan.workspace_bytes
         region.tuning = self.plan.tuning
         region.nhwc_inputs = frozenset(i for i, prep in enumerate(self.prepare) if prep is to_nhwc)
+        region.padded_images = {i: pad[0] for i, node in enumerate(placeholders)
+                                if node.name in in_pads and node is not conv.args[1]}
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._pads_outputs:
@@ -483,8 +486,11 @@ def _operand_padder(channels: int, role: str) -> Callable[[torch.Tensor], torch.
 
 
 def _padder(channels: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """NCHW-logical tensor -> channels_last tensor zero-padded to ``channels`` channels, in one copy."""
+    """NCHW-logical tensor -> channels_last tensor zero-padded to ``channels`` channels, in one copy
+    (none for a tensor that already is: the graph padded it, ``Region.padded_images``)."""
     def pad(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[1] == channels and t.is_contiguous(memory_format=torch.channels_last):
+            return t
         nhwc = t.permute(0, 2, 3, 1)
         return F.pad(nhwc, (0, channels - t.shape[1])).permute(0, 3, 1, 2)
     return pad
