@@ -133,3 +133,22 @@ def test_an_image_a_cudnn_region_pads_is_padded_once_in_the_graph():
     val = padded.meta["val"]
     assert val.shape == (2, 8, 8, 8) and val.is_contiguous(memory_format=torch.channels_last)
     assert channel_padded_images(gm) == 0  # already padded: the regions read 8 channels
+
+
+def test_four_channel_images_leave_an_image_the_region_also_reads_elsewhere():
+    """A 3-channel image that the region also adds after its 1x1 convolution (a residual) keeps
+    its 3 channels: a zero channel would change the add's shape."""
+    import fusion_compiler as fc
+    from fusion_compiler.runtime.layout import four_channel_images
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            return torch.relu(self.conv(x) + x)
+
+    x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16)
+    gm = fc.compile(Residual().to(torch.bfloat16), glue_backend=None).specialize(x).graph_module
+    assert four_channel_images(gm) == 0

@@ -130,7 +130,8 @@ def four_channel_images(gm: fx.GraphModule) -> int:
             continue
         conv = region.conv
         image, weight = conv.args[0], conv.args[1]
-        if image.op != "placeholder" or weight.op != "placeholder":
+        if (image.op != "placeholder" or weight.op != "placeholder" or len(image.users) != 1
+                or len(weight.users) != 1):  # read by the convolution alone
             continue
         x, w = image.meta.get("val"), weight.meta.get("val")
         if (not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != 3
