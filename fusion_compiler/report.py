@@ -97,20 +97,24 @@ def _regions_table(rows: list[dict]) -> str:
 
 def format_tuning(regions: Sequence[Region]) -> str:
     """Per region, what autotuning measured (ms per execution, median of CUDA-graph timings on
-    random data): plans timed, heuristics' first plan and the chosen one, seconds spent building
-    plans, and the lowered kernel (input preparation included) against the region's PyTorch ops."""
+    random data): plans timed, heuristics' first plan and the chosen one, the chosen plan's
+    convolution TFLOP/s (:func:`conv_flops` over its time), seconds spent building plans, and the
+    lowered kernel (input preparation included) against the region's PyTorch ops."""
     table = Table(title="autotuning (cuDNN execution plans per region)")
     for col in ("id", "pattern", "plans timed", "first plan ms", "chosen plan", "chosen ms",
-                "build s", "kernel ms", "PyTorch ms", "backend"):
+                "TFLOP/s", "build s", "kernel ms", "PyTorch ms", "backend"):
         table.add_column(col, overflow="fold")
     for r in regions:
         timed = [t for t in r.tuning if t.ms is not None]
         best = fastest(r.tuning)
         if best is None and not r.timing:
             continue
+        flops = conv_flops(r.conv, r.graph_module)
         _add_row(table, r.region_id, r.pattern, f"{len(timed)}/{len(r.tuning)}",
                  f"{timed[0].ms:.4f}" if timed else "", f"#{best.index} {best.name}" if best else "",
-                 f"{best.ms:.4f}" if best else "", f"{sum(t.build_s for t in r.tuning):.1f}",
+                 f"{best.ms:.4f}" if best else "",
+                 f"{flops / best.ms / 1e9:.1f}" if best and best.ms > 0 and flops else "",
+                 f"{sum(t.build_s for t in r.tuning):.1f}",
                  *(f"{r.timing[k]:.4f}" if k in r.timing else "" for k in ("cudnn_ms", "pytorch_ms")),
                  r.backend)
     return _render(table)

@@ -66,3 +66,21 @@ def test_kernel_categories_split_gpu_time_per_call():
     assert line.startswith("m 2x3 float16: v: kernels 0.224 ms in 7; gaps 0.076 ms: ")
     assert "conv forward 0.080 (1)" in line
     assert "    slowest triton glue: triton_red_fused_sum_threshold_backward_52 20.0 us" in slowest
+
+
+def test_tuning_table_gives_the_chosen_plans_tflops():
+    """The autotuning table's TFLOP/s: the region's convolution FLOPs over the chosen plan's time
+    (timings made up here: on the CPU nothing is tuned)."""
+    import fusion_compiler as fc
+    from fusion_compiler.backends.autotune import PlanTiming
+    from fusion_compiler.report import conv_flops, format_tuning
+
+    spec = fc.compile(_model().eval()).specialize(torch.randn(2, 3, 8, 8))
+    region = spec.regions[1]
+    region.tuning = [PlanTiming(0, "engA", 0.004, 0.1), PlanTiming(1, "engB", 2e-6, 0.2),
+                     PlanTiming(2, "engC", None, 0.1, reason="failed")]
+    flops = conv_flops(region.conv, region.graph_module)
+    assert flops == 2 * (2 * 8 * 8 * 8) * (8 * 3 * 3)
+    table = format_tuning(spec.regions)
+    assert "TFLOP/s" in table and "2/3" in table and "#1 engB" in table
+    assert f"{flops / 2e-6 / 1e9:.1f}" == "73.7" and "73.7" in table
