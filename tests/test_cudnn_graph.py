@@ -197,6 +197,12 @@ def test_padders_zero_the_new_channels_and_keep_the_rest():
     full = torch.randn(2, 12, 4, 4)
     f = _operand_padder(16, "full")(full)
     assert f.shape == (2, 16, 4, 4) and torch.equal(f[:, :12], full) and not f[:, 12:].any()
+    # an image the graph already padded (runtime.layout.channel_padded_images) is taken as it is
+    assert f.is_contiguous(memory_format=torch.channels_last)
+    assert _operand_padder(16, "full")(f) is f
+    nchw16 = f.contiguous()
+    again = _operand_padder(16, "full")(nchw16)  # 16 channels but NCHW: made channels_last
+    assert again.is_contiguous(memory_format=torch.channels_last) and torch.equal(again, f)
 
 
 def test_regions_known_slow_on_cudnn_stay_on_pytorch_without_timing():

@@ -489,8 +489,8 @@ def _padder(channels: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """NCHW-logical tensor -> channels_last tensor zero-padded to ``channels`` channels, in one copy
     (none for a tensor that already is: the graph padded it, ``Region.padded_images``)."""
     def pad(t: torch.Tensor) -> torch.Tensor:
-        if t.shape[1] == channels and t.is_contiguous(memory_format=torch.channels_last):
-            return t
+        if t.shape[1] == channels:  # no copy when it is channels_last already
+            return t.contiguous(memory_format=torch.channels_last)
         nhwc = t.permute(0, 2, 3, 1)
         return F.pad(nhwc, (0, channels - t.shape[1])).permute(0, 3, 1, 2)
     return pad
