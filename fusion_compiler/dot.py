@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .region import Region
+from .region import Region, called_region
 from .report import op_name_of
 
 __all__ = ["to_dot", "BACKEND_COLORS"]
@@ -62,9 +62,8 @@ def to_dot(spec: Any, title: str = "") -> str:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             continue
-        module = gm.get_submodule(node.target) if node.op == "call_module" else None
-        if isinstance(module, Region):
-            _region_cluster(node, module, lines, produced, reads, edges)
+        if (region := called_region(gm, node)) is not None:
+            _region_cluster(node, region, lines, produced, reads, edges)
             continue
         if node.op == "call_function" and node.target is operator.getitem and \
                 node.args[0] in produced and isinstance(produced[node.args[0]], list):

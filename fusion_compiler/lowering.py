@@ -22,7 +22,7 @@ from .backends import get_backend
 from .backends.cudnn_graph import graph_json
 from .backward import training_region
 from .errors import UnsupportedError, condense
-from .region import Region
+from .region import Region, called_region
 
 __all__ = ["lower", "regions_of", "plan_dgrad_drelu", "BACKEND_CHOICES"]
 
@@ -32,8 +32,7 @@ BACKEND_CHOICES = ("auto", "cudnn", "reference")
 
 def regions_of(gm: fx.GraphModule) -> list[Region]:
     """The regions of a fused graph, in graph order."""
-    return [gm.get_submodule(n.target) for n in gm.graph.nodes
-            if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Region)]
+    return [r for n in gm.graph.nodes if (r := called_region(gm, n)) is not None]
 
 
 def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = None, *,
@@ -62,8 +61,7 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
         raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
     reference = get_backend("reference", derived_backward=derived_backward)
     preferred = reference if backend == "reference" else get_backend("cudnn", **backend_options)
-    calls = [n for n in gm.graph.nodes
-             if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Region)]
+    calls = [n for n in gm.graph.nodes if called_region(gm, n) is not None]
     bar = calls
     if progress or (progress is None and sys.stderr.isatty()):
         from tqdm.auto import tqdm  # noqa: PLC0415  (0.2 s of imports, only for a bar shown)
@@ -131,9 +129,9 @@ def plan_dgrad_drelu(gm: fx.GraphModule) -> dict[Region, tuple[Region, str]]:
     """
     pairs: dict[Region, tuple[Region, str]] = {}
     for call in gm.graph.nodes:
-        if call.op != "call_module" or not isinstance(gm.get_submodule(call.target), Region):
+        region = called_region(gm, call)
+        if region is None:
             continue
-        region = gm.get_submodule(call.target)
         producer, reason = _relu_producer(gm, region, call)
         region.dgrad_drelu, region.dgrad_drelu_reason = producer is not None, reason
         if producer is not None:
@@ -161,11 +159,9 @@ def _relu_producer(gm: fx.GraphModule, region: Region, call: fx.Node
     source = call.args[placeholders.index(image)]
     if not isinstance(source, fx.Node):
         return None, "the convolution input is a constant"
-    producer_call = source.args[0] if source.target is operator.getitem else None
-    if not (isinstance(producer_call, fx.Node) and producer_call.op == "call_module"
-            and isinstance(gm.get_submodule(producer_call.target), Region)):
+    producer = called_region(gm, source.args[0]) if source.target is operator.getitem else None
+    if producer is None:
         return None, f"the convolution input is not a region output ({source.name})"
-    producer = gm.get_submodule(producer_call.target)
     value = producer.output_nodes[source.args[1]]
     if value.target is not torch.relu:
         after = (" (an add after its ReLU)" if value.target is torch.add

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from .ops import BINARY, is_conv, is_hw_sum, op_name
 
-__all__ = ["Region", "Operand", "operand_kind"]
+__all__ = ["Region", "Operand", "operand_kind", "called_region"]
 
 
 def operand_kind(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str | None:
@@ -198,3 +198,11 @@ class Region(torch.nn.Module):
             "cudnn_graph": self.cudnn_graph,
             "gradients": [dict(vars(p)) for p in self.gradients],
         }
+
+
+def called_region(gm: fx.GraphModule, node: object) -> Region | None:
+    """The :class:`Region` that ``node`` of ``gm`` calls (a ``call_module`` node), or ``None``."""
+    if not isinstance(node, fx.Node) or node.op != "call_module":
+        return None
+    module = gm.get_submodule(node.target)
+    return module if isinstance(module, Region) else None

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from .backends.autotune import fastest
 from .ops import is_call
-from .region import Region
+from .region import Region, called_region
 
 __all__ = ["format_regions", "format_tuning", "format_gradients", "unfused_convolutions",
            "pytorch_nodes", "op_name_of", "conv_flops", "summarize", "describe",
@@ -69,7 +69,7 @@ def pytorch_nodes(gm: fx.GraphModule) -> list[dict]:
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), Region):
+        if called_region(gm, node) is not None:
             continue
         name = op_name_of(node, gm)
         if name in _QUIET and node.name not in reasons:

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..errors import FusionError
 from ..ops import is_conv, is_hw_sum, is_pointwise
-from ..region import Region
+from ..region import Region, called_region
 from .normalize import inplace_target
 
 __all__ = ["verify"]
@@ -32,8 +32,8 @@ def verify(gm: fx.GraphModule) -> fx.GraphModule:
     """Raise :class:`FusionError` on the first rule violation (see module doc); return ``gm``."""
     _check_ssa(gm, where="graph")
     for node in gm.graph.nodes:
-        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), Region):
-            _check_region(gm.get_submodule(node.target), node.name)
+        if (region := called_region(gm, node)) is not None:
+            _check_region(region, node.name)
     return gm
 
 

@@ -29,25 +29,17 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops import avg_pool2d_args, is_call
-from ..region import Region
+from ..region import called_region
 
 __all__ = ["channels_last_activations", "channel_padded_images", "four_channel_images",
            "nchw_padded_avg_pools"]
-
-
-def _region(gm: fx.GraphModule, node: fx.Node) -> "Region | None":
-    """The region ``node`` calls, or ``None``."""
-    if node.op != "call_module":
-        return None
-    module = gm.get_submodule(node.target)
-    return module if isinstance(module, Region) else None
 
 
 def _made_by_cudnn(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` is an output of a cuDNN region (``getitem`` of its call): channels_last."""
     if node.op != "call_function" or node.target is not operator.getitem:
         return False
-    region = _region(gm, node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    region = called_region(gm, node.args[0])
     return region is not None and region.backend == "cudnn"
 
 
@@ -71,7 +63,7 @@ def channel_padded_images(gm: fx.GraphModule) -> int:
             continue
         readers: dict[int, list[fx.Node]] = {}
         for user in node.users:
-            region = _region(gm, user)
+            region = called_region(gm, user)
             if region is None or region.backend != "cudnn":  # PyTorch's ops take C channels
                 continue
             for at, channels in region.padded_images.items():
@@ -125,7 +117,7 @@ def four_channel_images(gm: fx.GraphModule) -> int:
     """
     changed = 0
     for call in list(gm.graph.nodes):
-        region = _region(gm, call)
+        region = called_region(gm, call)
         if region is None or region.backend == "cudnn" or region.conv.args[6] != 1:
             continue
         conv = region.conv
@@ -171,7 +163,7 @@ def channels_last_activations(gm: fx.GraphModule) -> int:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dim() != 4 or _made_by_cudnn(gm, node):
             continue
-        readers = [u for u in node.users if (region := _region(gm, u)) is not None
+        readers = [u for u in node.users if (region := called_region(gm, u)) is not None
                    and any(u.args[i] is node for i in region.nhwc_inputs)]
         if not readers:
             continue
