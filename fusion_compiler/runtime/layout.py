@@ -23,6 +23,7 @@ them see channels_last where eager saw NCHW. Graph edits, made after lowering:
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -41,6 +42,25 @@ def _made_by_cudnn(gm: fx.GraphModule, node: fx.Node) -> bool:
         return False
     region = called_region(gm, node.args[0])
     return region is not None and region.backend == "cudnn"
+
+
+def _reroute_through(gm: fx.GraphModule, node: fx.Node, readers: list[fx.Node],
+                     steps: list[tuple[str, Any, tuple, dict]]) -> None:
+    """Insert after ``node`` the ops ``steps`` (``(op, target, args, kwargs)``, each applied to
+    the previous value: ``call_method`` or ``call_function``) and make ``readers`` read the last
+    one instead of ``node``. Each new node's ``meta["val"]`` is its op applied to the previous
+    one's."""
+    value, val = node, node.meta["val"]
+    # before node.next, not after node: inserting_after(node) would put each new node right
+    # after node, so the chain would come out reversed
+    with gm.graph.inserting_before(node.next):
+        for op, target, args, kwargs in steps:
+            value = gm.graph.create_node(op, target, (value, *args), kwargs)
+            val = (getattr(val, target)(*args, **kwargs) if op == "call_method"
+                   else target(val, *args, **kwargs))
+            value.meta["val"] = val
+    for reader in readers:
+        reader.replace_input_with(node, value)
 
 
 def channel_padded_images(gm: fx.GraphModule) -> int:
@@ -70,17 +90,10 @@ def channel_padded_images(gm: fx.GraphModule) -> int:
                 if user.args[at] is node and channels > val.shape[1]:
                     readers.setdefault(channels, []).append(user)
         for channels, users in readers.items():
-            with gm.graph.inserting_after(node):
-                nhwc = gm.graph.call_method("permute", (node, (0, 2, 3, 1)))
-            with gm.graph.inserting_after(nhwc):
-                wide = gm.graph.call_function(F.pad, (nhwc, (0, channels - val.shape[1])))
-            with gm.graph.inserting_after(wide):
-                padded = gm.graph.call_method("permute", (wide, (0, 3, 1, 2)))
-            nhwc.meta["val"] = val.permute(0, 2, 3, 1)
-            wide.meta["val"] = F.pad(nhwc.meta["val"], (0, channels - val.shape[1]))
-            padded.meta["val"] = wide.meta["val"].permute(0, 3, 1, 2)
-            for user in users:
-                user.replace_input_with(node, padded)
+            pad = (0, channels - val.shape[1])
+            _reroute_through(gm, node, users, [("call_method", "permute", ((0, 2, 3, 1),), {}),
+                                               ("call_function", F.pad, (pad,), {}),
+                                               ("call_method", "permute", ((0, 3, 1, 2),), {})])
             added += 1
     if added:
         gm.recompile()
@@ -167,12 +180,8 @@ def channels_last_activations(gm: fx.GraphModule) -> int:
                    and any(u.args[i] is node for i in region.nhwc_inputs)]
         if not readers:
             continue
-        with gm.graph.inserting_after(node):
-            nhwc = gm.graph.call_method("contiguous", (node,),
-                                        {"memory_format": torch.channels_last})
-        nhwc.meta["val"] = val.contiguous(memory_format=torch.channels_last)
-        for u in readers:
-            u.replace_input_with(node, nhwc)
+        _reroute_through(gm, node, readers, [("call_method", "contiguous", (),
+                                              {"memory_format": torch.channels_last})])
         converted += 1
     if converted:
         gm.recompile()
