@@ -279,6 +279,14 @@ class CudnnBackend:
         if self.autotune > 1:
             slower = _slower_than_pytorch(region, kernel)
             if slower:
+                # PyTorch's ops run it now, as they were timed: on channels_last activations
+                # (sample_inputs), which the graph then hands them
+                # (runtime.layout.channels_last_activations), and on the image with its own
+                # channels (the kernel's padding is not theirs)
+                region.nhwc_inputs = frozenset(
+                    i for i, op in enumerate(region.operands())
+                    if op.role in ("image", "full") and len(op.shape) == 4)
+                region.padded_images = {}
                 raise UnsupportedError(slower, region.region_id)
         if training:
             skip = frozenset({"dgrad"} if _conv_image(region) in region.no_grad_inputs else ())
@@ -346,11 +354,6 @@ def _slower_than_pytorch(region: Region, kernel: "CudnnKernel") -> str:
     fused_ms, torch_ms = kernel.plan.timed_against_pytorch(measure)
     region.timing = {"cudnn_ms": fused_ms, "pytorch_ms": torch_ms}
     if torch_ms < PYTORCH_MARGIN * fused_ms:
-        # timed on channels_last activations (sample_inputs): the graph hands them so
-        # (runtime.layout.channels_last_activations)
-        region.nhwc_inputs = frozenset(i for i, op in enumerate(region.operands())
-                                       if op.role in ("image", "full") and len(op.shape) == 4)
-        region.padded_images = {}  # PyTorch's ops take the image with its own channels
         return (f"PyTorch ops were faster on this GPU: {torch_ms:.4f} ms against "
                 f"{fused_ms:.4f} ms on cuDNN (best timed plan, input preparation included)")
     return ""
