@@ -257,6 +257,7 @@ def _check_regions(compiled: CompiledModule, inputs: Sequence[Any], train: bool,
         recorder.run(*inputs)
     for call, region, args, outs in recorder.calls:
         sub = region.graph_module
+        args = _unpadded(region, args)
         with torch.no_grad():
             ref = sub(*(_double(a) for a in args))
             eager = sub(*args)
@@ -267,6 +268,16 @@ def _check_regions(compiled: CompiledModule, inputs: Sequence[Any], train: bool,
         if train:
             derived = region.backend != "reference" or compiled.derived_backward
             _check_region_grads(call, region, args, outs, derived, tol, seed, report)
+
+
+def _unpadded(region: Region, args: tuple) -> tuple:
+    """``args`` as the region's own ops take them: an image the graph zero-padded for its cuDNN
+    kernel (``Region.padded_images``) narrowed back to the channels of the region's placeholder."""
+    if not region.padded_images:
+        return args
+    placeholders = list(region.graph_module.graph.find_nodes(op="placeholder"))
+    return tuple(a[:, :placeholders[i].meta["val"].shape[1]] if i in region.padded_images else a
+                 for i, a in enumerate(args))
 
 
 def _check_region_grads(call: fx.Node, region: Region, args: tuple, outs: tuple, derived: bool,
