@@ -17,16 +17,16 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .backends.cudnn import DEFAULT_AUTOTUNE
 from .capture import TensorSpec, capture, input_specs
-from .lowering import lower, regions_of
+from .lowering import lower, lowering_times, regions_of
 from .passes import Pass, PassManager, default_passes
 from .passes.autocast import make_autocast_explicit
 from .passes.glue import se_gates, small_linears_as_reductions
 from .region import Region
-from .runtime.hoist import hoist_parameter_subgraphs
+from .runtime.hoist import HoistedParameters, hoist_parameter_subgraphs
 from .runtime.layout import (channel_padded_images, channels_last_activations, four_channel_images,
                              nchw_padded_avg_pools)
 from .runtime.plan_cache import PlanCache, default_cache_dir
-from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy
+from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy, unlowered_copy
 
 __all__ = ["compile", "CompiledModule", "CUDA_GRAPH_MODES", "DEFAULT_MAX_SPECIALIZATIONS"]
 
@@ -69,6 +69,42 @@ class Specialization:
 def _closed(*args: Any) -> Any:
     raise RuntimeError("this specialization was evicted (max_specializations); call the "
                        "compiled module, not a specialization's run function")
+
+
+def _other_batch_size(a: tuple, b: tuple) -> bool:
+    """Whether specialization keys ``a`` and ``b`` differ only in the batch size (the first
+    dimension of every tensor input, all the same in each key)."""
+    if a[1:] != b[1:] or len(a[0]) != len(b[0]):
+        return False
+    batches = set()
+    for x, y in zip(a[0], b[0]):
+        if not isinstance(x, TensorSpec) or not isinstance(y, TensorSpec):
+            if x != y:
+                return False
+            continue
+        if (x.shape[1:], x.stride, x.dtype, x.device) != (y.shape[1:], y.stride, y.dtype,
+                                                         y.device) or not x.shape:
+            return False
+        batches.add((x.shape[0], y.shape[0]))
+    return len(batches) == 1 and len({*next(iter(batches))}) == 2
+
+
+def _with_hoisting_and_formats(call: Callable[..., Any], hoisted: HoistedParameters | None,
+                               formats: list[torch.memory_format | None]) -> Callable[..., Any]:
+    """``call`` after refreshing ``hoisted`` (parameter subgraphs computed out of the graph), its
+    outputs in the memory formats eager returned (``formats``: one per output, ``None`` where any
+    format goes)."""
+    def run(*inputs: Any) -> Any:
+        if hoisted is not None:
+            hoisted.refresh()
+        out = call(*inputs)
+        if not any(f is not None for f in formats):
+            return out
+        flat = iter(formats)
+        return tree_map(lambda t: t.contiguous(memory_format=f)
+                        if (f := next(flat)) is not None
+                        and not t.is_contiguous(memory_format=f) else t, out)
+    return run
 
 
 @functools.cache
@@ -264,33 +300,45 @@ class CompiledModule(torch.nn.Module):
             passes = [*passes[:at], Pass("autocast", functools.partial(make_autocast_explicit,
                                                                         dtype=amp)), *passes[at:]]
         with COMPILE_LOCK:  # never beside a background compile (see the lock's docstring)
-            gm = self._passes_and_lowering(key, args, passes, on_stage, grad, requires)
-            if on_cuda:
-                four_channel_images(gm)
-                if not grad:
-                    channel_padded_images(gm)
-            channels_last_activations(gm)
-            if grad and on_cuda and (pools := nchw_padded_avg_pools(gm)):
-                log.info("%d padded avg_pool2d input(s) made NCHW: PyTorch's channels_last CUDA "
-                         "backward is wrong with padding (pytorch/pytorch#188344)", pools)
-            hoisted = None if grad else hoist_parameter_subgraphs(gm)
-        notes: list[str] = []
+            gm, lock = self._passes(key, args, passes, on_stage)
+            before_lowering = self._answers_before_lowering(key, gm, grad, amp, on_cuda)
+            if not before_lowering:
+                hoisted = self._lower(gm, lock, grad, requires, on_cuda)
+        spec = Specialization(key, gm, _closed, stages)
+        if before_lowering:
+            spec.run = self._tier_before_lowering(spec, args, lock, formats, on_cuda)
+        else:
+            spec.run = self._runner(spec, args, hoisted, formats, grad, amp, on_cuda)
+        self.specializations[key] = spec
+        while len(self.specializations) > self.max_specializations:
+            old_key, old = self.specializations.popitem(last=False)
+            old.close()
+            log.info("evicted the specialization for inputs %s (max_specializations=%d)",
+                     ", ".join(str(s) for s in old_key[0] if isinstance(s, TensorSpec)),
+                     self.max_specializations)
+        if self.show_report and not before_lowering:
+            self._print_report(spec, grad)
+        return spec
+
+    def _print_report(self, spec: Specialization, grad: bool) -> None:
+        from .report import format_gradients, format_regions  # noqa: PLC0415
+
+        print(format_regions(spec.regions))
+        if grad:
+            print(format_gradients(spec.regions))
+
+    def _runner(self, spec: Specialization, args: Sequence[Any],
+                hoisted: HoistedParameters | None, formats: list[torch.memory_format | None],
+                grad: bool, amp: torch.dtype | None, on_cuda: bool) -> Callable[..., Any]:
+        """What calls of the lowered ``spec.graph_module`` go through: its glue compiled by
+        ``glue_backend`` (or on a background thread, :meth:`_tiered`), in a CUDA graph captured
+        on ``args``. Sets ``spec.glue_backend`` and ``spec.cuda_graph``; appends to ``spec.notes``
+        why a default was not taken."""
+        gm, notes = spec.graph_module, spec.notes
         glue = self._glue_backend(on_cuda, ungraphed_inference=not grad and not self.cuda_graph,
                                   notes=notes)
-
-        def runner_for(call: Callable[..., Any]) -> Callable[..., Any]:
-            def run(*inputs: Any) -> Any:
-                if hoisted is not None:
-                    hoisted.refresh()
-                out = call(*inputs)
-                if not any(f is not None for f in formats):
-                    return out
-                flat = iter(formats)
-                return tree_map(lambda t: t.contiguous(memory_format=f)
-                                if (f := next(flat)) is not None
-                                and not t.is_contiguous(memory_format=f) else t, out)
-            return run
-
+        runner_for = functools.partial(_with_hoisting_and_formats, hoisted=hoisted,
+                                       formats=formats)
         tiered = (self.tiered and glue == "inductor" and not grad and amp is None and on_cuda
                   and bool(self.cuda_graph))
         call = gm if glue is None or tiered else torch.compile(gm, backend=glue, fullgraph=True,
@@ -309,27 +357,59 @@ class CompiledModule(torch.nn.Module):
             glue = None
         elif tiered:
             runner = self._tiered(runner, gm, runner_for, notes)
-        spec = Specialization(key, gm, runner, stages, glue, graphed, notes)
-        self.specializations[key] = spec
-        while len(self.specializations) > self.max_specializations:
-            old_key, old = self.specializations.popitem(last=False)
-            old.close()
-            log.info("evicted the specialization for inputs %s (max_specializations=%d)",
-                     ", ".join(str(s) for s in old_key[0] if isinstance(s, TensorSpec)),
-                     self.max_specializations)
-        if self.show_report:
-            from .report import format_gradients, format_regions  # noqa: PLC0415
+        spec.glue_backend, spec.cuda_graph = glue, graphed
+        return runner
 
-            print(format_regions(spec.regions))
-            if grad:
-                print(format_gradients(spec.regions))
-        return spec
+    def _answers_before_lowering(self, key: tuple, gm: fx.GraphModule, grad: bool,
+                                 amp: torch.dtype | None, on_cuda: bool) -> bool:
+        """Whether this specialization's first calls run its regions as PyTorch ops while its
+        plans build on the background thread (:meth:`_tier_before_lowering`): with ``tiered``,
+        for a CUDA inference specialization (no autocast) of a module that already has one for
+        another batch size, when lowering would time nothing on the GPU (every plan is
+        cached or follows the choice made at a batch size within a factor of 2:
+        :func:`~fusion_compiler.lowering.lowering_times`), so that nothing it measures runs beside
+        the calling thread's work."""
+        if not (self.tiered and on_cuda and not grad and amp is None
+                and self.backend != "reference"):
+            return False
+        if not any(_other_batch_size(other, key) for other in self.specializations):
+            return False
+        return not lowering_times(gm, self.backend, cache_dir=self.cache_dir,
+                                  autotune=self.autotune)
 
-    def _passes_and_lowering(self, key: tuple, args: Sequence[Any], passes: Sequence[Pass],
-                             on_stage: Callable[[str, fx.GraphModule], None], grad: bool,
-                             requires: tuple[bool, ...]) -> fx.GraphModule:
-        """The model captured, rewritten by ``passes`` (shapes from the shape cache where it has
-        them) and lowered: every region has its kernel."""
+    def _tier_before_lowering(self, spec: Specialization, args: Sequence[Any], lock: str,
+                              formats: list[torch.memory_format | None],
+                              on_cuda: bool) -> TieredRunner:
+        """Calls of ``spec`` answered by its regions' own PyTorch ops
+        (:func:`~fusion_compiler.runtime.tiered.unlowered_copy`, eager, no CUDA graph) until the
+        background thread has lowered ``spec.graph_module`` (plans built in worker processes or
+        loaded from the cache; nothing timed); the first call after that switches to
+        :meth:`_runner` of the lowered graph, itself tiered when Inductor compiles the glue. On an
+        H100, a new batch size of SE-ResNet9 otherwise waits about 1-2 s for its plans before
+        its first output."""
+        example = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        first = _with_hoisting_and_formats(unlowered_copy(spec.graph_module), None, formats)
+
+        def build() -> HoistedParameters | None:  # on the background thread
+            with COMPILE_LOCK:  # no progress bar unless asked for: the caller's calls go on
+                return self._lower(spec.graph_module, lock, False, (), on_cuda,
+                                   progress=bool(self.progress))
+
+        def finish(hoisted: HoistedParameters | None) -> Callable[..., Any]:
+            runner = self._runner(spec, example, hoisted, formats, False, None, on_cuda)
+            if self.show_report:
+                self._print_report(spec, False)
+            return runner
+
+        def failed(reason: str) -> None:
+            self._note(spec.notes, f"lowering failed; the regions run as PyTorch ops: {reason}")
+
+        return TieredRunner(first, build, finish, failed)
+
+    def _passes(self, key: tuple, args: Sequence[Any], passes: Sequence[Pass],
+                on_stage: Callable[[str, fx.GraphModule], None]) -> tuple[fx.GraphModule, str]:
+        """The model captured and rewritten by ``passes`` (shapes from the shape cache where it
+        has them), and the name of the lock :meth:`_lower` takes."""
         captured = capture(self.model)
         text = self._shapes_text(captured, key, passes)
         shapes_header = PlanCache.header(text, {"kind": "shapes"})
@@ -345,12 +425,30 @@ class CompiledModule(torch.nn.Module):
             if manager.recorded:
                 self._shape_cache.store_record(shapes_header, "shapes",
                                                {**(known or {}), **manager.recorded})
-            frozen = frozenset(ph.name for ph, needs in zip(
-                gm.graph.find_nodes(op="placeholder"), requires) if not needs)
-            lower(gm, self.backend, progress=self.progress, training=grad,
+        return gm, lock
+
+    def _lower(self, gm: fx.GraphModule, lock: str, grad: bool, requires: tuple[bool, ...],
+               on_cuda: bool, progress: bool | None = None) -> HoistedParameters | None:
+        """Give every region of ``gm`` its kernel (:func:`~fusion_compiler.lowering.lower`, under
+        the compile lock ``lock`` shared with other processes), then the layout edits of
+        :mod:`.runtime.layout`; returns the hoisted parameter subgraphs of an inference graph
+        (:mod:`.runtime.hoist`), or ``None``."""
+        frozen = frozenset(ph.name for ph, needs in zip(
+            gm.graph.find_nodes(op="placeholder"), requires) if not needs)
+        with self._shape_cache.lock(lock, f"compile {type(self.model).__name__}"):
+            lower(gm, self.backend, progress=self.progress if progress is None else progress,
+                  training=grad,
                   derived_backward=self.derived_backward, no_grad_inputs=frozen,
                   cache_dir=self.cache_dir, autotune=self.autotune)
-        return gm
+        if on_cuda:
+            four_channel_images(gm)
+            if not grad:
+                channel_padded_images(gm)
+        channels_last_activations(gm)
+        if grad and on_cuda and (pools := nchw_padded_avg_pools(gm)):
+            log.info("%d padded avg_pool2d input(s) made NCHW: PyTorch's channels_last CUDA "
+                     "backward is wrong with padding (pytorch/pytorch#188344)", pools)
+        return None if grad else hoist_parameter_subgraphs(gm)
 
     def _shapes_text(self, captured: fx.GraphModule, key: tuple, passes: Sequence[Pass]) -> str:
         """What the shapes propagated through ``passes`` for this model and specialization

@@ -24,7 +24,7 @@ from .backward import training_region
 from .errors import UnsupportedError, condense
 from .region import Region, called_region
 
-__all__ = ["lower", "regions_of", "plan_dgrad_drelu", "BACKEND_CHOICES"]
+__all__ = ["lower", "lowering_times", "regions_of", "plan_dgrad_drelu", "BACKEND_CHOICES"]
 
 log = logging.getLogger("fusion_compiler")
 BACKEND_CHOICES = ("auto", "cudnn", "reference")
@@ -109,6 +109,24 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
             if consumer.backend != reference.name or derived_backward:
                 producer.masked_outputs.add(relu)
     return gm
+
+
+def lowering_times(gm: fx.GraphModule, backend: str = "auto", **backend_options) -> bool:
+    """Whether :func:`lower` of ``gm`` (inference) with ``backend`` would time anything on the
+    GPU: a region whose plan is neither in the plan cache nor follows a choice made at another
+    batch size (:meth:`.backends.cudnn.CudnnBackend.would_time`). Without timing, lowering is
+    CPU work (plan builds in worker processes, deserialization) that may run beside GPU work.
+
+    Raises:
+        ValueError: unknown ``backend``.
+    """
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
+    if backend == "reference":
+        return False
+    preferred = get_backend("cudnn", **backend_options)
+    return any(preferred.would_time(region) for n in gm.graph.nodes
+               if (region := called_region(gm, n)) is not None)
 
 
 def plan_dgrad_drelu(gm: fx.GraphModule) -> dict[Region, tuple[Region, str]]:

@@ -1,7 +1,8 @@
 """``compile(model)`` with no options on a GPU: tiered glue compiles, CUDA graphs with safe
 outputs, the ``"static"`` opt-in, the logged fallback when a forward cannot be captured, the
 direct (no custom op) call path without CUDA graphs, bounded specializations that give GPU memory
-back, and plan choices reused at a new batch size. All tests carry ``@pytest.mark.gpu``."""
+back, and a new batch size answered at once, then lowered with the plan choices of the batch size
+tuned before. All tests carry ``@pytest.mark.gpu``."""
 
 from __future__ import annotations
 
@@ -243,6 +244,9 @@ def test_bounded_specializations_give_gpu_memory_back(tmp_path):
         for n in range(100, 140):
             x = torch.randn(n, 16, 32, 32, device="cuda", dtype=torch.half)
             assert rel_err(compiled(x).float().cpu(), _fp64(model, x)) < 2e-3
+            compiled.wait_for_background_compiles(600)  # then a CUDA graph (tier 0: none)
+            assert rel_err(compiled(x).float().cpu(), _fp64(model, x)) < 2e-3
+            assert compiled.last.cuda_graph == "safe"
             torch.cuda.synchronize()
             held.append(torch.cuda.memory_allocated() - base)
     assert len(compiled.specializations) == 16
@@ -261,7 +265,11 @@ def test_a_new_batch_size_reuses_the_plan_choice(tmp_path):
         tuned = compiled.last.regions
         assert any(len(r.tuning) >= 2 for r in tuned if r.backend == "cudnn")
         x = _x(48)
-        out = compiled(x)
+        out = compiled(x)  # tier 0: the regions' PyTorch ops, while plans build in the background
+        assert isinstance(compiled.last.run, TieredRunner) and compiled.last.run.tier == 1
+        assert compiled.wait_for_background_compiles(600)
+        assert rel_err(compiled(x).float().cpu(), _fp64(model, x)) < 2e-3  # the lowered graph
+    assert compiled.last.cuda_graph == "safe" and compiled.last.notes == []
     regions = compiled.last.regions
     assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
     assert [r.backend for r in regions] == [r.backend for r in tuned]  # the same decisions

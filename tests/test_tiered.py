@@ -46,6 +46,22 @@ def test_calls_stay_on_the_first_tier_until_the_build_ends_then_switch_and_close
     assert second.closed
 
 
+def test_wait_follows_a_second_tier_that_is_tiered_itself():
+    """Tier 0 (regions as PyTorch ops) switches to a runner that is itself tiered (Inductor's
+    glue): ``wait`` and ``pending`` cover both switches."""
+    gate = threading.Event()
+    inner = TieredRunner(_Tier("graph"), build=lambda: gate.wait(10),
+                         finish=lambda a: _Tier("inductor"), on_failure=lambda why: None)
+    outer = TieredRunner(_Tier("ops"), build=lambda: "plans", finish=lambda a: inner,
+                         on_failure=lambda why: None)
+    assert outer(1) == ("ops", 1) and outer.pending
+    assert outer.wait(0.2) is False  # the outer switch happened; the inner build is waiting
+    assert outer.run is inner and outer.pending and outer(2) == ("graph", 2)
+    gate.set()
+    assert outer.wait(10) is True and not outer.pending
+    assert outer(3) == ("inductor", 3)
+
+
 def test_a_failed_build_keeps_the_first_tier_and_reports_why():
     reasons = []
 
@@ -211,3 +227,30 @@ def _twice(x: torch.Tensor) -> torch.Tensor:
 @_twice.register_fake
 def _(x):
     return torch.empty_like(x)
+
+
+def test_the_unlowered_copy_runs_each_regions_ops_and_ignores_later_edits_of_the_regions():
+    """Tier 0 of a new batch size: a copy whose regions run their own PyTorch ops, unaffected by
+    lowering and layout edits made to the original graph's regions meanwhile."""
+    import fusion_compiler as fc
+    from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+    from fusion_compiler.region import called_region
+    from fusion_compiler.runtime.tiered import unlowered_copy
+
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    compiled = fc.compile(model, cache_dir=False, glue_backend=None)
+    with torch.inference_mode():
+        want = model(x)
+    gm = compiled.specialize(x).graph_module
+    copy = unlowered_copy(gm)
+    regions = [r for n in gm.graph.nodes if (r := called_region(gm, n)) is not None]
+    for region in regions:  # what lowering and the layout edits could do to the originals
+        region.set_kernel(lambda *a: (_ for _ in ()).throw(AssertionError("lowered kernel ran")))
+        for node in list(region.graph_module.graph.nodes):
+            if node.op == "output":
+                node.args = (tuple(torch.zeros(1) for _ in region.output_nodes),)
+        region.graph_module.recompile()
+    with torch.inference_mode():
+        torch.testing.assert_close(copy(x), want, rtol=1e-4, atol=1e-4)
+    assert not any(called_region(copy, n) is not None for n in copy.graph.nodes)

@@ -192,6 +192,22 @@ class CudnnBackend:
             log.info("plan-build workers unavailable (%s); building plans in this process",
                      condense_error(exc))
 
+    def would_time(self, region: Region) -> bool:
+        """Whether :meth:`lower` would time anything on the GPU for ``region`` (candidate plans,
+        or the plan against PyTorch's ops): with ``autotune > 1``, for a region this backend
+        takes whose plan is not in the cache and whose graph has no choice made at another
+        batch size within ``REUSE_BATCH_RATIO``. Raises nothing (an unsupported region times
+        nothing)."""
+        if self.autotune <= 1 or not self.supports(region):
+            return False
+        try:
+            recipe = region_recipe(region)
+        except UnsupportedError:
+            return False
+        device = node_device(region.conv)
+        return (not self.cache.has(self.header(recipe_key(recipe), device))
+                and self.choice_for(recipe, device) is None)
+
     def candidates(self, recipe: dict, key: str, device: torch.device,
                    reuse: bool = True) -> tuple[list[dict], bool]:
         """The built candidate plans of ``recipe`` (see :func:`.plan_workers.build_candidates`)

@@ -22,13 +22,16 @@ import concurrent.futures
 import copy
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
-__all__ = ["TieredRunner", "COMPILE_LOCK", "submit", "drain", "isolated_copy"]
+from ..region import Region
+
+__all__ = ["TieredRunner", "COMPILE_LOCK", "submit", "drain", "isolated_copy", "unlowered_copy"]
 
 COMPILE_LOCK = threading.RLock()
 """Held by a background glue compile from start to end (the job ``CompiledModule`` hands to
@@ -108,7 +111,8 @@ def _private(module: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
-def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool]
+def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool],
+                  substitute: Callable[[torch.nn.Module], torch.nn.Module | None] | None = None
                   ) -> fx.GraphModule:
     """``gm`` with no module object shared with the model it came from, for a compile on another
     thread.
@@ -123,6 +127,7 @@ def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool]
     updates, e.g. by an optimizer or ``HoistedParameters.refresh``, reach the compiled code), leaf
     modules are :func:`_private` copies, and modules for which ``opaque(module)`` holds (regions,
     which hold no state the trace needs) are called through a wrapper that hides their contents.
+    ``substitute(module)``, when given and not ``None``, is called instead of ``module``.
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -137,7 +142,9 @@ def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool]
             names[key] = name = f"_{node.op}_{len(names)}"
             if node.op == "call_module":
                 module = gm.get_submodule(node.target)
-                setattr(root, name, _Opaque(module) if opaque(module) else _private(module))
+                other = substitute(module) if substitute is not None else None
+                setattr(root, name, other if other is not None else
+                        _Opaque(module) if opaque(module) else _private(module))
             else:
                 *path, field = node.target.split(".")
                 value = getattr(gm.get_submodule(".".join(path)), field)
@@ -147,6 +154,22 @@ def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool]
                     setattr(root, name, value)
         node.target = names[key]
     return fx.GraphModule(root, graph)
+
+
+def unlowered_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """An :func:`isolated_copy` of ``gm`` in which each region runs its own PyTorch ops: a graph
+    module made from a copy of the region's graph, so that lowering ``gm`` (kernels, the layout
+    edits of :mod:`.layout`, which rewrite a region's graph in place) on another thread leaves it
+    alone. Inputs and outputs as ``gm``'s, computed as eager PyTorch would (NCHW)."""
+
+    def region_ops(module: torch.nn.Module) -> torch.nn.Module | None:
+        if not isinstance(module, Region):
+            return None
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(module.graph_module.graph, {}))
+        return fx.GraphModule(module.graph_module, graph)
+
+    return isolated_copy(gm, opaque=lambda m: False, substitute=region_ops)
 
 
 class TieredRunner:
@@ -192,20 +215,25 @@ class TieredRunner:
 
     @property
     def pending(self) -> bool:
-        """Whether the second tier is still to come (not yet switched to, nor failed)."""
-        return self._build is not None
+        """Whether the second tier is still to come (not yet switched to, nor failed), or, when
+        the second tier is itself a :class:`TieredRunner`, whether its own is."""
+        return self._build is not None or bool(getattr(self.run, "pending", False))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background compile ends (at most ``timeout`` s), then switch tiers on
-        this thread. Returns ``False`` when the timeout passed first, else ``True`` (also when the
-        compile failed: calls then stay on the first tier)."""
+        this thread; when the second tier is itself a :class:`TieredRunner`, wait for its switch
+        too, in what is left of ``timeout``. Returns ``False`` when the timeout passed first, else
+        ``True`` (also when a compile failed: calls then stay on the tier before it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._start()
-        if self._future is None:
-            return True
-        done, _ = concurrent.futures.wait([self._future], timeout=timeout)
-        if not done:
-            return False
-        self._switch()
+        if self._future is not None:
+            done, _ = concurrent.futures.wait([self._future], timeout=timeout)
+            if not done:
+                return False
+            self._switch()
+        if isinstance(self.run, TieredRunner):
+            return self.run.wait(None if deadline is None
+                                 else max(0.0, deadline - time.monotonic()))
         return True
 
     def _switch(self) -> None:
