@@ -236,6 +236,8 @@ class CudnnBackend:
             if result is None:
                 with torch.cuda.device(device):
                     result = build_candidates(job)
+            if "error" in result and reused:  # the engine rejects this shape's graph (seen:
+                break  # "convert_to_backend_knob_type ... CUDNN_STATUS_INVALID_VALUE" at 2N)
             if "error" in result:
                 raise UnsupportedError(f"cuDNN rejected the graph: {result['error']}")
             results.extend(result["plans"])
