@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .backends.cudnn import DEFAULT_AUTOTUNE
 from .capture import TensorSpec, capture, input_specs
-from .lowering import lower, lowering_times, regions_of
+from .lowering import build_plans, lower, lowering_times, regions_of
 from .passes import Pass, PassManager, default_passes
 from .passes.autocast import make_autocast_explicit
 from .passes.glue import se_gates, small_linears_as_reductions
@@ -43,6 +43,9 @@ class Specialization:
     ``glue_backend`` is the ``torch.compile`` backend its graph runs through (``None``: eager ops);
     ``cuda_graph`` whether its forward replays a CUDA graph (``"static"``, ``"safe"``) or not
     (``None``), and ``notes`` why a default was not taken (no Triton, capture impossible).
+    ``lowered`` is ``False`` while a specialization a call compiled answers from tier 0 (its
+    regions as PyTorch ops, see ``tiered`` in :func:`compile`): its regions have no kernel yet,
+    and ``glue_backend`` and ``cuda_graph`` are not decided.
     """
 
     signature: tuple
@@ -52,6 +55,7 @@ class Specialization:
     glue_backend: str | None = None
     cuda_graph: str | None = None
     notes: list[str] = field(default_factory=list)
+    lowered: bool = True
 
     @property
     def regions(self) -> list[Region]:
@@ -69,24 +73,6 @@ class Specialization:
 def _closed(*args: Any) -> Any:
     raise RuntimeError("this specialization was evicted (max_specializations); call the "
                        "compiled module, not a specialization's run function")
-
-
-def _other_batch_size(a: tuple, b: tuple) -> bool:
-    """Whether specialization keys ``a`` and ``b`` differ only in the batch size (the first
-    dimension of every tensor input, all the same in each key)."""
-    if a[1:] != b[1:] or len(a[0]) != len(b[0]):
-        return False
-    batches = set()
-    for x, y in zip(a[0], b[0]):
-        if not isinstance(x, TensorSpec) or not isinstance(y, TensorSpec):
-            if x != y:
-                return False
-            continue
-        if (x.shape[1:], x.stride, x.dtype, x.device) != (y.shape[1:], y.stride, y.dtype,
-                                                         y.device) or not x.shape:
-            return False
-        batches.add((x.shape[0], y.shape[0]))
-    return len(batches) == 1 and len({*next(iter(batches))}) == 2
 
 
 def _with_hoisting_and_formats(call: Callable[..., Any], hoisted: HoistedParameters | None,
@@ -270,7 +256,18 @@ class CompiledModule(torch.nn.Module):
 
     # ------------------------------------------------------------------ compile
     def specialize(self, *args: Any) -> Specialization:
-        """Compile (or fetch) the specialization for inputs like ``args``."""
+        """Compile (or fetch) the specialization for inputs like ``args``, lowered now: a
+        specialization that a call compiled and that still answers from tier 0 is waited for
+        (see ``tiered`` in :func:`compile`; Inductor's tier may still be compiling)."""
+        spec = self._specialize(args, answer_early=False)
+        if not spec.lowered and isinstance(spec.run, TieredRunner):
+            spec.run.wait(nested=False)
+        return spec
+
+    def _specialize(self, args: Sequence[Any], answer_early: bool) -> Specialization:
+        """The specialization for inputs like ``args``, compiled if there is none; with
+        ``answer_early`` (a call) it may answer from tier 0 until lowered
+        (:meth:`_tier_before_lowering`)."""
         self._check_inputs(args)
         grad = self._needs_grad(args)
         requires = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -301,11 +298,12 @@ class CompiledModule(torch.nn.Module):
                                                                         dtype=amp)), *passes[at:]]
         with COMPILE_LOCK:  # never beside a background compile (see the lock's docstring)
             gm, lock = self._passes(key, args, passes, on_stage)
-            before_lowering = self._answers_before_lowering(key, gm, grad, amp, on_cuda)
+            before_lowering = answer_early and self._answers_before_lowering(grad, amp, on_cuda)
             if not before_lowering:
                 hoisted = self._lower(gm, lock, grad, requires, on_cuda)
         spec = Specialization(key, gm, _closed, stages)
         if before_lowering:
+            spec.lowered = False
             spec.run = self._tier_before_lowering(spec, args, lock, formats, on_cuda)
         else:
             spec.run = self._runner(spec, args, hoisted, formats, grad, amp, on_cuda)
@@ -360,43 +358,56 @@ class CompiledModule(torch.nn.Module):
         spec.glue_backend, spec.cuda_graph = glue, graphed
         return runner
 
-    def _answers_before_lowering(self, key: tuple, gm: fx.GraphModule, grad: bool,
-                                 amp: torch.dtype | None, on_cuda: bool) -> bool:
-        """Whether this specialization's first calls run its regions as PyTorch ops while its
-        plans build on the background thread (:meth:`_tier_before_lowering`): with ``tiered``,
-        for a CUDA inference specialization (no autocast) of a module that already has one for
-        another batch size, when lowering would time nothing on the GPU (every plan is
-        cached or follows the choice made at a batch size within a factor of 2:
-        :func:`~fusion_compiler.lowering.lowering_times`), so that nothing it measures runs beside
-        the calling thread's work."""
-        if not (self.tiered and on_cuda and not grad and amp is None
-                and self.backend != "reference"):
-            return False
-        if not any(_other_batch_size(other, key) for other in self.specializations):
-            return False
-        return not lowering_times(gm, self.backend, cache_dir=self.cache_dir,
-                                  autotune=self.autotune)
+    def _answers_before_lowering(self, grad: bool, amp: torch.dtype | None,
+                                 on_cuda: bool) -> bool:
+        """Whether a specialization a call compiles answers from tier 0 while it is lowered
+        (:meth:`_tier_before_lowering`): with ``tiered``, for a CUDA inference specialization in
+        a CUDA graph (not ``cuda_graph=False``), without autocast, on a backend that builds plans
+        (not ``"reference"``)."""
+        return (self.tiered and on_cuda and not grad and amp is None and bool(self.cuda_graph)
+                and self.backend != "reference")
 
     def _tier_before_lowering(self, spec: Specialization, args: Sequence[Any], lock: str,
                               formats: list[torch.memory_format | None],
                               on_cuda: bool) -> TieredRunner:
-        """Calls of ``spec`` answered by its regions' own PyTorch ops
-        (:func:`~fusion_compiler.runtime.tiered.unlowered_copy`, eager, no CUDA graph) until the
-        background thread has lowered ``spec.graph_module`` (plans built in worker processes or
-        loaded from the cache; nothing timed); the first call after that switches to
-        :meth:`_runner` of the lowered graph, itself tiered when Inductor compiles the glue. On an
-        H100, a new batch size of SE-ResNet9 otherwise waits about 1-2 s for its plans before
-        its first output."""
+        """Tier 0: calls of ``spec`` answered by its regions' own PyTorch ops
+        (:func:`~fusion_compiler.runtime.tiered.unlowered_copy`, eager, no CUDA graph) while the
+        background thread does what lowering can do beside them, with nothing run on the GPU:
+
+        - when lowering would time nothing (every plan in the cache or following the choice made
+          at a batch size within a factor of 2: :func:`~fusion_compiler.lowering.lowering_times`),
+          the whole lowering (plans built in worker processes, deserialized), the layout edits
+          and the hoisting;
+        - otherwise only the candidate plans' builds in worker processes
+          (:func:`~fusion_compiler.lowering.build_plans`): their timing, which must not share
+          the GPU with the caller's work, is left to the switch.
+
+        The first call after that switches on the calling thread: it lowers (timing the
+        candidates, when left to it), then captures the lowered graph (:meth:`_runner`, itself
+        tiered when Inductor compiles the glue). On an H100, SE-ResNet9 RGB N=128's first output
+        otherwise waited for its plans: about 6 s cold (most of it the CUDA driver compiling the
+        runtime-generated kernels of 96 candidate plans), 1-2 s for a new batch size."""
+        gm = spec.graph_module
+        options = {"cache_dir": self.cache_dir, "autotune": self.autotune}
+        timed = lowering_times(gm, self.backend, **options)
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        first = _with_hoisting_and_formats(unlowered_copy(spec.graph_module), None, formats)
+        first = _with_hoisting_and_formats(unlowered_copy(gm), None, formats)
+        log.info("%s answers from PyTorch ops while its plans are %s in the background",
+                 type(self.model).__name__, "built" if timed else "built or loaded")
 
-        def build() -> HoistedParameters | None:  # on the background thread
+        def build() -> tuple[HoistedParameters | None] | None:  # on the background thread
             with COMPILE_LOCK:  # no progress bar unless asked for: the caller's calls go on
-                return self._lower(spec.graph_module, lock, False, (), on_cuda,
-                                   progress=bool(self.progress))
+                if timed:
+                    build_plans(gm, self.backend, **options)
+                    return None
+                return (self._lower(gm, lock, False, (), on_cuda, progress=bool(self.progress)),)
 
-        def finish(hoisted: HoistedParameters | None) -> Callable[..., Any]:
-            runner = self._runner(spec, example, hoisted, formats, False, None, on_cuda)
+        def finish(lowered: tuple[HoistedParameters | None] | None) -> Callable[..., Any]:
+            if lowered is None:  # times the candidates built meanwhile
+                with COMPILE_LOCK:
+                    lowered = (self._lower(gm, lock, False, (), on_cuda),)
+            spec.lowered = True
+            runner = self._runner(spec, example, lowered[0], formats, False, None, on_cuda)
             if self.show_report:
                 self._print_report(spec, False)
             return runner
@@ -593,7 +604,7 @@ class CompiledModule(torch.nn.Module):
         return runner, "static" if static else "safe"
 
     def forward(self, *args: Any) -> Any:
-        self.last = self.specialize(*args)
+        self.last = self._specialize(args, answer_early=True)
         return self.last.run(*args)
 
     def report(self) -> str:

@@ -24,7 +24,7 @@ from .backward import training_region
 from .errors import UnsupportedError, condense
 from .region import Region, called_region
 
-__all__ = ["lower", "lowering_times", "regions_of", "plan_dgrad_drelu", "BACKEND_CHOICES"]
+__all__ = ["lower", "lowering_times", "build_plans", "regions_of", "plan_dgrad_drelu", "BACKEND_CHOICES"]
 
 log = logging.getLogger("fusion_compiler")
 BACKEND_CHOICES = ("auto", "cudnn", "reference")
@@ -127,6 +127,24 @@ def lowering_times(gm: fx.GraphModule, backend: str = "auto", **backend_options)
     preferred = get_backend("cudnn", **backend_options)
     return any(preferred.would_time(region) for n in gm.graph.nodes
                if (region := called_region(gm, n)) is not None)
+
+
+def build_plans(gm: fx.GraphModule, backend: str = "auto", **backend_options) -> None:
+    """Build the candidate plans of ``gm``'s regions in worker processes and wait for them
+    (:meth:`.backends.cudnn.CudnnBackend.prefetch`): CPU work in other processes, nothing run on
+    the GPU. A later :func:`lower` of ``gm`` (inference) finds them built and only loads and
+    times them. Does nothing for the ``"reference"`` backend, or without workers.
+
+    Raises:
+        ValueError: unknown ``backend``.
+    """
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
+    if backend == "reference":
+        return
+    preferred = get_backend("cudnn", **backend_options)
+    preferred.prefetch([r for n in gm.graph.nodes if (r := called_region(gm, n)) is not None])
+    preferred.wait_for_prefetched()
 
 
 def plan_dgrad_drelu(gm: fx.GraphModule) -> dict[Region, tuple[Region, str]]:

@@ -273,11 +273,12 @@ def test_restored_gives_buffers_back_their_values():
     assert all(torch.equal(b, s) for b, s in zip(bn.buffers(), before))
 
 
-def test_a_new_batch_size_answers_from_its_regions_ops_until_it_is_lowered(monkeypatch):
-    """Tier 0 (``CompiledModule._tier_before_lowering``): the first calls of a new batch size run
-    the regions' own PyTorch ops while the background thread lowers the graph; the first call
-    after that runs the lowered graph. On the CPU the condition (CUDA, nothing to time) is
-    forced; the GPU test is in test_gpu_defaults.py."""
+def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypatch):
+    """Tier 0 (``CompiledModule._tier_before_lowering``): the first calls of a specialization a
+    call compiled run the regions' own PyTorch ops while the background thread lowers the graph;
+    the first call after that runs the lowered graph, and ``specialize`` waits for it. On the
+    CPU the condition (CUDA inference in a CUDA graph) is forced; the GPU tests are in
+    test_gpu_defaults.py."""
     import threading
 
     from fusion_compiler.compiler import CompiledModule
@@ -294,28 +295,19 @@ def test_a_new_batch_size_answers_from_its_regions_ops_until_it_is_lowered(monke
         out = compiled(x)
         spec = compiled.last
         assert isinstance(spec.run, TieredRunner) and spec.run.pending
-        assert {r.status for r in spec.regions} == {"fused"}  # not lowered yet
+        assert {r.status for r in spec.regions} == {"fused"} and not spec.lowered
         assert rel_err(out, want) < 1e-5
         gate.set()
         assert compiled.wait_for_background_compiles(60)
         assert "fused" not in {r.status for r in spec.regions} and not spec.run.pending
-        assert spec.run.tier == 2 and rel_err(compiled(x), want) < 1e-5
+        assert spec.run.tier == 2 and spec.lowered and rel_err(compiled(x), want) < 1e-5
+        y = torch.randn(5, 3, 64, 64)
+        gate.clear()
+        submit(lambda: gate.wait(30))
+        compiled(y)
+        assert not compiled.last.lowered
+        threading.Timer(0.3, gate.set).start()
+        spec = compiled.specialize(y)  # waits for the lowering the call left to the thread
+        assert spec is compiled.last and spec.lowered
+        assert "fused" not in {r.status for r in spec.regions}
 
-
-def test_a_new_batch_size_is_told_from_other_new_signatures():
-    from fusion_compiler.capture import input_specs
-    from fusion_compiler.compiler import _other_batch_size
-
-    def key(*args, training=False):
-        return (input_specs(args), training, False, (), None)
-
-    x = torch.randn(4, 3, 8, 8)
-    assert _other_batch_size(key(x), key(torch.randn(7, 3, 8, 8)))
-    assert _other_batch_size(key(x, 2), key(torch.randn(1, 3, 8, 8), 2))
-    assert not _other_batch_size(key(x), key(x.clone()))  # the same signature
-    assert not _other_batch_size(key(x), key(torch.randn(4, 3, 9, 8)))  # another image size
-    assert not _other_batch_size(key(x), key(torch.randn(7, 3, 8, 8), training=True))
-    assert not _other_batch_size(key(x), key(torch.randn(7, 3, 8, 8).to(torch.float64)))
-    assert not _other_batch_size(key(x), key(x.contiguous(memory_format=torch.channels_last)))
-    assert not _other_batch_size(key(x, x), key(torch.randn(7, 3, 8, 8), torch.randn(5, 3, 8, 8)))
-    assert not _other_batch_size(key(x, 2), key(torch.randn(7, 3, 8, 8), 3))

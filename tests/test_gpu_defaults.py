@@ -47,9 +47,10 @@ def _runs_triton(fn) -> bool:
 
 
 def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tmp_path):
-    """The first calls replay a graph with eager glue while Inductor compiles the glue in the
-    background; a new batch size during that compile gets its own; both switch to a graph with
-    Inductor's kernels, and every output matches fp64. ``autotune=1`` is the one option: with
+    """The first calls run the regions as PyTorch ops (tier 0) while plans build, then replay a
+    graph with eager glue while Inductor compiles the glue in the background; a new batch size
+    during that compile gets its own tiers; both end on a graph with Inductor's kernels, and every
+    output matches fp64. ``autotune=1`` is the one option: with
     timing, a region at N=32 sometimes went to PyTorch on a near tie (paired timing, H100), and
     this test checks the tiers, not the tuning (as the glue tests in test_gpu.py do)."""
     model = _reference_net()
@@ -76,6 +77,26 @@ def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tm
         updated = compiled(x)
     assert not torch.equal(updated, outs[2])
     assert rel_err(updated.float().cpu(), _fp64(model, x)) < 2e-3
+
+
+def test_a_first_call_answers_while_plans_build_and_the_switch_times_them(tmp_path):
+    """Tier 0 of a cold compile: the first call runs the regions as PyTorch ops while worker
+    processes build the candidate plans; the first call after that times them on the calling
+    thread (nothing else on the GPU), keeps the fastest and captures the lowered graph."""
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None)
+    x = _x(16)
+    with torch.inference_mode():
+        first = compiled(x)
+        spec = compiled.last
+        assert not spec.lowered and isinstance(spec.run, TieredRunner) and spec.run.tier == 1
+        assert spec.cuda_graph is None and {r.status for r in spec.regions} == {"fused"}
+        assert compiled.wait_for_background_compiles(600)
+        second = compiled(x)
+    assert spec.lowered and spec.cuda_graph == "safe" and spec.notes == []
+    assert any(sum(t.ms is not None for t in r.tuning) >= 2 for r in spec.regions)  # timed
+    for out in (first, second):
+        assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
 
 
 def test_the_background_glue_compile_goes_through_inductors_fx_graph_cache(tmp_path):
@@ -110,6 +131,7 @@ def test_default_outputs_survive_later_calls(tmp_path):
     compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None)
     with torch.inference_mode():
         x1, x2 = _x(16), _x(16)
+        compiled.specialize(x1)  # lowered now (a first call would answer from tier 0)
         y1 = compiled(x1)
         kept = y1.clone()
         y2 = compiled(x2)
@@ -126,6 +148,7 @@ def test_default_outputs_are_the_graph_buffers_while_nothing_holds_the_last_ones
     compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None)
     xs = [_x(16) for _ in range(4)]
     with torch.inference_mode():
+        compiled.specialize(xs[0])  # lowered now (a first call would answer from tier 0)
         buffer = compiled(xs[0]).data_ptr()  # dropped at once
         y1 = compiled(xs[1])
         assert y1.data_ptr() == buffer
@@ -152,6 +175,7 @@ def test_a_caller_refilling_its_input_tensor_gets_a_graph_that_reads_it_in_place
     buffer, other = _x(16), _x(16)
     fills = [_x(16) for _ in range(3)]
     with torch.inference_mode():
+        compiled.specialize(buffer)  # lowered now (a first call would answer from tier 0)
         compiled(buffer)
         runner = compiled.last.run
         assert runner._direct is None
@@ -175,6 +199,7 @@ def test_static_outputs_are_the_graph_buffers(tmp_path):
     compiled = fc.compile(_reference_net(), cache_dir=tmp_path, glue_backend=None,
                           cuda_graph="static")
     with torch.inference_mode():
+        compiled.specialize(_x(16))  # lowered now (a first call would answer from tier 0)
         y1 = compiled(_x(16))
         y2 = compiled(_x(16))
     assert compiled.last.cuda_graph == "static" and y1.data_ptr() == y2.data_ptr()
@@ -205,7 +230,7 @@ def test_a_forward_that_cannot_be_captured_runs_without_a_graph_and_says_why_onc
         for n in (4, 8):
             x = torch.randn(n, 16, 8, 8, device="cuda", dtype=torch.half)
             assert rel_err(compiled(x).float().cpu(), _fp64(model, x)) < 2e-3
-            compiled.wait_for_background_compiles(600)  # a new batch size: tier 0 first
+            compiled.wait_for_background_compiles(600)  # tier 0 first
             assert rel_err(compiled(x).float().cpu(), _fp64(model, x)) < 2e-3
             assert compiled.last.cuda_graph is None
             assert "runs without a CUDA graph" in compiled.last.notes[0]
@@ -265,7 +290,7 @@ def test_a_new_batch_size_reuses_the_plan_choice(tmp_path):
     model = _reference_net()
     compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None, autotune=3)
     with torch.inference_mode():
-        compiled(_x(32))
+        compiled.specialize(_x(32))
         tuned = compiled.last.regions
         assert any(len(r.tuning) >= 2 for r in tuned if r.backend == "cudnn")
         x = _x(48)

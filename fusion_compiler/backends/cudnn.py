@@ -29,9 +29,9 @@ Precision: fp16 and bf16 I/O with fp32 intermediate and compute types; fp32 I/O 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
-from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
@@ -82,7 +82,8 @@ class CudnnBackend:
         self.autotune = int(autotune)
         self._handles: dict[int, Any] = {}
         self._workspaces: dict[int, torch.Tensor] = {}
-        self._pending: dict[str, list[tuple[dict, Future]]] = {}  # recipe key -> (job, its build)
+        # recipe key -> (job, its build)
+        self._pending: dict[str, list[tuple[dict, concurrent.futures.Future]]] = {}
         self.choices: dict[str, dict] = {}  # any-batch key -> {"engine", "name", records}
 
     @classmethod
@@ -207,6 +208,14 @@ class CudnnBackend:
         device = node_device(region.conv)
         return (not self.cache.has(self.header(recipe_key(recipe), device))
                 and self.choice_for(recipe, device) is None)
+
+    def wait_for_prefetched(self, timeout: float | None = None) -> bool:
+        """Block until every build :meth:`prefetch` started has ended (at most ``timeout`` s);
+        returns whether they have. A failed build counts as ended (:meth:`candidates` reports
+        it, or builds again in this process)."""
+        futures = [f for group in list(self._pending.values()) for _, f in group
+                   if f is not None]
+        return not concurrent.futures.wait(futures, timeout=timeout).not_done
 
     def candidates(self, recipe: dict, key: str, device: torch.device,
                    reuse: bool = True) -> tuple[list[dict], bool]:

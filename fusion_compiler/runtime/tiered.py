@@ -219,11 +219,12 @@ class TieredRunner:
         the second tier is itself a :class:`TieredRunner`, whether its own is."""
         return self._build is not None or bool(getattr(self.run, "pending", False))
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout: float | None = None, nested: bool = True) -> bool:
         """Block until the background compile ends (at most ``timeout`` s), then switch tiers on
-        this thread; when the second tier is itself a :class:`TieredRunner`, wait for its switch
-        too, in what is left of ``timeout``. Returns ``False`` when the timeout passed first, else
-        ``True`` (also when a compile failed: calls then stay on the tier before it)."""
+        this thread; when the second tier is itself a :class:`TieredRunner` (and ``nested``),
+        wait for its switch too, in what is left of ``timeout``. Returns ``False`` when the
+        timeout passed first, else ``True`` (also when a compile failed: calls then stay on the
+        tier before it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._start()
         if self._future is not None:
@@ -231,7 +232,7 @@ class TieredRunner:
             if not done:
                 return False
             self._switch()
-        if isinstance(self.run, TieredRunner):
+        if nested and isinstance(self.run, TieredRunner):
             return self.run.wait(None if deadline is None
                                  else max(0.0, deadline - time.monotonic()))
         return True
