@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .backends.cudnn import DEFAULT_AUTOTUNE
 from .capture import TensorSpec, capture, input_specs
-from .lowering import build_plans, lower, lowering_times, regions_of
+from .lowering import build_plans, lower, plan_work, regions_of
 from .passes import Pass, PassManager, default_passes
 from .passes.autocast import make_autocast_explicit
 from .passes.glue import se_gates, small_linears_as_reductions
@@ -298,13 +298,15 @@ class CompiledModule(torch.nn.Module):
                                                                         dtype=amp)), *passes[at:]]
         with COMPILE_LOCK:  # never beside a background compile (see the lock's docstring)
             gm, lock = self._passes(key, args, passes, on_stage)
-            before_lowering = answer_early and self._answers_before_lowering(grad, amp, on_cuda)
-            if not before_lowering:
+            work = (self._work_before_lowering(gm, grad, amp, on_cuda) if answer_early
+                    else "")
+            if not work:
                 hoisted = self._lower(gm, lock, grad, requires, on_cuda)
         spec = Specialization(key, gm, _closed, stages)
-        if before_lowering:
+        if work:
             spec.lowered = False
-            spec.run = self._tier_before_lowering(spec, args, lock, formats, on_cuda)
+            spec.run = self._tier_before_lowering(spec, args, lock, formats, on_cuda,
+                                                  timed=work == "tune")
         else:
             spec.run = self._runner(spec, args, hoisted, formats, grad, amp, on_cuda)
         self.specializations[key] = spec
@@ -314,7 +316,7 @@ class CompiledModule(torch.nn.Module):
             log.info("evicted the specialization for inputs %s (max_specializations=%d)",
                      ", ".join(str(s) for s in old_key[0] if isinstance(s, TensorSpec)),
                      self.max_specializations)
-        if self.show_report and not before_lowering:
+        if self.show_report and not work:
             self._print_report(spec, grad)
         return spec
 
@@ -358,26 +360,29 @@ class CompiledModule(torch.nn.Module):
         spec.glue_backend, spec.cuda_graph = glue, graphed
         return runner
 
-    def _answers_before_lowering(self, grad: bool, amp: torch.dtype | None,
-                                 on_cuda: bool) -> bool:
-        """Whether a specialization a call compiles answers from tier 0 while it is lowered
-        (:meth:`_tier_before_lowering`): with ``tiered``, for a CUDA inference specialization in
-        a CUDA graph (not ``cuda_graph=False``), without autocast, on a backend that builds plans
-        (not ``"reference"``)."""
-        return (self.tiered and on_cuda and not grad and amp is None and bool(self.cuda_graph)
-                and self.backend != "reference")
+    def _work_before_lowering(self, gm: fx.GraphModule, grad: bool, amp: torch.dtype | None,
+                              on_cuda: bool) -> str:
+        """What a specialization a call compiles would wait for before its first output, if
+        anything, when tier 0 may answer meanwhile (:meth:`_tier_before_lowering`): plans to
+        build (``"build"``) or to build and time (``"tune"``), see
+        :func:`~fusion_compiler.lowering.plan_work`; ``""`` lowers at once (every plan is in the
+        cache: loading them is quicker than tier 0's first eager call). Tier 0 is for CUDA
+        inference specializations in a CUDA graph (not ``cuda_graph=False``), without autocast,
+        with ``tiered``."""
+        if not (self.tiered and on_cuda and not grad and amp is None and bool(self.cuda_graph)):
+            return ""
+        return plan_work(gm, self.backend, cache_dir=self.cache_dir, autotune=self.autotune)
 
     def _tier_before_lowering(self, spec: Specialization, args: Sequence[Any], lock: str,
-                              formats: list[torch.memory_format | None],
-                              on_cuda: bool) -> TieredRunner:
+                              formats: list[torch.memory_format | None], on_cuda: bool,
+                              timed: bool) -> TieredRunner:
         """Tier 0: calls of ``spec`` answered by its regions' own PyTorch ops
         (:func:`~fusion_compiler.runtime.tiered.unlowered_copy`, eager, no CUDA graph) while the
         background thread does what lowering can do beside them, with nothing run on the GPU:
 
-        - when lowering would time nothing (every plan in the cache or following the choice made
-          at a batch size within a factor of 2: :func:`~fusion_compiler.lowering.lowering_times`),
-          the whole lowering (plans built in worker processes, deserialized), the layout edits
-          and the hoisting;
+        - when lowering times nothing (``timed`` false: each plan follows the choice made at a
+          batch size within a factor of 2, or ``autotune <= 1``), the whole lowering (plans
+          built in worker processes, deserialized), the layout edits and the hoisting;
         - otherwise only the candidate plans' builds in worker processes
           (:func:`~fusion_compiler.lowering.build_plans`): their timing, which must not share
           the GPU with the caller's work, is left to the switch.
@@ -389,11 +394,10 @@ class CompiledModule(torch.nn.Module):
         runtime-generated kernels of 96 candidate plans), 1-2 s for a new batch size."""
         gm = spec.graph_module
         options = {"cache_dir": self.cache_dir, "autotune": self.autotune}
-        timed = lowering_times(gm, self.backend, **options)
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         first = _with_hoisting_and_formats(unlowered_copy(gm), None, formats)
         log.info("%s answers from PyTorch ops while its plans are %s in the background",
-                 type(self.model).__name__, "built" if timed else "built or loaded")
+                 type(self.model).__name__, "built" if timed else "built and loaded")
 
         def build() -> tuple[HoistedParameters | None] | None:  # on the background thread
             with COMPILE_LOCK:  # no progress bar unless asked for: the caller's calls go on
@@ -673,14 +677,23 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         max_specializations: how many specializations (input signatures) are kept; when one
             more is compiled, the least recently used is evicted (its CUDA graph, memory pool and
             plans freed, one INFO log line).
-        tiered: for an inference specialization in a CUDA graph whose glue Inductor compiles
-            (the default on CUDA), answer the first calls from a CUDA graph with eager glue while
-            Inductor compiles the glue on a background thread, and switch to the compiled glue
-            at the first call after it is ready (:mod:`.runtime.tiered`). The first output then
-            comes without waiting for Inductor (seconds); outputs before and after the switch may
-            differ in the last bits. ``CompiledModule.wait_for_background_compiles()`` waits for
-            the switch. ``False``: the first call waits for the compile. Training and
-            ``torch.autocast`` specializations always wait.
+        tiered: for an inference specialization in a CUDA graph, answer the first calls at
+            once and compile on one background thread, in tiers (:mod:`.runtime.tiered`):
+
+            - tier 0, when a call (not :meth:`CompiledModule.specialize` or ``example_inputs``)
+              compiles a specialization whose plans are not all in the plan cache: the regions
+              run as their own PyTorch ops, eager, while worker processes build the plans; the
+              first call after that lowers (timing the candidates then, on the calling thread,
+              when they need timing) and captures the CUDA graph;
+            - tier 1, the lowered regions with the glue as eager PyTorch ops in a CUDA graph,
+              while Inductor compiles the glue (when ``glue_backend`` resolves to Inductor);
+            - tier 2, the compiled glue's CUDA graph, from the first call after it is ready.
+
+            The first output then waits neither for plan builds nor for Inductor (seconds each);
+            outputs of different tiers may differ in the last bits.
+            ``CompiledModule.wait_for_background_compiles()`` waits for the last tier.
+            ``False``: the first call waits for everything. Training and ``torch.autocast``
+            specializations always wait.
 
     Training: a call that needs gradients compiles a training specialization whose cuDNN regions
     have a derived backward (dgrad and wgrad as cuDNN graphs, :mod:`fusion_compiler.backward`);

@@ -24,7 +24,7 @@ from .backward import training_region
 from .errors import UnsupportedError, condense
 from .region import Region, called_region
 
-__all__ = ["lower", "lowering_times", "build_plans", "regions_of", "plan_dgrad_drelu", "BACKEND_CHOICES"]
+__all__ = ["lower", "plan_work", "PLAN_WORK", "build_plans", "regions_of", "plan_dgrad_drelu", "BACKEND_CHOICES"]
 
 log = logging.getLogger("fusion_compiler")
 BACKEND_CHOICES = ("auto", "cudnn", "reference")
@@ -111,11 +111,16 @@ def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = Non
     return gm
 
 
-def lowering_times(gm: fx.GraphModule, backend: str = "auto", **backend_options) -> bool:
-    """Whether :func:`lower` of ``gm`` (inference) with ``backend`` would time anything on the
-    GPU: a region whose plan is neither in the plan cache nor follows a choice made at another
-    batch size (:meth:`.backends.cudnn.CudnnBackend.would_time`). Without timing, lowering is
-    CPU work (plan builds in worker processes, deserialization) that may run beside GPU work.
+PLAN_WORK = ("", "build", "tune")
+"""What lowering a graph involves beyond loading cached plans, in increasing order of cost."""
+
+
+def plan_work(gm: fx.GraphModule, backend: str = "auto", **backend_options) -> str:
+    """The most that :func:`lower` of ``gm`` (inference) with ``backend`` has to do for one
+    region's plan (:meth:`.backends.cudnn.CudnnBackend.plan_work`): ``""`` when every plan is in
+    the plan cache (or no region is lowered to cuDNN), ``"build"`` when some plan must be built
+    but nothing timed (CPU work in worker processes, which may run beside GPU work), ``"tune"``
+    when candidate plans must also be timed on the GPU.
 
     Raises:
         ValueError: unknown ``backend``.
@@ -123,10 +128,11 @@ def lowering_times(gm: fx.GraphModule, backend: str = "auto", **backend_options)
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
     if backend == "reference":
-        return False
+        return ""
     preferred = get_backend("cudnn", **backend_options)
-    return any(preferred.would_time(region) for n in gm.graph.nodes
-               if (region := called_region(gm, n)) is not None)
+    work = {preferred.plan_work(region) for n in gm.graph.nodes
+            if (region := called_region(gm, n)) is not None}
+    return max(work, key=PLAN_WORK.index, default="")
 
 
 def build_plans(gm: fx.GraphModule, backend: str = "auto", **backend_options) -> None:

@@ -273,12 +273,13 @@ def test_restored_gives_buffers_back_their_values():
     assert all(torch.equal(b, s) for b, s in zip(bn.buffers(), before))
 
 
-def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypatch):
+@pytest.mark.parametrize("work", ["build", "tune"])
+def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypatch, work):
     """Tier 0 (``CompiledModule._tier_before_lowering``): the first calls of a specialization a
     call compiled run the regions' own PyTorch ops while the background thread lowers the graph;
     the first call after that runs the lowered graph, and ``specialize`` waits for it. On the
-    CPU the condition (CUDA inference in a CUDA graph) is forced; the GPU tests are in
-    test_gpu_defaults.py."""
+    CPU the condition (CUDA inference in a CUDA graph, plans to build, or to build and time at
+    the switch) is forced; the GPU tests are in test_gpu_defaults.py."""
     import threading
 
     from fusion_compiler.compiler import CompiledModule
@@ -286,7 +287,7 @@ def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypa
 
     model = randomize_(se_resnet9_fixup(3), seed=2).eval()
     compiled = fc.compile(model, cache_dir=False)
-    monkeypatch.setattr(CompiledModule, "_answers_before_lowering", lambda self, *a: True)
+    monkeypatch.setattr(CompiledModule, "_work_before_lowering", lambda self, *a: work)
     gate = threading.Event()
     submit(lambda: gate.wait(30))  # the background thread is busy: the build waits its turn
     x = torch.randn(3, 3, 64, 64)

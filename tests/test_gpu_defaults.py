@@ -290,8 +290,7 @@ def test_a_new_batch_size_reuses_the_plan_choice(tmp_path):
     model = _reference_net()
     compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None, autotune=3)
     with torch.inference_mode():
-        compiled.specialize(_x(32))
-        tuned = compiled.last.regions
+        tuned = compiled.specialize(_x(32)).regions
         assert any(len(r.tuning) >= 2 for r in tuned if r.backend == "cudnn")
         x = _x(48)
         out = compiled(x)  # tier 0: the regions' PyTorch ops, while plans build in the background

@@ -193,21 +193,24 @@ class CudnnBackend:
             log.info("plan-build workers unavailable (%s); building plans in this process",
                      condense_error(exc))
 
-    def would_time(self, region: Region) -> bool:
-        """Whether :meth:`lower` would time anything on the GPU for ``region`` (candidate plans,
-        or the plan against PyTorch's ops): with ``autotune > 1``, for a region this backend
-        takes whose plan is not in the cache and whose graph has no choice made at another
-        batch size within ``REUSE_BATCH_RATIO``. Raises nothing (an unsupported region times
-        nothing)."""
-        if self.autotune <= 1 or not self.supports(region):
-            return False
+    def plan_work(self, region: Region) -> str:
+        """What :meth:`lower` has to do for ``region``'s plan beyond loading it: ``""`` (its plan
+        is in the cache, or this backend does not take the region), ``"build"`` (one build, of
+        the choice made at another batch size within ``REUSE_BATCH_RATIO``, or of heuristics'
+        first plan with ``autotune <= 1``: nothing timed) or ``"tune"`` (candidate plans built
+        and timed on the GPU, and the plan timed against PyTorch's ops). Raises nothing."""
+        if not self.supports(region):
+            return ""
         try:
             recipe = region_recipe(region)
         except UnsupportedError:
-            return False
+            return ""
         device = node_device(region.conv)
-        return (not self.cache.has(self.header(recipe_key(recipe), device))
-                and self.choice_for(recipe, device) is None)
+        if self.cache.has(self.header(recipe_key(recipe), device)):
+            return ""
+        if self.autotune <= 1 or self.choice_for(recipe, device) is not None:
+            return "build"
+        return "tune"
 
     def wait_for_prefetched(self, timeout: float | None = None) -> bool:
         """Block until every build :meth:`prefetch` started has ended (at most ``timeout`` s);

@@ -2,17 +2,22 @@
 background.
 
 A specialization whose glue is compiled by Inductor would otherwise make its first call wait for
-Inductor (on an H100, about 10 s cold and 3.5 s warm for SE-ResNet9, against 1-4 s for everything
-else). With tiering, the first tier (the same regions, the glue as eager PyTorch ops, in a CUDA
-graph) answers at once, and one background thread compiles the second tier. The first call after
-the compile finished switches tiers (capturing the second tier's CUDA graph, tens of ms) and
-frees the first tier. The tiers compute the same function; outputs may differ in the last bits
-(Inductor's fused glue rounds differently from eager ops).
+Inductor (on an H100, about 10 s cold and 3.5 s warm for SE-ResNet9), and one whose plans are not
+cached would wait for their builds (about 6 s cold, 1-2 s for a new batch size). With tiering,
+a quick tier answers at once and one background thread compiles the next: tier 0 runs the
+regions as their own PyTorch ops (:func:`unlowered_copy`) while plans build; tier 1 the lowered
+regions with the glue as eager PyTorch ops, in a CUDA graph, while Inductor compiles the glue;
+tier 2 the compiled glue. The first call after a background compile finished switches tiers
+(lowering or capturing on the calling thread) and frees the tier before. A
+:class:`TieredRunner` holds two tiers; tier 0's second is itself a :class:`TieredRunner` when
+Inductor compiles the glue. The tiers compute the same function; outputs may differ in the last
+bits (Inductor's fused glue and cuDNN's plans round differently from eager ops).
 
 While the background thread compiles, it holds the GIL in Python's switch-interval slices (5 ms),
 so calls in that window can take longer. Its GPU work runs on a stream of its own and never
 touches a region's workspace (regions are not executed there, see
-:func:`fusion_compiler.runtime.region_op.dry_run`). A compile holds :data:`COMPILE_LOCK` from
+:func:`fusion_compiler.runtime.region_op.dry_run`); no cuDNN plan is timed there (tier 0's
+plans build in worker processes, and their timing waits for the switch). A compile holds :data:`COMPILE_LOCK` from
 start to end, so a new specialization's compile on the calling thread waits for it.
 """
 
