@@ -452,8 +452,7 @@ class CompiledModule(torch.nn.Module):
             gm.graph.find_nodes(op="placeholder"), requires) if not needs)
         with self._shape_cache.lock(lock, f"compile {type(self.model).__name__}"):
             lower(gm, self.backend, progress=self.progress if progress is None else progress,
-                  training=grad,
-                  derived_backward=self.derived_backward, no_grad_inputs=frozen,
+                  training=grad, derived_backward=self.derived_backward, no_grad_inputs=frozen,
                   cache_dir=self.cache_dir, autotune=self.autotune)
         if on_cuda:
             four_channel_images(gm)
