@@ -24,7 +24,8 @@ from .backward import training_region
 from .errors import UnsupportedError, condense
 from .region import Region, called_region
 
-__all__ = ["lower", "plan_work", "PLAN_WORK", "build_plans", "regions_of", "plan_dgrad_drelu", "BACKEND_CHOICES"]
+__all__ = ["lower", "plan_work", "PLAN_WORK", "build_plans", "regions_of", "plan_dgrad_drelu",
+           "BACKEND_CHOICES"]
 
 log = logging.getLogger("fusion_compiler")
 BACKEND_CHOICES = ("auto", "cudnn", "reference")

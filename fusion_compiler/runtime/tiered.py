@@ -14,11 +14,13 @@ Inductor compiles the glue. The tiers compute the same function; outputs may dif
 bits (Inductor's fused glue and cuDNN's plans round differently from eager ops).
 
 While the background thread compiles, it holds the GIL in Python's switch-interval slices (5 ms),
-so calls in that window can take longer. Its GPU work runs on a stream of its own and never
-touches a region's workspace (regions are not executed there, see
-:func:`fusion_compiler.runtime.region_op.dry_run`); no cuDNN plan is timed there (tier 0's
-plans build in worker processes, and their timing waits for the switch). A compile holds :data:`COMPILE_LOCK` from
-start to end, so a new specialization's compile on the calling thread waits for it.
+so calls in that window can take longer. Inductor's first run there uses a stream of its own and
+never touches a region's workspace (regions are not executed there, see
+:func:`fusion_compiler.runtime.region_op.dry_run`); tier 0's lowering runs only the hoisted
+parameter-only ops on the GPU (default stream), and no cuDNN plan is timed there (tier 0's plans
+build in worker processes, and their timing waits for the switch). A compile holds
+:data:`COMPILE_LOCK` from start to end, so a new specialization's compile on the calling thread
+waits for it.
 """
 
 from __future__ import annotations
