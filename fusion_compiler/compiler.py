@@ -15,8 +15,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .backends.autotune import timing_deferred
 from .backends.cudnn import DEFAULT_AUTOTUNE
 from .capture import TensorSpec, capture, input_specs
+from .errors import TimingDeferred
 from .lowering import build_plans, lower, plan_work, regions_of
 from .passes import Pass, PassManager, default_passes
 from .passes.autocast import make_autocast_explicit
@@ -387,6 +389,10 @@ class CompiledModule(torch.nn.Module):
           (:func:`~fusion_compiler.lowering.build_plans`): their timing, which must not share
           the GPU with the caller's work, is left to the switch.
 
+        The background lowering runs under :func:`~.backends.autotune.timing_deferred`: should
+        it need a timing after all (cuDNN rejected a reused choice's engine, which is then
+        tuned), it stops, and the switch lowers again, timing on the calling thread.
+
         The first call after that switches on the calling thread: it lowers (timing the
         candidates, when left to it), then captures the lowered graph (:meth:`_runner`, itself
         tiered when Inductor compiles the glue). On an H100, SE-ResNet9 RGB N=128's first output
@@ -404,7 +410,12 @@ class CompiledModule(torch.nn.Module):
                 if timed:
                     build_plans(gm, self.backend, **options)
                     return None
-                return (self._lower(gm, lock, False, (), on_cuda, progress=bool(self.progress)),)
+                try:
+                    with timing_deferred():
+                        return (self._lower(gm, lock, False, (), on_cuda,
+                                            progress=bool(self.progress)),)
+                except TimingDeferred:  # a reused choice cuDNN rejected must be tuned: lowered
+                    return None  # again at the switch (plans built so far come from the cache)
 
         def finish(lowered: tuple[HoistedParameters | None] | None) -> Callable[..., Any]:
             if lowered is None:  # times the candidates built meanwhile

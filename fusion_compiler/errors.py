@@ -24,6 +24,12 @@ class UnsupportedError(RuntimeError):
         super().__init__(f"{region}: {reason}" if region else reason)
 
 
+class TimingDeferred(RuntimeError):
+    """GPU timing was asked for where it must not run (beside a caller's GPU work: tier 0's
+    background lowering, :func:`fusion_compiler.backends.autotune.timing_deferred`); the work is
+    to be redone where timing may run."""
+
+
 def condense(text: str, limit: int = 300) -> str:
     """One line of at most ``limit`` characters from a (often multi-line) backend message."""
     line = " ".join(str(text).split())

@@ -312,3 +312,51 @@ def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypa
         assert spec is compiled.last and spec.lowered
         assert "fused" not in {r.status for r in spec.regions}
 
+
+
+def test_gpu_timing_is_refused_inside_timing_deferred():
+    from fusion_compiler.backends.autotune import (ensure_timing_allowed, paired_time_ms,
+                                                   timing_deferred)
+    from fusion_compiler.errors import TimingDeferred
+
+    ensure_timing_allowed()
+    with timing_deferred():
+        with pytest.raises(TimingDeferred):
+            paired_time_ms([lambda: None])  # refused before anything touches the GPU
+        with timing_deferred():
+            pass
+        with pytest.raises(TimingDeferred):  # still refused after a nested block
+            ensure_timing_allowed()
+    ensure_timing_allowed()
+
+
+def test_a_background_lowering_that_needs_timing_is_redone_at_the_switch(monkeypatch):
+    """Tier 0's background lowering may find it must time after all (a reused choice cuDNN
+    rejects is tuned anew): it raises ``TimingDeferred`` there, and the switch lowers again on
+    the calling thread, where timing may run."""
+    import threading
+
+    from fusion_compiler.backends.autotune import ensure_timing_allowed
+    from fusion_compiler.compiler import CompiledModule
+
+    lowered_on = []
+    lower = CompiledModule._lower
+
+    def needs_timing_once(self, *args, **kwargs):
+        lowered_on.append(threading.current_thread() is threading.main_thread())
+        if len(lowered_on) == 1:
+            ensure_timing_allowed()  # raises in the background (timing deferred there)
+        return lower(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledModule, "_lower", needs_timing_once)
+    monkeypatch.setattr(CompiledModule, "_work_before_lowering", lambda self, *a: "build")
+    model = randomize_(se_resnet9_fixup(3), seed=3).eval()
+    compiled = fc.compile(model, cache_dir=False)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.inference_mode():
+        want = model(x)
+        assert rel_err(compiled(x), want) < 1e-5  # tier 0
+        assert compiled.wait_for_background_compiles(60)
+        spec = compiled.last
+        assert lowered_on == [False, True] and spec.lowered and spec.notes == []
+        assert rel_err(compiled(x), want) < 1e-5

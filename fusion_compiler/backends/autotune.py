@@ -12,22 +12,49 @@ keeps the fastest.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..capture import node_device
+from ..errors import TimingDeferred
 from ..runtime.tiered import COMPILE_LOCK
 
 __all__ = ["PlanTiming", "fastest", "sample_pack", "sample_tensor", "sample_inputs", "gpu_time_ms",
-           "paired_time_ms", "PYTORCH_MARGIN"]
+           "paired_time_ms", "PYTORCH_MARGIN", "timing_deferred", "ensure_timing_allowed"]
 
 PYTORCH_MARGIN = 0.9
 """PyTorch's ops replace a region's forward cuDNN graph only when they time below this fraction of
 it (10% faster): near-ties would otherwise flip between runs on timing noise. Gradient graphs do
 not use it (:mod:`.cudnn_backward`): they are kept only when not slower."""
+
+
+_deferral = threading.local()
+
+
+@contextlib.contextmanager
+def timing_deferred():
+    """Within it, on this thread, any GPU timing of this module raises
+    :class:`~fusion_compiler.errors.TimingDeferred` (:func:`ensure_timing_allowed`): for work
+    done beside a caller's GPU work, where timings would be noise (tier 0's background lowering,
+    :meth:`fusion_compiler.compiler.CompiledModule._tier_before_lowering`)."""
+    before = getattr(_deferral, "on", False)
+    _deferral.on = True
+    try:
+        yield
+    finally:
+        _deferral.on = before
+
+
+def ensure_timing_allowed(what: str = "GPU timing") -> None:
+    """Raises:
+        TimingDeferred: inside :func:`timing_deferred` on this thread."""
+    if getattr(_deferral, "on", False):
+        raise TimingDeferred(f"{what} deferred: this thread runs beside the caller's GPU work")
 
 
 @dataclass
@@ -118,7 +145,12 @@ def paired_time_ms(runs: Sequence[Callable[[], object]], reps: int = 3, iters: i
     """GPU time of one call of each of ``runs`` in ms, as :func:`gpu_time_ms` takes it, with the
     CUDA-graph replays of the runs alternating (``a b a b ...``) so that clock or thermal drift
     during the measurement affects all of them alike: the fair way to compare two
-    implementations of the same work."""
+    implementations of the same work.
+
+    Raises:
+        TimingDeferred: inside :func:`timing_deferred`.
+    """
+    ensure_timing_allowed()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

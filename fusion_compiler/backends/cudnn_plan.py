@@ -18,7 +18,7 @@ import torch
 from ..errors import UnsupportedError, condense
 from ..runtime.cuda_graph import EVERY_CALL, weight_cache_scope
 from ..runtime.plan_cache import PlanCache, StaleEntry
-from .autotune import PlanTiming, fastest, gpu_time_ms, sample_pack
+from .autotune import PlanTiming, ensure_timing_allowed, fastest, gpu_time_ms, sample_pack
 from .cudnn_graph import import_cudnn
 from .cudnn_recipe import build_pygraph, recipe_key
 
@@ -144,7 +144,8 @@ class CudnnPlan:
                     timing.reason = f"could not be loaded: {condense_error(exc)}"
             self.tuning.append(timing)
         if timed:
-            self._time(graphs)
+            ensure_timing_allowed(f"timing the candidate plans of {self.label}")  # not swallowed
+            self._time(graphs)  # (a plan that fails to time is skipped, with its reason)
         best = fastest(self.tuning) if timed else next(
             (t for t in self.tuning if t.index in graphs), None)
         if best is None:
