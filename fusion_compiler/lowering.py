@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import operator
 import sys
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -126,14 +127,10 @@ def plan_work(gm: fx.GraphModule, backend: str = "auto", **backend_options) -> s
     Raises:
         ValueError: unknown ``backend``.
     """
-    if backend not in BACKEND_CHOICES:
-        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
-    if backend == "reference":
+    preferred = _plan_builder(backend, backend_options)
+    if preferred is None:
         return ""
-    preferred = get_backend("cudnn", **backend_options)
-    work = {preferred.plan_work(region) for n in gm.graph.nodes
-            if (region := called_region(gm, n)) is not None}
-    return max(work, key=PLAN_WORK.index, default="")
+    return max((preferred.plan_work(r) for r in regions_of(gm)), key=PLAN_WORK.index, default="")
 
 
 def build_plans(gm: fx.GraphModule, backend: str = "auto", **backend_options) -> None:
@@ -145,13 +142,22 @@ def build_plans(gm: fx.GraphModule, backend: str = "auto", **backend_options) ->
     Raises:
         ValueError: unknown ``backend``.
     """
+    preferred = _plan_builder(backend, backend_options)
+    if preferred is not None:
+        preferred.prefetch(regions_of(gm))
+        preferred.wait_for_prefetched()
+
+
+def _plan_builder(backend: str, backend_options: dict) -> Any:
+    """The cuDNN backend that :func:`lower` with ``backend`` prefers, or ``None`` for
+    ``"reference"`` (no plans).
+
+    Raises:
+        ValueError: unknown ``backend``.
+    """
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
-    if backend == "reference":
-        return
-    preferred = get_backend("cudnn", **backend_options)
-    preferred.prefetch([r for n in gm.graph.nodes if (r := called_region(gm, n)) is not None])
-    preferred.wait_for_prefetched()
+    return None if backend == "reference" else get_backend("cudnn", **backend_options)
 
 
 def plan_dgrad_drelu(gm: fx.GraphModule) -> dict[Region, tuple[Region, str]]:

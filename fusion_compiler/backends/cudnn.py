@@ -170,17 +170,10 @@ class CudnnBackend:
         jobs: dict[str, list[dict]] = {}
         device = None
         for region in regions:
-            if not self.supports(region):
+            needed = self._uncached_jobs(region)
+            if needed is None or needed[0] in self._pending or needed[0] in jobs:
                 continue
-            try:
-                recipe = region_recipe(region)
-            except UnsupportedError:
-                continue
-            device = node_device(region.conv)
-            key = recipe_key(recipe)
-            if key in self._pending or key in jobs or self.cache.has(self.header(key, device)):
-                continue
-            jobs[key] = self._job(recipe, self.choice_for(recipe, device))
+            key, device, jobs[key] = needed
         if sum(map(len, jobs.values())) < 2:
             return
         try:
@@ -199,18 +192,26 @@ class CudnnBackend:
         the choice made at another batch size within ``REUSE_BATCH_RATIO``, or of heuristics'
         first plan with ``autotune <= 1``: nothing timed) or ``"tune"`` (candidate plans built
         and timed on the GPU, and the plan timed against PyTorch's ops). Raises nothing."""
-        if not self.supports(region):
+        needed = self._uncached_jobs(region)
+        if needed is None:
             return ""
+        return "tune" if needed[2][0]["mode"] == "ranked" else "build"
+
+    def _uncached_jobs(self, region: Region) -> tuple[str, torch.device, list[dict]] | None:
+        """``(recipe key, device, worker jobs)`` of ``region``'s plan when it must be built (the
+        jobs as :meth:`_job` makes them); ``None`` when this backend declines the region or its
+        plan is in the cache."""
+        if not self.supports(region):
+            return None
         try:
             recipe = region_recipe(region)
         except UnsupportedError:
-            return ""
+            return None
         device = node_device(region.conv)
-        if self.cache.has(self.header(recipe_key(recipe), device)):
-            return ""
-        if self.autotune <= 1 or self.choice_for(recipe, device) is not None:
-            return "build"
-        return "tune"
+        key = recipe_key(recipe)
+        if self.cache.has(self.header(key, device)):
+            return None
+        return key, device, self._job(recipe, self.choice_for(recipe, device))
 
     def wait_for_prefetched(self, timeout: float | None = None) -> bool:
         """Block until every build :meth:`prefetch` started has ended (at most ``timeout`` s);
