@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -22,7 +21,7 @@ import torch
 
 from ..capture import node_device
 from ..errors import TimingDeferred
-from ..runtime.tiered import COMPILE_LOCK
+from ..runtime.tiered import COMPILE_LOCK, ThreadFlag
 
 __all__ = ["PlanTiming", "fastest", "sample_pack", "sample_tensor", "sample_inputs", "gpu_time_ms",
            "paired_time_ms", "PYTORCH_MARGIN", "timing_deferred", "ensure_timing_allowed"]
@@ -33,7 +32,7 @@ it (10% faster): near-ties would otherwise flip between runs on timing noise. Gr
 not use it (:mod:`.cudnn_backward`): they are kept only when not slower."""
 
 
-_deferral = threading.local()
+_DEFERRED = ThreadFlag()
 
 
 @contextlib.contextmanager
@@ -42,18 +41,14 @@ def timing_deferred():
     :class:`~fusion_compiler.errors.TimingDeferred` (:func:`ensure_timing_allowed`): for work
     done beside a caller's GPU work, where timings would be noise (tier 0's background lowering,
     :meth:`fusion_compiler.compiler.CompiledModule._tier_before_lowering`)."""
-    before = getattr(_deferral, "on", False)
-    _deferral.on = True
-    try:
+    with _DEFERRED.raised():
         yield
-    finally:
-        _deferral.on = before
 
 
 def ensure_timing_allowed(what: str = "GPU timing") -> None:
     """Raises:
         TimingDeferred: inside :func:`timing_deferred` on this thread."""
-    if getattr(_deferral, "on", False):
+    if _DEFERRED:
         raise TimingDeferred(f"{what} deferred: this thread runs beside the caller's GPU work")
 
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import weakref
 from typing import Callable, Sequence
 
 import torch
+
+from .tiered import ThreadFlag
 
 __all__ = ["run_region", "register_kernel", "register_backward", "is_traced", "dry_run"]
 
@@ -29,7 +30,7 @@ _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictiona
 _OUTPUTS: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
 _BACKWARD_ATTR = "_fusion_compiler_backward"
 _KEYS = itertools.count()
-_DRY = threading.local()
+_DRY = ThreadFlag()
 
 
 @contextlib.contextmanager
@@ -38,12 +39,8 @@ def dry_run():
     without running the kernel: a background compile that runs its compiled graph once (Triton's
     autotuning happens at the first run) then leaves the regions' plans and workspaces alone,
     which a CUDA graph of another thread may be replaying (:mod:`fusion_compiler.runtime.tiered`)."""
-    outer = getattr(_DRY, "on", False)
-    _DRY.on = True
-    try:
+    with _DRY.raised():
         yield
-    finally:
-        _DRY.on = outer
 
 
 def is_traced(t: torch.Tensor) -> bool:
@@ -82,7 +79,7 @@ def register_backward(key: int, backward: Callable) -> None:
 def run_region(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run the kernel registered under ``key`` on ``inputs``; returns fresh output tensors
     (uninitialized ones, the kernel not run, inside :func:`dry_run`)."""
-    if getattr(_DRY, "on", False):
+    if _DRY:
         return _run_region_fake(key, inputs)
     kernel: Callable = _KERNELS[key]
     return list(kernel(*inputs))

@@ -26,6 +26,7 @@ waits for it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import queue
 import threading
@@ -38,7 +39,8 @@ import torch.fx as fx
 
 from ..region import Region
 
-__all__ = ["TieredRunner", "COMPILE_LOCK", "submit", "drain", "isolated_copy", "unlowered_copy"]
+__all__ = ["TieredRunner", "COMPILE_LOCK", "ThreadFlag", "submit", "drain", "isolated_copy",
+           "unlowered_copy"]
 
 COMPILE_LOCK = threading.RLock()
 """Held by a background glue compile from start to end (the job ``CompiledModule`` hands to
@@ -54,6 +56,30 @@ torch 2.11:
   ``current_meta``) in module globals, which AOTAutograd's trace on the background thread set,
   so nodes our passes created on the calling thread were stamped with that trace's metadata.
 """
+
+
+class ThreadFlag:
+    """A flag per thread, off until a ``with flag.raised():`` block on that thread (a nested
+    block leaves it as the outer one had it); ``bool(flag)`` reads the calling thread's. For
+    what a background compile does differently from the calling thread: regions not executed
+    (:func:`~fusion_compiler.runtime.region_op.dry_run`), no GPU timing
+    (:func:`~fusion_compiler.backends.autotune.timing_deferred`)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __bool__(self) -> bool:
+        return getattr(self._local, "on", False)
+
+    @contextlib.contextmanager
+    def raised(self):
+        outer = bool(self)
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = outer
+
 
 _worker_lock = threading.Lock()
 _queue: "queue.SimpleQueue[tuple[concurrent.futures.Future, Callable[[], Any]]] | None" = None
