@@ -78,3 +78,18 @@ def avg_pool2d_args(node: fx.Node) -> dict[str, Any]:
     positional or keyword, with ``F.avg_pool2d``'s defaults for those not given."""
     names = ["input", "kernel_size", *_AVG_POOL2D_DEFAULTS]
     return _AVG_POOL2D_DEFAULTS | dict(zip(names, node.args)) | dict(node.kwargs)
+
+
+def conv_flops(node: fx.Node, gm: fx.GraphModule) -> int | None:
+    """Multiply-adds x 2 of one convolution node, from its traced shapes:
+    ``2 * numel(output) * (C_in / groups) * kh * kw`` (``weight.shape[1:]`` of an
+    ``[K, C/groups, kh, kw]`` weight); ``None`` when the shapes are not known."""
+    out = node.meta.get("val")
+    if node.op == "call_module":
+        weight = getattr(gm.get_submodule(node.target), "weight", None)
+    else:
+        arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        weight = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    if not isinstance(out, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return None
+    return 2 * out.numel() * weight[0].numel()

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .backends.autotune import fastest
-from .ops import is_call
+from .ops import conv_flops, is_call
 from .region import Region, called_region
 
 __all__ = ["format_regions", "format_tuning", "format_gradients", "unfused_convolutions",
@@ -151,21 +151,6 @@ def _format_left(rows: list[dict], title: str) -> str:
     for row in rows:
         _add_row(table, row["node"], row["op"], row["reason"])
     return f"{title}:\n" + _render(table)
-
-
-def conv_flops(node: fx.Node, gm: fx.GraphModule) -> int | None:
-    """Multiply-adds x 2 of one convolution node, from its traced shapes:
-    ``2 * numel(output) * (C_in / groups) * kh * kw`` (``weight.shape[1:]`` of an
-    ``[K, C/groups, kh, kw]`` weight); ``None`` when the shapes are not known."""
-    out = node.meta.get("val")
-    if node.op == "call_module":
-        weight = getattr(gm.get_submodule(node.target), "weight", None)
-    else:
-        arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        weight = arg.meta.get("val") if isinstance(arg, fx.Node) else None
-    if not isinstance(out, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        return None
-    return 2 * out.numel() * weight[0].numel()
 
 
 def summarize(spec: Any) -> dict:
