@@ -27,7 +27,7 @@ __all__ = ["Pass", "PassManager", "default_passes", "normalize", "fold_batch_nor
 
 
 def default_passes(fuse_prologue: bool = False, fuse_reduction: bool = False,
-                   cuda: bool = True) -> list[Pass]:
+                   cuda: bool = True, concurrent_branches: bool = False) -> list[Pass]:
     """The pipeline ``compile()`` runs, in order.
 
     ``cuda=False`` (inputs on another device, where every region runs on PyTorch ops) leaves out
@@ -44,6 +44,11 @@ def default_passes(fuse_prologue: bool = False, fuse_reduction: bool = False,
     (fp16, NHWC, N=128): a scalar-add prologue took a 64->64 3x3 conv at 16x16 from 9.3 us to
     21.8 us (a separate add costs 2.7 us) and a 512->512 conv at 2x2 from 12.8 to 58.5 us (add:
     1.6 us); the fused H, W sum took 18.7 us against 9.3 + 5.8 us unfused at 16x16.
+
+    ``concurrent_branches`` makes the fuse pass leave a join of two branches out of the shorter
+    branch's region (``fuse_regions(branches=True)``), so that region can run on a second stream
+    (:mod:`fusion_compiler.runtime.streams`); ``compile(concurrent_branches=True)`` sets it for
+    CUDA inference in a CUDA graph.
     """
     cudnn_layout = [Pass("space_to_depth", space_to_depth_conv),
                     Pass("avgpool_conv", avgpool_conv)] if cuda else []
@@ -52,6 +57,6 @@ def default_passes(fuse_prologue: bool = False, fuse_reduction: bool = False,
         Pass("fold_bn", fold_batch_norm),
         *cudnn_layout,
         Pass("fuse", functools.partial(fuse_regions, prologue=fuse_prologue,
-                                       reduction=fuse_reduction)),
+                                       reduction=fuse_reduction, branches=concurrent_branches)),
         Pass("verify", verify),
     ]
