@@ -272,11 +272,14 @@ def _check_regions(compiled: CompiledModule, inputs: Sequence[Any], train: bool,
 
 
 def _unpadded(region: Region, args: tuple) -> tuple:
-    """``args`` as the region's own ops take them: an image the graph zero-padded for its cuDNN
-    kernel (``Region.padded_images``) narrowed back to the channels of the region's placeholder."""
+    """``args`` as the region's own ops take them: without the inputs past the region's own (they
+    only order a side-stream region before this one, :mod:`.runtime.streams`), and an image the
+    graph zero-padded for its cuDNN kernel (``Region.padded_images``) narrowed back to the
+    channels of the region's placeholder."""
+    placeholders = list(region.graph_module.graph.find_nodes(op="placeholder"))
+    args = args[:len(placeholders)]
     if not region.padded_images:
         return args
-    placeholders = list(region.graph_module.graph.find_nodes(op="placeholder"))
     return tuple(a[:, :placeholders[i].meta["val"].shape[1]] if i in region.padded_images else a
                  for i, a in enumerate(args))
 

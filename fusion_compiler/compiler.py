@@ -28,6 +28,7 @@ from .runtime.hoist import HoistedParameters, hoist_parameter_subgraphs
 from .runtime.layout import (channel_padded_images, channels_last_activations, four_channel_images,
                              nchw_padded_avg_pools)
 from .runtime.plan_cache import PlanCache, default_cache_dir
+from .runtime.streams import run_short_branches_beside
 from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy, unlowered_copy
 
 __all__ = ["compile", "CompiledModule", "CUDA_GRAPH_MODES", "DEFAULT_MAX_SPECIALIZATIONS"]
@@ -207,7 +208,8 @@ class CompiledModule(torch.nn.Module):
                  fuse_reduction: bool = False, passes: Sequence[Pass] | None = None,
                  report: bool = False, progress: bool | None = None,
                  derived_backward: bool = False, glue_backend: str | None = "auto",
-                 max_specializations: int = DEFAULT_MAX_SPECIALIZATIONS, tiered: bool = True):
+                 max_specializations: int = DEFAULT_MAX_SPECIALIZATIONS, tiered: bool = True,
+                 concurrent_branches: bool = False):
         super().__init__()
         if cuda_graph not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graph must be one of {CUDA_GRAPH_MODES}, got {cuda_graph!r}")
@@ -216,6 +218,7 @@ class CompiledModule(torch.nn.Module):
         self.derived_backward = derived_backward
         self.glue_backend = glue_backend
         self.tiered = tiered
+        self.concurrent_branches = concurrent_branches
         self.model = model
         self.backend = backend
         self.cuda_graph = "auto" if cuda_graph is True else cuda_graph
@@ -293,7 +296,8 @@ class CompiledModule(torch.nn.Module):
 
         on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
         passes = self.passes if self.passes is not None else default_passes(
-            **self._fuse_options, cuda=on_cuda)
+            **self._fuse_options, cuda=on_cuda,
+            concurrent_branches=self._concurrent(on_cuda, grad))
         if amp is not None:  # casts before the fuse pass, so regions form in the autocast dtype
             at = next((i for i, p in enumerate(passes) if p.name == "fuse"), len(passes))
             passes = [*passes[:at], Pass("autocast", functools.partial(make_autocast_explicit,
@@ -321,6 +325,11 @@ class CompiledModule(torch.nn.Module):
         if self.show_report and not work:
             self._print_report(spec, grad)
         return spec
+
+    def _concurrent(self, on_cuda: bool, grad: bool) -> bool:
+        """Whether short branches run on a second stream (``concurrent_branches``): CUDA
+        inference in a CUDA graph."""
+        return self.concurrent_branches and on_cuda and not grad and bool(self.cuda_graph)
 
     def _print_report(self, spec: Specialization, grad: bool) -> None:
         from .report import format_gradients, format_regions  # noqa: PLC0415
@@ -457,8 +466,9 @@ class CompiledModule(torch.nn.Module):
                on_cuda: bool, progress: bool | None = None) -> HoistedParameters | None:
         """Give every region of ``gm`` its kernel (:func:`~fusion_compiler.lowering.lower`, under
         the compile lock ``lock`` shared with other processes), then the layout edits of
-        :mod:`.runtime.layout`; returns the hoisted parameter subgraphs of an inference graph
-        (:mod:`.runtime.hoist`), or ``None``."""
+        :mod:`.runtime.layout`, the hoisting of an inference graph's parameter subgraphs
+        (:mod:`.runtime.hoist`) and, with :meth:`_concurrent`, the side stream's schedule
+        (:mod:`.runtime.streams`); returns the hoisted subgraphs, or ``None``."""
         frozen = frozenset(ph.name for ph, needs in zip(
             gm.graph.find_nodes(op="placeholder"), requires) if not needs)
         with self._shape_cache.lock(lock, f"compile {type(self.model).__name__}"):
@@ -473,7 +483,11 @@ class CompiledModule(torch.nn.Module):
         if grad and on_cuda and (pools := nchw_padded_avg_pools(gm)):
             log.info("%d padded avg_pool2d input(s) made NCHW: PyTorch's channels_last CUDA "
                      "backward is wrong with padding (pytorch/pytorch#188344)", pools)
-        return None if grad else hoist_parameter_subgraphs(gm)
+        hoisted = None if grad else hoist_parameter_subgraphs(gm)
+        if self._concurrent(on_cuda, grad) and (beside := run_short_branches_beside(gm)):
+            log.info("regions %s run on a second stream, beside a longer branch",
+                     ", ".join(beside))
+        return hoisted
 
     def _shapes_text(self, captured: fx.GraphModule, key: tuple, passes: Sequence[Pass]) -> str:
         """What the shapes propagated through ``passes`` for this model and specialization
@@ -636,7 +650,7 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             fuse_reduction: bool = False, report: bool = False,
             progress: bool | None = None, glue_backend: str | None = "auto",
             max_specializations: int = DEFAULT_MAX_SPECIALIZATIONS,
-            tiered: bool = True) -> CompiledModule:
+            tiered: bool = True, concurrent_branches: bool = False) -> CompiledModule:
     """Compile ``model`` into fused regions and return a module that computes the same function.
 
     Args:
@@ -704,6 +718,12 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
             ``CompiledModule.wait_for_background_compiles()`` waits for the last tier.
             ``False``: the first call waits for everything. Training and ``torch.autocast``
             specializations always wait.
+        concurrent_branches: in CUDA inference in a CUDA graph, a short branch's region (a
+            downsample convolution beside its block's main path) runs on a second CUDA stream,
+            in the same graph, and the join of the branches is left out of its region
+            (:mod:`.runtime.streams`). Off by default until timed on a GPU (it has not been
+            yet: ``examples/benchmark.py`` has the variant); ``False``: one stream, the join
+            fused into the region of whichever branch comes first.
 
     Training: a call that needs gradients compiles a training specialization whose cuDNN regions
     have a derived backward (dgrad and wgrad as cuDNN graphs, :mod:`fusion_compiler.backward`);
@@ -721,7 +741,7 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
                               autotune=autotune, fuse_prologue=fuse_prologue,
                               fuse_reduction=fuse_reduction, report=report, progress=progress,
                               glue_backend=glue_backend, max_specializations=max_specializations,
-                              tiered=tiered)
+                              tiered=tiered, concurrent_branches=concurrent_branches)
     if example_inputs is not None:
         compiled.specialize(*example_inputs)
     return compiled

@@ -88,6 +88,8 @@ class Region(torch.nn.Module):
         padded_images: ``{position: channels}``: inputs a cuDNN kernel zero-pads to more
             channels (channels_last) before its plan runs, and takes as they come when they
             arrive so (:func:`fusion_compiler.runtime.layout.channel_padded_images`).
+        stream: ``"side"`` when the region runs on the side stream beside a longer branch
+            (:func:`fusion_compiler.runtime.streams.run_short_branches_beside`), else ``""``.
     """
 
     def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str]):
@@ -111,6 +113,7 @@ class Region(torch.nn.Module):
         self.masked_outputs: set[str] = set()
         self.nhwc_inputs: frozenset[int] = frozenset()
         self.padded_images: dict[int, int] = {}
+        self.stream = ""
         self._lowered: Callable[..., Any] | None = None  # None: run graph_module itself
 
     @property
@@ -195,6 +198,7 @@ class Region(torch.nn.Module):
             "plan": self.plan,
             "plan_from_cache": self.plan_from_cache,
             "workspace_bytes": self.workspace_bytes,
+            "stream": self.stream,
             "cudnn_graph": self.cudnn_graph,
             "gradients": [dict(vars(p)) for p in self.gradients],
         }

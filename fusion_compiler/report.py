@@ -29,7 +29,7 @@ _CONV_FUNCS = {torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
                torch.conv_transpose2d, torch.conv_transpose3d}
 # data movement and bookkeeping that is not worth a line in the "left to PyTorch" table
 _QUIET = {"getitem", "getattr", "reshape", "view", "size", "contiguous", "expand", "permute",
-          "flatten", "neg", "rsqrt"}
+          "flatten", "neg", "rsqrt", "join_side_stream.default"}  # the last: runtime.streams
 
 
 def _render(table: Table) -> str:
@@ -90,8 +90,9 @@ def _regions_table(rows: list[dict]) -> str:
         table.add_column(col, overflow="fold")
     for r in rows:
         ws = "" if r["workspace_bytes"] is None else f"{r['workspace_bytes']} B"
+        side = "; on the side stream" if r.get("stream") == "side" else ""
         _add_row(table, r["id"], r["pattern"], ", ".join(r["nodes"]), r["backend"], r["status"],
-                 r["reason"] or r["plan"], ws)
+                 (r["reason"] or r["plan"]) + side, ws)
     return _render(table)
 
 

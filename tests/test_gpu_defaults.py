@@ -345,3 +345,54 @@ def test_inductor_glue_makes_region_activations_channels_last_itself(tmp_path):
     copies = [e.name for e in prof.events() if e.device_type.name == "CUDA"
               and "at::native" in e.name and "copy" in e.name.lower()]
     assert not copies, copies
+
+
+def _kernel_streams(prof, tmp_path) -> dict[str, set[int]]:
+    """Kernel name -> the CUDA streams it ran on, from the profiler's trace."""
+    import json
+
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    streams: dict[str, set[int]] = {}
+    for e in json.loads(path.read_text())["traceEvents"]:
+        if e.get("cat") == "kernel":
+            streams.setdefault(e["name"], set()).add(e["args"]["stream"])
+    return streams
+
+
+@pytest.mark.parametrize("glue", ["inductor", None])
+def test_downsample_convolutions_run_on_a_second_stream_inside_the_graph(tmp_path, glue):
+    """SE-ResNet9's three downsample regions run on the side stream (``runtime.streams``), in
+    the same CUDA graph: one replay holds all 12 cuDNN convolutions, on two streams, and outputs
+    of successive calls on different inputs match fp64 (memory handed between the streams is
+    not reused early), as with one stream (the default)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = randomize_(se_resnet9_fixup(11), seed=2).cuda().half().eval()
+    compiled = fc.compile(model, cache_dir=tmp_path, autotune=1, tiered=False, glue_backend=glue,
+                          concurrent_branches=True)
+    one_stream = fc.compile(model, cache_dir=tmp_path, autotune=1, tiered=False,
+                            glue_backend=glue)
+    xs = [torch.rand(64, 11, 64, 64, device="cuda", dtype=torch.half) for _ in range(3)]
+    with torch.inference_mode():
+        outs = [compiled(x).clone() for x in (*xs, *xs)]
+        singles = [one_stream(x) for x in xs]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            compiled(xs[0])
+            torch.cuda.synchronize()
+    spec = compiled.last
+    assert spec.cuda_graph == "safe" and spec.notes == []
+    side = sorted(r.region_id for r in spec.regions if r.stream == "side")
+    assert side == ["r11", "r5", "r8"], [(r.region_id, r.pattern) for r in spec.regions]
+    assert {r.pattern for r in spec.regions if r.stream == "side"} == {"conv3x3/s2"}
+    assert not any(r.stream for r in one_stream.last.regions)
+    streams = _kernel_streams(prof, tmp_path)
+    convs = {name: s for name, s in streams.items() if "cudnn" in name or "xmma" in name}
+    assert len(set().union(*convs.values())) == 2, convs
+    calls = [e for e in prof.events() if e.device_type.name == "CUDA"
+             and ("cudnn" in e.name or "xmma" in e.name)]
+    assert len(calls) == 12, [e.name for e in calls]
+    for out, x in zip(outs, (*xs, *xs)):
+        assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
+    for out, single in zip(outs, singles):
+        assert rel_err(out.float(), single.float()) < 2e-3

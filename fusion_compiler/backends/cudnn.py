@@ -43,6 +43,7 @@ from ..region import Region
 from ..runtime.plan_cache import PlanCache, default_cache_dir
 from ..backward import RegionBackward
 from ..runtime.region_op import is_traced, register_backward, register_kernel, run_region
+from ..runtime.streams import MAIN_WORKSPACE, SIDE_WORKSPACE, side_stream
 from .base import Kernel, Support
 from .autotune import PYTORCH_MARGIN, paired_time_ms, sample_inputs
 from .cudnn_backward import CudnnConvGradients
@@ -81,7 +82,7 @@ class CudnnBackend:
         self.cache = PlanCache(default_cache_dir(cache_dir))
         self.autotune = int(autotune)
         self._handles: dict[int, Any] = {}
-        self._workspaces: dict[int, torch.Tensor] = {}
+        self._workspaces: dict[tuple[int, str], torch.Tensor] = {}
         # recipe key -> (job, its build)
         self._pending: dict[str, list[tuple[dict, concurrent.futures.Future]]] = {}
         self.choices: dict[str, dict] = {}  # any-batch key -> {"engine", "name", records}
@@ -109,13 +110,15 @@ class CudnnBackend:
         cudnn.set_stream(handle=h, stream=torch._C._cuda_getCurrentRawStream(index))
         return h
 
-    def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        """A workspace of at least ``nbytes`` bytes on ``device`` (uint8), kept and reused."""
+    def workspace(self, device: torch.device, nbytes: int,
+                  key: str = MAIN_WORKSPACE) -> torch.Tensor:
+        """A workspace of at least ``nbytes`` bytes on ``device`` (uint8), kept and reused; one
+        per ``key`` (regions on the side stream, ``SIDE_WORKSPACE``, may run beside the others)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        ws = self._workspaces.get(index)
+        ws = self._workspaces.get((index, key))
         if ws is None or ws.numel() < nbytes:
-            ws = self._workspaces[index] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
-                                                       device=torch.device("cuda", index))
+            ws = self._workspaces[(index, key)] = torch.empty(
+                max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", index))
         return ws
 
     @staticmethod
@@ -404,6 +407,11 @@ class CudnnKernel:
     ``direct``: :meth:`call` runs the plan straight from Python (inference), unless its inputs
     are being traced; else through the ``fusion_compiler::run_region`` custom op (training,
     tracing), which costs about 20 us more per call on an H100 host.
+
+    ``beside`` (set by :func:`~fusion_compiler.runtime.streams.run_short_branches_beside`, with
+    :meth:`run_beside`): each call runs on the device's side stream, after the current stream's
+    work issued so far, on a workspace of its own. Inputs past the region's own are ignored
+    (that pass hands some kernels a side-stream region's outputs, to order the two).
     """
 
     def __init__(self, backend: CudnnBackend, region: Region, direct: bool = False):
@@ -423,6 +431,8 @@ class CudnnKernel:
         self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
         # the convolution weight's channels_last copy, shared with the dgrad (one copy per step)
         self.weight_cache: WeightCache | None = None
+        self.beside = False
+        self.workspace = MAIN_WORKSPACE
         for node, op in zip(placeholders, region.operands()):
             if node is conv.args[1] and (node.name in in_pads or node.name in out_pads):
                 # zero input and/or output channels, made once per weight version
@@ -463,11 +473,21 @@ class CudnnKernel:
                                 if node.name in in_pads and node is not conv.args[1]}
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.beside:  # forks: the side stream waits for what was issued so far
+            side = side_stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                return self._call(inputs)
+        return self._call(inputs)
+
+    def _call(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        inputs = inputs[:len(self.prepare)]
         if self._pads_outputs:
             return self._padded_call(inputs)
         outs = tuple(torch.empty_strided(shape, stride, dtype=written, device=self.device)
                      for shape, stride, written, _ in self.outputs)
-        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs)
+        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs,
+                          workspace=self.workspace)
         if not self._converts:
             return outs
         return tuple(out if out.dtype == want else out.to(want)
@@ -481,7 +501,8 @@ class CudnnKernel:
             size = shape if padded is None else padded[0]
             outs.append(torch.empty_strided(size, nhwc_strides(size), dtype=written,
                                             device=self.device))
-        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs)
+        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs,
+                          workspace=self.workspace)
         result = []
         for out, (shape, stride, _, want), padded in zip(outs, self.outputs, self.padded):
             if padded is not None:
@@ -489,6 +510,12 @@ class CudnnKernel:
                                           device=self.device).copy_(out[:, :padded[1]])
             result.append(out if out.dtype == want else out.to(want))
         return tuple(result)
+
+    def run_beside(self) -> None:
+        """Run on the side stream from now on (see the class doc); grows its workspace now, not
+        in a CUDA graph capture."""
+        self.beside, self.workspace = True, SIDE_WORKSPACE
+        self.backend.workspace(self.device, self.plan.workspace_bytes, SIDE_WORKSPACE)
 
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What graphs call: the plan directly for inference, else the ``run_region`` op."""

@@ -38,7 +38,7 @@ class PlanBackend(Protocol):
 
     def handle(self, device: torch.device) -> Any: ...
 
-    def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor: ...
+    def workspace(self, device: torch.device, nbytes: int, key: str = ...) -> torch.Tensor: ...
 
     def header(self, key: str, device: torch.device) -> dict: ...
 
@@ -214,14 +214,16 @@ class CudnnPlan:
             self.backend.remember_choice(self.recipe, self.device, {**choice, record_name: record})
         return cudnn_ms, pytorch_ms
 
-    def execute(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def execute(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                workspace: str = "main") -> None:
         """Run the plan: ``inputs``/``outputs`` in the graph's input/output order, laid out as
-        declared (fully packed NHWC for 4-d tensors), on the current torch stream.
+        declared (fully packed NHWC for 4-d tensors), on the current torch stream, with the
+        backend's workspace of key ``workspace`` (:mod:`fusion_compiler.runtime.streams`).
 
         The operands go to the frontend as a list with their UIDs fixed at construction
         (``execute(..., tensor_uids=...)``, cuDNN frontend 1.32: it caches the operands'
         metadata by UID instead of reading a dict each call); older frontends get the dict."""
-        ws = self.backend.workspace(self.device, self.workspace_bytes)
+        ws = self.backend.workspace(self.device, self.workspace_bytes, workspace)
         handle = self.backend.handle(self.device)
         if self._ordered:
             self.graph.execute([*inputs, *outputs, *self._constant_values], ws, handle=handle,
