@@ -75,7 +75,8 @@ def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]
 
 def _options(args: argparse.Namespace) -> dict:
     return {"backend": args.backend, "autotune": args.autotune,
-            "fuse_prologue": args.fuse_prologue, "fuse_reduction": args.fuse_reduction}
+            "fuse_prologue": args.fuse_prologue, "fuse_reduction": args.fuse_reduction,
+            "concurrent_branches": args.concurrent_branches}
 
 
 def _emit(text: str, out: Path | None) -> None:
@@ -172,6 +173,10 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--fuse-reduction", action="store_true",
                    help="fuse the H, W sum after a conv into its region (off by default: slower "
                         "on an H100 with cuDNN 9.19)")
+    p.add_argument("--concurrent-branches", action="store_true",
+                   help="leave the join of two branches out of the shorter branch's region, "
+                        "which then runs on a second CUDA stream in CUDA inference (off by "
+                        "default: not yet timed on a GPU)")
     p.add_argument("--autotune", type=int, default=DEFAULT_AUTOTUNE,
                    help="cuDNN plans built and timed per region on a GPU (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help=out_help)

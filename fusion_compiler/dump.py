@@ -20,15 +20,19 @@ def specialize_for_dump(model: torch.nn.Module, inputs: Sequence[Any], *, backen
     mode) and return the :class:`~fusion_compiler.compiler.Specialization`, without running it.
 
     ``options`` are :func:`fusion_compiler.compile`'s (``cache_dir``, ``autotune``,
-    ``fuse_prologue``, ``fuse_reduction``). The specialization is compiled without a CUDA graph and
-    without a glue backend (both only change how the graph is called, not its regions), and with
-    the passes ``compile()`` runs for CUDA inputs whatever the inputs' device (the cuDNN layout
-    rewrites included, see :func:`~fusion_compiler.passes.default_passes`), so a machine without
-    a GPU shows the graphs a GPU gets.
+    ``fuse_prologue``, ``fuse_reduction``, ``concurrent_branches``). The specialization is
+    compiled without a CUDA graph and without a glue backend (both only change how the graph is
+    called, not its regions; so no region is scheduled on a side stream, but with
+    ``concurrent_branches`` the regions are those it gets), and with the passes ``compile()`` runs
+    for CUDA inputs whatever the inputs' device (the cuDNN layout rewrites included, see
+    :func:`~fusion_compiler.passes.default_passes`), so a machine without a GPU shows the graphs a
+    GPU gets.
     """
     if "passes" not in options:
-        options["passes"] = default_passes(fuse_prologue=options.pop("fuse_prologue", False),
-                                           fuse_reduction=options.pop("fuse_reduction", False))
+        options["passes"] = default_passes(
+            fuse_prologue=options.pop("fuse_prologue", False),
+            fuse_reduction=options.pop("fuse_reduction", False),
+            concurrent_branches=options.pop("concurrent_branches", False))
     compiled = CompiledModule(model, backend=backend, **{"cuda_graph": False, "glue_backend": None,
                                                          **options})
     with torch.set_grad_enabled(model.training):

@@ -119,3 +119,14 @@ def test_bench_cli_on_cpu_times_eager_and_ours(tmp_path):
     # CUDA graphs need CUDA)
     assert result["compile_s"]["fusion_compiler, cold"] > 0
     assert result["compile_s"]["fusion_compiler, warm"] > 0
+
+
+def test_dump_shows_the_regions_concurrent_branches_gives():
+    """``--concurrent-branches``: the three downsample regions are bare convolutions, and the
+    table of ops left to PyTorch says why their residual adds are not in them."""
+    proc = _run("dump", REF, "--input", "8x3x64x64", "--device", "cpu", "--format", "json",
+                "--backend", "reference", "--concurrent-branches")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert sum(r["pattern"] == "conv3x3/s2" for r in report["regions"]) == 3
+    assert sum("joins a longer branch" in row["reason"] for row in report["pytorch"]) == 3

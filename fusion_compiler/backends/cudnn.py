@@ -512,9 +512,10 @@ class CudnnKernel:
         return tuple(result)
 
     def run_beside(self) -> None:
-        """Run on the side stream from now on (see the class doc); grows its workspace now, not
-        in a CUDA graph capture."""
+        """Run on the side stream from now on (see the class doc); makes the stream and grows its
+        workspace now, not in a CUDA graph capture."""
         self.beside, self.workspace = True, SIDE_WORKSPACE
+        side_stream(self.device)
         self.backend.workspace(self.device, self.plan.workspace_bytes, SIDE_WORKSPACE)
 
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
