@@ -24,7 +24,8 @@ import torch
 
 from .tiered import ThreadFlag
 
-__all__ = ["run_region", "register_kernel", "register_backward", "is_traced", "dry_run"]
+__all__ = ["run_region", "register_kernel", "register_backward", "is_traced", "dry_run",
+           "in_dry_run"]
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _OUTPUTS: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
@@ -41,6 +42,11 @@ def dry_run():
     which a CUDA graph of another thread may be replaying (:mod:`fusion_compiler.runtime.tiered`)."""
     with _DRY.raised():
         yield
+
+
+def in_dry_run() -> bool:
+    """Whether this thread is inside :func:`dry_run`."""
+    return bool(_DRY)
 
 
 def is_traced(t: torch.Tensor) -> bool:

@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from ..ops import conv_flops
 from ..region import Region, called_region
+from .region_op import in_dry_run
 
 __all__ = ["side_stream", "join_side_stream", "run_short_branches_beside", "MAIN_WORKSPACE",
            "SIDE_WORKSPACE"]
@@ -65,8 +66,10 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 def join_side_stream(outputs: list[torch.Tensor], keep: list[torch.Tensor]) -> None:
     """Make the current stream wait for the side stream of ``outputs``' device (see the module
     doc). ``outputs``: what a side-stream region returned (declared mutated, not touched);
-    ``keep``: its other tensor inputs, held until here. A no-op for CPU tensors."""
-    if outputs and outputs[0].is_cuda:
+    ``keep``: its other tensor inputs, held until here. A no-op for CPU tensors and in a
+    :func:`~.region_op.dry_run` (the background glue compile's run, whose regions, forks
+    included, do not run: it leaves the side stream to the calling thread)."""
+    if outputs and outputs[0].is_cuda and not in_dry_run():
         device = outputs[0].device
         torch.cuda.current_stream(device).wait_stream(side_stream(device))
 
