@@ -161,3 +161,33 @@ def test_inductor_keeps_the_fork_before_the_other_branch_and_the_join_after_it()
                                        ("r4", "r7", "r10"), joins):
         assert region(side) < region(first) < region(last) < join
     assert "clone" not in "".join(lines[i] for i in joins)
+
+
+class _ThreeBranches(nn.Module):
+    """An Inception-like fork into branches of one, two and three convolutions."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(16, 8, 1)
+        self.b1, self.b2 = nn.Conv2d(16, 8, 1), nn.Conv2d(8, 8, 3, padding=1)
+        self.c1, self.c2, self.c3 = (nn.Conv2d(16, 8, 1), nn.Conv2d(8, 8, 3, padding=1),
+                                     nn.Conv2d(8, 8, 3, padding=1))
+
+    def forward(self, x):
+        a = F.relu(self.a(x))
+        b = F.relu(self.b2(F.relu(self.b1(x))))
+        c = F.relu(self.c3(F.relu(self.c2(F.relu(self.c1(x))))))
+        return torch.cat([a, b, c], 1)
+
+
+def test_the_critical_path_stays_on_the_current_stream_and_the_rest_goes_beside():
+    """The longest branch (three convolutions) stays; the other two go to the side stream, one
+    join each, and a join that holds another side region's value is not taken for a reader."""
+    model = _ThreeBranches().eval()
+    x = torch.randn(2, 16, 8, 8)
+    gm, beside, _ = _scheduled(model, x)
+    patterns = {r.region_id: r.pattern for r in regions_of(gm)}
+    assert [patterns[r] for r in beside] == ["conv1x1 > add > relu", "conv1x1 > add > relu",
+                                             "conv3x3 > add > relu"]
+    assert len(list(gm.graph.find_nodes(op="call_function", target=JOIN))) == 3
+    torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)

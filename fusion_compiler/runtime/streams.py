@@ -10,9 +10,9 @@ one after the other). The fuse pass leaves the join out of the shorter branch's 
 (``fuse_regions(branches=True)``), and :func:`run_short_branches_beside` then schedules that
 region on a second stream:
 
-* **Which regions**: a cuDNN region whose convolution FLOPs are fewer than those of the regions
-  independent of it (neither its ancestors nor its descendants in the graph, ``networkx``): it is
-  the short branch of a fork. All such regions share one side stream per device.
+* **Which regions**: the cuDNN regions off the critical path, the longest path through the graph
+  with each region weighted by its convolution FLOPs (``networkx.dag_longest_path``): the short
+  branches of forks. All of them share one side stream per device.
 * **Fork**: the region's call moves to just after its inputs are made; its kernel makes the side
   stream wait for the current one (everything issued so far), runs there, on a workspace of its
   own (the main stream's may be in use at the same time), and allocates its outputs there.
@@ -95,24 +95,20 @@ def run_short_branches_beside(gm: fx.GraphModule,
     module doc); returns their region ids. ``eligible`` says which regions may go (default: cuDNN
     regions), ``mark`` makes a region's kernel run on the side stream (tests pass their own)."""
     graph = gm.graph
+    calls = {n: r for n in graph.nodes if (r := called_region(gm, n)) is not None}
+    flops = {n: conv_flops(r.conv, r.graph_module) or 0 for n, r in calls.items()}
     dag = nx.DiGraph()
     for node in graph.nodes:
         dag.add_node(node)
-        dag.add_edges_from((inp, node) for inp in node.all_input_nodes)
-    calls = {n: r for n in graph.nodes if (r := called_region(gm, n)) is not None}
-    flops = {n: conv_flops(r.conv, r.graph_module) or 0 for n, r in calls.items()}
-    chosen = []
-    for node, region in calls.items():
-        if not eligible(region):
-            continue
-        related = nx.ancestors(dag, node) | nx.descendants(dag, node) | {node}
-        beside = sum(f for n, f in flops.items() if n not in related)
-        if 0 < flops[node] < beside:
-            chosen.append(node)
+        dag.add_edges_from(((inp, node) for inp in node.all_input_nodes),
+                           weight=flops.get(node, 0))
+    critical = set(nx.dag_longest_path(dag, weight="weight", default_weight=0))
+    chosen = [n for n, r in calls.items() if n not in critical and flops[n] > 0 and eligible(r)]
+    main = {n for n in calls if n not in chosen}
     for node in chosen:
         _fork_early(graph, dag, node)
-        _join_before_readers(gm, dag, node)  # before the next edit adds a reader
-        _fork_before_other_branch(gm, dag, node, calls, eligible)
+        _join_before_readers(gm, dag, node, main)  # before the next edit adds a reader
+        _fork_before_other_branch(gm, dag, node, main, calls, eligible)
         mark(calls[node])
         calls[node].stream = "side"
     if chosen:
@@ -142,17 +138,18 @@ def _fork_early(graph: fx.Graph, dag: nx.DiGraph, call: fx.Node) -> None:
 
 
 def _fork_before_other_branch(gm: fx.GraphModule, dag: nx.DiGraph, call: fx.Node,
-                              calls: dict[fx.Node, Region],
+                              main: set[fx.Node], calls: dict[fx.Node, Region],
                               eligible: Callable[[Region], bool]) -> None:
-    """Give the first region after ``call`` that is independent of it (the other branch's first)
-    ``call``'s outputs as extra inputs, which its kernel ignores (``CudnnKernel`` reads as many
-    inputs as the region has): a compiled glue must then run the fork first. Otherwise the fork
-    may come after that region, and as it waits for everything issued before it, the side
-    stream would start only when that region is done (Inductor's scheduler chose such an order
-    on CPU, torch 2.13, in one of SE-ResNet9's three blocks)."""
+    """Give the first region on the current stream (in ``main``) after ``call`` that is
+    independent of it (the other branch's first) ``call``'s outputs as extra inputs, which its
+    kernel ignores (``CudnnKernel`` reads as many inputs as the region has): a compiled glue must
+    then run the fork first. Otherwise the fork may come after that region, and as it waits for
+    everything issued before it, the side stream would start only when that region is done
+    (Inductor's scheduler chose such an order on CPU, torch 2.13, in one of SE-ResNet9's three
+    blocks)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     related = nx.ancestors(dag, call) | nx.descendants(dag, call)
-    later = [n for n in calls if order[n] > order[call] and n not in related
+    later = [n for n in main if order[n] > order[call] and n not in related
              and eligible(calls[n])]
     if later:
         first = min(later, key=order.__getitem__)
@@ -164,23 +161,24 @@ def _outputs(call: fx.Node) -> list[fx.Node]:
                   key=lambda u: u.args[1]) or [call]
 
 
-def _join_before_readers(gm: fx.GraphModule, dag: nx.DiGraph, call: fx.Node) -> None:
-    """Insert ``join_side_stream`` before the first node that reads an output of ``call``.
+def _join_before_readers(gm: fx.GraphModule, dag: nx.DiGraph, call: fx.Node,
+                         main: set[fx.Node]) -> None:
+    """Insert ``join_side_stream`` before the first node that reads an output of ``call``
+    (joins inserted for other regions do not count: they only hold values).
 
     Besides the region's outputs and other inputs, the join reads the outputs of the last region
-    of the other branch (the latest region that the first reader depends on and ``call`` does
-    not), so that a compiled glue cannot schedule it before that branch's work: Inductor's
-    scheduler moves an op whose inputs are ready (on CPU, torch 2.13, it put the join right
-    after the fork)."""
+    of the other branch on the current stream (the latest region in ``main`` that the first
+    reader depends on and ``call`` does not), so that a compiled glue cannot schedule it before
+    that branch's work: Inductor's scheduler moves an op whose inputs are ready (on CPU, torch
+    2.13, it put the join right after the fork)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     outputs = _outputs(call)
-    first = min((r for out in outputs for r in out.users if r not in outputs),
+    first = min((r for out in outputs for r in out.users if r not in outputs and r in dag),
                 key=order.__getitem__)
     keep = [n for n in call.all_input_nodes if n.op != "get_attr"]
     other_branch = nx.ancestors(dag, first) - nx.ancestors(dag, call) - {call}
-    last = max((n for n in other_branch if called_region(gm, n) is not None),
-               key=order.__getitem__, default=None)
+    last = max(other_branch & main, key=order.__getitem__, default=None)
     if last is not None:
         keep += [o for o in _outputs(last) if o in other_branch]
     with graph.inserting_before(first):
