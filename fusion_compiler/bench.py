@@ -508,13 +508,17 @@ def kernel_profile(fn: Callable[[], object], calls: int = 20) -> tuple[str, dict
 
 def format_time_split(results: Sequence[dict]) -> str:
     """Where the time of each profiled variant goes, per call: GPU time by kernel category (ms,
-    kernel count) and the gaps (median wall time less the kernels' time: launches, waits); then,
-    a line each, every category's slowest kernel (mean us per launch)."""
+    kernel count) and the gaps (median wall time less the kernels' time: launches, waits), or
+    the overlap when the kernels' time is the larger (kernels on two streams at once,
+    ``compile(concurrent_branches=True)``); then, a line each, every category's slowest kernel
+    (mean us per launch)."""
     lines = []
     for r in results:
         for variant, cats in r.get("kernel_time", {}).items():
             t = r["ms"].get(variant)
-            gaps = "" if t is None else f"; gaps {t['median'] - cats['total']['ms']:.3f} ms"
+            gap = None if t is None else t["median"] - cats["total"]["ms"]
+            gaps = ("" if gap is None else f"; gaps {gap:.3f} ms" if gap >= 0
+                    else f"; overlap {-gap:.3f} ms")
             parts = ", ".join(f"{name} {c['ms']:.3f} ({c['kernels']:.0f})"
                               for name, c in cats.items() if name != "total")
             lines.append(f"{_row_name(r)}: {variant}: kernels {cats['total']['ms']:.3f} ms in "

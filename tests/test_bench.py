@@ -66,6 +66,8 @@ def test_kernel_categories_split_gpu_time_per_call():
     assert line.startswith("m 2x3 float16: v: kernels 0.224 ms in 7; gaps 0.076 ms: ")
     assert "conv forward 0.080 (1)" in line
     assert "    slowest triton glue: triton_red_fused_sum_threshold_backward_52 20.0 us" in slowest
+    result["ms"]["v"]["median"] = 0.2  # kernels on two streams at once
+    assert "; overlap 0.024 ms: " in format_time_split([result]).splitlines()[0]
 
 
 def test_tuning_table_gives_the_chosen_plans_tflops():
