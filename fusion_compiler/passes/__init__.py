@@ -8,7 +8,8 @@ fold_bn            eval batch norm after a conv -> per-channel scale + bias
 space_to_depth     SpaceToDepth(b) + 1x1 conv -> b x b stride-b conv, or (image channels
                    cuDNN would pad) one channels_last SpaceToDepth copy + the 1x1 conv
 avgpool_conv       AvgPool2d(k, s, p, count_include_pad) + 1x1 conv -> k x k stride-s conv
-fuse               conv chains -> Region submodules (prologue, epilogue, exit reduction)
+fuse               conv chains -> Region submodules (prologue, epilogue, exit reduction;
+                   with ``concurrent_branches``, a join of two branches left to the longer one)
 verify             checks SSA, beta = 0, one conv per region, no aliasing (raises FusionError)
 =================  ==========================================================================
 """
