@@ -258,7 +258,7 @@ def _check_regions(compiled: CompiledModule, inputs: Sequence[Any], train: bool,
         recorder.run(*inputs)
     for call, region, args, outs in recorder.calls:
         sub = region.graph_module
-        args = _unpadded(region, args)
+        args = _own_args(region, args)
         with torch.no_grad():
             ref = sub(*(_double(a) for a in args))
             eager = sub(*args)
@@ -271,7 +271,7 @@ def _check_regions(compiled: CompiledModule, inputs: Sequence[Any], train: bool,
             _check_region_grads(call, region, args, outs, derived, tol, seed, report)
 
 
-def _unpadded(region: Region, args: tuple) -> tuple:
+def _own_args(region: Region, args: tuple) -> tuple:
     """``args`` as the region's own ops take them: without the inputs past the region's own (they
     only order a side-stream region before this one, :mod:`.runtime.streams`), and an image the
     graph zero-padded for its cuDNN kernel (``Region.padded_images``) narrowed back to the

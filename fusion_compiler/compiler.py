@@ -326,10 +326,15 @@ class CompiledModule(torch.nn.Module):
             self._print_report(spec, grad)
         return spec
 
+    def _graphed_inference(self, on_cuda: bool, grad: bool) -> bool:
+        """Whether a specialization is CUDA inference in a CUDA graph: what tiering and
+        concurrent branches apply to."""
+        return on_cuda and not grad and bool(self.cuda_graph)
+
     def _concurrent(self, on_cuda: bool, grad: bool) -> bool:
         """Whether short branches run on a second stream (``concurrent_branches``): CUDA
         inference in a CUDA graph."""
-        return self.concurrent_branches and on_cuda and not grad and bool(self.cuda_graph)
+        return self.concurrent_branches and self._graphed_inference(on_cuda, grad)
 
     def _print_report(self, spec: Specialization, grad: bool) -> None:
         from .report import format_gradients, format_regions  # noqa: PLC0415
@@ -350,8 +355,8 @@ class CompiledModule(torch.nn.Module):
                                   notes=notes)
         runner_for = functools.partial(_with_hoisting_and_formats, hoisted=hoisted,
                                        formats=formats)
-        tiered = (self.tiered and glue == "inductor" and not grad and amp is None and on_cuda
-                  and bool(self.cuda_graph))
+        tiered = (self.tiered and glue == "inductor" and amp is None
+                  and self._graphed_inference(on_cuda, grad))
         call = gm if glue is None or tiered else torch.compile(gm, backend=glue, fullgraph=True,
                                                                dynamic=False)
         runner, graphed = runner_for(call), None
@@ -380,7 +385,7 @@ class CompiledModule(torch.nn.Module):
         cache: loading them is quicker than tier 0's first eager call). Tier 0 is for CUDA
         inference specializations in a CUDA graph (not ``cuda_graph=False``), without autocast,
         with ``tiered``."""
-        if not (self.tiered and on_cuda and not grad and amp is None and bool(self.cuda_graph)):
+        if not (self.tiered and amp is None and self._graphed_inference(on_cuda, grad)):
             return ""
         return plan_work(gm, self.backend, cache_dir=self.cache_dir, autotune=self.autotune)
 

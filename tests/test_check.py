@@ -93,7 +93,7 @@ def test_tolerances_follow_the_dtype():
 def test_region_check_narrows_an_image_the_graph_padded_for_cudnn():
     """A cuDNN region whose image the graph zero-padded (``Region.padded_images``, inference)
     gets it with 8 channels; its own ops, run as the fp64 reference, take the 3 it declares."""
-    from fusion_compiler.check import _unpadded
+    from fusion_compiler.check import _own_args
     from fusion_compiler.region import called_region
 
     compiled = CompiledModule(torch.nn.Conv2d(3, 8, 3).eval(), glue_backend=None)
@@ -102,7 +102,9 @@ def test_region_check_narrows_an_image_the_graph_padded_for_cudnn():
     region = next(r for n in gm.graph.nodes if (r := called_region(gm, n)) is not None)
     x, w = torch.randn(2, 8, 8, 8), torch.randn(8, 3, 3, 3)
     x[:, 3:] = 0
-    assert _unpadded(region, (x, w))[0].shape == (2, 8, 8, 8)  # nothing padded: as given
+    assert _own_args(region, (x, w))[0].shape == (2, 8, 8, 8)  # nothing padded: as given
     region.padded_images = {0: 8}
-    narrowed, weight = _unpadded(region, (x, w))
+    narrowed, weight = _own_args(region, (x, w))
     assert narrowed.shape == (2, 3, 8, 8) and torch.equal(narrowed, x[:, :3]) and weight is w
+    # an ordering input past the region's own (runtime.streams) is not the region's
+    assert len(_own_args(region, (x, w, torch.randn(2, 8, 6, 6)))) == 2

@@ -18,6 +18,7 @@ import torch
 from ..errors import UnsupportedError, condense
 from ..runtime.cuda_graph import EVERY_CALL, weight_cache_scope
 from ..runtime.plan_cache import PlanCache, StaleEntry
+from ..runtime.streams import MAIN_WORKSPACE
 from .autotune import PlanTiming, ensure_timing_allowed, fastest, gpu_time_ms, sample_pack
 from .cudnn_graph import import_cudnn
 from .cudnn_recipe import build_pygraph, recipe_key
@@ -38,7 +39,8 @@ class PlanBackend(Protocol):
 
     def handle(self, device: torch.device) -> Any: ...
 
-    def workspace(self, device: torch.device, nbytes: int, key: str = ...) -> torch.Tensor: ...
+    def workspace(self, device: torch.device, nbytes: int,
+                  key: str = MAIN_WORKSPACE) -> torch.Tensor: ...
 
     def header(self, key: str, device: torch.device) -> dict: ...
 
@@ -215,7 +217,7 @@ class CudnnPlan:
         return cudnn_ms, pytorch_ms
 
     def execute(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                workspace: str = "main") -> None:
+                workspace: str = MAIN_WORKSPACE) -> None:
         """Run the plan: ``inputs``/``outputs`` in the graph's input/output order, laid out as
         declared (fully packed NHWC for 4-d tensors), on the current torch stream, with the
         backend's workspace of key ``workspace`` (:mod:`fusion_compiler.runtime.streams`).
