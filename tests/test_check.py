@@ -107,4 +107,7 @@ def test_region_check_narrows_an_image_the_graph_padded_for_cudnn():
     narrowed, weight = _own_args(region, (x, w))
     assert narrowed.shape == (2, 3, 8, 8) and torch.equal(narrowed, x[:, :3]) and weight is w
     # an ordering input past the region's own (runtime.streams) is not the region's
-    assert len(_own_args(region, (x, w, torch.randn(2, 8, 6, 6)))) == 2
+    own = (x, w, torch.randn(8))  # image, weight, bias
+    assert len(list(region.graph_module.graph.find_nodes(op="placeholder"))) == 3
+    assert _own_args(region, (*own, torch.randn(2, 8, 6, 6)))[2] is own[2]
+    assert len(_own_args(region, (*own, torch.randn(2, 8, 6, 6)))) == 3
