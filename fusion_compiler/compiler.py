@@ -28,6 +28,7 @@ from .runtime.hoist import HoistedParameters, hoist_parameter_subgraphs
 from .runtime.layout import (channel_padded_images, channels_last_activations, four_channel_images,
                              nchw_padded_avg_pools)
 from .runtime.plan_cache import PlanCache, default_cache_dir
+from .runtime.space_to_depth import space_to_depth_stems
 from .runtime.streams import run_short_branches_beside
 from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy, unlowered_copy
 
@@ -470,7 +471,8 @@ class CompiledModule(torch.nn.Module):
     def _lower(self, gm: fx.GraphModule, lock: str, grad: bool, requires: tuple[bool, ...],
                on_cuda: bool, progress: bool | None = None) -> HoistedParameters | None:
         """Give every region of ``gm`` its kernel (:func:`~fusion_compiler.lowering.lower`, under
-        the compile lock ``lock`` shared with other processes), then the layout edits of
+        the compile lock ``lock`` shared with other processes; in CUDA inference the Triton
+        SpaceToDepth stems of :mod:`.runtime.space_to_depth`), then the layout edits of
         :mod:`.runtime.layout`, the hoisting of an inference graph's parameter subgraphs
         (:mod:`.runtime.hoist`) and, with :meth:`_concurrent`, the side stream's schedule
         (:mod:`.runtime.streams`); returns the hoisted subgraphs, or ``None``."""
@@ -480,6 +482,10 @@ class CompiledModule(torch.nn.Module):
             lower(gm, self.backend, progress=self.progress if progress is None else progress,
                   training=grad, derived_backward=self.derived_backward, no_grad_inputs=frozen,
                   cache_dir=self.cache_dir, autotune=self.autotune)
+        if (on_cuda and not grad and self.backend != "reference" and not _triton_reason()
+                and (stems := space_to_depth_stems(gm))):
+            log.info("regions %s run SpaceToDepth, conv and epilogue as one Triton kernel",
+                     ", ".join(stems))
         if on_cuda:
             four_channel_images(gm)
             if not grad:

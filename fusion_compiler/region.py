@@ -90,6 +90,8 @@ class Region(torch.nn.Module):
             arrive so (:func:`fusion_compiler.runtime.layout.channel_padded_images`).
         stream: ``"side"`` when the region runs on the side stream beside a longer branch
             (:func:`fusion_compiler.runtime.streams.run_short_branches_beside`), else ``""``.
+        space_to_depth: the block size when the region's prologue is a SpaceToDepth of its image
+            (:func:`fusion_compiler.runtime.space_to_depth.space_to_depth_stems`), else 0.
     """
 
     def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str]):
@@ -114,6 +116,7 @@ class Region(torch.nn.Module):
         self.nhwc_inputs: frozenset[int] = frozenset()
         self.padded_images: dict[int, int] = {}
         self.stream = ""
+        self.space_to_depth = 0
         self._lowered: Callable[..., Any] | None = None  # None: run graph_module itself
 
     @property
@@ -160,6 +163,8 @@ class Region(torch.nn.Module):
                 reductions.append(op_name(n))
             else:
                 (epilogue if seen_conv else prologue).append(op_name(n))
+        if self.space_to_depth:  # the SpaceToDepth's view, permutes and reshapes
+            prologue = [f"space_to_depth{self.space_to_depth}"]
         text = (f"[{' > '.join(prologue)}] " if prologue else "") + op_name(conv)
         text += "".join(f" > {op}" for op in epilogue)
         return text + "".join(f" + {r}" for r in reductions)

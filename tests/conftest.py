@@ -68,6 +68,13 @@ def patterns(spec) -> list[str]:
     return [r.pattern for r in spec.regions]
 
 
+def lowered_on_gpu(region) -> bool:
+    """Whether a region of a CUDA specialization got a GPU kernel: a cuDNN plan, or the Triton
+    kernel of a SpaceToDepth stem (``runtime/space_to_depth.py``, CUDA inference)."""
+    return region.status == "lowered" and (
+        region.backend == "cudnn" or (region.backend == "triton" and region.space_to_depth > 0))
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |a - e| / max |e| (expected must not be all zeros)."""
     expected = expected.double()

@@ -31,6 +31,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from conftest import lowered_on_gpu  # noqa: E402
 from fusion_compiler.check import check  # noqa: E402
 from fusion_compiler.compiler import CompiledModule  # noqa: E402
 from fusion_compiler.passes.verify import verify  # noqa: E402
@@ -165,7 +166,7 @@ def run_case(specs, shape, dtype_name: str, channels_last: bool, device: str,
     for conv in unfused_convolutions(spec.graph_module):
         assert conv["reason"], conv
     for region in spec.regions:
-        assert region.backend == "cudnn" or (region.status == "fallback" and region.reason) or \
+        assert lowered_on_gpu(region) or (region.status == "fallback" and region.reason) or \
             device == "cpu", (region.region_id, region.pattern, region.backend, region.reason)
     bad = [f"{c.region or 'model'} {c.name}: {c.error:.2e} (eager {c.eager_error}, tol "
            f"{c.tolerance})" for c in report.comparisons if not c.ok]

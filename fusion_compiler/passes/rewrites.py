@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..ops import CONV, avg_pool2d_args, is_call, is_conv
 
-__all__ = ["space_to_depth_conv", "avgpool_conv"]
+__all__ = ["space_to_depth_conv", "avgpool_conv", "space_to_depth_source"]
 
 
 def _shape(node: object) -> tuple[int, ...] | None:
@@ -111,6 +111,43 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
     g.lint()
     gm.recompile()
     return gm
+
+
+def space_to_depth_source(node: object) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """``(x, b, chain)`` when ``node`` is SpaceToDepth(b) of ``x`` in either form this module
+    knows, else ``None``; ``chain`` lists the nodes from ``x`` to ``node`` (``x`` excluded).
+
+    * the model's own: ``x.view(N,C,H/b,b,W/b,b).permute(0,3,5,1,2,4).reshape(N,b*b*C,H/b,W/b)``;
+    * :func:`space_to_depth_conv`'s copy to channels_last:
+      ``permute(reshape(permute(x.view(N,C,H/b,b,W/b,b), (0,2,4,3,5,1)), (N,H/b,W/b,b*b*C)),
+      (0,3,1,2))``.
+
+    Both are ``out[n, (dh*b+dw)*C + c, hb, wb] = x[n, c, b*hb+dh, b*wb+dw]``; shapes are read
+    from ``meta["val"]``.
+    """
+    if _permutation(node) == (0, 3, 1, 2) and _is_reshape(node.args[0]):  # the NHWC copy
+        flat = node.args[0]
+        perm = flat.args[0]
+        if _permutation(perm) != (0, 2, 4, 3, 5, 1):
+            return None
+        head = [perm, flat, node]
+    elif _is_reshape(node) and _permutation(node.args[0]) == (0, 3, 5, 1, 2, 4):
+        perm = node.args[0]
+        head = [perm, node]
+    else:
+        return None
+    split = perm.args[0]
+    if not _is_reshape(split) or not isinstance(split.args[0], fx.Node):
+        return None
+    x = split.args[0]
+    xs, ss, out = _shape(x), _shape(split), _shape(node)
+    if xs is None or ss is None or out is None or len(xs) != 4 or len(ss) != 6:
+        return None
+    n, c, h, w = xs
+    b = ss[3]
+    if b < 1 or ss != (n, c, h // b, b, w // b, b) or out != (n, b * b * c, h // b, w // b):
+        return None
+    return x, b, [split, *head]
 
 
 def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:

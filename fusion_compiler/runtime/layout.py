@@ -33,15 +33,21 @@ from ..ops import avg_pool2d_args, is_call
 from ..region import called_region
 
 __all__ = ["channels_last_activations", "channel_padded_images", "four_channel_images",
-           "nchw_padded_avg_pools"]
+           "nchw_padded_avg_pools", "NHWC_OUTPUT_BACKENDS"]
+
+
+#: Backends whose region outputs are channels_last: cuDNN's, and the Triton SpaceToDepth stems
+#: of :mod:`.space_to_depth`.
+NHWC_OUTPUT_BACKENDS = ("cudnn", "triton")
 
 
 def _made_by_cudnn(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node`` is an output of a cuDNN region (``getitem`` of its call): channels_last."""
+    """Whether ``node`` is an output of a region that writes channels_last (``getitem`` of its
+    call; :data:`NHWC_OUTPUT_BACKENDS`)."""
     if node.op != "call_function" or node.target is not operator.getitem:
         return False
     region = called_region(gm, node.args[0])
-    return region is not None and region.backend == "cudnn"
+    return region is not None and region.backend in NHWC_OUTPUT_BACKENDS
 
 
 def _reroute_through(gm: fx.GraphModule, node: fx.Node, readers: list[fx.Node],
@@ -159,8 +165,8 @@ def four_channel_images(gm: fx.GraphModule) -> int:
 def channels_last_activations(gm: fx.GraphModule) -> int:
     """Convert each 4-d value that regions read as a channels_last activation
     (``Region.nhwc_inputs``: cuDNN kernels, and regions left to PyTorch because their ops timed
-    faster on channels_last inputs) to channels_last once, right where it is made, unless a cuDNN
-    region made it (in place); returns how many values were converted.
+    faster on channels_last inputs) to channels_last once, right where it is made, unless a region
+    that writes channels_last made it (in place); returns how many values were converted.
 
     Without it, every reading cuDNN region converts the value itself, inside its kernel: a graph
     input or a PyTorch op's NCHW output read by two regions is copied twice, and a region left to

@@ -1,0 +1,76 @@
+"""The Triton kernel of :mod:`fusion_compiler.runtime.space_to_depth` (imported only when Triton
+does: this module imports it at the top, as Triton resolves the helpers a kernel calls among its
+module's globals).
+
+One program computes ``HB`` output rows of one sample: for each image channel it loads the
+``HB * B`` image rows contiguously, rearranges them in registers into ``[HB * W/B, B*B]`` (pixel,
+tap) and accumulates ``tl.dot`` with the ``[B*B, K]`` weight taps of that channel, in fp32; then
+it applies up to four epilogue ops (codes of ``space_to_depth.py``) and stores the requested
+stages as channels_last rows.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def step(acc, OP: tl.constexpr, p, s, k):
+    if OP == 1:
+        acc = acc + tl.load(p + k * s).to(tl.float32)[None, :]
+    elif OP == 2:
+        acc = acc - tl.load(p + k * s).to(tl.float32)[None, :]
+    elif OP == 3:
+        acc = acc * tl.load(p + k * s).to(tl.float32)[None, :]
+    elif OP == 4:
+        acc = acc / tl.load(p + k * s).to(tl.float32)[None, :]
+    elif OP == 5:
+        acc = tl.maximum(acc, 0.0)
+    elif OP == 6:
+        acc = tl.sigmoid(acc)
+    elif OP == 7:
+        acc = 2.0 * tl.sigmoid(2.0 * acc) - 1.0
+    return acc
+
+@triton.jit
+def store(acc, STAGE: tl.constexpr, OUT0: tl.constexpr, OUT1: tl.constexpr, y0, y1, offs):
+    if OUT0 == STAGE:
+        tl.store(y0 + offs, acc.to(y0.dtype.element_ty))
+    if OUT1 == STAGE:
+        tl.store(y1 + offs, acc.to(y1.dtype.element_ty))
+
+@triton.jit
+def space_to_depth_conv_kernel(
+        x, w, sw_k, sw_c, y0, y1, p0, p1, p2, p3, s0, s1, s2, s3,
+        C: tl.constexpr, H: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
+        B: tl.constexpr, HB: tl.constexpr,
+        OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+        OUT0: tl.constexpr, OUT1: tl.constexpr):
+    HO: tl.constexpr = H // B
+    WO: tl.constexpr = W // B
+    pid = tl.program_id(0)
+    n = (pid // (HO // HB)).to(tl.int64)
+    hb0 = (pid % (HO // HB)) * HB
+    rows = tl.arange(0, HB * B)
+    cols = tl.arange(0, W)
+    taps = tl.arange(0, B * B)
+    k = tl.arange(0, K)
+    acc = tl.zeros((HB * WO, K), dtype=tl.float32)
+    for c in range(C):
+        # image rows b*hb0 .. b*(hb0+HB)-1 of channel c, loaded contiguously
+        tile = tl.load(x + ((n * C + c) * H + hb0 * B) * W + rows[:, None] * W + cols[None, :])
+        tile = tl.permute(tl.reshape(tile, (HB, B, WO, B)), (0, 2, 1, 3))  # hb, wb, dh, dw
+        a = tl.reshape(tile, (HB * WO, B * B))
+        # weight[k, (dh*B+dw)*C + c] as a [taps, K] tile
+        wc = tl.load(w + k[None, :] * sw_k + (taps[:, None] * C + c) * sw_c)
+        acc = tl.dot(a, wc, acc)
+    pix = tl.arange(0, HB * WO)
+    offs = ((n * HO + hb0) * WO + pix[:, None]) * K + k[None, :]  # channels_last output
+    store(acc, 0, OUT0, OUT1, y0, y1, offs)
+    acc = step(acc, OP0, p0, s0, k)
+    store(acc, 1, OUT0, OUT1, y0, y1, offs)
+    acc = step(acc, OP1, p1, s1, k)
+    store(acc, 2, OUT0, OUT1, y0, y1, offs)
+    acc = step(acc, OP2, p2, s2, k)
+    store(acc, 3, OUT0, OUT1, y0, y1, offs)
+    acc = step(acc, OP3, p3, s3, k)
+    store(acc, 4, OUT0, OUT1, y0, y1, offs)

@@ -1,0 +1,144 @@
+"""The SpaceToDepth stem edit (:mod:`fusion_compiler.runtime.space_to_depth`) on the CPU: which
+regions it takes, the graph it leaves, numerics through the op's torch-ops path, the op's fake
+(channels_last) outputs. tests/test_gpu_space_to_depth.py runs the Triton kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from examples.seresnet9_fixup import SpaceToDepth, randomized_se_resnet9_fixup_depth
+from fusion_compiler.capture import capture
+from fusion_compiler.lowering import lower, regions_of
+from fusion_compiler.passes import PassManager, default_passes
+from fusion_compiler.passes.rewrites import space_to_depth_source
+from fusion_compiler.runtime.space_to_depth import (OP, space_to_depth_conv,
+                                                    space_to_depth_conv_reference,
+                                                    space_to_depth_stems)
+from conftest import rel_err
+
+DT = torch.bfloat16  # the kernel's dtypes are fp16 and bf16; CPU convolutions take bf16
+
+
+def _lowered(model: nn.Module, x: torch.Tensor, cuda_form: bool):
+    """``model`` through the pass pipeline (``cuda_form``: with the rewrite to the NHWC copy that
+    CUDA specializations get) and lowered to the reference backend."""
+    gm = PassManager(default_passes(cuda=cuda_form), [x]).run(capture(model))
+    return lower(gm, "reference")
+
+
+@pytest.mark.parametrize("cuda_form", [False, True])
+def test_depth_stem_becomes_one_op_reading_the_image(cuda_form):
+    torch.manual_seed(0)
+    model = randomized_se_resnet9_fixup_depth().to(DT).eval()
+    x = torch.randn(2, 11, 64, 64, dtype=DT)
+    gm = _lowered(model, x, cuda_form)
+    with torch.no_grad():
+        before = gm(x)
+        assert space_to_depth_stems(gm) == ["r0"]
+        after = gm(x)
+        want = model.float()(x.float())
+    stem = regions_of(gm)[0]
+    assert stem.backend == "triton" and stem.status == "lowered"
+    assert stem.pattern == "[space_to_depth4] conv1x1 > relu > add"
+    assert stem.cudnn_graph is None and "Triton" in stem.plan
+    # the region reads the image itself; no SpaceToDepth node is left in the outer graph
+    call = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "region_0")
+    assert call.args[0].op == "placeholder"
+    before_call = list(gm.graph.nodes)[:list(gm.graph.nodes).index(call)]
+    assert all(n.op in ("placeholder", "get_attr") for n in before_call)
+    # its graph module is still the region's exact semantics (tier 0 and checks run it)
+    ph = next(iter(stem.graph_module.graph.find_nodes(op="placeholder")))
+    assert tuple(ph.meta["val"].shape) == (2, 11, 64, 64)
+    # the network's output, against fp32, beside the unedited graph's
+    assert rel_err(after.float(), want) < 2e-2 and rel_err(before.float(), want) < 2e-2
+
+
+def test_recognizes_both_forms_and_nothing_else():
+    x = torch.randn(2, 11, 64, 64, dtype=DT)
+    for cuda_form in (False, True):
+        gm = PassManager(default_passes(cuda=cuda_form), [x]).run(capture(SpaceToDepth(4)))
+        out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        found = space_to_depth_source(out)
+        if not cuda_form:
+            assert found is not None and found[1] == 4 and found[0].op == "placeholder"
+    plain = capture(nn.Sequential(nn.ReLU()))
+    assert all(space_to_depth_source(n) is None for n in plain.graph.nodes)
+
+
+class _Stem(nn.Module):
+    """SpaceToDepth(4), 1x1 conv, then an epilogue the kernel may or may not take."""
+
+    def __init__(self, epilogue: str, channels: int = 3, out: int = 32):
+        super().__init__()
+        self.s2d = SpaceToDepth(4)
+        self.conv = nn.Conv2d(16 * channels, out, 1, bias=True)
+        self.scale = nn.Parameter(torch.rand(1, out, 1, 1) + 0.5)
+        self.epilogue = epilogue
+
+    def forward(self, x):
+        y = self.conv(self.s2d(x))
+        if self.epilogue == "sigmoid_scale":
+            return torch.sigmoid(y) * self.scale - 0.25
+        if self.epilogue == "tanh_two_outputs":
+            t = torch.tanh(y / 2.0)
+            return t, t * self.scale
+        if self.epilogue == "residual":  # the add reads two outputs: it stays outside
+            return torch.relu(y) + y.flip(0)
+        if self.epilogue == "clipped":  # clamp: not an op the kernel runs
+            return torch.clamp(y, 0.0, 6.0)
+        return torch.relu(y)
+
+
+@pytest.mark.parametrize("epilogue,taken", [("relu", True), ("sigmoid_scale", True),
+                                            ("tanh_two_outputs", True), ("residual", True),
+                                            ("clipped", False)])
+def test_epilogues_the_kernel_takes(epilogue, taken):
+    torch.manual_seed(1)
+    model = _Stem(epilogue).to(DT).eval()
+    x = torch.randn(3, 3, 32, 64, dtype=DT)
+    gm = _lowered(model, x, cuda_form=True)
+    with torch.no_grad():
+        assert space_to_depth_stems(gm) == (["r0"] if taken else [])
+        got = gm(x)
+        want = model.float()(x.float())
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for g, w in zip(got, want):
+        assert rel_err(g.float(), w) < 2e-2
+
+
+def test_shapes_the_kernel_does_not_take_stay():
+    torch.manual_seed(2)
+    for model, x in [(_Stem("relu", out=24).to(DT).eval(), torch.randn(2, 3, 32, 64, dtype=DT)),
+                     (_Stem("relu").eval(), torch.randn(2, 3, 32, 64)),  # fp32
+                     (_Stem("relu").to(DT).eval(), torch.randn(2, 3, 32, 48, dtype=DT))]:
+        gm = _lowered(model, x, cuda_form=True)
+        assert space_to_depth_stems(gm) == []
+        assert all(r.backend == "reference" for r in regions_of(gm))
+
+
+def test_op_reference_and_fake_outputs():
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 16, 64, dtype=DT)
+    w = torch.randn(32, 48, 1, 1, dtype=DT) * 0.2
+    b = torch.randn(1, 32, 1, 1, dtype=DT)
+    got = space_to_depth_conv(x, w, [b, torch.tensor([0.5])], [1, 5, 3], [0, 3], 4)
+    s2d = SpaceToDepth(4)(x.double())
+    y0 = torch.nn.functional.conv2d(s2d, w.double())
+    y3 = torch.relu(y0 + b.double()) * 0.5
+    assert len(got) == 2 and all(g.is_contiguous(memory_format=torch.channels_last) for g in got)
+    assert rel_err(got[0].double(), y0) < 1e-2 and rel_err(got[1].double(), y3) < 1e-2
+    ref = space_to_depth_conv_reference(x.double(), w.double(), [b.double(), torch.tensor(
+        [0.5], dtype=torch.float64)], [1, 5, 3], [3], 4)[0]
+    torch.testing.assert_close(ref, y3)
+    with FakeTensorMode() as mode:
+        fx_, fw = mode.from_tensor(x), mode.from_tensor(w)
+        outs = OP(fx_, fw, [], [5], [1], 4)
+    assert outs[0].shape == (2, 32, 4, 16)
+    assert outs[0].stride() == (32 * 4 * 16, 1, 16 * 32, 32)
+    with pytest.raises(ValueError, match="at most"):
+        space_to_depth_conv(x, w, [], [5] * 5, [0], 4)
