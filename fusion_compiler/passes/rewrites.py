@@ -5,7 +5,10 @@ lowers to cuDNN well.
   stride-b convolution with the weight rearranged (a change of summation order only). That form
   is used when the image's channel count needs no padding for cuDNN; otherwise (the 3-channel RGB
   and 11-channel depth stems) the SpaceToDepth becomes one copy straight to channels_last and
-  the 1x1 convolution stays, on ``b*b*C`` channels that need no padding.
+  the 1x1 convolution stays, on ``b*b*C`` channels that need no padding. In CUDA inference,
+  after lowering, such a region absorbs the copy and runs as one Triton kernel
+  (:mod:`fusion_compiler.runtime.space_to_depth`, which finds it with
+  :func:`space_to_depth_source`).
 * :func:`avgpool_conv` -- ``AvgPool2d(k, s, p, count_include_pad=True)`` followed by a 1x1
   convolution equals a k x k, stride-s, pad-p convolution whose every tap is ``weight / k**2``
   (both are linear; the pool's divisor is always ``k**2`` when padding counts).

@@ -1,5 +1,6 @@
 """Concurrent branches: a short branch's cuDNN region runs on a second CUDA stream
-(``compile(concurrent_branches=True)``, opt-in until timed on a GPU).
+(``compile(concurrent_branches=True)``, opt-in: on an H100 faster on SE-ResNet9 RGB
+N=128, slower on depth N=512, README).
 
 A residual block with a downsample convolution forks at its input: the main path (conv1, conv2,
 the SE gate) and the downsample convolution read the same value and meet again at the residual
