@@ -44,7 +44,7 @@ from ..region import Region, called_region, operand_kind
 from .region_op import in_dry_run
 
 __all__ = ["space_to_depth_conv", "space_to_depth_conv_reference", "space_to_depth_stems",
-           "OP", "BLOCK", "MAX_STEPS", "MAX_OUTPUTS"]
+           "kernel_reason", "SpaceToDepthConvKernel", "OP", "BLOCK", "MAX_STEPS", "MAX_OUTPUTS"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -339,4 +339,3 @@ def space_to_depth_stems(gm: fx.GraphModule) -> list[str]:
         gm.graph.lint()
         gm.recompile()
     return changed
-

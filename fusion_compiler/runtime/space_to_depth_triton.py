@@ -15,6 +15,8 @@ import triton.language as tl
 
 @triton.jit
 def step(acc, OP: tl.constexpr, p, s, k):
+    # one epilogue op on the fp32 [pixels, K] tile: a binary op with the operand at p (s: 1 per
+    # channel, 0 one element), or an activation; OP 0 does nothing
     if OP == 1:
         acc = acc + tl.load(p + k * s).to(tl.float32)[None, :]
     elif OP == 2:
@@ -31,12 +33,15 @@ def step(acc, OP: tl.constexpr, p, s, k):
         acc = 2.0 * tl.sigmoid(2.0 * acc) - 1.0
     return acc
 
+
 @triton.jit
 def store(acc, STAGE: tl.constexpr, OUT0: tl.constexpr, OUT1: tl.constexpr, y0, y1, offs):
+    # store the tile to the output(s) that asked for stage STAGE (0: the convolution's value)
     if OUT0 == STAGE:
         tl.store(y0 + offs, acc.to(y0.dtype.element_ty))
     if OUT1 == STAGE:
         tl.store(y1 + offs, acc.to(y1.dtype.element_ty))
+
 
 @triton.jit
 def space_to_depth_conv_kernel(
@@ -45,6 +50,8 @@ def space_to_depth_conv_kernel(
         B: tl.constexpr, HB: tl.constexpr,
         OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
         OUT0: tl.constexpr, OUT1: tl.constexpr):
+    # x [N, C, H, W] contiguous, w [K, B*B*C] with strides sw_k, sw_c; y0/y1 [N, K, H/B, W/B]
+    # channels_last; grid N * (H/B) / HB programs
     HO: tl.constexpr = H // B
     WO: tl.constexpr = W // B
     pid = tl.program_id(0)
