@@ -313,7 +313,6 @@ def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypa
         assert "fused" not in {r.status for r in spec.regions}
 
 
-
 def test_gpu_timing_is_refused_inside_timing_deferred():
     from fusion_compiler.backends.autotune import (ensure_timing_allowed, paired_time_ms,
                                                    timing_deferred)

@@ -56,15 +56,18 @@ def test_depth_stem_becomes_one_op_reading_the_image(cuda_form):
     assert rel_err(after.float(), want) < 2e-2 and rel_err(before.float(), want) < 2e-2
 
 
-def test_recognizes_both_forms_and_nothing_else():
-    x = torch.randn(2, 11, 64, 64, dtype=DT)
-    for cuda_form in (False, True):
-        gm = PassManager(default_passes(cuda=cuda_form), [x]).run(capture(SpaceToDepth(4)))
-        out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        found = space_to_depth_source(out)
-        if not cuda_form:
-            assert found is not None and found[1] == 4 and found[0].op == "placeholder"
+@pytest.mark.parametrize("cuda_form,length", [(False, 3), (True, 4)])
+def test_recognizes_both_forms_and_nothing_else(cuda_form, length):
+    """The model's own SpaceToDepth (view, permute, reshape) and the rewrite's NHWC copy (view,
+    permute, reshape, permute), each read by the 1x1 conv; nothing in a graph without one."""
+    x = torch.randn(2, 3, 32, 64, dtype=DT)
+    passes = [p for p in default_passes(cuda=cuda_form) if p.name not in ("fuse", "verify")]
+    gm = PassManager(passes, [x]).run(capture(_Stem("relu").to(DT).eval()))
+    conv = next(n for n in gm.graph.nodes if n.target is torch.conv2d)
+    found = space_to_depth_source(conv.args[0])
+    assert found is not None
+    source, block, chain = found
+    assert (source.op, block, len(chain), chain[-1]) == ("placeholder", 4, length, conv.args[0])
     plain = capture(nn.Sequential(nn.ReLU()))
     assert all(space_to_depth_source(n) is None for n in plain.graph.nodes)
 

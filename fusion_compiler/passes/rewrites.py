@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..ops import CONV, avg_pool2d_args, is_call, is_conv
 
-__all__ = ["space_to_depth_conv", "avgpool_conv", "space_to_depth_source"]
+__all__ = ["space_to_depth_conv", "avgpool_conv", "space_to_depth_source", "pointwise_conv"]
 
 
 def _shape(node: object) -> tuple[int, ...] | None:
@@ -33,7 +33,7 @@ def _shape(node: object) -> tuple[int, ...] | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _pointwise_conv(node: fx.Node) -> bool:
+def pointwise_conv(node: fx.Node) -> bool:
     """A plain 1x1 convolution: stride 1, no padding, no dilation, no groups."""
     if not is_conv(node):
         return False
@@ -80,7 +80,7 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
     """
     g = gm.graph
     for conv in list(g.nodes):
-        if not _pointwise_conv(conv) or not _is_reshape(conv.args[0]):
+        if not pointwise_conv(conv) or not _is_reshape(conv.args[0]):
             continue
         folded = conv.args[0]
         perm = folded.args[0]
@@ -161,7 +161,7 @@ def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
     """
     g = gm.graph
     for conv in list(g.nodes):
-        if not _pointwise_conv(conv) or not is_call(conv.args[0], F.avg_pool2d):
+        if not pointwise_conv(conv) or not is_call(conv.args[0], F.avg_pool2d):
             continue
         a = avg_pool2d_args(conv.args[0])
         pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731

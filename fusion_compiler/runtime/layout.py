@@ -41,7 +41,7 @@ __all__ = ["channels_last_activations", "channel_padded_images", "four_channel_i
 NHWC_OUTPUT_BACKENDS = ("cudnn", "triton")
 
 
-def _made_by_cudnn(gm: fx.GraphModule, node: fx.Node) -> bool:
+def _made_channels_last(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` is an output of a region that writes channels_last (``getitem`` of its
     call; :data:`NHWC_OUTPUT_BACKENDS`)."""
     if node.op != "call_function" or node.target is not operator.getitem:
@@ -180,7 +180,7 @@ def channels_last_activations(gm: fx.GraphModule) -> int:
     converted = 0
     for node in list(gm.graph.nodes):
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dim() != 4 or _made_by_cudnn(gm, node):
+        if not isinstance(val, torch.Tensor) or val.dim() != 4 or _made_channels_last(gm, node):
             continue
         readers = [u for u in node.users if (region := called_region(gm, u)) is not None
                    and any(u.args[i] is node for i in region.nhwc_inputs)]

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..capture import node_device
 from ..ops import COMMUTATIVE
-from ..passes.rewrites import space_to_depth_source
+from ..passes.rewrites import pointwise_conv, space_to_depth_source
 from ..region import Region, called_region, operand_kind
 from .region_op import in_dry_run
 
@@ -139,8 +139,9 @@ def _launch(kernel: Any, x: torch.Tensor, weight: torch.Tensor, operands: Sequen
     ho, wo = h // block, w // block
     ys = [torch.empty((n, k, ho, wo), dtype=x.dtype, device=x.device,
                       memory_format=torch.channels_last) for _ in outputs]
+    codes = [*ops, *[0] * (MAX_STEPS - len(ops))]
     pointers, strides, it = [], [], iter(operands)
-    for code in [*ops, *[0] * (MAX_STEPS - len(ops))]:
+    for code in codes:
         if code in _BINARY_CODES:
             t = next(it).reshape(-1).contiguous()
             pointers.append(t)
@@ -148,7 +149,6 @@ def _launch(kernel: Any, x: torch.Tensor, weight: torch.Tensor, operands: Sequen
         else:
             pointers.append(weight)  # not read
             strides.append(0)
-    codes = [*ops, *[0] * (MAX_STEPS - len(ops))]
     stages = [*outputs, *[-1] * (MAX_OUTPUTS - len(outputs))]
     hb = _rows_per_program(ho, wo)
     kernel[(n * (ho // hb),)](
@@ -230,12 +230,11 @@ class SpaceToDepthConvKernel:
         return tuple(OP(x, weight, operands, self.ops, self.outputs, self.block))
 
 
-def _epilogue(region: Region, device: torch.device
+def _epilogue(region: Region, names: list[str], device: torch.device
               ) -> tuple[list[int | torch.Tensor], list[int], list[int]] | str:
-    """``(operands, ops, outputs)`` of a region for :class:`SpaceToDepthConvKernel`, or why it
-    does not fit (a text)."""
+    """``(operands, ops, outputs)`` of a region for :class:`SpaceToDepthConvKernel` (``names``:
+    its placeholders' names, in order), or why it does not fit (a text)."""
     conv = region.conv
-    names = [n.name for n in region.graph_module.graph.find_nodes(op="placeholder")]
     out_shape = tuple(conv.meta["val"].shape)
     stage = {conv: 0}
     chain, operands, ops = conv, [], []
@@ -301,10 +300,8 @@ def space_to_depth_stems(gm: fx.GraphModule) -> list[str]:
             continue
         conv = region.conv
         image, weight = conv.args[0], conv.args[1]
-        if (image.op != "placeholder" or weight.op != "placeholder" or len(image.users) != 1
-                or conv.args[2] is not None or tuple(conv.args[3]) != (1, 1)
-                or tuple(conv.args[4]) != (0, 0) or tuple(conv.args[5]) != (1, 1)
-                or conv.args[6] != 1 or tuple(weight.meta["val"].shape[2:]) != (1, 1)):
+        if (not pointwise_conv(conv) or conv.args[2] is not None or image.op != "placeholder"
+                or weight.op != "placeholder" or len(image.users) != 1):
             continue
         names = [n.name for n in region.graph_module.graph.find_nodes(op="placeholder")]
         at = names.index(image.name)
@@ -313,7 +310,7 @@ def space_to_depth_stems(gm: fx.GraphModule) -> list[str]:
             continue
         x, block, chain = found
         reason = kernel_reason(x.meta["val"], weight.meta["val"], block)
-        fit = reason or _epilogue(region, node_device(x))
+        fit = reason or _epilogue(region, names, node_device(x))
         if isinstance(fit, str):
             log.info("region %s: SpaceToDepth stem left as it is: %s", region.region_id, fit)
             continue
