@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fusion_compiler.bench import BenchRecipe, bench, format_results, write  # noqa: E402
-from fusion_compiler.cli import load_model  # noqa: E402
+from fusion_compiler.tools.bench import BenchRecipe, bench, format_results, write  # noqa: E402
+from fusion_compiler.tools.cli import load_model  # noqa: E402
 
 MODELS = {
     # name: (MODEL_REF, input shape, training step?)

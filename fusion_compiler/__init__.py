@@ -10,10 +10,10 @@ it to stderr at that level, ``debug`` including every pass's graph.
 import logging as _logging
 import os as _os
 
-from .check import CheckReport, check
+from .tools.check import CheckReport, check
 from .compiler import CompiledModule, compile
 from .dynamo import register as _register_dynamo_backend
-from .errors import FusionError, UnsupportedError
+from .ir.errors import FusionError, UnsupportedError
 
 __all__ = ["compile", "CompiledModule", "check", "CheckReport", "FusionError", "UnsupportedError",
            "__version__"]

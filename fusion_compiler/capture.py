@@ -16,18 +16,17 @@ device the value lives on when the graph runs (:func:`node_device`).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
-from .errors import FusionError
+from .ir.errors import FusionError
+from .runtime.tensors import restored
 
-__all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "tensor_meta", "node_device",
-           "encode_meta", "apply_meta", "restored"]
+__all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "encode_meta", "apply_meta"]
 
 
 @dataclass(frozen=True)
@@ -107,22 +106,6 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
     else:
         _MetaPropagation(gm, device).run(*example_inputs)
     return gm
-
-
-@contextlib.contextmanager
-def restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Give ``tensors`` back their values on exit (one copy each, taken on entry; tensors made
-    under ``inference_mode`` cannot be written and are left out): for work that runs a model
-    without meaning to, which must not move batch norm's running statistics."""
-    tensors = [t for t in tensors if not t.is_inference()]
-    with torch.no_grad():
-        saved = [t.clone() for t in tensors]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for t, s in zip(tensors, saved):
-                t.copy_(s)
 
 
 def _real_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -323,18 +306,3 @@ def apply_meta(gm: fx.GraphModule, table: dict) -> bool:
         if device is not None:
             node.meta["device"] = device
     return True
-
-
-def node_device(node: fx.Node) -> torch.device:
-    """The device ``node``'s value lives on when the graph runs (set by :func:`propagate_shapes`;
-    ``meta["val"]`` itself may be a meta tensor)."""
-    device = node.meta.get("device")
-    if device is not None:
-        return device
-    return node.meta["val"].device
-
-
-def tensor_meta(node: fx.Node) -> torch.Tensor | None:
-    """The meta or fake tensor recorded on ``node`` by :func:`propagate_shapes`, or ``None``."""
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None

@@ -15,20 +15,20 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .backends.autotune import timing_deferred
-from .backends.cudnn import DEFAULT_AUTOTUNE
+from .backends.cudnn.autotune import timing_deferred
+from .backends.cudnn.backend import DEFAULT_AUTOTUNE
 from .capture import TensorSpec, capture, input_specs
-from .errors import TimingDeferred
+from .ir.errors import TimingDeferred
 from .lowering import build_plans, lower, plan_work, regions_of
 from .passes import Pass, PassManager, default_passes
-from .passes.autocast import make_autocast_explicit
-from .passes.glue import se_gates, small_linears_as_reductions
-from .region import Region
-from .runtime.hoist import HoistedParameters, hoist_parameter_subgraphs
-from .runtime.layout import (channel_padded_images, channels_last_activations, four_channel_images,
+from .passes.pre_fusion.autocast import make_autocast_explicit
+from .passes.glue.se_gate import se_gates, small_linears_as_reductions
+from .ir.region import Region
+from .passes.post_lowering.hoist import HoistedParameters, hoist_parameter_subgraphs
+from .passes.post_lowering.layout import (channel_padded_images, channels_last_activations, four_channel_images,
                              nchw_padded_avg_pools)
 from .runtime.plan_cache import PlanCache, default_cache_dir
-from .runtime.space_to_depth import space_to_depth_stems
+from .kernels.space_to_depth import space_to_depth_stems
 from .runtime.streams import run_short_branches_beside
 from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy, unlowered_copy
 
@@ -338,7 +338,7 @@ class CompiledModule(torch.nn.Module):
         return self.concurrent_branches and self._graphed_inference(on_cuda, grad)
 
     def _print_report(self, spec: Specialization, grad: bool) -> None:
-        from .report import format_gradients, format_regions  # noqa: PLC0415
+        from .tools.report import format_gradients, format_regions  # noqa: PLC0415
 
         print(format_regions(spec.regions))
         if grad:
@@ -650,7 +650,7 @@ class CompiledModule(torch.nn.Module):
         """The region table of the last specialization (as the CLI dump prints it)."""
         if self.last is None:
             return "not compiled yet: call the module once (or pass example_inputs)"
-        from .report import format_regions  # noqa: PLC0415
+        from .tools.report import format_regions  # noqa: PLC0415
 
         return format_regions(self.last.regions)
 

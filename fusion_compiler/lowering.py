@@ -20,10 +20,10 @@ import torch
 import torch.fx as fx
 
 from .backends import get_backend
-from .backends.cudnn_graph import graph_json
-from .backward import training_region
-from .errors import UnsupportedError, condense
-from .region import Region, called_region
+from .backends.cudnn.graph import graph_json
+from .autograd.backward import training_region
+from .ir.errors import UnsupportedError, condense
+from .ir.region import Region, called_region
 
 __all__ = ["lower", "plan_work", "PLAN_WORK", "build_plans", "regions_of", "plan_dgrad_drelu",
            "BACKEND_CHOICES"]

@@ -15,7 +15,7 @@ import torch.nn as nn
 from conftest import FUSE_ALL, gradients, rel_err
 
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-from fusion_compiler.backward import (RegionBackward, TorchConvGradients, folded_scale,
+from fusion_compiler.autograd.backward import (RegionBackward, TorchConvGradients, folded_scale,
                                       saved_nodes, training_region)
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.runtime.region_op import register_backward, register_kernel, run_region
@@ -281,7 +281,7 @@ def test_kernels_and_their_backward_die_with_the_compiled_module():
 def test_layout_like_views_size_one_stride_differences_and_copies_only_when_asked():
     """A 1x1 weight's channels_last gradient gets the parameter's strides as a view (what DDP's
     bucket views compare); other layout differences are copied only with ``copy=True``."""
-    from fusion_compiler.backward import layout_like
+    from fusion_compiler.runtime.tensors import layout_like
 
     w = torch.randn(64, 48, 1, 1)
     g = torch.randn(64, 48, 1, 1).contiguous(memory_format=torch.channels_last)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fusion_compiler.bench import bench, format_results, time_ms, write
+from fusion_compiler.tools.bench import bench, format_results, time_ms, write
 
 
 def _model() -> nn.Module:
@@ -45,7 +45,7 @@ def test_time_ms_reports_median_and_quartiles():
 
 def test_kernel_categories_split_gpu_time_per_call():
     """Kernel names as an H100 profile of a compiled training step shows them."""
-    from fusion_compiler.bench import format_time_split, kernel_categories
+    from fusion_compiler.tools.bench import format_time_split, kernel_categories
 
     kernels = [("cudnn_generated_fort_native_sm90_convFwd_pointwise_pointwise", 80.0),
                ("sm90_xmma_dgrad_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc", 60.0),
@@ -74,8 +74,8 @@ def test_tuning_table_gives_the_chosen_plans_tflops():
     """The autotuning table's TFLOP/s: the region's convolution FLOPs over the chosen plan's time
     (timings made up here: on the CPU nothing is tuned)."""
     import fusion_compiler as fc
-    from fusion_compiler.backends.autotune import PlanTiming
-    from fusion_compiler.report import conv_flops, format_tuning
+    from fusion_compiler.backends.cudnn.autotune import PlanTiming
+    from fusion_compiler.tools.report import conv_flops, format_tuning
 
     spec = fc.compile(_model().eval()).specialize(torch.randn(2, 3, 8, 8))
     region = spec.regions[1]

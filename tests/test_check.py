@@ -9,7 +9,7 @@ import torch
 
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from fusion_compiler import check
-from fusion_compiler.check import TOLERANCES, tolerance
+from fusion_compiler.tools.check import TOLERANCES, tolerance
 from fusion_compiler.compiler import CompiledModule
 
 
@@ -93,8 +93,8 @@ def test_tolerances_follow_the_dtype():
 def test_region_check_narrows_an_image_the_graph_padded_for_cudnn():
     """A cuDNN region whose image the graph zero-padded (``Region.padded_images``, inference)
     gets it with 8 channels; its own ops, run as the fp64 reference, take the 3 it declares."""
-    from fusion_compiler.check import _own_args
-    from fusion_compiler.region import called_region
+    from fusion_compiler.tools.check import _own_args
+    from fusion_compiler.ir.region import called_region
 
     compiled = CompiledModule(torch.nn.Conv2d(3, 8, 3).eval(), glue_backend=None)
     with torch.no_grad():

@@ -16,7 +16,7 @@ REF = "examples.seresnet9_fixup:se_resnet9_fixup"
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("fusion-compiler")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fusion_compiler.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fusion_compiler.tools.cli"]
     return subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

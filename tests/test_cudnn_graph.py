@@ -10,7 +10,7 @@ import torch.nn as nn
 from conftest import specialize
 
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-from fusion_compiler.backends.cudnn_graph import graph_json, nhwc_strides
+from fusion_compiler.backends.cudnn.graph import graph_json, nhwc_strides
 from fusion_compiler.runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
 
 pytest.importorskip("cudnn", reason="the cuDNN frontend (nvidia-cudnn-frontend) is not installed")
@@ -99,7 +99,7 @@ def test_cache_dir_resolution(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dgrad", "wgrad"])
 def test_conv_gradient_graphs_are_nhwc_with_io_typed_output(fp16_regions, kind):
-    from fusion_compiler.backends.cudnn_backward import conv_grad_graph
+    from fusion_compiler.backends.cudnn.backward import conv_grad_graph
 
     region = fp16_regions[3]  # conv3x3/s2, 64 -> 128 channels
     spec = conv_grad_graph(kind, region.conv)
@@ -115,7 +115,7 @@ def test_conv_gradient_graphs_are_nhwc_with_io_typed_output(fp16_regions, kind):
 
 
 def test_dgrad_drelu_graph_masks_with_the_conv_input(fp16_regions):
-    from fusion_compiler.backends.cudnn_backward import conv_grad_graph
+    from fusion_compiler.backends.cudnn.backward import conv_grad_graph
 
     region = fp16_regions[2]  # conv2 of layer0: 3x3, stride 1, 64 -> 64 at 16x16
     spec = conv_grad_graph("dgrad_drelu", region.conv)
@@ -158,7 +158,7 @@ class _SqueezeConv(nn.Module):
 
 
 def test_output_channels_are_padded_to_eight():
-    from fusion_compiler.backends.cudnn_graph import output_padding, region_recipe
+    from fusion_compiler.backends.cudnn.graph import output_padding, region_recipe
 
     model = _SqueezeConv().half().eval()
     x, residual = (torch.randn(4, c, 5, 5, dtype=torch.float16) for c in (16, 12))
@@ -177,7 +177,7 @@ def test_output_channels_are_padded_to_eight():
 
 
 def test_grouped_convolution_output_channels_are_not_padded():
-    from fusion_compiler.backends.cudnn_graph import output_padding
+    from fusion_compiler.backends.cudnn.graph import output_padding
 
     model = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False)).half().eval()
     region = specialize(model, torch.randn(2, 6, 8, 8, dtype=torch.float16)).regions[0]
@@ -185,7 +185,7 @@ def test_grouped_convolution_output_channels_are_not_padded():
 
 
 def test_padders_zero_the_new_channels_and_keep_the_rest():
-    from fusion_compiler.backends.cudnn import _operand_padder, _weight_padder
+    from fusion_compiler.backends.cudnn.backend import _operand_padder, _weight_padder
 
     w = torch.randn(12, 3, 3, 3)
     padded = _weight_padder(8, 16)(w)
@@ -208,7 +208,7 @@ def test_padders_zero_the_new_channels_and_keep_the_rest():
 def test_regions_known_slow_on_cudnn_stay_on_pytorch_without_timing():
     """With ``autotune=1`` nothing is timed, so region kinds measured slow on cuDNN's
     runtime-fusion engines (depthwise 7x7) stay on PyTorch with a reason; others do not."""
-    from fusion_compiler.backends.cudnn import known_slow_on_cudnn
+    from fusion_compiler.backends.cudnn.backend import known_slow_on_cudnn
 
     def region(conv: nn.Module, channels: int):
         model = nn.Sequential(conv, nn.ReLU()).half().eval()

@@ -17,9 +17,9 @@ from conftest import rel_err
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-from fusion_compiler.backends.cudnn_graph import region_recipe
-from fusion_compiler.backends.cudnn_recipe import any_batch_key, canonical, recipe_key
-from fusion_compiler.backends.plan_workers import PlanWorkers, build_candidates
+from fusion_compiler.backends.cudnn.graph import region_recipe
+from fusion_compiler.backends.cudnn.recipe import any_batch_key, canonical, recipe_key
+from fusion_compiler.backends.cudnn.workers import PlanWorkers, build_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,7 +208,7 @@ def test_weight_copies_are_remade_in_captures_whose_replays_follow_updates():
     captures redone on parameter changes, made once per compile()'s training capture (forward and
     backward share it), and made at every use in a capture nobody marked (a step captured by
     hand, whose replays follow optimizer updates no host check sees)."""
-    from fusion_compiler.backends.cudnn_plan import WeightCache
+    from fusion_compiler.backends.cudnn.plan import WeightCache
     from fusion_compiler.runtime import cuda_graph
 
     made = []
@@ -263,7 +263,7 @@ def test_graphed_training_differentiates_through_aliases_that_run_no_parameter_h
 
 
 def test_restored_gives_buffers_back_their_values():
-    from fusion_compiler.capture import restored
+    from fusion_compiler.runtime.tensors import restored
 
     bn = nn.BatchNorm2d(4).train()
     before = [b.clone() for b in bn.buffers()]
@@ -314,9 +314,9 @@ def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypa
 
 
 def test_gpu_timing_is_refused_inside_timing_deferred():
-    from fusion_compiler.backends.autotune import (ensure_timing_allowed, paired_time_ms,
+    from fusion_compiler.backends.cudnn.autotune import (ensure_timing_allowed, paired_time_ms,
                                                    timing_deferred)
-    from fusion_compiler.errors import TimingDeferred
+    from fusion_compiler.ir.errors import TimingDeferred
 
     ensure_timing_allowed()
     with timing_deferred():
@@ -335,7 +335,7 @@ def test_a_background_lowering_that_needs_timing_is_redone_at_the_switch(monkeyp
     the calling thread, where timing may run."""
     import threading
 
-    from fusion_compiler.backends.autotune import ensure_timing_allowed
+    from fusion_compiler.backends.cudnn.autotune import ensure_timing_allowed
     from fusion_compiler.compiler import CompiledModule
 
     lowered_on = []

@@ -165,7 +165,7 @@ def test_inplace_ops_become_ssa():
     model = InPlace()
     x = torch.randn(2, 8, 6, 6)
     spec = _check(model, x, ["conv3x3 > add > relu", "conv3x3 > add > add > relu > mul"])
-    from fusion_compiler.passes.normalize import inplace_target
+    from fusion_compiler.passes.pre_fusion.normalize import inplace_target
 
     gm = spec.graph_module
     assert all(inplace_target(gm, n) is None for n in gm.graph.nodes)
@@ -231,7 +231,7 @@ class Unsupported(nn.Module):
 
 
 def test_unsupported_ops_are_left_alone_with_reasons():
-    from fusion_compiler.report import pytorch_nodes, unfused_convolutions
+    from fusion_compiler.tools.report import pytorch_nodes, unfused_convolutions
 
     spec = _check(Unsupported(), torch.randn(2, 8, 8, 8), ["conv3x3 > add"])
     unfused = {row["op"]: row["reason"] for row in unfused_convolutions(spec.graph_module)}

@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fusion_compiler.passes.glue import MAX_WEIGHT, se_gates, small_linears_as_reductions
+from fusion_compiler.passes.glue.se_gate import MAX_WEIGHT, se_gates, small_linears_as_reductions
 
 
 class _SE(nn.Module):
@@ -53,7 +53,7 @@ def _private_graph(model, x):
     """The copy of ``compile(model)``'s graph that the glue rewrites get (normalized ops, regions
     opaque), and the compiled module's output on ``x``."""
     import fusion_compiler as fc
-    from fusion_compiler.region import Region
+    from fusion_compiler.ir.region import Region
     from fusion_compiler.runtime.tiered import isolated_copy
 
     compiled = fc.compile(model, cache_dir=False, glue_backend=None)
@@ -119,8 +119,8 @@ def test_se_gates_of_1x1_convolutions_with_silu_as_torchvision_writes_them():
         def forward(self, x):
             return torch.relu(self.se(self.conv(x)))
 
-    from fusion_compiler.passes import glue
-    from fusion_compiler.runtime.se_gate import OP
+    from fusion_compiler.passes.glue import se_gate as glue
+    from fusion_compiler.kernels.se_gate import OP
 
     torch.manual_seed(0)
     x = torch.randn(2, 16, 7, 7)
@@ -138,7 +138,7 @@ def test_se_gates_of_1x1_convolutions_with_silu_as_torchvision_writes_them():
 
 
 def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
-    from fusion_compiler.runtime.se_gate import se_gate
+    from fusion_compiler.kernels.se_gate import se_gate
 
     torch.manual_seed(0)
     x = torch.randn(4, 24, 5, 7).contiguous(memory_format=torch.channels_last)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from conftest import lowered_on_gpu, rel_err
 
 import fusion_compiler as fc
-import fusion_compiler.backends.cudnn as cudnn_backend
+import fusion_compiler.backends.cudnn.backend as cudnn_backend
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from fusion_compiler.runtime.tiered import TieredRunner
 

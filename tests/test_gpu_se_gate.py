@@ -21,7 +21,7 @@ def _needs_triton():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("act", ["relu", "silu"])
 def test_se_gate_kernel_matches_fp64(n, c, h, w, r, layout, dtype, act):
-    from fusion_compiler.runtime.se_gate import se_gate, se_gate_reference
+    from fusion_compiler.kernels.se_gate import se_gate, se_gate_reference
 
     torch.manual_seed(0)
     x = torch.randn(n, c, h, w, device="cuda", dtype=dtype) + 0.3
@@ -46,7 +46,7 @@ def test_default_compile_runs_the_se_gate_in_its_inductor_tier(monkeypatch):
 
     import fusion_compiler as fc
     from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-    from fusion_compiler.passes.glue import se_gates
+    from fusion_compiler.passes.glue.se_gate import se_gates
 
     torch.manual_seed(0)
     model = randomize_(se_resnet9_fixup(11)).eval()

@@ -34,7 +34,7 @@ EPILOGUES = {  # (ops, outputs, operand kinds): 1 add, 2 sub, 3 mul, 4 div, 5 re
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("epilogue", sorted(EPILOGUES))
 def test_kernel_matches_fp64(n, c, h, w, k, dtype, epilogue):
-    from fusion_compiler.runtime.space_to_depth import (kernel_reason, space_to_depth_conv,
+    from fusion_compiler.kernels.space_to_depth import (kernel_reason, space_to_depth_conv,
                                                         space_to_depth_conv_reference)
 
     torch.manual_seed(0)

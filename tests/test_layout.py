@@ -7,7 +7,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fusion_compiler.runtime.layout import nchw_padded_avg_pools
+from fusion_compiler.passes.post_lowering.layout import nchw_padded_avg_pools
 
 
 class Pools(nn.Module):
@@ -45,8 +45,8 @@ class Stem(nn.Module):
 
 def test_region_activations_are_made_channels_last_once_where_they_are_made():
     import fusion_compiler as fc
-    from fusion_compiler.region import Region
-    from fusion_compiler.runtime.layout import channels_last_activations
+    from fusion_compiler.ir.region import Region
+    from fusion_compiler.passes.post_lowering.layout import channels_last_activations
 
     torch.manual_seed(0)
     spec = fc.compile(Stem().eval(), glue_backend=None).specialize(torch.randn(2, 3, 8, 8))
@@ -76,7 +76,7 @@ def test_four_channel_images_pad_a_pytorch_regions_image_and_weight_with_a_zero_
     import copy
 
     import fusion_compiler as fc
-    from fusion_compiler.runtime.layout import four_channel_images
+    from fusion_compiler.passes.post_lowering.layout import four_channel_images
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3), nn.ReLU()).to(torch.bfloat16)
@@ -102,8 +102,8 @@ def test_an_image_a_cudnn_region_pads_is_padded_once_in_the_graph():
     """Two regions that zero-pad the same 3-channel image to 8 channels (as cuDNN kernels mark
     it in ``Region.padded_images``) read one channels_last 8-channel tensor the graph makes."""
     import fusion_compiler as fc
-    from fusion_compiler.region import Region
-    from fusion_compiler.runtime.layout import channel_padded_images
+    from fusion_compiler.ir.region import Region
+    from fusion_compiler.passes.post_lowering.layout import channel_padded_images
 
     class Two(nn.Module):
         def __init__(self):
@@ -140,7 +140,7 @@ def test_four_channel_images_leave_an_image_the_region_also_reads_elsewhere():
     """A 3-channel image that the region also adds after its 1x1 convolution (a residual) keeps
     its 3 channels: a zero channel would change the add's shape."""
     import fusion_compiler as fc
-    from fusion_compiler.runtime.layout import four_channel_images
+    from fusion_compiler.passes.post_lowering.layout import four_channel_images
 
     class Residual(nn.Module):
         def __init__(self):

@@ -13,8 +13,8 @@ from examples.seresnet9_fixup import SpaceToDepth, randomized_se_resnet9_fixup_d
 from fusion_compiler.capture import capture
 from fusion_compiler.lowering import lower, regions_of
 from fusion_compiler.passes import PassManager, default_passes
-from fusion_compiler.passes.rewrites import space_to_depth_source
-from fusion_compiler.runtime.space_to_depth import (OP, space_to_depth_conv,
+from fusion_compiler.passes.pre_fusion.rewrites import space_to_depth_source
+from fusion_compiler.kernels.space_to_depth import (OP, space_to_depth_conv,
                                                     space_to_depth_conv_reference,
                                                     space_to_depth_stems)
 from conftest import rel_err

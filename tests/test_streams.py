@@ -15,7 +15,7 @@ from examples.seresnet9_fixup import randomized_se_resnet9_fixup_depth
 from fusion_compiler.capture import capture
 from fusion_compiler.lowering import lower, regions_of
 from fusion_compiler.passes import PassManager, default_passes
-from fusion_compiler.region import called_region
+from fusion_compiler.ir.region import called_region
 from fusion_compiler.runtime.region_op import register_kernel, run_region
 from fusion_compiler.runtime.streams import run_short_branches_beside
 

@@ -135,7 +135,7 @@ def test_a_runner_dropped_before_its_turn_builds_nothing_and_drain_waits_for_the
 def test_the_isolated_copy_shares_tensors_but_no_module_with_the_model():
     import fusion_compiler as fc
     from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-    from fusion_compiler.region import Region
+    from fusion_compiler.ir.region import Region
     from fusion_compiler.runtime.tiered import isolated_copy
 
     model = randomize_(se_resnet9_fixup(3)).eval()
@@ -234,7 +234,7 @@ def test_the_unlowered_copy_runs_each_regions_ops_and_ignores_later_edits_of_the
     lowering and layout edits made to the original graph's regions meanwhile."""
     import fusion_compiler as fc
     from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-    from fusion_compiler.region import called_region
+    from fusion_compiler.ir.region import called_region
     from fusion_compiler.runtime.tiered import unlowered_copy
 
     model = randomize_(se_resnet9_fixup(3)).eval()

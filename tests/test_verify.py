@@ -10,7 +10,7 @@ from conftest import specialize
 
 from fusion_compiler import FusionError
 from fusion_compiler.passes import verify
-from fusion_compiler.region import Region
+from fusion_compiler.ir.region import Region
 
 
 def _fused():

@@ -17,7 +17,7 @@ def get_backend(name: str, **options) -> Backend:
     if name == "reference":
         return ReferenceBackend(**options)
     if name == "cudnn":
-        from .cudnn import CudnnBackend  # noqa: PLC0415  (keeps `import cudnn` lazy)
+        from .cudnn.backend import CudnnBackend  # noqa: PLC0415  (keeps `import cudnn` lazy)
 
         return CudnnBackend.shared(**options)
     raise ValueError(f"unknown backend {name!r}; choose 'reference' or 'cudnn'")

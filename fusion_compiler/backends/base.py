@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from ..region import Region
+from ..ir.region import Region
 
 __all__ = ["Support", "Backend", "Kernel"]
 

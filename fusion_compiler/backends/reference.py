@@ -6,8 +6,8 @@ path, and the fallback when another backend declines a region.
 
 from __future__ import annotations
 
-from ..backward import RegionBackward, TorchConvGradients
-from ..region import Region
+from ..autograd.backward import RegionBackward, TorchConvGradients
+from ..ir.region import Region
 from ..runtime.region_op import register_backward, register_kernel, run_region
 from .base import Kernel, Support
 

@@ -16,12 +16,12 @@ verify             checks SSA, beta = 0, one conv per region, no aliasing (raise
 
 import functools
 
-from .fold_bn import fold_batch_norm
-from .fuse import fuse_regions
+from .pre_fusion.fold_bn import fold_batch_norm
+from .fusion.fuse import fuse_regions
 from .manager import Pass, PassManager
-from .normalize import normalize
-from .rewrites import avgpool_conv, space_to_depth_conv
-from .verify import verify
+from .pre_fusion.normalize import normalize
+from .pre_fusion.rewrites import avgpool_conv, space_to_depth_conv
+from .fusion.verify import verify
 
 __all__ = ["Pass", "PassManager", "default_passes", "normalize", "fold_batch_norm",
            "space_to_depth_conv", "avgpool_conv", "fuse_regions", "verify"]

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..errors import condense
+from ..ir.errors import condense
 from .tiered import COMPILE_LOCK
 
 __all__ = ["CudaGraphRunner", "CaptureError", "EVERY_CALL", "parameters_guarded",

@@ -38,9 +38,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..backward import layout_like
-from ..capture import restored
-from ..errors import condense
+from .tensors import layout_like, restored
+from ..ir.errors import condense
 from .cuda_graph import (CaptureError, _release_rng_capture,
                          parameters_updated_between_replays)
 from .tiered import COMPILE_LOCK

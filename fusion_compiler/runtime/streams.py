@@ -45,8 +45,8 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..ops import conv_flops
-from ..region import Region, called_region
+from ..ir.ops import conv_flops
+from ..ir.region import Region, called_region
 from .region_op import in_dry_run
 
 __all__ = ["side_stream", "join_side_stream", "run_short_branches_beside", "MAIN_WORKSPACE",

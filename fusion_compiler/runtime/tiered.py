@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..region import Region
+from ..ir.region import Region
 
 __all__ = ["TieredRunner", "COMPILE_LOCK", "ThreadFlag", "submit", "drain", "isolated_copy",
            "unlowered_copy"]

@@ -1,0 +1,1 @@
+"""The cuDNN backend: each region as one cuDNN execution plan (:mod:`.backend`)."""

@@ -1,0 +1,285 @@
+"""One cuDNN graph made executable (:class:`CudnnPlan`) and the channels_last weight copies its
+callers share (:class:`WeightCache`): the pieces that both the forward kernels (:mod:`.cudnn`) and
+the dgrad/wgrad graphs (:mod:`.cudnn_backward`) use, kept here so neither imports the other.
+
+A plan needs a backend object for handles, workspaces, the plan cache and candidate building: the
+:class:`~.cudnn.CudnnBackend` (duck-typed here, see :class:`PlanBackend`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from ...ir.errors import UnsupportedError, condense
+from ...runtime.cuda_graph import EVERY_CALL, weight_cache_scope
+from ...runtime.plan_cache import PlanCache, StaleEntry
+from ...runtime.streams import MAIN_WORKSPACE
+from .autotune import PlanTiming, ensure_timing_allowed, fastest, gpu_time_ms, sample_pack
+from .graph import import_cudnn
+from .recipe import build_pygraph, recipe_key
+
+__all__ = ["CudnnPlan", "PlanBackend", "WeightCache", "condense_error"]
+
+
+def condense_error(exc: BaseException) -> str:
+    """An exception as one short line (its message, else its type name; 400 characters at most)."""
+    return condense(str(exc).strip() or type(exc).__name__, limit=400)
+
+
+class PlanBackend(Protocol):
+    """What :class:`CudnnPlan` asks of its backend (:class:`~.cudnn.CudnnBackend` provides it)."""
+
+    autotune: int
+    cache: PlanCache
+
+    def handle(self, device: torch.device) -> Any: ...
+
+    def workspace(self, device: torch.device, nbytes: int,
+                  key: str = MAIN_WORKSPACE) -> torch.Tensor: ...
+
+    def header(self, key: str, device: torch.device) -> dict: ...
+
+    def candidates(self, recipe: dict, key: str, device: torch.device) -> tuple[list[dict], bool]:
+        ...
+
+    def choice_for(self, recipe: dict, device: torch.device) -> dict | None: ...
+
+    def remember_choice(self, recipe: dict, device: torch.device, choice: dict) -> None: ...
+
+
+class CudnnPlan:
+    """One cuDNN graph made executable: its plan loaded from the cache or built (candidates from
+    heuristics A then FALLBACK, timed and the fastest kept when ``backend.autotune > 1``, or the
+    choice made at another batch size) and cached.
+
+    Args:
+        backend: the :class:`~.cudnn.CudnnBackend` (handles, workspaces, cache, autotune
+            setting).
+        device: the CUDA device the plan runs on.
+        recipe: the graph (:mod:`.cudnn_recipe`); UIDs follow from it.
+        label: names the graph in warnings and errors (``"r3"``, ``"r3 dgrad"``).
+
+    Attributes:
+        tuning: the candidates built now (``PlanTiming``, ranked order; empty when loaded).
+        from_cache: the plan was loaded from the cache (disk, or built earlier in this process
+            for an identical graph).
+        reused_from: ``"choice made at another batch size"`` when the plan follows such a choice.
+
+    Raises:
+        UnsupportedError: cuDNN rejected the graph; the reason is cuDNN's own message.
+    """
+
+    def __init__(self, backend: PlanBackend, device: torch.device, recipe: dict, label: str):
+        self.backend = backend
+        self.device = device
+        self.label = label
+        self.recipe = recipe
+        spec = self.spec = build_pygraph(recipe)  # the graph's tensors, for sample data and UIDs
+        self.input_uids = [t.get_uid() for t in spec.inputs]
+        self.output_uids = [t.get_uid() for t in spec.outputs]
+        self.constants = {t.get_uid(): torch.full((1, 1, 1, 1), value, dtype=torch.float32)
+                          for t, value in spec.constants}
+        self.tuning: list[PlanTiming] = []
+        self.reused_from = ""
+        self.name = ""
+        key = recipe_key(recipe)
+        self.header = backend.header(key, device)
+        self.graph = self._load() or self._build(key)
+        self.workspace_bytes = int(self.graph.get_workspace_size())
+        backend.workspace(device, self.workspace_bytes)  # grow now, not during capture
+        # execute()'s operands, in this order: inputs, outputs, constants
+        self._uids = (*self.input_uids, *self.output_uids, *self.constants)
+        self._constant_values = list(self.constants.values())
+        self._ordered = "tensor_uids" in inspect.signature(self.graph.execute).parameters
+
+    def _deserialize(self, blob: bytes) -> Any:
+        cudnn = import_cudnn()
+        handle = self.backend.handle(self.device)
+        graph = cudnn.pygraph(handle=handle)
+        graph.deserialize(handle, blob)
+        return graph
+
+    def _load(self) -> Any:
+        """The cached plan as a graph, or ``None`` (a bad entry is reported and rebuilt)."""
+        self.from_cache = False
+        try:
+            blob = self.backend.cache.load(self.header)
+        except StaleEntry as exc:
+            warnings.warn(f"{exc}; rebuilding the plan", stacklevel=6)
+            return None
+        if blob is None:
+            return None
+        try:
+            graph = self._deserialize(blob)
+        except Exception as exc:  # a bad blob must never crash compilation
+            warnings.warn(f"plan cache entry for {self.label} could not be loaded "
+                          f"({condense_error(exc)}); rebuilding the plan", stacklevel=6)
+            return None
+        self.from_cache = True
+        choice = self.backend.cache.load_record(self.header, "choice") or {}
+        self.name = choice.get("name", "")
+        return graph
+
+    def _build(self, key: str) -> Any:
+        built, reused = self.backend.candidates(self.recipe, key, self.device)
+        good = [p for p in built if p["blob"] is not None]
+        if not good:
+            reasons = "; ".join(f"{p['name']}: {p['error']}" for p in built) or "no plans"
+            raise UnsupportedError(f"cuDNN rejected the graph: no plan could be built ({reasons})",
+                                   self.label)
+        if reused:
+            self.reused_from = "choice made at another batch size"
+        timed = self.backend.autotune > 1 and not reused and len(good) > 1
+        graphs = {}
+        for p in built:
+            timing = PlanTiming(p["index"], p["name"], None, p["build_s"], p["workspace"],
+                                p["error"])
+            if p["blob"] is not None and (timed or not graphs):
+                try:
+                    graphs[p["index"]] = self._deserialize(p["blob"])
+                except Exception as exc:
+                    timing.reason = f"could not be loaded: {condense_error(exc)}"
+            self.tuning.append(timing)
+        if timed:
+            ensure_timing_allowed(f"timing the candidate plans of {self.label}")  # not swallowed
+            self._time(graphs)  # (a plan that fails to time is skipped, with its reason)
+        best = fastest(self.tuning) if timed else next(
+            (t for t in self.tuning if t.index in graphs), None)
+        if best is None:
+            reasons = "; ".join(f"{t.name}: {t.reason}" for t in self.tuning)
+            raise UnsupportedError(f"cuDNN rejected the graph: no plan ran ({reasons})",
+                                   self.label)
+        chosen = next(p for p in built if p["index"] == best.index)
+        self.name = best.name
+        self.backend.cache.store(self.header, chosen["blob"])
+        choice = {"engine": chosen["engine"], "name": best.name}
+        self.backend.cache.store_record(self.header, "choice", choice)
+        if not reused:
+            self.backend.remember_choice(self.recipe, self.device, choice)
+        return graphs[best.index]
+
+    def _time(self, graphs: dict[int, Any]) -> None:
+        """Time every loaded candidate on random data (:func:`.autotune.gpu_time_ms`)."""
+        pack = sample_pack({t.get_uid(): t for t in (*self.spec.inputs, *self.spec.outputs)},
+                           self.device)
+        pack.update(self.constants)
+        for timing in self.tuning:
+            graph = graphs.get(timing.index)
+            if graph is None:
+                continue
+            ws = self.backend.workspace(self.device, int(graph.get_workspace_size()))
+            try:
+                timing.ms = gpu_time_ms(lambda: graph.execute(
+                    pack, ws, handle=self.backend.handle(self.device)))
+            except Exception as exc:
+                timing.reason = condense(str(exc) or type(exc).__name__, 200)
+
+    @property
+    def plan_name(self) -> str:
+        """The selected plan's engine name (with its time when autotuning chose it, or where
+        the choice came from)."""
+        best = fastest(self.tuning)
+        if best is not None:
+            timed = sum(t.ms is not None for t in self.tuning)
+            return f"{best.name} ({best.ms * 1000:.1f} us, best of {timed})"
+        if self.reused_from:
+            return f"{self.name} ({self.reused_from})"
+        return self.name
+
+    def timed_against_pytorch(self, measure: Callable[[], tuple[float, float]],
+                              record_name: str = "pytorch_timing_paired") -> tuple[float, float]:
+        """``(cudnn_ms, pytorch_ms)`` of this plan against the PyTorch ops it replaces.
+
+        ``measure()`` runs only when the plan was built now or the cache holds no record named
+        ``record_name`` for it (name a new method of measuring anew); its result is stored
+        beside the plan in the cache, and a plan loaded from the cache reuses the stored timing,
+        so warm compiles skip the timing and every process makes the same choice for the same
+        plan. A plan that follows a choice made at another batch size reuses that batch size's
+        timing (the same decision, nothing timed).
+        """
+        cache = self.backend.cache
+        record = cache.load_record(self.header, record_name) if self.from_cache else None
+        if record is None and self.reused_from:
+            record = (self.backend.choice_for(self.recipe, self.device) or {}).get(record_name)
+        if record is not None:
+            return float(record["cudnn_ms"]), float(record["pytorch_ms"])
+        cudnn_ms, pytorch_ms = measure()
+        record = {"cudnn_ms": cudnn_ms, "pytorch_ms": pytorch_ms}
+        cache.store_record(self.header, record_name, record)
+        choice = self.backend.choice_for(self.recipe, self.device)
+        if choice is not None and not self.reused_from:
+            self.backend.remember_choice(self.recipe, self.device, {**choice, record_name: record})
+        return cudnn_ms, pytorch_ms
+
+    def execute(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                workspace: str = MAIN_WORKSPACE) -> None:
+        """Run the plan: ``inputs``/``outputs`` in the graph's input/output order, laid out as
+        declared (fully packed NHWC for 4-d tensors), on the current torch stream, with the
+        backend's workspace of key ``workspace`` (:mod:`fusion_compiler.runtime.streams`).
+
+        The operands go to the frontend as a list with their UIDs fixed at construction
+        (``execute(..., tensor_uids=...)``, cuDNN frontend 1.32: it caches the operands'
+        metadata by UID instead of reading a dict each call); older frontends get the dict."""
+        ws = self.backend.workspace(self.device, self.workspace_bytes, workspace)
+        handle = self.backend.handle(self.device)
+        if self._ordered:
+            self.graph.execute([*inputs, *outputs, *self._constant_values], ws, handle=handle,
+                               tensor_uids=self._uids)
+            return
+        pack = dict(zip(self.input_uids, inputs))
+        pack.update(zip(self.output_uids, outputs))
+        pack.update(self.constants)
+        self.graph.execute(pack, ws, handle=handle)
+
+
+class WeightCache:
+    """channels_last copy of a weight, made once per weight version instead of once per call.
+
+    Keyed by the tensor object itself (held weakly) and its version counter (``Tensor._version``
+    grows on every in-place update, optimizer steps included), so an updated parameter is copied
+    again, and a weight computed afresh each call (a rewritten weight in training, an inference
+    tensor) is always converted: a new tensor may reuse a freed one's memory and version number,
+    so storage address and version alone would return a stale copy.
+
+    In a CUDA graph capture whose replays follow optimizer updates (a graphed training step) the
+    copy is made inside the graph, so every replay converts the weight as the optimizer left it:
+    once per step for ``compile()``'s own training graphs (forward and backward share it), at every
+    use in a capture of someone else's (see
+    :func:`~fusion_compiler.runtime.cuda_graph.weight_cache_scope`).
+
+    Args:
+        convert: makes the copy from the weight (default: ``contiguous(channels_last)``, and a
+            weight already channels_last is used as it is); e.g. a zero-padding of its channels.
+    """
+
+    def __init__(self, convert: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.convert = convert
+        self.source: weakref.ref | None = None
+        self.version = -1
+        self.scope: int | None = None  # weight_cache_scope() when the value was made
+        self.value: torch.Tensor | None = None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        convert = self.convert
+        if convert is None:
+            if t.is_contiguous(memory_format=torch.channels_last):
+                return t
+            convert = _channels_last
+        if t.is_inference():  # made under inference_mode: no version counter, a fresh tensor
+            return convert(t)
+        if self.source is not None and self.source() is t and self.version == t._version:
+            scope = weight_cache_scope()
+            if scope is None or (scope == self.scope and scope != EVERY_CALL):
+                return self.value
+        self.value = convert(t)
+        self.source, self.version, self.scope = weakref.ref(t), t._version, weight_cache_scope()
+        return self.value
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)

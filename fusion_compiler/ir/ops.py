@@ -1,0 +1,110 @@
+"""The canonical operator set that the passes produce and the backends consume.
+
+After :func:`fusion_compiler.passes.normalize.normalize` a graph uses only these targets for the
+operations a region may contain (everything else stays as the model wrote it):
+
+======================  ==========================================================  ===========
+target                  form                                                        cuDNN op
+======================  ==========================================================  ===========
+``torch.conv2d``        ``conv2d(x, w, None, stride, padding, dilation, groups)``    conv_fprop
+``torch.add`` etc.      ``add(a, b)``, ``sub``, ``mul``, ``div`` (no ``alpha``)      pointwise
+``torch.relu``          ``relu(x)``                                                 relu
+``torch.clamp``         ``clamp(x, lo, hi)`` (``lo == 0``: clipped ReLU)            relu(clips)
+``torch.sigmoid``       ``sigmoid(x)``, ``tanh(x)``                                 pointwise
+``F.silu``              ``silu(x)`` (``x * sigmoid(x)``)                            swish
+``torch.sum``           ``sum(x, [2, 3], keepdim=True)`` (sum over H, W)            reduction
+======================  ==========================================================  ===========
+
+Tensors are NCHW in the graph (the logical layout); backends choose the physical one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+CONV = torch.conv2d
+BINARY = {torch.add: "add", torch.sub: "sub", torch.mul: "mul", torch.div: "div"}
+COMMUTATIVE = {torch.add, torch.mul}
+UNARY = {torch.relu: "relu", torch.sigmoid: "sigmoid", torch.tanh: "tanh", torch.clamp: "clamp",
+         F.silu: "silu"}
+REDUCTION = torch.sum
+HW_DIMS = [2, 3]
+
+
+def is_call(node: object, *targets) -> bool:
+    """True when ``node`` is an fx ``call_function`` node with one of ``targets``."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def is_conv(node: object) -> bool:
+    return is_call(node, CONV)
+
+
+def is_pointwise(node: object) -> bool:
+    return is_call(node, *BINARY, *UNARY)
+
+
+def is_hw_sum(node: object) -> bool:
+    """A ``sum(x, [2, 3], keepdim=True)`` node (the only reduction a region may end with)."""
+    return (is_call(node, REDUCTION) and len(node.args) >= 2 and list(node.args[1]) == HW_DIMS
+            and bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)))
+
+
+def op_name(node: fx.Node) -> str:
+    """Short name of a canonical op, e.g. ``add``, ``relu``, ``conv3x3``, ``sum_hw``."""
+    if is_conv(node):
+        w = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+        kernel = f"{w.shape[2]}x{w.shape[3]}" if w is not None else ""
+        stride = tuple(node.args[3])
+        return f"conv{kernel}" + (f"/s{stride[0]}" if stride != (1, 1) else "")
+    if is_hw_sum(node):
+        return "sum_hw"
+    if node.op == "call_function":
+        return BINARY.get(node.target) or UNARY.get(node.target) or getattr(node.target, "__name__", str(node.target))
+    return str(node.target)
+
+
+_AVG_POOL2D_DEFAULTS = {"stride": None, "padding": 0, "ceil_mode": False,
+                        "count_include_pad": True, "divisor_override": None}
+
+
+def avg_pool2d_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of an ``F.avg_pool2d`` call node by name (``input``, ``kernel_size``,
+    ``stride``, ``padding``, ``ceil_mode``, ``count_include_pad``, ``divisor_override``),
+    positional or keyword, with ``F.avg_pool2d``'s defaults for those not given."""
+    names = ["input", "kernel_size", *_AVG_POOL2D_DEFAULTS]
+    return _AVG_POOL2D_DEFAULTS | dict(zip(names, node.args)) | dict(node.kwargs)
+
+
+def conv_flops(node: fx.Node, gm: fx.GraphModule) -> int | None:
+    """Multiply-adds x 2 of one convolution node, from its traced shapes:
+    ``2 * numel(output) * (C_in / groups) * kh * kw`` (``weight.shape[1:]`` of an
+    ``[K, C/groups, kh, kw]`` weight); ``None`` when the shapes are not known."""
+    out = node.meta.get("val")
+    if node.op == "call_module":
+        weight = getattr(gm.get_submodule(node.target), "weight", None)
+    else:
+        arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        weight = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    if not isinstance(out, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return None
+    return 2 * out.numel() * weight[0].numel()
+
+
+def node_device(node: fx.Node) -> torch.device:
+    """The device ``node``'s value lives on when the graph runs (set by :func:`fusion_compiler.capture.propagate_shapes`;
+    ``meta["val"]`` itself may be a meta tensor)."""
+    device = node.meta.get("device")
+    if device is not None:
+        return device
+    return node.meta["val"].device
+
+
+def tensor_meta(node: fx.Node) -> torch.Tensor | None:
+    """The meta or fake tensor recorded on ``node`` by :func:`fusion_compiler.capture.propagate_shapes`, or ``None``."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None

@@ -1,0 +1,338 @@
+"""Space-to-depth stems as one Triton kernel: SpaceToDepth(4), the 1x1 convolution and its
+epilogue, reading the NCHW image once.
+
+The SE-ResNet9 stem (``models/se_resnet9_fixup.md``) is ``SpaceToDepth(4)``, a 1x1 convolution on
+``16*C`` channels, ReLU and the next block's bias. cuDNN takes the pair only as a 4x4, stride-4
+convolution on the ``C``-channel image, which for ``C`` = 3 or 11 it runs far slower than a copy
+plus a 1x1 convolution (:func:`fusion_compiler.passes.rewrites.space_to_depth_conv`). So the graph held
+the SpaceToDepth as a copy to channels_last (Inductor's kernel) before a cuDNN region. Here one
+Triton program per 4 output rows loads the image rows contiguously, rearranges them in registers
+and multiplies with ``tl.dot`` (:mod:`.space_to_depth_triton`).
+
+Measured on an H100 (fp16, CUDA-graph timing, 2026-11-23):
+
+* ``examples/space_to_depth_stem.py`` (the stem alone, 64 output channels, + bias, ReLU), us:
+  depth ``[512, 11, 64, 64]``: copy + PyTorch's 1x1 conv 100.7, PyTorch's 4x4/s4 conv 219.3,
+  this kernel 30.7; RGB ``[128, 3, 64, 64]``: 16.7, 30.9, 4.9. Max relative error against fp32
+  2.5e-4 to 3.0e-4 here, 4.4e-4 to 5.9e-4 for the others (their fp16 rounding before the bias).
+* In SE-ResNet9-depth's graph (``examples/benchmark.py --profile``) the copy had taken 44-46 us
+  and the cuDNN region 32 us; the kernel took 34.0 us, and the forward went from 0.340 to 0.295
+  ms. Every cuDNN plan of the 4x4/s4 conv on the 11-channel image took 157-231 us (NCHW or NHWC).
+
+:func:`space_to_depth_stems` is a graph edit made after lowering, in inference on CUDA: a region
+whose convolution reads a SpaceToDepth(4) value (:func:`~fusion_compiler.passes.rewrites.space_to_depth_source`)
+absorbs the SpaceToDepth as its prologue, takes the image instead, and runs
+``fusion_compiler::space_to_depth_conv`` (backend ``"triton"``). Its outputs are channels_last,
+as a cuDNN region's. The epilogue is computed in fp32 and rounded once per output, as cuDNN's
+fp32 intermediates are.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..ir.ops import node_device
+from ..ir.ops import COMMUTATIVE
+from ..passes.pre_fusion.rewrites import pointwise_conv, space_to_depth_source
+from ..ir.region import Region, called_region, operand_kind
+from ..runtime.region_op import in_dry_run
+
+__all__ = ["space_to_depth_conv", "space_to_depth_conv_reference", "space_to_depth_stems",
+           "kernel_reason", "SpaceToDepthConvKernel", "OP", "BLOCK", "MAX_STEPS", "MAX_OUTPUTS"]
+
+log = logging.getLogger("fusion_compiler")
+
+BLOCK = 4
+"""The SpaceToDepth block size the kernel takes: its ``tl.dot`` sums ``BLOCK**2`` taps per image
+channel, and Triton's dot needs at least 16."""
+MAX_STEPS = 4
+"""Most epilogue ops after the convolution."""
+MAX_OUTPUTS = 2
+"""Most region outputs (values of the chain: the convolution's or any epilogue op's)."""
+_MAX_CHANNELS = 128  # output channels: the fp32 accumulator is [rows, K] in registers
+_ROWS = 64  # output pixels per program: 4 output rows of 16 on the depth stem; standalone on an
+# H100 it took 24.7 us at 64 pixels (4 warps), 25.2 at 128 (4 warps), 28.3 at 32 (2 warps), 35.6
+# at 16 (2 warps)
+
+# epilogue op codes, as the kernel's constexpr arguments take them
+_ADD, _SUB, _MUL, _DIV, _RELU, _SIGMOID, _TANH = range(1, 8)
+_CODES = {torch.add: _ADD, torch.sub: _SUB, torch.mul: _MUL, torch.div: _DIV,
+          torch.relu: _RELU, torch.sigmoid: _SIGMOID, torch.tanh: _TANH}
+_BINARY_CODES = {_ADD, _SUB, _MUL, _DIV}
+_TORCH = {_ADD: torch.add, _SUB: torch.sub, _MUL: torch.mul, _DIV: torch.div,
+          _RELU: torch.relu, _SIGMOID: torch.sigmoid, _TANH: torch.tanh}
+
+
+def _space_to_depth(x: torch.Tensor, b: int) -> torch.Tensor:
+    n, c, h, w = x.shape
+    return x.reshape(n, c, h // b, b, w // b, b).permute(0, 3, 5, 1, 2, 4).reshape(
+        n, b * b * c, h // b, w // b)
+
+
+def space_to_depth_conv_reference(x: torch.Tensor, weight: torch.Tensor,
+                                  operands: Sequence[torch.Tensor], ops: Sequence[int],
+                                  outputs: Sequence[int], block: int) -> list[torch.Tensor]:
+    """The op as torch ops (see :func:`space_to_depth_conv` for the arguments), computed in fp32
+    (fp64 for fp64 inputs: an oracle) and rounded to ``x.dtype`` once per output."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = F.conv2d(_space_to_depth(x, block).to(acc), weight.to(acc))
+    stages, it = [y], iter(operands)
+    for code in ops:
+        if code in _BINARY_CODES:
+            other = next(it).to(acc)
+            y = _TORCH[code](y, other.reshape(1, -1, 1, 1) if other.dim() < 4 else other)
+        else:
+            y = _TORCH[code](y)
+        stages.append(y)
+    return [stages[i].to(x.dtype).contiguous(memory_format=torch.channels_last) for i in outputs]
+
+
+@functools.cache
+def _triton_kernel() -> Any:
+    """The Triton kernel (:mod:`.space_to_depth_triton`), compiled on first use; ``None`` when
+    Triton does not import."""
+    try:
+        from . import space_to_depth_triton  # noqa: PLC0415  (imports triton)
+    except Exception:  # ImportError, or a broken install
+        return None
+    return space_to_depth_triton.space_to_depth_conv_kernel
+
+
+def _rows_per_program(ho: int, wo: int) -> int:
+    """Output rows per program: :data:`_ROWS` pixels where ``ho`` allows (a power of two)."""
+    hb = max(1, _ROWS // wo)
+    while hb > 1 and ho % hb:
+        hb //= 2
+    return hb
+
+
+def kernel_reason(x: torch.Tensor, weight: torch.Tensor, block: int) -> str:
+    """Why the Triton kernel cannot take these shapes (``""``: it can). ``x`` ``[N, C, H, W]``,
+    ``weight`` ``[K, block**2 * C, 1, 1]`` (tensors or their metadata)."""
+    n, c, h, w = x.shape
+    k = weight.shape[0]
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    if block != BLOCK:
+        return f"SpaceToDepth block {block}; the kernel takes {BLOCK}"
+    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
+        return f"dtypes {x.dtype} and {weight.dtype}; the kernel takes float16 or bfloat16"
+    if not pow2(w) or h % block:
+        return f"image width {w} is not a power of two, or height {h} not a multiple of {block}"
+    if not pow2(k) or not 16 <= k <= _MAX_CHANNELS:
+        return f"{k} output channels; the kernel takes a power of two from 16 to {_MAX_CHANNELS}"
+    if _rows_per_program(h // block, w // block) * (w // block) < 16:
+        return "fewer than 16 output pixels per program (Triton's dot needs 16 rows)"
+    return ""
+
+
+def _launch(kernel: Any, x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor],
+            ops: Sequence[int], outputs: Sequence[int], block: int) -> list[torch.Tensor]:
+    x = x.contiguous()
+    n, c, h, w = x.shape
+    k = weight.shape[0]
+    ho, wo = h // block, w // block
+    ys = [torch.empty((n, k, ho, wo), dtype=x.dtype, device=x.device,
+                      memory_format=torch.channels_last) for _ in outputs]
+    codes = [*ops, *[0] * (MAX_STEPS - len(ops))]
+    pointers, strides, it = [], [], iter(operands)
+    for code in codes:
+        if code in _BINARY_CODES:
+            t = next(it).reshape(-1).contiguous()
+            pointers.append(t)
+            strides.append(0 if t.numel() == 1 else 1)
+        else:
+            pointers.append(weight)  # not read
+            strides.append(0)
+    stages = [*outputs, *[-1] * (MAX_OUTPUTS - len(outputs))]
+    hb = _rows_per_program(ho, wo)
+    kernel[(n * (ho // hb),)](
+        x, weight, weight.stride(0), weight.stride(1), ys[0], ys[-1], *pointers, *strides,
+        C=c, H=h, W=w, K=k, B=block, HB=hb, OP0=codes[0], OP1=codes[1], OP2=codes[2],
+        OP3=codes[3], OUT0=stages[0], OUT1=stages[1], num_warps=4)
+    return ys
+
+
+@torch.library.custom_op("fusion_compiler::space_to_depth_conv", mutates_args=())
+def space_to_depth_conv(x: torch.Tensor, weight: torch.Tensor, operands: list[torch.Tensor],
+                        ops: list[int], outputs: list[int], block: int) -> list[torch.Tensor]:
+    """SpaceToDepth(``block``), a 1x1 convolution, then the epilogue ``ops``.
+
+    Args:
+        x: ``[N, C, H, W]`` image, float16 or bfloat16 (copied to NCHW-contiguous if it is not).
+        weight: ``[K, block**2 * C, 1, 1]``, input channel ``(dh*block + dw)*C + c`` for image
+            channel ``c`` at offset ``(dh, dw)`` of a block (SpaceToDepth's order).
+        operands: the second operand of each binary op of ``ops``, in order: ``[1, K, 1, 1]`` (or
+            ``[K]``) per channel, or one element.
+        ops: epilogue op codes, at most :data:`MAX_STEPS`: 1 add, 2 sub, 3 mul, 4 div, 5 ReLU,
+            6 sigmoid, 7 tanh; the chain value is the first operand.
+        outputs: which values to return, at most :data:`MAX_OUTPUTS`: 0 the convolution's,
+            ``i`` the value after ``ops[i - 1]``.
+        block: the SpaceToDepth block size.
+
+    Returns:
+        One ``[N, K, H/block, W/block]`` tensor per ``outputs`` entry, channels_last, ``x.dtype``;
+        computed in fp32 and rounded once. On CUDA with Triton one kernel
+        (:data:`BLOCK`, shapes per :func:`kernel_reason`); elsewhere torch ops
+        (:func:`space_to_depth_conv_reference`).
+
+    In a :func:`~.region_op.dry_run` the outputs are uninitialized and nothing runs.
+
+    Raises:
+        ValueError: more than :data:`MAX_STEPS` ops or :data:`MAX_OUTPUTS` outputs, or shapes the
+            Triton kernel does not take on CUDA.
+    """
+    if len(ops) > MAX_STEPS or not 1 <= len(outputs) <= MAX_OUTPUTS:
+        raise ValueError(f"space_to_depth_conv: at most {MAX_STEPS} ops and 1 to {MAX_OUTPUTS} "
+                         f"outputs, got {len(ops)} and {len(outputs)}")
+    if in_dry_run():  # a background compile's run: outputs of the right shapes, nothing run
+        return _space_to_depth_conv_fake(x, weight, operands, ops, outputs, block)
+    kernel = _triton_kernel() if x.is_cuda else None
+    if kernel is None:
+        return space_to_depth_conv_reference(x, weight, operands, ops, outputs, block)
+    if reason := kernel_reason(x, weight, block):
+        raise ValueError(f"space_to_depth_conv: {reason}")
+    return _launch(kernel, x, weight, operands, ops, outputs, block)
+
+
+@space_to_depth_conv.register_fake
+def _space_to_depth_conv_fake(x, weight, operands, ops, outputs, block):
+    n, _, h, w = x.shape
+    return [torch.empty((n, weight.shape[0], h // block, w // block), dtype=x.dtype,
+                        device=x.device, memory_format=torch.channels_last) for _ in outputs]
+
+
+OP = torch.ops.fusion_compiler.space_to_depth_conv.default
+"""The op overload a stem region's kernel calls."""
+
+
+class SpaceToDepthConvKernel:
+    """A stem region's kernel: calls :data:`OP` with the region's inputs in its order.
+
+    ``operands``: for each binary epilogue op, the position of its region input, or a one-element
+    fp32 tensor for a number in the graph. In a :func:`~.region_op.dry_run` the op returns
+    uninitialized outputs and launches nothing.
+    """
+
+    def __init__(self, image_at: int, weight_at: int, operands: list[int | torch.Tensor],
+                 ops: list[int], outputs: list[int], block: int):
+        self.image_at, self.weight_at, self.block = image_at, weight_at, block
+        self.operands, self.ops, self.outputs = operands, ops, outputs
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, weight = inputs[self.image_at], inputs[self.weight_at]
+        operands = [inputs[o] if isinstance(o, int) else o for o in self.operands]
+        return tuple(OP(x, weight, operands, self.ops, self.outputs, self.block))
+
+
+def _epilogue(region: Region, names: list[str], device: torch.device
+              ) -> tuple[list[int | torch.Tensor], list[int], list[int]] | str:
+    """``(operands, ops, outputs)`` of a region for :class:`SpaceToDepthConvKernel` (``names``:
+    its placeholders' names, in order), or why it does not fit (a text)."""
+    conv = region.conv
+    out_shape = tuple(conv.meta["val"].shape)
+    stage = {conv: 0}
+    chain, operands, ops = conv, [], []
+    for node in region.graph_module.graph.nodes:
+        if node.op in ("placeholder", "output") or node is conv:
+            continue
+        code = _CODES.get(node.target) if node.op == "call_function" else None
+        if code is None:
+            return f"epilogue op {node.format_node()} is not one the kernel runs"
+        if node.kwargs or not node.args or (node.args[0] is not chain and not (
+                code in _BINARY_CODES and node.target in COMMUTATIVE and node.args[1] is chain)):
+            return f"{node.name} does not take the chain value as its operand"
+        if code in _BINARY_CODES:
+            other = node.args[1] if node.args[0] is chain else node.args[0]
+            if isinstance(other, (int, float)):
+                operands.append(torch.tensor([float(other)], device=device))
+            elif (isinstance(other, fx.Node) and other.op == "placeholder"
+                  and operand_kind(tuple(other.meta["val"].shape), out_shape)
+                  in ("scalar", "channel")):
+                operands.append(names.index(other.name))
+            else:
+                return f"{node.name}'s operand is not a number or a per-channel tensor"
+        ops.append(code)
+        chain = node
+        stage[node] = len(ops)
+    outputs = [stage.get(n, -1) for n in region.output_nodes]
+    if len(ops) > MAX_STEPS or -1 in outputs or len(outputs) > MAX_OUTPUTS:
+        return (f"{len(ops)} epilogue ops and {len(region.output_nodes)} outputs; the kernel "
+                f"takes {MAX_STEPS} and {MAX_OUTPUTS}, all values of the chain")
+    if any(n.meta["val"].dtype != conv.meta["val"].dtype for n in region.output_nodes):
+        return "an output of another dtype than the convolution's"
+    return operands, ops, outputs
+
+
+def _absorb(region: Region, image: fx.Node, x: fx.Node, chain: list[fx.Node]) -> None:
+    """Make ``region`` read ``x`` at its placeholder ``image`` and compute ``chain`` (the
+    SpaceToDepth nodes of the outer graph, ``x`` -> the old image) itself, before its conv."""
+    g = region.graph_module.graph
+    env = {x: image}
+    with g.inserting_before(region.conv):
+        for node in chain:
+            env[node] = g.node_copy(node, lambda a: env[a])
+    region.conv.replace_input_with(image, env[chain[-1]])
+    image.meta["val"] = x.meta["val"]
+    g.lint()
+    region.graph_module.recompile()
+    region.nodes = [n.name for n in chain] + list(region.nodes)
+
+
+def space_to_depth_stems(gm: fx.GraphModule) -> list[str]:
+    """Give each region whose 1x1 convolution reads SpaceToDepth(:data:`BLOCK`) of an image the
+    :class:`SpaceToDepthConvKernel` (in place; see the module docstring); returns their ids.
+
+    For inference graphs after :func:`~fusion_compiler.lowering.lower` and before the layout
+    edits (:mod:`.layout`): the region's backend becomes ``"triton"``, its plan text says what
+    runs, the SpaceToDepth nodes no other node reads leave the graph. A region that does not fit
+    (its epilogue, dtypes or shapes: :func:`kernel_reason`) keeps its kernel; why is logged.
+    """
+    changed = []
+    for call in list(gm.graph.nodes):
+        region = called_region(gm, call)
+        if region is None:
+            continue
+        conv = region.conv
+        image, weight = conv.args[0], conv.args[1]
+        if (not pointwise_conv(conv) or conv.args[2] is not None or image.op != "placeholder"
+                or weight.op != "placeholder" or len(image.users) != 1):
+            continue
+        names = [n.name for n in region.graph_module.graph.find_nodes(op="placeholder")]
+        at = names.index(image.name)
+        found = space_to_depth_source(call.args[at])
+        if found is None:
+            continue
+        x, block, chain = found
+        reason = kernel_reason(x.meta["val"], weight.meta["val"], block)
+        fit = reason or _epilogue(region, names, node_device(x))
+        if isinstance(fit, str):
+            log.info("region %s: SpaceToDepth stem left as it is: %s", region.region_id, fit)
+            continue
+        operands, ops, outputs = fit
+        _absorb(region, image, x, chain)
+        region.set_kernel(SpaceToDepthConvKernel(at, names.index(weight.name), operands, ops,
+                                                 outputs, block))
+        region.space_to_depth = block
+        region.backend, region.status, region.reason = "triton", "lowered", ""
+        region.plan = (f"space_to_depth{block} + conv1x1 + {len(ops)} epilogue ops, one Triton "
+                       f"kernel (runtime/space_to_depth.py)")
+        region.cudnn_graph, region.tuning, region.timing = None, [], {}
+        region.plan_from_cache, region.workspace_bytes = None, 0
+        region.nhwc_inputs, region.padded_images = frozenset(), {}
+        args = list(call.args)
+        args[at] = x
+        call.args = tuple(args)
+        for node in reversed(chain):
+            if not node.users:
+                gm.graph.erase_node(node)
+        changed.append(region.region_id)
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed

@@ -1,0 +1,1 @@
+"""post_lowering passes."""

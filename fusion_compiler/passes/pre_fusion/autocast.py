@@ -1,0 +1,80 @@
+"""autocast: make ``torch.autocast``'s casts explicit where regions form.
+
+A graph specialized under ``torch.autocast(dtype=float16 or bfloat16)`` keeps fp32 parameters.
+Autocast casts a convolution's input and weight to the low-precision type when the op runs, and
+PyTorch's type promotion then makes ``conv_out + fp32_bias`` an fp32 tensor, which ends a region
+(the fuse pass does not fuse a type promotion). This pass writes the casts into the graph:
+
+* the image and weight of every ``conv2d`` are cast to ``dtype`` (what autocast does at run time);
+* in an ``add``/``sub``/``mul``/``div`` whose one tensor operand is in ``dtype`` and the other in
+  fp32, the fp32 operand is cast to ``dtype``, so epilogues stay in ``dtype`` and fuse (cuDNN
+  computes them in fp32 internally anyway). Eager autocast would compute these in fp32: results
+  differ by low-precision rounding of the operand, and such ops return ``dtype`` instead of fp32.
+
+Every other op is left to autocast itself at run time (the compiled graph runs inside the
+caller's autocast context). Casts of parameters are parameter-only work, which inference
+specializations hoist. Gradients flow through the casts back to the fp32 parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...ir.ops import BINARY, is_conv
+
+__all__ = ["make_autocast_explicit"]
+
+
+_SAME_DTYPE = {torch.relu, torch.sigmoid, torch.tanh, torch.clamp, F.silu, torch.reshape,
+               torch.permute, torch.flatten}
+
+
+def make_autocast_explicit(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
+    """Insert ``.to(dtype)`` casts (see module docstring); needs ``meta["val"]`` on nodes.
+
+    Dtypes are tracked as the pass goes (a cast changes the dtype of the ops after it); ops the
+    pass does not know keep the dtype fake-tensor propagation recorded under autocast.
+    """
+    graph = gm.graph
+    casts: dict[fx.Node, fx.Node] = {}
+    dtypes: dict[fx.Node, torch.dtype] = {}
+
+    def dtype_of(arg: object) -> torch.dtype | None:
+        if not isinstance(arg, fx.Node):
+            return None
+        if arg in dtypes:
+            return dtypes[arg]
+        val = arg.meta.get("val")
+        return val.dtype if isinstance(val, torch.Tensor) else None
+
+    def cast(node: fx.Node, before: fx.Node) -> fx.Node:
+        if node not in casts:
+            with graph.inserting_before(before):
+                casts[node] = graph.call_method("to", (node, dtype))
+            dtypes[casts[node]] = dtype
+        return casts[node]
+
+    for node in list(graph.nodes):
+        if is_conv(node):
+            for i in (0, 1):
+                if dtype_of(node.args[i]) == torch.float32:
+                    node.update_arg(i, cast(node.args[i], node))
+            dtypes[node] = dtype
+        elif node.op == "call_function" and node.target in BINARY and len(node.args) == 2:
+            kinds = [dtype_of(a) for a in node.args]
+            if dtype in kinds and torch.float32 in kinds:
+                i = kinds.index(torch.float32)
+                node.update_arg(i, cast(node.args[i], node))
+                kinds[i] = dtype
+            tensor_kinds = {k for k in kinds if k is not None}
+            if len(tensor_kinds) == 1:
+                dtypes[node] = tensor_kinds.pop()
+        elif (node.op == "call_function" and node.target in _SAME_DTYPE) or (
+                node.op == "call_method" and node.target in ("view", "reshape", "contiguous")):
+            if dtype_of(node.args[0]) is not None:
+                dtypes[node] = dtype_of(node.args[0])
+    graph.lint()
+    gm.recompile()
+    return gm
