@@ -31,7 +31,7 @@ from rich.table import Table
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from examples.seresnet9_fixup import SpaceToDepth  # noqa: E402
-from fusion_compiler.backends.cudnn.autotune import paired_time_ms  # noqa: E402
+from fusion_compiler.backends.timing import paired_time_ms  # noqa: E402
 from fusion_compiler.kernels.space_to_depth import space_to_depth_conv  # noqa: E402
 
 

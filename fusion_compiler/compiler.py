@@ -15,21 +15,21 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .backends.cudnn.autotune import timing_deferred
+from .backends.timing import timing_deferred
 from .backends.cudnn.backend import DEFAULT_AUTOTUNE
 from .capture import TensorSpec, capture, input_specs
 from .ir.errors import TimingDeferred
 from .lowering import build_plans, lower, plan_work, regions_of
 from .passes import Pass, PassManager, default_passes
 from .passes.pre_fusion.autocast import make_autocast_explicit
-from .passes.glue.se_gate import se_gates, small_linears_as_reductions
+from .passes.glue import se_gates, small_linears_as_reductions
 from .ir.region import Region
 from .passes.post_lowering.hoist import HoistedParameters, hoist_parameter_subgraphs
 from .passes.post_lowering.layout import (channel_padded_images, channels_last_activations, four_channel_images,
                              nchw_padded_avg_pools)
 from .runtime.plan_cache import PlanCache, default_cache_dir
 from .kernels.space_to_depth import space_to_depth_stems
-from .runtime.streams import run_short_branches_beside
+from .passes.post_lowering.streams import run_short_branches_beside
 from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy, unlowered_copy
 
 __all__ = ["compile", "CompiledModule", "CUDA_GRAPH_MODES", "DEFAULT_MAX_SPECIALIZATIONS"]

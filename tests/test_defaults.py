@@ -314,8 +314,8 @@ def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypa
 
 
 def test_gpu_timing_is_refused_inside_timing_deferred():
-    from fusion_compiler.backends.cudnn.autotune import (ensure_timing_allowed, paired_time_ms,
-                                                   timing_deferred)
+    from fusion_compiler.backends.timing import (ensure_timing_allowed, paired_time_ms,
+                                                 timing_deferred)
     from fusion_compiler.ir.errors import TimingDeferred
 
     ensure_timing_allowed()
@@ -335,7 +335,7 @@ def test_a_background_lowering_that_needs_timing_is_redone_at_the_switch(monkeyp
     the calling thread, where timing may run."""
     import threading
 
-    from fusion_compiler.backends.cudnn.autotune import ensure_timing_allowed
+    from fusion_compiler.backends.timing import ensure_timing_allowed
     from fusion_compiler.compiler import CompiledModule
 
     lowered_on = []

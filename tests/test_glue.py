@@ -1,4 +1,4 @@
-"""The glue rewrites for Inductor (``passes/glue.py``), on the CPU."""
+"""The glue rewrites for Inductor (``passes/glue/``), on the CPU."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fusion_compiler.passes.glue.se_gate import MAX_WEIGHT, se_gates, small_linears_as_reductions
+from fusion_compiler.passes.glue import MAX_WEIGHT, se_gates, small_linears_as_reductions
 
 
 class _SE(nn.Module):

@@ -46,7 +46,7 @@ def test_default_compile_runs_the_se_gate_in_its_inductor_tier(monkeypatch):
 
     import fusion_compiler as fc
     from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-    from fusion_compiler.passes.glue.se_gate import se_gates
+    from fusion_compiler.passes.glue import se_gates
 
     torch.manual_seed(0)
     model = randomize_(se_resnet9_fixup(11)).eval()

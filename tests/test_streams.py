@@ -17,7 +17,7 @@ from fusion_compiler.lowering import lower, regions_of
 from fusion_compiler.passes import PassManager, default_passes
 from fusion_compiler.ir.region import called_region
 from fusion_compiler.runtime.region_op import register_kernel, run_region
-from fusion_compiler.runtime.streams import run_short_branches_beside
+from fusion_compiler.passes.post_lowering.streams import run_short_branches_beside
 
 JOIN = torch.ops.fusion_compiler.join_side_stream.default
 

@@ -45,7 +45,7 @@ from ...autograd.backward import RegionBackward
 from ...runtime.region_op import is_traced, register_backward, register_kernel, run_region
 from ...runtime.streams import MAIN_WORKSPACE, SIDE_WORKSPACE, side_stream
 from ..base import Kernel, Support
-from .autotune import PYTORCH_MARGIN, paired_time_ms, sample_inputs
+from ..timing import PYTORCH_MARGIN, paired_time_ms, sample_inputs
 from .backward import CudnnConvGradients
 from .graph import (channel_padding, import_cudnn, output_dtype, output_padding,
                           padded_output, region_recipe, to_nhwc)

@@ -44,7 +44,7 @@ from ...ir.ops import node_device
 from ...ir.errors import UnsupportedError, condense
 from ...ir.region import Region
 from ...runtime.region_op import is_traced, register_kernel, run_region
-from .autotune import paired_time_ms, sample_tensor
+from ..timing import paired_time_ms, sample_tensor
 from .graph import channel_padding, import_cudnn, recipe_dtype, to_nhwc
 from .plan import CudnnPlan, WeightCache
 from .recipe import CudnnGraph, build_pygraph, nhwc_strides

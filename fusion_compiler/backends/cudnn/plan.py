@@ -19,7 +19,8 @@ from ...ir.errors import UnsupportedError, condense
 from ...runtime.cuda_graph import EVERY_CALL, weight_cache_scope
 from ...runtime.plan_cache import PlanCache, StaleEntry
 from ...runtime.streams import MAIN_WORKSPACE
-from .autotune import PlanTiming, ensure_timing_allowed, fastest, gpu_time_ms, sample_pack
+from ..timing import ensure_timing_allowed, gpu_time_ms
+from .autotune import PlanTiming, fastest, sample_pack
 from .graph import import_cudnn
 from .recipe import build_pygraph, recipe_key
 

@@ -1,102 +1,25 @@
-"""Rewrites of the glue (the ops between regions) for Inductor, applied to the copy of a
-specialization's graph that Inductor compiles, never to the graph that runs eagerly.
-
-* :func:`small_linears_as_reductions` -- a linear layer with a small weight (an SE block's
-  squeeze and excitation layers: 64x4 to 512x32 in SE-ResNet9) becomes a broadcast product summed
-  over the input features. Inductor lowers a matmul to a cuBLAS kernel of its own (about 3 us
-  each on an H100, however small, and nothing fuses into it); as a reduction it is a Triton kernel
-  into which the bias, the ReLU or sigmoid after it, and their neighbours fuse.
-* :func:`se_gates` -- a squeeze-and-excitation gate (spatial mean, linear or 1x1 convolution,
-  ReLU or SiLU, linear or 1x1 convolution, sigmoid) becomes one ``fusion_compiler::se_gate`` call
-  (:mod:`fusion_compiler.runtime.se_gate`): one Triton kernel where Inductor makes three or four.
-"""
+"""A glue rewrite for Inductor (applied to the copy of a lowered graph that Inductor compiles,
+never to the graph that runs eagerly): a squeeze-and-excitation gate (spatial mean, linear or 1x1
+convolution, ReLU or SiLU, linear or 1x1 convolution, sigmoid) becomes one
+``fusion_compiler::se_gate`` call (:mod:`fusion_compiler.kernels.se_gate`): one Triton kernel
+where Inductor makes three or four."""
 
 from __future__ import annotations
-
-import operator
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from ...ir.ops import is_call, is_conv, is_hw_sum
+from .linears import graph_value, linear_parts, value_of
 
-__all__ = ["small_linears_as_reductions", "se_gates", "MAX_WEIGHT", "MAX_MACS", "FUSED_SQUEEZE"]
+__all__ = ["se_gates", "FUSED_SQUEEZE"]
 
-MAX_WEIGHT = 16384
-"""Largest weight (in elements) rewritten: SE-ResNet9's largest SE layer is 512x32."""
-MAX_MACS = 1 << 24
-"""Largest product rows x in x out rewritten (multiply-accumulates): beyond, a GEMM's tensor cores
-win over a reduction's FMAs."""
 FUSED_SQUEEZE = 16384
 """Most values per sample (``C*H*W``) whose spatial mean the ``se_gate`` kernel computes itself,
 one program streaming the sample; a larger gate gets the mean from the graph's own reduction. On
 an H100 a fused squeeze took 4.1-4.7 us per SE-ResNet9 gate (N=128, up to 64x16x16) but 70 us
 for efficientnet_b0's 32x112x112 at N=32: 32 programs streaming 0.8 MB each."""
-
-
-def _linear(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object] | None:
-    """``(input, weight, bias)`` of a linear layer call (``bias`` may be ``None``): an
-    ``nn.Linear`` module (``weight``/``bias`` are then attribute paths) or ``F.linear``."""
-    if node.op == "call_module" and type(gm.get_submodule(node.target)) is torch.nn.Linear:
-        module = gm.get_submodule(node.target)
-        bias = f"{node.target}.bias" if module.bias is not None else None
-        return node.args[0], f"{node.target}.weight", bias
-    if is_call(node, F.linear):
-        args = [*node.args, *([None] * 3)][:3]
-        return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
-    return None
-
-
-def _val(gm: fx.GraphModule, arg: object) -> torch.Tensor | None:
-    """The tensor (or its metadata) behind a graph value: an attribute path's tensor, a node's
-    ``meta["val"]``; ``None`` when unknown."""
-    if isinstance(arg, str):
-        return operator.attrgetter(arg)(gm)
-    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _graph_value(graph: fx.Graph, arg: object) -> object:
-    """``arg`` as a value of ``graph``: an attribute path becomes a ``get_attr`` node."""
-    return graph.get_attr(arg) if isinstance(arg, str) else arg
-
-
-def small_linears_as_reductions(gm: fx.GraphModule) -> int:
-    """Rewrite, in place, each linear layer ``y = x @ W.T + b`` (``x``: (..., K), ``W``: (O, K))
-    whose weight has at most :data:`MAX_WEIGHT` elements and whose rows x K x O is at most
-    :data:`MAX_MACS` as ``sum(x[..., :, None] * W.T, dim=-2) + b``: the same sum in another
-    order (Inductor accumulates fp16 and bf16 in fp32, as cuBLAS does). Layers whose input has no
-    shape metadata (``meta["val"]``) stay. Returns how many were rewritten."""
-    rewritten = 0
-    for node in list(gm.graph.nodes):
-        parts = _linear(gm, node)
-        if parts is None:
-            continue
-        x, weight, bias = parts
-        val, w_val = _val(gm, x), _val(gm, weight)
-        if val is None or w_val is None or w_val.dim() != 2 or val.dim() < 1:
-            continue
-        out_features, in_features = w_val.shape
-        rows = val.numel() // max(in_features, 1)
-        if w_val.numel() > MAX_WEIGHT or rows * in_features * out_features > MAX_MACS:
-            continue
-        graph = gm.graph
-        with graph.inserting_before(node):
-            w, b = _graph_value(graph, weight), _graph_value(graph, bias)
-            product = graph.call_function(torch.mul, (graph.call_method("unsqueeze", (x, -1)),
-                                                      graph.call_method("t", (w,))))
-            out = graph.call_function(torch.sum, (product, -2))
-            if b is not None:
-                out = graph.call_function(torch.add, (out, b))
-        out.meta = dict(node.meta)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
-    return rewritten
 
 
 def _spatial_mean_of(node: object) -> tuple[fx.Node, fx.Node] | None:
@@ -124,10 +47,10 @@ def _spatial_mean_of(node: object) -> tuple[fx.Node, fx.Node] | None:
 
 def _dense(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object, bool] | None:
     """``(input, weight, bias, conv)`` of a fully connected layer: a linear layer (see
-    :func:`_linear`; ``conv`` false), or a 1x1 convolution without padding or groups of a
+    :func:`~.linears.linear_parts`; ``conv`` false), or a 1x1 convolution without padding or groups of a
     ``[N, C, 1, 1]`` value, its bias the ``[1, K, 1, 1]`` operand of an ``add`` after it, as
     ``normalize`` writes a conv bias (``conv`` true; ``bias`` may be ``None``)."""
-    parts = _linear(gm, node)
+    parts = linear_parts(gm, node)
     if parts is not None:
         return (*parts, False)
     bias = None
@@ -136,7 +59,7 @@ def _dense(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object, 
     if not is_conv(node):
         return None
     x, w, b, _, padding, _, groups = node.args
-    xv, wv, bv = _val(gm, x), _val(gm, w), _val(gm, bias) if bias is not None else None
+    xv, wv, bv = value_of(gm, x), value_of(gm, w), value_of(gm, bias) if bias is not None else None
     if b is not None or groups != 1 or tuple(padding) != (0, 0) or xv is None or wv is None \
             or xv.dim() != 4 or tuple(xv.shape[2:]) != (1, 1) or tuple(wv.shape[2:]) != (1, 1) \
             or (bias is not None and (bv is None or tuple(bv.shape) != (1, wv.shape[0], 1, 1))):
@@ -181,7 +104,7 @@ def se_gates(gm: fx.GraphModule) -> int:
             continue
         x, mean = squeeze
         (_, w1, b1, conv), (_, w2, b2, _) = first, second
-        xv, w1v, w2v, out = x.meta["val"], _val(gm, w1), _val(gm, w2), node.meta.get("val")
+        xv, w1v, w2v, out = x.meta["val"], value_of(gm, w1), value_of(gm, w2), node.meta.get("val")
         if w1v is None or w2v is None or not isinstance(out, torch.Tensor) \
                 or not xv.dtype.is_floating_point \
                 or len({xv.dtype, w1v.dtype, w2v.dtype, out.dtype}) != 1:
@@ -192,7 +115,7 @@ def se_gates(gm: fx.GraphModule) -> int:
                 or hidden * channels > MAX_GATE_WEIGHT:
             continue
         with graph.inserting_before(node):
-            w1n, b1n, w2n, b2n = (_graph_value(graph, a) for a in (w1, b1, w2, b2))
+            w1n, b1n, w2n, b2n = (graph_value(graph, a) for a in (w1, b1, w2, b2))
             if conv:  # [K, C, 1, 1] weights and [1, K, 1, 1] biases as the op takes them
                 w1n = graph.call_function(torch.reshape, (w1n, (hidden, channels)))
                 w2n = graph.call_function(torch.reshape, (w2n, (channels, hidden)))

@@ -1,0 +1,127 @@
+"""Timing on the GPU, shared by the backends: random inputs of a region's shapes, CUDA-graph
+timings of one implementation or several in turn, and the switch that forbids timing on a thread
+that runs beside a caller's GPU work."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+from ..ir.errors import TimingDeferred
+from ..ir.ops import node_device
+from ..runtime.tiered import COMPILE_LOCK, ThreadFlag
+
+__all__ = ["PYTORCH_MARGIN", "timing_deferred", "ensure_timing_allowed", "random_tensor",
+           "sample_tensor", "sample_inputs", "gpu_time_ms", "paired_time_ms"]
+
+PYTORCH_MARGIN = 0.9
+"""PyTorch's ops replace a region's forward cuDNN graph only when they time below this fraction of
+it (10% faster): near-ties would otherwise flip between runs on timing noise. Gradient graphs do
+not use it (:mod:`.cudnn_backward`): they are kept only when not slower."""
+
+
+_DEFERRED = ThreadFlag()
+
+
+@contextlib.contextmanager
+def timing_deferred():
+    """Within it, on this thread, any GPU timing of this module raises
+    :class:`~fusion_compiler.errors.TimingDeferred` (:func:`ensure_timing_allowed`): for work
+    done beside a caller's GPU work, where timings would be noise (tier 0's background lowering,
+    :meth:`fusion_compiler.compiler.CompiledModule._tier_before_lowering`)."""
+    with _DEFERRED.raised():
+        yield
+
+
+def ensure_timing_allowed(what: str = "GPU timing") -> None:
+    """Raises:
+        TimingDeferred: inside :func:`timing_deferred` on this thread."""
+    if _DEFERRED:
+        raise TimingDeferred(f"{what} deferred: this thread runs beside the caller's GPU work")
+
+
+def random_tensor(shape, strides, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Values ~ N(0, 0.5²) (finite through a few pointwise ops) laid out with ``strides``."""
+    size = 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+    return (torch.randn(size, dtype=dtype, device=device) * 0.5).as_strided(shape, strides)
+
+
+def sample_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                  strides: Sequence[int] | None = None) -> torch.Tensor:
+    """A random tensor of ``shape`` (see :func:`random_tensor` for the values) laid out with
+    ``strides``; by default channels_last when 4-d: the layout activations have between cuDNN
+    regions at run time."""
+    if strides is None:
+        strides = torch.empty(tuple(shape), device="meta").contiguous(
+            memory_format=torch.channels_last if len(shape) == 4 else torch.contiguous_format
+        ).stride()
+    return random_tensor(tuple(shape), tuple(strides), dtype, device)
+
+
+def sample_inputs(region) -> list[torch.Tensor]:
+    """Random tensors like ``region``'s inputs (shapes, dtypes, device from the placeholders'
+    ``meta["val"]``), made by :func:`sample_tensor`: 4-d tensors are channels_last, as activations
+    arrive from an upstream cuDNN region at run time (the captured strides are eager's NCHW ones)."""
+    return [sample_tensor(ph.meta["val"].shape, ph.meta["val"].dtype, node_device(ph))
+            for ph in region.graph_module.graph.find_nodes(op="placeholder")]
+
+
+def gpu_time_ms(run: Callable[[], object], reps: int = 3, iters: int = 10) -> float:
+    """GPU time of one ``run()`` in ms: the median over ``reps`` replays of a CUDA graph holding
+    ``iters`` back-to-back calls. A CUDA graph, because timing calls issued from Python would
+    measure the host (about 20 us per ``execute``, CUDNN_FACTS.md) rather than the kernel."""
+    return paired_time_ms([run], reps, iters)[0]
+
+
+def _captured(run: Callable[[], object], iters: int, stream: torch.cuda.Stream
+              ) -> torch.cuda.CUDAGraph:
+    """``iters`` calls of ``run`` captured on ``stream`` in a CUDA graph. Captured by hand:
+    ``torch.cuda.graph`` also runs ``gc.collect()`` and ``empty_cache()`` on entry, which cost
+    tens of ms per graph in a compiling process and autotuning captures about a hundred."""
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with COMPILE_LOCK, torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(iters):
+                run()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
+def paired_time_ms(runs: Sequence[Callable[[], object]], reps: int = 3, iters: int = 10
+                   ) -> list[float]:
+    """GPU time of one call of each of ``runs`` in ms, as :func:`gpu_time_ms` takes it, with the
+    CUDA-graph replays of the runs alternating (``a b a b ...``) so that clock or thermal drift
+    during the measurement affects all of them alike: the fair way to compare two
+    implementations of the same work.
+
+    Raises:
+        TimingDeferred: inside :func:`timing_deferred`.
+    """
+    ensure_timing_allowed()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for run in runs:
+            run()  # warm-up outside capture: first launch loads the kernel
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs = []
+    for run in runs:
+        graphs.append(_captured(run, iters, stream))
+        graphs[-1].replay()
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(reps):
+        for graph, times in zip(graphs, samples):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+    return [statistics.median(times) for times in samples]
