@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from .compiler import CompiledModule
+from .config import CompileOptions
 
 __all__ = ["fusion_compiler_backend", "register", "BACKEND_NAME"]
 
@@ -45,10 +46,9 @@ def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
     Args:
         gm: the graph Dynamo captured.
         example_inputs: its example inputs (``FakeTensor`` s; only their number is used here).
-        options: :func:`fusion_compiler.compile` options (``backend``, ``autotune``,
-            ``fuse_prologue``, ``fuse_reduction``, ``cache_dir``, ``report``,
-            ``derived_backward``), given as
-            ``torch.compile(..., options={...})``.
+        options: :func:`fusion_compiler.compile` options, given as
+            ``torch.compile(..., options={...})``
+            (:meth:`~fusion_compiler.config.CompileOptions.for_dynamo`).
         mode: not used (there is one mode); accepted because ``torch.compile`` passes it.
 
     Raises:
@@ -56,19 +56,10 @@ def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
             so there is no whole forward to capture; use ``fusion_compiler.compile`` for that), or
             ``glue_backend`` (this graph already runs inside a ``torch.compile`` call; use
             ``fusion_compiler.compile(model, glue_backend=...)``).
+        ValueError: an invalid option value.
         FusionError: the graph cannot be retraced or breaks the cuDNN graph rules (on first call).
     """
-    options = dict(options or {})
-    if "cuda_graph" in options:
-        raise TypeError("cuda_graph is an option of fusion_compiler.compile, not of the "
-                        "torch.compile backend (Dynamo graphs run between Python code)")
-    if "glue_backend" in options:
-        raise TypeError("glue_backend is an option of fusion_compiler.compile, not of the "
-                        "torch.compile backend (this graph is already being compiled by "
-                        "torch.compile)")
-    # no whole-forward CUDA graph (Dynamo graphs run between Python code) and no glue backend
-    # (this graph already runs inside torch.compile)
-    compiled = CompiledModule(gm, **options, cuda_graph=False, glue_backend=None)
+    compiled = CompiledModule(gm, CompileOptions.for_dynamo(options))
 
     def run(*args: Any) -> Any:
         return compiled(*args)

@@ -1,35 +1,38 @@
-"""Lowering: give every region of a fused graph a kernel from a backend.
+"""Lowering: give every region of a fused graph a kernel from the backends that support it.
 
-``backend="auto"`` tries cuDNN and falls back to the reference backend with cuDNN's reason;
-``"cudnn"`` does the same but logs each fallback as a warning; ``"reference"`` uses torch ops
-everywhere. When the cuDNN backend autotunes (``autotune > 1``, the default) it also times each
-region against its own PyTorch ops and declines it when those are at least 10% faster (the
-region's ``reason`` then says so, with both times; the timing is cached with the plan). Every
-region also gets its cuDNN graph JSON (``region.cudnn_graph``) when the frontend is importable, GPU
-or not, so dumps show what would run.
+For each region the registered backends (:mod:`fusion_compiler.backends`, highest priority
+first; ``backend="reference"``: the reference alone) say whether they take it. The first that does
+lowers it; where several backends besides the reference take a region, each lowers it and their
+kernels are timed against each other on the GPU (CUDA-graph timing on random inputs of the
+region's shapes), the fastest kept and every candidate's time recorded. A backend may still
+decline while lowering (:class:`~fusion_compiler.ir.errors.UnsupportedError`: cuDNN rejected the
+graph, or its kernel timed slower than the region's PyTorch ops); the region then runs on the
+reference backend, its record saying why. ``backend="cudnn"`` logs each fallback as a warning.
+Every region also gets the graph JSON each backend can describe without running anything (cuDNN's,
+also on a machine without a GPU), so dumps show what would run. Each region's record
+(:class:`~fusion_compiler.ir.region.Lowering`) is written once, when every region has its kernel.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-from .backends import get_backend
-from .backends.cudnn.graph import graph_json
-from .autograd import plan as backward_plan
 from .autograd.backward import training_region
+from .autograd.plan import backward_plans, with_masked_outputs
+from .backends import PLAN_WORK, REFERENCE, Backend, Lowered, backends_for, registered
+from .backends.timing import paired_time_ms, sample_inputs
+from .config import CompileOptions
 from .ir.errors import UnsupportedError, condense
-from .ir.region import Region, called_region
+from .ir.ops import node_device
+from .ir.region import BackwardPlan, Lowering, Region, called_region
 
-__all__ = ["lower", "plan_work", "PLAN_WORK", "build_plans", "regions_of",
-           "BACKEND_CHOICES"]
+__all__ = ["lower", "plan_work", "build_plans", "regions_of"]
 
 log = logging.getLogger("fusion_compiler")
-BACKEND_CHOICES = ("auto", "cudnn", "reference")
 
 
 def regions_of(gm: fx.GraphModule) -> list[Region]:
@@ -37,124 +40,156 @@ def regions_of(gm: fx.GraphModule) -> list[Region]:
     return [r for n in gm.graph.nodes if (r := called_region(gm, n)) is not None]
 
 
-def lower(gm: fx.GraphModule, backend: str = "auto", progress: bool | None = None, *,
-          training: bool = False, derived_backward: bool = False,
-          no_grad_inputs: frozenset[str] = frozenset(), **backend_options) -> fx.GraphModule:
+@dataclass
+class _Choice:
+    """What lowering chose for one region, before its record is written."""
+
+    backend: Backend
+    lowered: Lowered
+    reason: str = ""
+
+
+def _candidates(region: Region, backends: list[Backend]) -> tuple[list[Backend], str]:
+    """The backends besides the reference that take ``region``, in priority order, and the first
+    reason a backend gave for declining it (``""`` if none gave one)."""
+    taking, reason = [], ""
+    for backend in backends:
+        if backend.name == REFERENCE:
+            continue
+        support = backend.supports(region)
+        if support:
+            taking.append(backend)
+        elif not reason:
+            reason = support.reason
+    return taking, reason
+
+
+def _fastest(region: Region, lowered: dict[str, Lowered]) -> tuple[str, dict[str, float]]:
+    """The backend whose kernel ran ``region`` fastest on random inputs of its shapes (each
+    kernel timed in a CUDA graph, the replays alternating), and every kernel's ms per call. Off
+    CUDA, the first (highest priority) with no times."""
+    if node_device(region.conv).type != "cuda":
+        return next(iter(lowered)), {}
+    inputs = sample_inputs(region)
+    times = paired_time_ms([lambda k=low.kernel: k(*inputs) for low in lowered.values()])
+    timing = dict(zip(lowered, times))
+    return min(timing, key=timing.__getitem__), timing
+
+
+def _choose(region: Region, taking: list[Backend], reason: str, reference: Backend,
+            training: bool, backward: BackwardPlan | None) -> _Choice:
+    """Lower ``region`` with the backends that take it (``taking``; ``reason``: why the others
+    declined), see the module docstring."""
+    lowered: dict[str, Lowered] = {}
+    backend_of = {b.name: b for b in taking}
+    declined: UnsupportedError | None = None
+    for backend in taking:
+        try:
+            lowered[backend.name] = backend.lower(region, training, backward)
+        except UnsupportedError as exc:
+            declined = declined or exc
+    if not lowered:
+        fallback = reference.lower(region, training, backward)
+        if declined is not None:
+            reason = declined.reason
+            fallback = Lowered(fallback.kernel, timing=declined.timing,
+                               nhwc_inputs=declined.nhwc_inputs)
+        return _Choice(reference, fallback, reason)
+    if len(lowered) == 1:
+        name = next(iter(lowered))
+        return _Choice(backend_of[name], lowered[name])
+    name, timing = _fastest(region, lowered)
+    chosen = lowered[name]
+    return _Choice(backend_of[name], Lowered(**{**vars(chosen), "timing": {**chosen.timing,
+                                                                            **timing}}))
+
+
+def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False,
+          no_grad_inputs: frozenset[str] = frozenset(),
+          progress: bool | None = None) -> fx.GraphModule:
     """Choose and build a kernel for every region of ``gm`` (in place); return ``gm``.
 
     Args:
-        backend: ``"auto"``, ``"cudnn"`` or ``"reference"``.
-        progress: show a progress bar while kernels build (``None``: only on a terminal).
+        options: the compile's options (``backend``: which backends are asked; the backends
+            read their own settings, e.g. ``autotune``, ``cache_dir``).
         training: kernels must be differentiable. Each region is first replaced by its
-            :func:`~fusion_compiler.backward.training_region` (which also returns the values its
-            backward reads) and cuDNN regions get cuDNN dgrad/wgrad graphs.
-        derived_backward: with ``training``, reference regions also run through the custom op
-            with the derived backward (tests check it against PyTorch autograd without a GPU).
+            :func:`~fusion_compiler.autograd.backward.training_region` (which also returns the
+            values its backward reads), and its backward is planned
+            (:mod:`fusion_compiler.autograd.plan`).
         no_grad_inputs: names of ``gm``'s placeholders whose values never need a gradient (a
             network input without ``requires_grad``): a convolution reading one, or a value
-            computed from such inputs alone (the SpaceToDepth copy of the image), builds no
-            dgrad.
-        backend_options: passed to the cuDNN backend (``cache_dir``, ``autotune``).
-
-    Raises:
-        ValueError: unknown ``backend``.
+            computed from such inputs alone, builds no dgrad.
+        progress: show a progress bar while kernels build (``None``: ``options.progress``, and
+            when that is ``None``, only on a terminal).
     """
-    if backend not in BACKEND_CHOICES:
-        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
-    reference = get_backend("reference", derived_backward=derived_backward)
-    preferred = reference if backend == "reference" else get_backend("cudnn", **backend_options)
+    backends = backends_for(options)
+    reference = next(b for b in backends if b.name == REFERENCE)
     calls = [n for n in gm.graph.nodes if called_region(gm, n) is not None]
-    bar = calls
-    if progress or (progress is None and sys.stderr.isatty()):
-        from tqdm.auto import tqdm  # noqa: PLC0415  (0.2 s of imports, only for a bar shown)
-
-        bar = tqdm(calls, desc="fusion_compiler: building region plans", unit="region",
-                   leave=False)
-    grad_free = backward_plan.grad_free_nodes(gm, no_grad_inputs) if training else set()
+    plans: dict[Region, BackwardPlan] = {}
+    pairs: dict[Region, tuple[Region, str]] = {}
     if training:
         for call in calls:
-            region = training_region(gm.get_submodule(call.target))
-            setattr(gm, call.target, region)
-            region.no_grad_inputs = backward_plan.no_grad_inputs(region, call, grad_free)
-        masking = backward_plan.plan_dgrad_drelu(gm)
-    prefetch = getattr(preferred, "prefetch", None)
-    if prefetch is not None:  # start building every region's plans at once (worker processes)
-        prefetch([gm.get_submodule(call.target) for call in calls])
-    for call in bar:
-        region = gm.get_submodule(call.target)
-        try:
-            region.cudnn_graph = graph_json(region)
-        except UnsupportedError:
-            region.cudnn_graph = None  # the cuDNN backend reports the same problem below
-        support = preferred.supports(region)
-        chosen, reason = preferred, support.reason
-        if support:
-            try:
-                region.set_kernel(preferred.lower(region, training))
-            except UnsupportedError as exc:
-                chosen, reason = reference, exc.reason
-        else:
-            chosen = reference
-        if chosen is reference and preferred is not reference:
-            region.set_kernel(reference.lower(region, training))
-        region.backend = chosen.name
-        region.status = "lowered" if chosen is preferred else "fallback"
-        region.reason = condense(reason) if chosen is not preferred else ""
-        if region.status == "fallback":
-            level = logging.WARNING if backend == "cudnn" else logging.INFO
+            setattr(gm, call.target, training_region(gm.get_submodule(call.target)))
+        plans, pairs = backward_plans(gm, no_grad_inputs)
+    regions = [gm.get_submodule(call.target) for call in calls]
+    candidates = {r: _candidates(r, backends) for r in regions}
+    describers = [r.make(options) for r in registered()]
+    for backend in backends:  # each starts on the regions it will be asked first (plan builds)
+        if backend is not reference:
+            backend.prefetch([r for r in regions if candidates[r][0][:1] == [backend]])
+    shown = progress if progress is not None else options.progress
+    bar = regions
+    if shown or (shown is None and sys.stderr.isatty()):
+        from tqdm.auto import tqdm  # noqa: PLC0415  (0.2 s of imports, only for a bar shown)
+
+        bar = tqdm(regions, desc="fusion_compiler: building region plans", unit="region",
+                   leave=False)
+    choices = {region: _choose(region, *candidates[region], reference, training,
+                               plans.get(region)) for region in bar}
+    if training:  # only a derived backward masks: every backend's but PyTorch autograd's
+        plans = with_masked_outputs(plans, pairs, lambda consumer: (
+            choices[consumer].backend is not reference or options.derived_backward))
+    for region, choice in choices.items():
+        fallback = choice.backend is reference and options.backend != REFERENCE
+        low = choice.lowered
+        region.set_lowering(Lowering(
+            backend=choice.backend.name, status="fallback" if fallback else "lowered",
+            kernel=None if low.kernel is region.graph_module else low.kernel,
+            reason=condense(choice.reason) if fallback else "", plan=low.plan,
+            plan_from_cache=low.plan_from_cache, workspace_bytes=low.workspace_bytes,
+            graphs={b.name: j for b in describers if (j := b.graph_json(region)) is not None},
+            tuning=low.tuning, timing=low.timing, gradients=low.gradients,
+            nhwc_inputs=low.nhwc_inputs, padded_images=low.padded_images,
+            backward=plans.get(region)))
+        if fallback:
+            level = logging.WARNING if options.backend == "cudnn" else logging.INFO
             log.log(level, "region %s (%s) runs on the reference backend: %s",
                     region.region_id, region.pattern, region.reason)
-    if training:
-        # A region whose backward is PyTorch autograd returns the unmasked gradient: only a
-        # derived backward (every cuDNN region, reference ones with derived_backward) masks.
-        for consumer, (producer, relu) in masking.items():
-            if consumer.backend != reference.name or derived_backward:
-                producer.masked_outputs.add(relu)
     return gm
 
 
-PLAN_WORK = ("", "build", "tune")
-"""What lowering a graph involves beyond loading cached plans, in increasing order of cost."""
+def plan_work(gm: fx.GraphModule, options: CompileOptions) -> str:
+    """The most that :func:`lower` of ``gm`` (inference) has to do for one region beyond loading
+    cached plans (one of :data:`~fusion_compiler.backends.PLAN_WORK`, asked of the backend that
+    would lower each region): ``""`` when every plan is in the plan cache, ``"build"`` when some
+    must be built but nothing timed (CPU work in worker processes, which may run beside GPU
+    work), ``"tune"`` when candidates must also be timed on the GPU."""
+    backends = backends_for(options)
+    work = [taking[0].plan_work(r) for r in regions_of(gm)
+            if (taking := _candidates(r, backends)[0])]
+    return max(work, key=PLAN_WORK.index, default="")
 
 
-def plan_work(gm: fx.GraphModule, backend: str = "auto", **backend_options) -> str:
-    """The most that :func:`lower` of ``gm`` (inference) with ``backend`` has to do for one
-    region's plan (:meth:`.backends.cudnn.CudnnBackend.plan_work`): ``""`` when every plan is in
-    the plan cache (or no region is lowered to cuDNN), ``"build"`` when some plan must be built
-    but nothing timed (CPU work in worker processes, which may run beside GPU work), ``"tune"``
-    when candidate plans must also be timed on the GPU.
+def build_plans(gm: fx.GraphModule, options: CompileOptions) -> None:
+    """Have each backend build, and wait for, what lowering ``gm`` (inference) will ask of it
+    (:meth:`~fusion_compiler.backends.Backend.prefetch`: plans built in worker processes, CPU
+    work, nothing run on the GPU). A later :func:`lower` finds them built and only loads and
+    times them."""
+    backends = backends_for(options)
+    first = {r: taking[0] for r in regions_of(gm) if (taking := _candidates(r, backends)[0])}
+    for backend in backends:
+        mine = [r for r, b in first.items() if b is backend]
+        if mine:
+            backend.prefetch(mine)
+            backend.wait_for_prefetched()
 
-    Raises:
-        ValueError: unknown ``backend``.
-    """
-    preferred = _plan_builder(backend, backend_options)
-    if preferred is None:
-        return ""
-    return max((preferred.plan_work(r) for r in regions_of(gm)), key=PLAN_WORK.index, default="")
-
-
-def build_plans(gm: fx.GraphModule, backend: str = "auto", **backend_options) -> None:
-    """Build the candidate plans of ``gm``'s regions in worker processes and wait for them
-    (:meth:`.backends.cudnn.CudnnBackend.prefetch`): CPU work in other processes, nothing run on
-    the GPU. A later :func:`lower` of ``gm`` (inference) finds them built and only loads and
-    times them. Does nothing for the ``"reference"`` backend, or without workers.
-
-    Raises:
-        ValueError: unknown ``backend``.
-    """
-    preferred = _plan_builder(backend, backend_options)
-    if preferred is not None:
-        preferred.prefetch(regions_of(gm))
-        preferred.wait_for_prefetched()
-
-
-def _plan_builder(backend: str, backend_options: dict) -> Any:
-    """The cuDNN backend that :func:`lower` with ``backend`` prefers, or ``None`` for
-    ``"reference"`` (no plans).
-
-    Raises:
-        ValueError: unknown ``backend``.
-    """
-    if backend not in BACKEND_CHOICES:
-        raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
-    return None if backend == "reference" else get_backend("cudnn", **backend_options)

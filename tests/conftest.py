@@ -51,15 +51,12 @@ def specialize(model: torch.nn.Module, *inputs: torch.Tensor, backend: str = "re
 
     Unless ``options`` say otherwise, prologue and reduction fusion are on (``FUSE_ALL``): the
     pattern tests exercise everything the fuse pass can do, not only the defaults; and the passes
-    are those ``compile()`` runs for CUDA inputs, also for CPU inputs.
+    are those ``compile()`` runs for CUDA inputs, also for CPU inputs (``cuda_pipeline``, as the
+    dump shows them).
     """
     from fusion_compiler.compiler import CompiledModule
-    from fusion_compiler.passes import default_passes
 
-    options = {**FUSE_ALL, **options}
-    if "passes" not in options:  # the CUDA pipeline whatever the device, as the dump shows it
-        options["passes"] = default_passes(fuse_prologue=options.pop("fuse_prologue"),
-                                           fuse_reduction=options.pop("fuse_reduction"))
+    options = {**FUSE_ALL, "cuda_pipeline": True, **options}
     with torch.no_grad():
         return CompiledModule(model, backend=backend, **options).specialize(*inputs)
 
@@ -73,6 +70,14 @@ def lowered_on_gpu(region) -> bool:
     kernel of a SpaceToDepth stem (``runtime/space_to_depth.py``, CUDA inference)."""
     return region.status == "lowered" and (
         region.backend == "cudnn" or (region.backend == "triton" and region.space_to_depth > 0))
+
+
+def relowered(region, **changes) -> None:
+    """Change fields of ``region``'s lowering record (a test breaking a kernel on purpose, or
+    standing in for what a GPU backend would have recorded)."""
+    import dataclasses
+
+    region.lowering = dataclasses.replace(region.lowering, **changes)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -73,16 +73,21 @@ def test_kernel_categories_split_gpu_time_per_call():
 def test_tuning_table_gives_the_chosen_plans_tflops():
     """The autotuning table's TFLOP/s: the region's convolution FLOPs over the chosen plan's time
     (timings made up here: on the CPU nothing is tuned)."""
+    import dataclasses
+
     import fusion_compiler as fc
     from fusion_compiler.backends.cudnn.autotune import PlanTiming
     from fusion_compiler.tools.report import conv_flops, format_tuning
 
     spec = fc.compile(_model().eval()).specialize(torch.randn(2, 3, 8, 8))
     region = spec.regions[1]
-    region.tuning = [PlanTiming(0, "engA", 0.004, 0.1), PlanTiming(1, "engB", 2e-6, 0.2),
-                     PlanTiming(2, "engC", None, 0.1, reason="failed")]
+    region.lowering = dataclasses.replace(region.lowering, tuning=(
+        PlanTiming(0, "engA", 0.004, 0.1), PlanTiming(1, "engB", 2e-6, 0.2),
+        PlanTiming(2, "engC", None, 0.1, reason="failed")), timing={"cudnn": 2e-6,
+                                                                   "reference": 3e-6})
     flops = conv_flops(region.conv, region.graph_module)
     assert flops == 2 * (2 * 8 * 8 * 8) * (8 * 3 * 3)
     table = format_tuning(spec.regions)
     assert "TFLOP/s" in table and "2/3" in table and "#1 engB" in table
+    assert "cudnn 0.0000, PyTorch 0.0000" in table
     assert f"{flops / 2e-6 / 1e9:.1f}" == "73.7" and "73.7" in table

@@ -11,6 +11,7 @@ from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from fusion_compiler import check
 from fusion_compiler.tools.check import TOLERANCES, tolerance
 from fusion_compiler.compiler import CompiledModule
+from conftest import relowered
 
 
 def _model(train: bool = False) -> torch.nn.Module:
@@ -34,7 +35,7 @@ def test_check_names_the_region_broken_in_its_forward():
     compiled = CompiledModule(model, backend="reference")
     with torch.no_grad():
         region = compiled.specialize(x).regions[4]
-    region.set_kernel(lambda *a: tuple(o * 1.05 for o in region.graph_module(*a)))
+    relowered(region, kernel=lambda *a: tuple(o * 1.05 for o in region.graph_module(*a)))
     report = check(compiled, x)
     assert not report.ok
     assert report.mismatched_regions == ["r4"]  # errors do not carry over to later regions
@@ -61,7 +62,7 @@ def test_check_train_names_the_region_broken_in_its_backward():
     compiled = CompiledModule(model, backend="reference")
     region = compiled.specialize(x).regions[2]  # a training specialization (grad enabled)
     kernel = region.kernel
-    region.set_kernel(lambda image, *rest: kernel(_ScaleGrad.apply(image), *rest))
+    relowered(region, kernel=lambda image, *rest: kernel(_ScaleGrad.apply(image), *rest))
     report = check(compiled, x, train=True)
     assert report.mismatched_regions == ["r2"]
     bad = [c.name for c in report.comparisons if not c.ok and c.region == "r2"]
@@ -103,7 +104,7 @@ def test_region_check_narrows_an_image_the_graph_padded_for_cudnn():
     x, w = torch.randn(2, 8, 8, 8), torch.randn(8, 3, 3, 3)
     x[:, 3:] = 0
     assert _own_args(region, (x, w))[0].shape == (2, 8, 8, 8)  # nothing padded: as given
-    region.padded_images = {0: 8}
+    relowered(region, padded_images={0: 8})
     narrowed, weight = _own_args(region, (x, w))
     assert narrowed.shape == (2, 3, 8, 8) and torch.equal(narrowed, x[:, :3]) and weight is w
     # an ordering input past the region's own (runtime.streams) is not the region's

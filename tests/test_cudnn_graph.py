@@ -185,7 +185,7 @@ def test_grouped_convolution_output_channels_are_not_padded():
 
 
 def test_padders_zero_the_new_channels_and_keep_the_rest():
-    from fusion_compiler.backends.cudnn.backend import _operand_padder, _weight_padder
+    from fusion_compiler.backends.cudnn.kernel import _operand_padder, _weight_padder
 
     w = torch.randn(12, 3, 3, 3)
     padded = _weight_padder(8, 16)(w)
@@ -208,7 +208,7 @@ def test_padders_zero_the_new_channels_and_keep_the_rest():
 def test_regions_known_slow_on_cudnn_stay_on_pytorch_without_timing():
     """With ``autotune=1`` nothing is timed, so region kinds measured slow on cuDNN's
     runtime-fusion engines (depthwise 7x7) stay on PyTorch with a reason; others do not."""
-    from fusion_compiler.backends.cudnn.backend import known_slow_on_cudnn
+    from fusion_compiler.backends.cudnn.support import known_slow_on_cudnn
 
     def region(conv: nn.Module, channels: int):
         model = nn.Sequential(conv, nn.ReLU()).half().eval()

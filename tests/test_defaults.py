@@ -142,13 +142,15 @@ def test_slow_propagation_on_the_inputs_falls_back_to_meta(monkeypatch):
 
 def test_a_pass_that_changes_no_graph_is_not_propagated_again(monkeypatch):
     from fusion_compiler.capture import capture
-    from fusion_compiler.passes import Pass, PassManager, default_passes, manager
+    from fusion_compiler.config import CompileOptions, Target
+    from fusion_compiler.passes import Pass, PassManager, fusion, manager, pre_fusion
 
     calls = []
     real_propagate = manager.propagate_shapes
     monkeypatch.setattr(manager, "propagate_shapes",
                         lambda *a, **k: calls.append(1) or real_propagate(*a, **k))
-    passes = default_passes(cuda=False)
+    options, target = CompileOptions(), Target(cuda=False)
+    passes = [*pre_fusion(options, target), *fusion(options, target)]
     noop = Pass("noop", lambda gm: gm)
     run = PassManager([passes[0], noop, *passes[1:]], [torch.randn(2, 8, 6, 6)])
     with torch.no_grad():
@@ -282,12 +284,12 @@ def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypa
     the switch) is forced; the GPU tests are in test_gpu_defaults.py."""
     import threading
 
-    from fusion_compiler.compiler import CompiledModule
     from fusion_compiler.runtime.tiered import TieredRunner, submit
+    from fusion_compiler.specialization import SpecializationCompiler
 
     model = randomize_(se_resnet9_fixup(3), seed=2).eval()
     compiled = fc.compile(model, cache_dir=False)
-    monkeypatch.setattr(CompiledModule, "_work_before_lowering", lambda self, *a: work)
+    monkeypatch.setattr(SpecializationCompiler, "_work_before_lowering", lambda self, *a: work)
     gate = threading.Event()
     submit(lambda: gate.wait(30))  # the background thread is busy: the build waits its turn
     x = torch.randn(3, 3, 64, 64)
@@ -336,10 +338,10 @@ def test_a_background_lowering_that_needs_timing_is_redone_at_the_switch(monkeyp
     import threading
 
     from fusion_compiler.backends.timing import ensure_timing_allowed
-    from fusion_compiler.compiler import CompiledModule
+    from fusion_compiler.specialization import SpecializationCompiler
 
     lowered_on = []
-    lower = CompiledModule._lower
+    lower = SpecializationCompiler._lower
 
     def needs_timing_once(self, *args, **kwargs):
         lowered_on.append(threading.current_thread() is threading.main_thread())
@@ -347,8 +349,9 @@ def test_a_background_lowering_that_needs_timing_is_redone_at_the_switch(monkeyp
             ensure_timing_allowed()  # raises in the background (timing deferred there)
         return lower(self, *args, **kwargs)
 
-    monkeypatch.setattr(CompiledModule, "_lower", needs_timing_once)
-    monkeypatch.setattr(CompiledModule, "_work_before_lowering", lambda self, *a: "build")
+    monkeypatch.setattr(SpecializationCompiler, "_lower", needs_timing_once)
+    monkeypatch.setattr(SpecializationCompiler, "_work_before_lowering",
+                        lambda self, *a: "build")
     model = randomize_(se_resnet9_fixup(3), seed=3).eval()
     compiled = fc.compile(model, cache_dir=False)
     x = torch.randn(2, 3, 64, 64)

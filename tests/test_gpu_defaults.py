@@ -16,7 +16,7 @@ import torch.nn as nn
 from conftest import lowered_on_gpu, rel_err
 
 import fusion_compiler as fc
-import fusion_compiler.backends.cudnn.backend as cudnn_backend
+import fusion_compiler.backends.cudnn.kernel as cudnn_kernel
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from fusion_compiler.runtime.tiered import TieredRunner
 
@@ -246,8 +246,8 @@ def test_without_cuda_graphs_regions_are_called_directly(monkeypatch, tmp_path):
     dispatch costs ~20 us a call), and ``glue_backend="auto"`` picks eager glue, which calls them
     so; training still goes through the op (autograd)."""
     calls = []
-    op = cudnn_backend.run_region
-    monkeypatch.setattr(cudnn_backend, "run_region", lambda *a: calls.append(1) or op(*a))
+    op = cudnn_kernel.run_region
+    monkeypatch.setattr(cudnn_kernel, "run_region", lambda *a: calls.append(1) or op(*a))
     model = _reference_net()
     compiled = fc.compile(model, cache_dir=tmp_path, cuda_graph=False)
     x = _x(16)

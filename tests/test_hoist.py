@@ -9,7 +9,6 @@ from conftest import rel_err
 
 import fusion_compiler as fc
 from fusion_compiler.compiler import CompiledModule
-from fusion_compiler.passes import default_passes
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from test_fuse_patterns import _randomize_bn
 
@@ -27,7 +26,7 @@ def test_downsample_weights_are_hoisted_and_follow_parameter_updates(glue_backen
     model = randomize_(se_resnet9_fixup(3)).eval()
     # the CUDA pipeline, whose avgpool_conv rewrite makes the downsample weights (CPU inputs
     # leave the pools alone)
-    compiled = CompiledModule(model, glue_backend=glue_backend, passes=default_passes())
+    compiled = CompiledModule(model, glue_backend=glue_backend, cuda_pipeline=True)
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-5

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fusion_compiler.passes.post_lowering.layout import nchw_padded_avg_pools
+from conftest import relowered
 
 
 class Pools(nn.Module):
@@ -58,7 +59,7 @@ def test_region_activations_are_made_channels_last_once_where_they_are_made():
     want = gm(x)
     assert channels_last_activations(gm) == 0  # on the CPU no region asks for channels_last
     for region in regions.values():  # as the cuDNN kernels mark them: the image is input 0
-        region.backend, region.nhwc_inputs = "cudnn", frozenset({0})
+        relowered(region, backend="cudnn", nhwc_inputs=frozenset({0}))
     assert channels_last_activations(gm) == 2  # the graph input and the max pool's output
     converts = [n for n in gm.graph.nodes if n.target == "contiguous"]
     assert [n.args[0].op for n in converts] == ["placeholder", "call_function"]
@@ -118,12 +119,12 @@ def test_an_image_a_cudnn_region_pads_is_padded_once_in_the_graph():
              and isinstance(gm.get_submodule(n.target), Region)]
     assert len(calls) == 2 and channel_padded_images(gm) == 0
     for call in calls:
-        gm.get_submodule(call.target).padded_images = {0: 8}
+        relowered(gm.get_submodule(call.target), padded_images={0: 8})
     # a region left to PyTorch (e.g. declined by timing after its kernel was built) is not
     # edited: its ops take the image with its own 3 channels
     assert channel_padded_images(gm) == 0
     for call in calls:
-        gm.get_submodule(call.target).backend = "cudnn"
+        relowered(gm.get_submodule(call.target), backend="cudnn")
     assert channel_padded_images(gm) == 1
     gm.graph.lint()  # the pad's three ops in order, before the regions that read them
     padded = calls[0].args[0]

@@ -1,6 +1,7 @@
-"""The SpaceToDepth stem edit (:mod:`fusion_compiler.runtime.space_to_depth`) on the CPU: which
-regions it takes, the graph it leaves, numerics through the op's torch-ops path, the op's fake
-(channels_last) outputs. tests/test_gpu_space_to_depth.py runs the Triton kernel."""
+"""The SpaceToDepth stems on the CPU: which regions the fusion pass ``space_to_depth_stem`` gives
+the SpaceToDepth, the graph it leaves, the ``triton`` backend's kernel (numerics through the op's
+torch-ops path, with the backend's CUDA check lifted), the op's fake (channels_last) outputs.
+tests/test_gpu_space_to_depth.py runs the Triton kernel."""
 
 from __future__ import annotations
 
@@ -10,40 +11,63 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from examples.seresnet9_fixup import SpaceToDepth, randomized_se_resnet9_fixup_depth
+from fusion_compiler.backends import triton_stem
 from fusion_compiler.capture import capture
-from fusion_compiler.lowering import lower, regions_of
-from fusion_compiler.passes import PassManager, default_passes
-from fusion_compiler.passes.pre_fusion.rewrites import space_to_depth_source
+from fusion_compiler.config import CompileOptions, Target
 from fusion_compiler.kernels.space_to_depth import (OP, space_to_depth_conv,
-                                                    space_to_depth_conv_reference,
-                                                    space_to_depth_stems)
+                                                    space_to_depth_conv_reference)
+from fusion_compiler.lowering import lower, regions_of
+from fusion_compiler.passes import PassManager, fusion, pre_fusion
+from fusion_compiler.passes.fusion.space_to_depth_stem import space_to_depth_stems
+from fusion_compiler.passes.pre_fusion.rewrites import space_to_depth_source
 from conftest import rel_err
 
 DT = torch.bfloat16  # the kernel's dtypes are fp16 and bf16; CPU convolutions take bf16
 
 
-def _lowered(model: nn.Module, x: torch.Tensor, cuda_form: bool):
-    """``model`` through the pass pipeline (``cuda_form``: with the rewrite to the NHWC copy that
-    CUDA specializations get) and lowered to the reference backend."""
-    gm = PassManager(default_passes(cuda=cuda_form), [x]).run(capture(model))
-    return lower(gm, "reference")
+def _passes(cuda_form: bool, fuse: bool = True):
+    """The pre-fusion and fusion pipelines (``cuda_form``: with the rewrite to the NHWC copy that
+    CUDA specializations get; ``fuse``: the fusion pipeline too), for CPU inputs."""
+    options, target = CompileOptions(cuda_pipeline=cuda_form), Target(cuda=False)
+    return [*pre_fusion(options, target), *(fusion(options, target) if fuse else [])]
+
+
+def _fused(model: nn.Module, x: torch.Tensor, cuda_form: bool):
+    """``model`` through the pre-fusion and fusion pipelines."""
+    return PassManager(_passes(cuda_form), [x]).run(capture(model))
+
+
+@pytest.fixture
+def triton_stems_on_cpu(monkeypatch):
+    """The ``triton`` backend takes stem regions on the CPU too (its op then runs torch ops)."""
+    monkeypatch.setattr(triton_stem, "triton_reason", lambda: "")
+
+
+def _stems(gm) -> list[str]:
+    """Run the fusion pass ``space_to_depth_stem`` on ``gm``; the regions it gave a SpaceToDepth,
+    then lower ``gm`` with the default backends."""
+    space_to_depth_stems(gm)
+    lower(gm, CompileOptions())
+    return [r.region_id for r in regions_of(gm) if r.space_to_depth]
 
 
 @pytest.mark.parametrize("cuda_form", [False, True])
-def test_depth_stem_becomes_one_op_reading_the_image(cuda_form):
+def test_depth_stem_becomes_one_op_reading_the_image(cuda_form, triton_stems_on_cpu):
     torch.manual_seed(0)
     model = randomized_se_resnet9_fixup_depth().to(DT).eval()
     x = torch.randn(2, 11, 64, 64, dtype=DT)
-    gm = _lowered(model, x, cuda_form)
+    plain = lower(_fused(model, x, cuda_form), CompileOptions(backend="reference"))
+    gm = _fused(model, x, cuda_form)
     with torch.no_grad():
-        before = gm(x)
-        assert space_to_depth_stems(gm) == ["r0"]
+        before = plain(x)
+        assert _stems(gm) == ["r0"]
         after = gm(x)
         want = model.float()(x.float())
     stem = regions_of(gm)[0]
     assert stem.backend == "triton" and stem.status == "lowered"
     assert stem.pattern == "[space_to_depth4] conv1x1 > relu > add"
     assert stem.cudnn_graph is None and "Triton" in stem.plan
+    assert all(r.backend == "reference" for r in regions_of(gm)[1:])  # no CUDA here
     # the region reads the image itself; no SpaceToDepth node is left in the outer graph
     call = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "region_0")
     assert call.args[0].op == "placeholder"
@@ -61,8 +85,7 @@ def test_recognizes_both_forms_and_nothing_else(cuda_form, length):
     """The model's own SpaceToDepth (view, permute, reshape) and the rewrite's NHWC copy (view,
     permute, reshape, permute), each read by the 1x1 conv; nothing in a graph without one."""
     x = torch.randn(2, 3, 32, 64, dtype=DT)
-    passes = [p for p in default_passes(cuda=cuda_form) if p.name not in ("fuse", "verify")]
-    gm = PassManager(passes, [x]).run(capture(_Stem("relu").to(DT).eval()))
+    gm = PassManager(_passes(cuda_form, fuse=False), [x]).run(capture(_Stem("relu").to(DT).eval()))
     conv = next(n for n in gm.graph.nodes if n.target is torch.conv2d)
     found = space_to_depth_source(conv.args[0])
     assert found is not None
@@ -99,13 +122,14 @@ class _Stem(nn.Module):
 @pytest.mark.parametrize("epilogue,taken", [("relu", True), ("sigmoid_scale", True),
                                             ("tanh_two_outputs", True), ("residual", True),
                                             ("clipped", False)])
-def test_epilogues_the_kernel_takes(epilogue, taken):
+def test_epilogues_the_kernel_takes(epilogue, taken, triton_stems_on_cpu):
     torch.manual_seed(1)
     model = _Stem(epilogue).to(DT).eval()
     x = torch.randn(3, 3, 32, 64, dtype=DT)
-    gm = _lowered(model, x, cuda_form=True)
+    gm = _fused(model, x, cuda_form=True)
     with torch.no_grad():
-        assert space_to_depth_stems(gm) == (["r0"] if taken else [])
+        assert _stems(gm) == (["r0"] if taken else [])
+        assert [r.backend for r in regions_of(gm)][:1] == ["triton" if taken else "reference"]
         got = gm(x)
         want = model.float()(x.float())
     got = got if isinstance(got, tuple) else (got,)
@@ -119,8 +143,8 @@ def test_shapes_the_kernel_does_not_take_stay():
     for model, x in [(_Stem("relu", out=24).to(DT).eval(), torch.randn(2, 3, 32, 64, dtype=DT)),
                      (_Stem("relu").eval(), torch.randn(2, 3, 32, 64)),  # fp32
                      (_Stem("relu").to(DT).eval(), torch.randn(2, 3, 32, 48, dtype=DT))]:
-        gm = _lowered(model, x, cuda_form=True)
-        assert space_to_depth_stems(gm) == []
+        gm = _fused(model, x, cuda_form=True)
+        assert _stems(gm) == []
         assert all(r.backend == "reference" for r in regions_of(gm))
 
 

@@ -13,17 +13,20 @@ import torch.nn.functional as F
 
 from examples.seresnet9_fixup import randomized_se_resnet9_fixup_depth
 from fusion_compiler.capture import capture
-from fusion_compiler.lowering import lower, regions_of
-from fusion_compiler.passes import PassManager, default_passes
-from fusion_compiler.ir.region import called_region
-from fusion_compiler.runtime.region_op import register_kernel, run_region
+from fusion_compiler.config import CompileOptions, Target
+from fusion_compiler.ir.region import Lowering, called_region
+from fusion_compiler.lowering import regions_of
+from fusion_compiler.passes import PassManager, fusion, pre_fusion
 from fusion_compiler.passes.post_lowering.streams import run_short_branches_beside
+from fusion_compiler.runtime.region_op import register_kernel, run_region
 
 JOIN = torch.ops.fusion_compiler.join_side_stream.default
 
 
 def _fused(model: nn.Module, x: torch.Tensor, branches: bool):
-    return PassManager(default_passes(cuda=True, concurrent_branches=branches), [x]).run(
+    options = CompileOptions(concurrent_branches=branches, cuda_pipeline=True)
+    target = Target(cuda=False)
+    return PassManager([*pre_fusion(options, target), *fusion(options, target)], [x]).run(
         capture(model))
 
 
@@ -48,11 +51,10 @@ def _scheduled(model: nn.Module, x: torch.Tensor):
     """``model`` fused with the branch rule, every region an :class:`_Opaque` kernel, then
     scheduled; returns the graph module, the side regions' ids and the kernels by region id."""
     gm = _fused(model, x, branches=True)
-    lower(gm, "reference")
     kernels = {}
     for region in regions_of(gm):
         kernels[region.region_id] = _Opaque(region)
-        region.set_kernel(kernels[region.region_id].call)
+        region.set_lowering(Lowering("reference", "lowered", kernels[region.region_id].call))
 
     def mark(region):
         kernels[region.region_id].beside = True

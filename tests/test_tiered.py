@@ -8,6 +8,7 @@ import torch
 
 from fusion_compiler.runtime import region_op
 from fusion_compiler.runtime.tiered import TieredRunner, drain, submit
+from conftest import relowered
 
 
 class _Tier:
@@ -190,11 +191,11 @@ def test_a_compile_waits_for_a_background_compile_whose_trace_sets_fx_globals():
 def test_the_first_call_of_inductor_glue_runs_without_the_custom_op_aliasing_check(monkeypatch):
     """Inductor's Triton kernels autotune in the first call of a compiled graph; under
     AOTAutograd's custom-op aliasing check (a Python dispatch mode) the host was too slow for its
-    timings to mean anything (``compiler._without_custom_op_alias_check``). The check runs at the
+    timings to mean anything (``runners.without_custom_op_alias_check``). The check runs at the
     next first call instead. Inductor on the CPU stands in for CUDA: the check is AOTAutograd's."""
     from torch._functorch._aot_autograd import runtime_wrappers
 
-    from fusion_compiler.compiler import _inductor_compile, _without_custom_op_alias_check
+    from fusion_compiler.runners import inductor_compile, without_custom_op_alias_check
 
     if not hasattr(runtime_wrappers, "_check_custom_op_aliasing"):
         pytest.skip("this torch has no custom-op aliasing check")
@@ -209,8 +210,8 @@ def test_the_first_call_of_inductor_glue_runs_without_the_custom_op_aliasing_che
 
     x = torch.randn(4, 8) + 1.0
     with torch.no_grad():
-        compiled = _inductor_compile(torch.fx.symbolic_trace(Glue()), [x])
-        with _without_custom_op_alias_check():
+        compiled = inductor_compile(torch.fx.symbolic_trace(Glue()), [x])
+        with without_custom_op_alias_check():
             out = compiled(x)
         assert checked == []
         torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out,
@@ -246,7 +247,8 @@ def test_the_unlowered_copy_runs_each_regions_ops_and_ignores_later_edits_of_the
     copy = unlowered_copy(gm)
     regions = [r for n in gm.graph.nodes if (r := called_region(gm, n)) is not None]
     for region in regions:  # what lowering and the layout edits could do to the originals
-        region.set_kernel(lambda *a: (_ for _ in ()).throw(AssertionError("lowered kernel ran")))
+        relowered(region, kernel=lambda *a: (_ for _ in ()).throw(
+            AssertionError("lowered kernel ran")))
         for node in list(region.graph_module.graph.nodes):
             if node.op == "output":
                 node.args = (tuple(torch.zeros(1) for _ in region.output_nodes),)

@@ -1,51 +1,69 @@
 """The backward plan of a training graph, decided before its regions are lowered: which region
 inputs never need a gradient, and which convolutions' dgrad applies the ReLU backward of the
-region that produced their input (``dgrad_drelu``)."""
+region that produced their input (``dgrad_drelu``).
+
+``dx = relu_backward(conv_dgrad(dy, w), x)``, i.e. ``dx * (x > 0)``, equals the ReLU's backward
+applied to this dgrad when ``x`` is a ReLU's output (``x > 0`` exactly where the ReLU's input is)
+and this convolution is the only reader of ``x``: otherwise the gradients of the other readers
+must be added before the ReLU's backward. cuDNN fuses ``relu_backward`` into stride-1 dgrad only
+(``docs/cudnn.md``, "Support surface"), so the convolution must have stride 1, dilation 1 and one
+group. The producing region then passes that gradient through its ReLU unchanged (its plan's
+``masked_outputs``, known once the consumer's backend is: only a derived backward masks).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+from typing import Callable
 
 import torch
 import torch.fx as fx
 
-from ..ir.region import Region, called_region
+from ..ir.region import BackwardPlan, Region, called_region
 
-__all__ = ["plan_dgrad_drelu", "grad_free_nodes", "no_grad_inputs"]
+__all__ = ["backward_plans", "with_masked_outputs"]
 
 
-def plan_dgrad_drelu(gm: fx.GraphModule) -> dict[Region, tuple[Region, str]]:
-    """Decide, for each region of a training graph, whether its dgrad is fused with the ReLU
-    backward of the region that produced its convolution's input.
-
-    ``dx = relu_backward(conv_dgrad(dy, w), x)``, i.e. ``dx * (x > 0)``, equals the ReLU's
-    backward applied to this dgrad when ``x`` is a ReLU's output (``x > 0`` exactly where the
-    ReLU's input is) and this convolution is the only reader of ``x``: otherwise the gradients of
-    the other readers must be added before the ReLU's backward. cuDNN fuses ``relu_backward``
-    into stride-1 dgrad only (CUDNN_FACTS.md, "Support surface"), so the convolution must have
-    stride 1, dilation 1 and one group. The producing region then passes that gradient through
-    its ReLU unchanged (``region.masked_outputs``, set by :func:`lower` once it knows the
-    consumer's backward masks).
-
-    Sets ``region.dgrad_drelu`` (bool) and ``region.dgrad_drelu_reason`` (why not, ``""`` when
-    fused) on every region; returns ``{consumer region: (producer region, ReLU node name)}``.
-    """
+def backward_plans(gm: fx.GraphModule, frozen: frozenset[str]
+                   ) -> tuple[dict[Region, BackwardPlan], dict[Region, tuple[Region, str]]]:
+    """The backward plan of every region of training graph ``gm`` (``frozen``: names of its
+    placeholders that never need a gradient), and the dgrad_drelu pairs
+    ``{consumer region: (producer region, ReLU node name)}`` (see the module docstring); the
+    plans' ``masked_outputs`` are empty (:func:`with_masked_outputs` fills them)."""
+    grad_free = _grad_free_nodes(gm, frozen)
+    plans: dict[Region, BackwardPlan] = {}
     pairs: dict[Region, tuple[Region, str]] = {}
     for call in gm.graph.nodes:
         region = called_region(gm, call)
         if region is None:
             continue
         producer, reason = _relu_producer(gm, region, call)
-        region.dgrad_drelu, region.dgrad_drelu_reason = producer is not None, reason
+        plans[region] = BackwardPlan(no_grad_inputs=frozenset(_no_grad_inputs(region, call,
+                                                                               grad_free)),
+                                     dgrad_drelu=producer is not None, dgrad_drelu_reason=reason)
         if producer is not None:
             pairs[region] = producer
-    return pairs
+    return plans, pairs
+
+
+def with_masked_outputs(plans: dict[Region, BackwardPlan],
+                        pairs: dict[Region, tuple[Region, str]],
+                        masks: Callable[[Region], bool]) -> dict[Region, BackwardPlan]:
+    """``plans`` with each producer's ``masked_outputs``: the ReLU outputs whose consumer's
+    backward masks (``masks(consumer)``: a derived backward does, PyTorch autograd does not)."""
+    masked: dict[Region, set[str]] = {}
+    for consumer, (producer, relu) in pairs.items():
+        if masks(consumer):
+            masked.setdefault(producer, set()).add(relu)
+    return {r: dataclasses.replace(p, masked_outputs=frozenset(masked[r])) if r in masked else p
+            for r, p in plans.items()}
 
 
 def _relu_producer(gm: fx.GraphModule, region: Region, call: fx.Node
                    ) -> tuple[tuple[Region, str] | None, str]:
     """``((producer region, ReLU node name), "")`` when ``region``'s dgrad can be fused with
-    that ReLU's backward (see :func:`plan_dgrad_drelu`), else ``(None, reason)``."""
+    that ReLU's backward (see the module docstring), else ``(None, reason)``."""
     conv = region.conv
     _, _, _, stride, _, dilation, groups = conv.args
     if any(s != 1 for s in stride):
@@ -77,7 +95,7 @@ def _relu_producer(gm: fx.GraphModule, region: Region, call: fx.Node
     return (producer, value.name), ""
 
 
-def grad_free_nodes(gm: fx.GraphModule, frozen: frozenset[str]) -> set[fx.Node]:
+def _grad_free_nodes(gm: fx.GraphModule, frozen: frozenset[str]) -> set[fx.Node]:
     """Nodes of ``gm`` computed from the placeholders named in ``frozen`` (and constants) alone,
     through ops that are not regions: their values can never need a gradient."""
     free: set[fx.Node] = set()
@@ -91,7 +109,7 @@ def grad_free_nodes(gm: fx.GraphModule, frozen: frozenset[str]) -> set[fx.Node]:
     return free
 
 
-def no_grad_inputs(region: Region, call: fx.Node, grad_free: set[fx.Node]) -> set[str]:
+def _no_grad_inputs(region: Region, call: fx.Node, grad_free: set[fx.Node]) -> set[str]:
     """Names of the region's inputs fed from a node in ``grad_free``."""
     return {ph.name for ph, arg in zip(region.graph_module.graph.find_nodes(op="placeholder"),
                                         call.args)

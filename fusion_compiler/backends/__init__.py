@@ -1,23 +1,34 @@
-"""Backends that lower regions to kernels: ``reference`` (torch ops) and ``cudnn`` (execution plans)."""
+"""Backends that lower regions to kernels, and their registry.
+
+Registered here, highest priority first: ``triton`` (the SpaceToDepth stem as one Triton kernel,
+:mod:`.triton_stem`), ``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the
+region's PyTorch ops, :mod:`.reference`: takes every region, the fallback). A new backend is one
+module plus one :func:`~.registry.register_backend` line below.
+"""
 
 from __future__ import annotations
 
-from .base import Backend, Kernel, Support
+from ..config import CompileOptions
+from .base import PLAN_WORK, Backend, Kernel, Lowered, Support
 from .reference import ReferenceBackend
+from .registry import REFERENCE, backends_for, register_backend, registered
 
-__all__ = ["Backend", "Kernel", "Support", "ReferenceBackend", "get_backend"]
+__all__ = ["Backend", "Kernel", "Lowered", "Support", "PLAN_WORK", "ReferenceBackend",
+           "register_backend", "registered", "backends_for", "REFERENCE"]
 
 
-def get_backend(name: str, **options) -> Backend:
-    """The backend called ``name`` (``"reference"`` or ``"cudnn"``) made with ``options``.
+def _cudnn(options: CompileOptions) -> Backend:
+    from .cudnn.backend import CudnnBackend  # noqa: PLC0415  (keeps `import cudnn` lazy)
 
-    Raises:
-        ValueError: unknown name.
-    """
-    if name == "reference":
-        return ReferenceBackend(**options)
-    if name == "cudnn":
-        from .cudnn.backend import CudnnBackend  # noqa: PLC0415  (keeps `import cudnn` lazy)
+    return CudnnBackend.for_options(options)
 
-        return CudnnBackend.shared(**options)
-    raise ValueError(f"unknown backend {name!r}; choose 'reference' or 'cudnn'")
+
+def _triton_stem(options: CompileOptions) -> Backend:
+    from .triton_stem import SpaceToDepthStemBackend  # noqa: PLC0415
+
+    return SpaceToDepthStemBackend.for_options(options)
+
+
+register_backend(REFERENCE, ReferenceBackend.for_options, priority=0)
+register_backend("cudnn", _cudnn, priority=10)
+register_backend("triton", _triton_stem, priority=20)

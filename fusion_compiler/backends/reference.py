@@ -7,21 +7,22 @@ path, and the fallback when another backend declines a region.
 from __future__ import annotations
 
 from ..autograd.backward import RegionBackward, TorchConvGradients
-from ..ir.region import Region
+from ..config import CompileOptions
+from ..ir.region import BackwardPlan, Region
 from ..runtime.region_op import register_backward, register_kernel, run_region
-from .base import Kernel, Support
+from .base import Backend, Lowered, Support
 
 __all__ = ["ReferenceBackend"]
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     """Backend whose kernel is the region's own ``torch.fx.GraphModule`` (PyTorch autograd
     differentiates it).
 
     Args:
         derived_backward: in training, run regions through the ``run_region`` custom op with the
-            derived backward (:class:`~fusion_compiler.backward.RegionBackward`, PyTorch conv
-            gradients) instead of PyTorch autograd: the path cuDNN regions take, checkable
+            derived backward (:class:`~fusion_compiler.autograd.backward.RegionBackward`, PyTorch
+            conv gradients) instead of PyTorch autograd: the path cuDNN regions take, checkable
             without a GPU. For tests.
     """
 
@@ -30,12 +31,17 @@ class ReferenceBackend:
     def __init__(self, derived_backward: bool = False):
         self.derived_backward = derived_backward
 
+    @classmethod
+    def for_options(cls, options: CompileOptions) -> "ReferenceBackend":
+        return cls(derived_backward=options.derived_backward)
+
     def supports(self, region: Region) -> Support:
         return Support(True)
 
-    def lower(self, region: Region, training: bool = False) -> Kernel:
+    def lower(self, region: Region, training: bool = False,
+              backward: BackwardPlan | None = None) -> Lowered:
         if not (training and self.derived_backward):
-            return region.graph_module
+            return Lowered(region.graph_module)
         key = register_kernel(region.graph_module, region.output_specs())
         register_backward(key, RegionBackward(region, TorchConvGradients(region.conv)))
-        return lambda *inputs: tuple(run_region(key, list(inputs)))
+        return Lowered(lambda *inputs: tuple(run_region(key, list(inputs))))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 
 class FusionError(RuntimeError):
     """A graph the compiler cannot handle, or a pass result that breaks the cuDNN graph rules.
@@ -16,11 +18,24 @@ class FusionError(RuntimeError):
 
 
 class UnsupportedError(RuntimeError):
-    """A backend declined a region; ``reason`` is the backend's own explanation."""
+    """A backend declined a region; ``reason`` is the backend's own explanation.
 
-    def __init__(self, reason: str, region: str | None = None):
+    Attributes:
+        reason: why, in the backend's words.
+        region: the region id, or ``None``.
+        timing: when the backend declined because it timed slower, ms per call by backend name
+            (``"reference"``: the region's PyTorch ops), else empty.
+        nhwc_inputs: positions of the region inputs the PyTorch ops were timed on as
+            channels_last activations (the graph should hand them so), else empty.
+    """
+
+    def __init__(self, reason: str, region: str | None = None, *,
+                 timing: Mapping[str, float] | None = None,
+                 nhwc_inputs: frozenset[int] = frozenset()):
         self.reason = reason
         self.region = region
+        self.timing = dict(timing or {})
+        self.nhwc_inputs = nhwc_inputs
         super().__init__(f"{region}: {reason}" if region else reason)
 
 

@@ -1,26 +1,29 @@
-"""A fused region: one convolution with its prologue, epilogue and optional exit reduction.
+"""A fused region: one convolution with its prologue, epilogue and optional exit reduction, and
+what lowering made of it.
 
 In the fused graph each region is a ``call_module`` node whose module is a :class:`Region`. The
 region's own ``torch.fx.GraphModule`` (``region.graph_module``) holds the canonical ops of
-:mod:`fusion_compiler.ops`; its placeholders are the region inputs (activations, the weight,
+:mod:`fusion_compiler.ir.ops`; its placeholders are the region inputs (activations, the weight,
 scalar/per-channel/full-tensor operands) and it returns a tuple of outputs (the chain's last
-value, intermediates other nodes still read, and the reduction if any).
+value, intermediates other nodes still read, and the reduction if any). The ops are fixed once the
+fusion passes are done.
 
-Lowering sets ``region.kernel`` (through ``set_kernel``) (a callable with the same signature as
-``graph_module``) and ``region.backend``/``status``/``reason``.
+Lowering writes one :class:`Lowering` record per region (:meth:`Region.set_lowering`, once): the
+backend that runs it, its kernel, and what the backend reports (plan, workspace, timings,
+layouts). The region's read-only properties (``backend``, ``status``, ``kernel``, ...) read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
 
 from .ops import BINARY, is_conv, is_hw_sum, op_name
 
-__all__ = ["Region", "Operand", "operand_kind", "called_region"]
+__all__ = ["Region", "Lowering", "BackwardPlan", "Operand", "operand_kind", "called_region"]
 
 
 def operand_kind(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str | None:
@@ -53,6 +56,83 @@ class Operand:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class BackwardPlan:
+    """How a training region's backward runs, decided by lowering from the whole graph
+    (:mod:`fusion_compiler.autograd.plan`).
+
+    Attributes:
+        no_grad_inputs: names of region inputs that never need a gradient (fed only by network
+            inputs that do not require grad): no dgrad is built for them.
+        dgrad_drelu, dgrad_drelu_reason: whether the convolution's dgrad applies the ReLU backward
+            of the region producing its input, and why not (``""`` when it does).
+        masked_outputs: names of ReLU output nodes whose gradient arrives already masked (the
+            consuming region's dgrad applied the ReLU backward): the backward passes it through.
+    """
+
+    no_grad_inputs: frozenset[str] = frozenset()
+    dgrad_drelu: bool = False
+    dgrad_drelu_reason: str = ""
+    masked_outputs: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """What lowering made of a region (written once, by :func:`fusion_compiler.lowering.lower`).
+
+    Attributes:
+        backend: the name of the backend that runs the region (``"cudnn"``, ``"triton"``,
+            ``"reference"``).
+        status: ``"lowered"`` (the preferred backend took it) or ``"fallback"`` (PyTorch ops,
+            ``reason`` says why).
+        kernel: called with the region inputs, returns the tuple of outputs; ``None`` runs the
+            region's own graph module.
+        reason: why the region fell back (one line), else ``""``.
+        plan, plan_from_cache, workspace_bytes: the execution plan's name, whether it came from the
+            on-disk cache, its workspace in bytes (``None`` where there is none).
+        graphs: per backend, the graph JSON it built for the region (the cuDNN graph, also on a
+            machine without a GPU), for dumps.
+        tuning: the plans autotuning built and timed (the backend's records), ranked order.
+        timing: ms per call of each candidate timed against the others on the GPU (CUDA-graph
+            timing), by backend name (``"reference"``: the region's PyTorch ops).
+        gradients: in training, how each piece of the backward runs (the backend's records).
+        nhwc_inputs: positions of the inputs the kernel reads as fully packed channels_last
+            activations (also for PyTorch ops that were timed on such inputs); the
+            ``channels_last_activations`` layout pass makes the graph hand them so.
+        padded_images: ``{position: channels}``: inputs the kernel zero-pads to more channels
+            before its plan runs, and takes as they come when they arrive so padded.
+        backward: the backward plan of a training region, else ``None``.
+    """
+
+    backend: str
+    status: str
+    kernel: Callable[..., Any] | None = None
+    reason: str = ""
+    plan: str = ""
+    plan_from_cache: bool | None = None
+    workspace_bytes: int | None = None
+    graphs: Mapping[str, dict] = field(default_factory=dict)
+    tuning: tuple = ()
+    timing: Mapping[str, float] = field(default_factory=dict)
+    gradients: tuple = ()
+    nhwc_inputs: frozenset[int] = frozenset()
+    padded_images: Mapping[int, int] = field(default_factory=dict)
+    backward: BackwardPlan | None = None
+
+
+_UNLOWERED = Lowering(backend="reference", status="fused")
+_NO_BACKWARD = BackwardPlan()
+
+
+def _record(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.lowering or _UNLOWERED, name), doc=doc)
+
+
+def _planned(name: str, doc: str) -> property:
+    return property(lambda self: getattr((self.lowering or _UNLOWERED).backward or _NO_BACKWARD,
+                                         name), doc=doc)
+
+
 class Region(torch.nn.Module):
     """A fused region (see module docstring).
 
@@ -60,72 +140,64 @@ class Region(torch.nn.Module):
         region_id: ``"r0"``, ``"r1"``, ... in graph order.
         graph_module: the region's canonical ops as an fx graph.
         nodes: names of the nodes of the normalized graph that the region absorbed.
-        plan, plan_from_cache, workspace_bytes: the cuDNN execution plan's name, whether it came
-            from the on-disk cache, and its workspace in bytes (``None`` off cuDNN).
-        backend, status, reason: what lowering decided (``status`` is ``"fused"`` before lowering,
-            then ``"lowered"`` or ``"fallback"``; ``reason`` says why a fallback happened).
-        kernel: the callable that runs the region (set with :meth:`set_kernel`); the reference
-            backend's is ``graph_module`` itself.
-        cudnn_graph: the cuDNN graph JSON (dict) when it could be built, else ``None``.
-        tuning: the plans autotuning built and timed (``PlanTiming`` list, ranked order); empty
-            when the plan came from the cache or autotuning was off.
-        timing: ``{"cudnn_ms", "pytorch_ms"}``: the lowered kernel against the region's PyTorch
-            ops on the GPU (ms per call, CUDA-graph timing); empty when not measured.
-        gradients: in a training specialization lowered to cuDNN, how each piece of the backward
-            runs (``GradientPiece`` list: dgrad, wgrad); empty otherwise (PyTorch autograd).
-        no_grad_inputs: names of region inputs known never to need a gradient (network inputs
-            that do not require grad); set by lowering in training.
-        dgrad_drelu, dgrad_drelu_reason: in training, whether the convolution's dgrad is fused
-            with the ReLU backward of the region producing its input, and why not
-            (:func:`fusion_compiler.lowering.plan_dgrad_drelu`).
-        masked_outputs: names of ReLU output nodes whose gradient arrives already masked (the
-            consuming region's dgrad applied the ReLU backward): the backward passes it through.
-        nhwc_inputs: positions of the inputs the kernel reads as fully packed channels_last
-            activations: those a cuDNN kernel converts when they arrive otherwise, or, for a
-            region left to PyTorch because its ops timed faster, the activations it was timed on
-            as channels_last. :func:`fusion_compiler.runtime.layout.channels_last_activations`
-            makes the graph hand them so.
-        padded_images: ``{position: channels}``: inputs a cuDNN kernel zero-pads to more
-            channels (channels_last) before its plan runs, and takes as they come when they
-            arrive so (:func:`fusion_compiler.runtime.layout.channel_padded_images`).
-        stream: ``"side"`` when the region runs on the side stream beside a longer branch
-            (:func:`fusion_compiler.runtime.streams.run_short_branches_beside`), else ``""``.
         space_to_depth: the block size when the region's prologue is a SpaceToDepth of its image
-            (:func:`fusion_compiler.runtime.space_to_depth.space_to_depth_stems`), else 0.
+            (the fusion pass ``space_to_depth_stem``), else 0.
+        lowering: the :class:`Lowering` record, ``None`` until lowered. Read through the
+            properties below (``backend`` is ``"reference"`` and ``status`` ``"fused"`` before).
     """
 
-    def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str]):
+    def __init__(self, region_id: str, graph_module: fx.GraphModule, nodes: list[str],
+                 space_to_depth: int = 0):
         super().__init__()
         self.region_id = region_id
         self.graph_module = graph_module
         self.nodes = nodes
-        self.backend = "reference"
-        self.status = "fused"
-        self.reason = ""
-        self.cudnn_graph: dict | None = None
-        self.tuning: list = []
-        self.timing: dict[str, float] = {}
-        self.plan: str = ""
-        self.plan_from_cache: bool | None = None
-        self.workspace_bytes: int | None = None
-        self.gradients: list = []
-        self.no_grad_inputs: set[str] = set()
-        self.dgrad_drelu = False
-        self.dgrad_drelu_reason = ""
-        self.masked_outputs: set[str] = set()
-        self.nhwc_inputs: frozenset[int] = frozenset()
-        self.padded_images: dict[int, int] = {}
-        self.stream = ""
-        self.space_to_depth = 0
-        self._lowered: Callable[..., Any] | None = None  # None: run graph_module itself
+        self.space_to_depth = space_to_depth
+        self.lowering: Lowering | None = None
+
+    def set_lowering(self, record: Lowering) -> None:
+        """Record what lowering made of the region.
+
+        Raises:
+            RuntimeError: the region has a record already (lowering writes it once).
+        """
+        if self.lowering is not None:
+            raise RuntimeError(f"region {self.region_id} is lowered already")
+        self.lowering = record
+
+    backend = _record("backend", "The backend that runs the region.")
+    status = _record("status", "``fused`` before lowering, then ``lowered`` or ``fallback``.")
+    reason = _record("reason", "Why the region fell back, else ``''``.")
+    plan = _record("plan", "The execution plan's name.")
+    plan_from_cache = _record("plan_from_cache", "Whether the plan came from the disk cache.")
+    workspace_bytes = _record("workspace_bytes", "The plan's workspace in bytes, or ``None``.")
+    tuning = _record("tuning", "The plans autotuning timed.")
+    timing = _record("timing", "ms per call of each candidate backend that was timed.")
+    gradients = _record("gradients", "How each piece of a training region's backward runs.")
+    nhwc_inputs = _record("nhwc_inputs", "Inputs the kernel reads channels_last.")
+    padded_images = _record("padded_images", "Inputs the kernel zero-pads: position -> channels.")
+    no_grad_inputs = _planned("no_grad_inputs", "Inputs that never need a gradient.")
+    dgrad_drelu = _planned("dgrad_drelu", "Whether the dgrad applies the producer's ReLU backward.")
+    dgrad_drelu_reason = _planned("dgrad_drelu_reason", "Why the dgrad does not, else ``''``.")
+    masked_outputs = _planned("masked_outputs", "ReLU outputs whose gradient arrives masked.")
+
+    @property
+    def cudnn_graph(self) -> dict | None:
+        """The cuDNN graph JSON of the region, when the frontend could build it."""
+        return (self.lowering or _UNLOWERED).graphs.get("cudnn")
 
     @property
     def kernel(self) -> Callable[..., Any]:
-        return self.graph_module if self._lowered is None else self._lowered
+        """What runs the region: the lowered kernel, or the region's own graph module."""
+        kernel = (self.lowering or _UNLOWERED).kernel
+        return self.graph_module if kernel is None else kernel
 
-    def set_kernel(self, fn: Callable[..., Any]) -> None:
-        """Run ``fn`` from now on (kept out of nn.Module's registry: a kernel is a callable)."""
-        self.__dict__["_lowered"] = None if fn is self.graph_module else fn
+    @property
+    def stream(self) -> str:
+        """``"side"`` when the kernel runs on the side stream (its ``beside`` flag, set by the
+        post-lowering pass ``concurrent_branches``), else ``""``."""
+        owner = getattr(self.kernel, "__self__", self.kernel)
+        return "side" if getattr(owner, "beside", False) else ""
 
     def forward(self, *inputs: torch.Tensor):
         return self.kernel(*inputs)
@@ -135,6 +207,15 @@ class Region(torch.nn.Module):
     def conv(self) -> fx.Node:
         """The region's convolution node (exactly one, checked by the verify pass)."""
         return next(n for n in self.graph_module.graph.nodes if is_conv(n))
+
+    @property
+    def conv_input_placeholder(self) -> fx.Node:
+        """The placeholder the convolution's input comes from (through its prologue, following
+        each op's first argument)."""
+        node = self.conv.args[0]
+        while node.op != "placeholder":
+            node = node.args[0]
+        return node
 
     @property
     def output_nodes(self) -> list[fx.Node]:
@@ -189,7 +270,8 @@ class Region(torch.nn.Module):
 
     def describe(self) -> dict:
         """A JSON-ready summary: id, pattern, absorbed nodes, operands, outputs, backend, status,
-        reason, execution plan and workspace (bytes), cuDNN graph JSON."""
+        reason, execution plan and workspace (bytes), the candidate backends' times (ms), the
+        stream, the cuDNN graph JSON and how each backward piece runs."""
         return {
             "id": self.region_id,
             "pattern": self.pattern,
@@ -203,6 +285,7 @@ class Region(torch.nn.Module):
             "plan": self.plan,
             "plan_from_cache": self.plan_from_cache,
             "workspace_bytes": self.workspace_bytes,
+            "timing_ms": dict(self.timing),
             "stream": self.stream,
             "cudnn_graph": self.cudnn_graph,
             "gradients": [dict(vars(p)) for p in self.gradients],

@@ -1,52 +1,37 @@
-"""Space-to-depth stems as one Triton kernel: SpaceToDepth(4), the 1x1 convolution and its
-epilogue, reading the NCHW image once.
+"""The ``fusion_compiler::space_to_depth_conv`` op: SpaceToDepth, a 1x1 convolution and its
+epilogue as one Triton kernel that reads the NCHW image once.
 
-The SE-ResNet9 stem (``models/se_resnet9_fixup.md``) is ``SpaceToDepth(4)``, a 1x1 convolution on
-``16*C`` channels, ReLU and the next block's bias. cuDNN takes the pair only as a 4x4, stride-4
-convolution on the ``C``-channel image, which for ``C`` = 3 or 11 it runs far slower than a copy
-plus a 1x1 convolution (:func:`fusion_compiler.passes.rewrites.space_to_depth_conv`). So the graph held
-the SpaceToDepth as a copy to channels_last (Inductor's kernel) before a cuDNN region. Here one
-Triton program per 4 output rows loads the image rows contiguously, rearranges them in registers
-and multiplies with ``tl.dot`` (:mod:`.space_to_depth_triton`).
+The SE-ResNet9 stem is ``SpaceToDepth(4)``, a 1x1 convolution on ``16*C`` channels, ReLU and the
+next block's bias. cuDNN takes the pair only as a 4x4, stride-4 convolution on the ``C``-channel
+image, which it runs far slower for ``C`` = 3 or 11 than a copy plus a 1x1 convolution (the
+pre-fusion rewrite ``space_to_depth``). Here one Triton program per 4 output rows loads the image
+rows contiguously, rearranges them in registers and multiplies with ``tl.dot``
+(:mod:`.space_to_depth_triton`). The epilogue is computed in fp32 and rounded once per output, as
+cuDNN's fp32 intermediates are; outputs are channels_last, as a cuDNN region's. Measurements:
+``docs/decisions.md``, "The SpaceToDepth stem as one Triton kernel".
 
-Measured on an H100 (fp16, CUDA-graph timing, 2026-11-23):
-
-* ``examples/space_to_depth_stem.py`` (the stem alone, 64 output channels, + bias, ReLU), us:
-  depth ``[512, 11, 64, 64]``: copy + PyTorch's 1x1 conv 100.7, PyTorch's 4x4/s4 conv 219.3,
-  this kernel 30.7; RGB ``[128, 3, 64, 64]``: 16.7, 30.9, 4.9. Max relative error against fp32
-  2.5e-4 to 3.0e-4 here, 4.4e-4 to 5.9e-4 for the others (their fp16 rounding before the bias).
-* In SE-ResNet9-depth's graph (``examples/benchmark.py --profile``) the copy had taken 44-46 us
-  and the cuDNN region 32 us; the kernel took 34.0 us, and the forward went from 0.340 to 0.295
-  ms. Every cuDNN plan of the 4x4/s4 conv on the 11-channel image took 157-231 us (NCHW or NHWC).
-
-:func:`space_to_depth_stems` is a graph edit made after lowering, in inference on CUDA: a region
-whose convolution reads a SpaceToDepth(4) value (:func:`~fusion_compiler.passes.rewrites.space_to_depth_source`)
-absorbs the SpaceToDepth as its prologue, takes the image instead, and runs
-``fusion_compiler::space_to_depth_conv`` (backend ``"triton"``). Its outputs are channels_last,
-as a cuDNN region's. The epilogue is computed in fp32 and rounded once per output, as cuDNN's
-fp32 intermediates are.
+The region-level pieces: the fusion pass ``space_to_depth_stem`` gives a region the SpaceToDepth
+as its prologue when this kernel takes it (:func:`kernel_reason`, :func:`epilogue_program`), and
+the ``triton`` backend (:mod:`fusion_compiler.backends.triton_stem`) lowers such regions to
+:class:`SpaceToDepthConvKernel`.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ir.ops import node_device
 from ..ir.ops import COMMUTATIVE
-from ..passes.pre_fusion.rewrites import pointwise_conv, space_to_depth_source
-from ..ir.region import Region, called_region, operand_kind
+from ..ir.region import Region, operand_kind
 from ..runtime.region_op import in_dry_run
 
-__all__ = ["space_to_depth_conv", "space_to_depth_conv_reference", "space_to_depth_stems",
-           "kernel_reason", "SpaceToDepthConvKernel", "OP", "BLOCK", "MAX_STEPS", "MAX_OUTPUTS"]
-
-log = logging.getLogger("fusion_compiler")
+__all__ = ["space_to_depth_conv", "space_to_depth_conv_reference", "kernel_reason",
+           "triton_reason", "epilogue_program", "SpaceToDepthConvKernel", "OP", "BLOCK",
+           "MAX_STEPS", "MAX_OUTPUTS"]
 
 BLOCK = 4
 """The SpaceToDepth block size the kernel takes: its ``tl.dot`` sums ``BLOCK**2`` taps per image
@@ -102,6 +87,16 @@ def _triton_kernel() -> Any:
     except Exception:  # ImportError, or a broken install
         return None
     return space_to_depth_triton.space_to_depth_conv_kernel
+
+
+def triton_reason() -> str:
+    """Why the Triton kernel cannot run here (``""``: it can): Triton must import and CUDA must
+    be available."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    if _triton_kernel() is None:
+        return "Triton does not import"
+    return ""
 
 
 def _rows_per_program(ho: int, wo: int) -> int:
@@ -230,16 +225,19 @@ class SpaceToDepthConvKernel:
         return tuple(OP(x, weight, operands, self.ops, self.outputs, self.block))
 
 
-def _epilogue(region: Region, names: list[str], device: torch.device
-              ) -> tuple[list[int | torch.Tensor], list[int], list[int]] | str:
-    """``(operands, ops, outputs)`` of a region for :class:`SpaceToDepthConvKernel` (``names``:
-    its placeholders' names, in order), or why it does not fit (a text)."""
+def epilogue_program(region: Region, device: torch.device
+                     ) -> tuple[list[int | torch.Tensor], list[int], list[int]] | str:
+    """``(operands, ops, outputs)`` of ``region``'s epilogue (the ops after its convolution) as
+    :class:`SpaceToDepthConvKernel` takes them, or why the kernel cannot run it (a text).
+    Numbers of the graph become one-element fp32 tensors on ``device``."""
+    names = [n.name for n in region.graph_module.graph.find_nodes(op="placeholder")]
     conv = region.conv
     out_shape = tuple(conv.meta["val"].shape)
     stage = {conv: 0}
-    chain, operands, ops = conv, [], []
+    chain, operands, ops, after = conv, [], [], False
     for node in region.graph_module.graph.nodes:
-        if node.op in ("placeholder", "output") or node is conv:
+        after = after or node is conv
+        if not after or node.op in ("placeholder", "output") or node is conv:
             continue
         code = _CODES.get(node.target) if node.op == "call_function" else None
         if code is None:
@@ -267,72 +265,3 @@ def _epilogue(region: Region, names: list[str], device: torch.device
     if any(n.meta["val"].dtype != conv.meta["val"].dtype for n in region.output_nodes):
         return "an output of another dtype than the convolution's"
     return operands, ops, outputs
-
-
-def _absorb(region: Region, image: fx.Node, x: fx.Node, chain: list[fx.Node]) -> None:
-    """Make ``region`` read ``x`` at its placeholder ``image`` and compute ``chain`` (the
-    SpaceToDepth nodes of the outer graph, ``x`` -> the old image) itself, before its conv."""
-    g = region.graph_module.graph
-    env = {x: image}
-    with g.inserting_before(region.conv):
-        for node in chain:
-            env[node] = g.node_copy(node, lambda a: env[a])
-    region.conv.replace_input_with(image, env[chain[-1]])
-    image.meta["val"] = x.meta["val"]
-    g.lint()
-    region.graph_module.recompile()
-    region.nodes = [n.name for n in chain] + list(region.nodes)
-
-
-def space_to_depth_stems(gm: fx.GraphModule) -> list[str]:
-    """Give each region whose 1x1 convolution reads SpaceToDepth(:data:`BLOCK`) of an image the
-    :class:`SpaceToDepthConvKernel` (in place; see the module docstring); returns their ids.
-
-    For inference graphs after :func:`~fusion_compiler.lowering.lower` and before the layout
-    edits (:mod:`.layout`): the region's backend becomes ``"triton"``, its plan text says what
-    runs, the SpaceToDepth nodes no other node reads leave the graph. A region that does not fit
-    (its epilogue, dtypes or shapes: :func:`kernel_reason`) keeps its kernel; why is logged.
-    """
-    changed = []
-    for call in list(gm.graph.nodes):
-        region = called_region(gm, call)
-        if region is None:
-            continue
-        conv = region.conv
-        image, weight = conv.args[0], conv.args[1]
-        if (not pointwise_conv(conv) or conv.args[2] is not None or image.op != "placeholder"
-                or weight.op != "placeholder" or len(image.users) != 1):
-            continue
-        names = [n.name for n in region.graph_module.graph.find_nodes(op="placeholder")]
-        at = names.index(image.name)
-        found = space_to_depth_source(call.args[at])
-        if found is None:
-            continue
-        x, block, chain = found
-        reason = kernel_reason(x.meta["val"], weight.meta["val"], block)
-        fit = reason or _epilogue(region, names, node_device(x))
-        if isinstance(fit, str):
-            log.info("region %s: SpaceToDepth stem left as it is: %s", region.region_id, fit)
-            continue
-        operands, ops, outputs = fit
-        _absorb(region, image, x, chain)
-        region.set_kernel(SpaceToDepthConvKernel(at, names.index(weight.name), operands, ops,
-                                                 outputs, block))
-        region.space_to_depth = block
-        region.backend, region.status, region.reason = "triton", "lowered", ""
-        region.plan = (f"space_to_depth{block} + conv1x1 + {len(ops)} epilogue ops, one Triton "
-                       f"kernel (runtime/space_to_depth.py)")
-        region.cudnn_graph, region.tuning, region.timing = None, [], {}
-        region.plan_from_cache, region.workspace_bytes = None, 0
-        region.nhwc_inputs, region.padded_images = frozenset(), {}
-        args = list(call.args)
-        args[at] = x
-        call.args = tuple(args)
-        for node in reversed(chain):
-            if not node.users:
-                gm.graph.erase_node(node)
-        changed.append(region.region_id)
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return changed

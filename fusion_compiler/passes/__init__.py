@@ -1,63 +1,159 @@
-"""Graph passes, each a documented ``GraphModule -> GraphModule`` function, and the default order.
+"""Graph passes, each a documented ``GraphModule -> GraphModule`` function, in four named
+pipelines that one :class:`PassManager` runs (``fusion-compiler dump --stage NAME`` shows the
+graph after any pass by its name). In order, with the condition under which each runs:
 
-=================  ==========================================================================
-pass               rewrites
-=================  ==========================================================================
-normalize          in-place -> out-of-place (SSA), modules -> functions, conv bias -> add
-fold_bn            eval batch norm after a conv -> per-channel scale + bias
-space_to_depth     SpaceToDepth(b) + 1x1 conv -> b x b stride-b conv, or (image channels
-                   cuDNN would pad) one channels_last SpaceToDepth copy + the 1x1 conv
-avgpool_conv       AvgPool2d(k, s, p, count_include_pad) + 1x1 conv -> k x k stride-s conv
-fuse               conv chains -> Region submodules (prologue, epilogue, exit reduction;
-                   with ``concurrent_branches``, a join of two branches left to the longer one)
-verify             checks SSA, beta = 0, one conv per region, no aliasing (raises FusionError)
-=================  ==========================================================================
+* **pre_fusion**: ``normalize`` (in-place -> out-of-place, i.e. SSA; modules -> functions; conv
+  bias -> add), ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
+  ``space_to_depth`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b
+  conv or one channels_last copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
+  ``autocast`` (under ``torch.autocast``: its casts made graph ops).
+* **fusion**: ``fuse`` (conv chains -> Region submodules: prologue, epilogue, exit reduction;
+  with ``concurrent_branches`` a join of two branches left to the longer one), ``verify`` (SSA,
+  beta = 0, one conv per region, no aliasing; raises FusionError), ``space_to_depth_stem`` (CUDA
+  inference where Triton runs: a stem region takes its SpaceToDepth as prologue, for the
+  ``triton`` backend).
+* **post_lowering**: ``four_channel_images`` (CUDA: PyTorch stems on 3-channel fp16/bf16 images
+  get a zero fourth channel), ``channel_padded_images`` (CUDA inference: images a cuDNN region
+  zero-pads are padded in the graph), ``channels_last_activations`` (values regions read
+  channels_last are converted where they are made), ``nchw_padded_avg_pools`` (CUDA training:
+  padded pools get NCHW inputs, a PyTorch backward bug), ``hoist`` (inference: parameter-only
+  subgraphs computed once per parameter version), ``concurrent_branches`` (with that option:
+  short branches' regions on a second CUDA stream).
+* **glue** (on the copy of the lowered graph that Inductor compiles): ``se_gates`` (an SE gate ->
+  one ``se_gate`` kernel), ``small_linears`` (small linear layers -> reductions).
+
+Which passes a specialization runs depends on its :class:`~fusion_compiler.config.Target` and
+the :class:`~fusion_compiler.config.CompileOptions` (:func:`pipelines`); the reasons for each
+condition are in ``docs/decisions.md``. After each pre-fusion and fusion pass the manager
+propagates shapes again; the post-lowering and glue passes keep node metadata themselves.
 """
 
-import functools
+from __future__ import annotations
 
-from .pre_fusion.fold_bn import fold_batch_norm
+import functools
+import logging
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..config import CompileOptions, Target
+from ..kernels.space_to_depth import triton_reason
 from .fusion.fuse import fuse_regions
+from .fusion.space_to_depth_stem import space_to_depth_stems
+from .fusion.verify import verify
+from .glue import se_gates, small_linears_as_reductions
 from .manager import Pass, PassManager
+from .post_lowering.hoist import hoist_parameters
+from .post_lowering.layout import (channel_padded_images, channels_last_activations,
+                                   four_channel_images, nchw_padded_avg_pools)
+from .post_lowering.streams import run_short_branches_beside
+from .pre_fusion.autocast import make_autocast_explicit
+from .pre_fusion.fold_bn import fold_batch_norm
 from .pre_fusion.normalize import normalize
 from .pre_fusion.rewrites import avgpool_conv, space_to_depth_conv
-from .fusion.verify import verify
 
-__all__ = ["Pass", "PassManager", "default_passes", "normalize", "fold_batch_norm",
+__all__ = ["Pass", "PassManager", "PIPELINES", "pipelines", "pass_names", "pre_fusion",
+           "fusion", "post_lowering", "glue", "normalize", "fold_batch_norm",
            "space_to_depth_conv", "avgpool_conv", "fuse_regions", "verify"]
 
+log = logging.getLogger("fusion_compiler")
+PIPELINES = ("pre_fusion", "fusion", "post_lowering", "glue")
 
-def default_passes(fuse_prologue: bool = False, fuse_reduction: bool = False,
-                   cuda: bool = True, concurrent_branches: bool = False) -> list[Pass]:
-    """The pipeline ``compile()`` runs, in order.
 
-    ``cuda=False`` (inputs on another device, where every region runs on PyTorch ops) leaves out
-    the two rewrites that exist for cuDNN: ``space_to_depth`` (an NHWC image copy or a 4x4/s4
-    conv) and ``avgpool_conv`` (a pool folded into a k x k conv, k^2 times the FLOPs). On a 2-core
-    CPU with torch 2.13, SE-ResNet9 at N=2 took 22.2 ms a call compiled with them and 8.0 ms
-    without (eager 7.7-8.1 ms): the NHWC image turned every later mkldnn convolution
-    channels_last (13.4 ms without ``avgpool_conv`` alone, 16.3 ms without ``space_to_depth``
-    alone).
+def _counted(edit: Callable[[fx.GraphModule], object], what: str) -> Callable[[fx.GraphModule],
+                                                                            fx.GraphModule]:
+    """``edit`` (which returns a count or a list of what it changed) as a pass that logs that at
+    INFO level when it is not empty."""
+    @functools.wraps(edit)
+    def run(gm: fx.GraphModule) -> fx.GraphModule:
+        done = edit(gm)
+        if done:
+            log.info("%s: %s", what, ", ".join(done) if isinstance(done, list) else done)
+        return gm
+    return run
 
-    ``fuse_prologue`` / ``fuse_reduction`` let the fuse pass absorb pointwise ops on a conv's input
-    and the exit H, W sum. Both are off by default because on an H100 (cuDNN 9.19) the fused
-    kernels were slower than the unfused pair, in CUDA-graph timings of every ranked plan
-    (fp16, NHWC, N=128): a scalar-add prologue took a 64->64 3x3 conv at 16x16 from 9.3 us to
-    21.8 us (a separate add costs 2.7 us) and a 512->512 conv at 2x2 from 12.8 to 58.5 us (add:
-    1.6 us); the fused H, W sum took 18.7 us against 9.3 + 5.8 us unfused at 16x16.
 
-    ``concurrent_branches`` makes the fuse pass leave a join of two branches out of the shorter
-    branch's region (``fuse_regions(branches=True)``), so that region can run on a second stream
-    (:mod:`fusion_compiler.runtime.streams`); ``compile(concurrent_branches=True)`` sets it for
-    CUDA inference in a CUDA graph.
-    """
-    cudnn_layout = [Pass("space_to_depth", space_to_depth_conv),
-                    Pass("avgpool_conv", avgpool_conv)] if cuda else []
-    return [
-        Pass("normalize", normalize),
-        Pass("fold_bn", fold_batch_norm),
-        *cudnn_layout,
-        Pass("fuse", functools.partial(fuse_regions, prologue=fuse_prologue,
-                                       reduction=fuse_reduction, branches=concurrent_branches)),
-        Pass("verify", verify),
-    ]
+def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
+    """Normalization and the exact rewrites; the two rewrites that exist for cuDNN run for CUDA
+    inputs (or ``options.cuda_pipeline``) only, the autocast pass under ``torch.autocast``."""
+    cuda = target.cuda or bool(options.cuda_pipeline)
+    passes = [Pass("normalize", normalize), Pass("fold_bn", fold_batch_norm)]
+    if cuda:
+        passes += [Pass("space_to_depth", space_to_depth_conv), Pass("avgpool_conv", avgpool_conv)]
+    if target.autocast is not None:  # casts before fusion, so regions form in the autocast dtype
+        passes.append(Pass("autocast", functools.partial(make_autocast_explicit,
+                                                         dtype=target.autocast)))
+    return passes
+
+
+def fusion(options: CompileOptions, target: Target) -> list[Pass]:
+    """The fuse pass (``fuse_prologue``, ``fuse_reduction``; the branch rule with
+    ``concurrent_branches`` in CUDA inference in a CUDA graph, or ``options.cuda_pipeline``),
+    verify, and in CUDA inference where Triton runs the SpaceToDepth stems."""
+    branches = options.concurrent_branches and not target.training and (
+        options.concurrent(target) or bool(options.cuda_pipeline))
+    passes = [Pass("fuse", functools.partial(fuse_regions, prologue=options.fuse_prologue,
+                                             reduction=options.fuse_reduction,
+                                             branches=branches)),
+              Pass("verify", verify)]
+    if target.cuda and not target.training and options.backend != "reference" \
+            and not triton_reason():
+        passes.append(Pass("space_to_depth_stem", space_to_depth_stems))
+    return passes
+
+
+def post_lowering(options: CompileOptions, target: Target) -> list[Pass]:
+    """The edits after lowering, each where it applies (see the module docstring)."""
+    inference = not target.training
+    passes = []
+    if target.cuda:
+        passes.append(Pass("four_channel_images", _counted(
+            four_channel_images, "regions on PyTorch ops convolve a 4-channel image")))
+        if inference:
+            passes.append(Pass("channel_padded_images", _counted(
+                channel_padded_images, "images zero-padded in the graph")))
+    passes.append(Pass("channels_last_activations", _counted(
+        channels_last_activations, "values made channels_last where they are made")))
+    if target.cuda and target.training:
+        passes.append(Pass("nchw_padded_avg_pools", _counted(
+            nchw_padded_avg_pools, "padded avg_pool2d inputs made NCHW: PyTorch's channels_last "
+            "CUDA backward is wrong with padding (pytorch/pytorch#188344)")))
+    if inference:
+        passes.append(Pass("hoist", hoist_parameters))
+    if options.concurrent(target):
+        passes.append(Pass("concurrent_branches", _counted(
+            run_short_branches_beside, "regions on a second stream, beside a longer branch")))
+    return passes
+
+
+def glue() -> list[Pass]:
+    """The rewrites of the copy of a lowered graph that Inductor compiles."""
+    return [Pass("se_gates", _counted(se_gates, "SE gates as one se_gate kernel each")),
+            Pass("small_linears", _counted(small_linears_as_reductions,
+                                           "small linear layers as reductions"))]
+
+
+def pipelines(options: CompileOptions, target: Target) -> dict[str, list[Pass]]:
+    """Every pipeline a specialization for ``target`` runs, by name (:data:`PIPELINES`)."""
+    return {"pre_fusion": pre_fusion(options, target), "fusion": fusion(options, target),
+            "post_lowering": post_lowering(options, target), "glue": glue()}
+
+
+def pass_names() -> dict[str, list[str]]:
+    """The name of every pass any pipeline may run, by pipeline, in order."""
+    everything = CompileOptions(concurrent_branches=True)
+    inference = pipelines(everything, Target(cuda=True))
+    training = pipelines(everything, Target(cuda=True, training=True, autocast=torch.float16))
+    names: dict[str, list[str]] = {}
+    for pipeline in PIPELINES:
+        merged = [p.name for p in inference[pipeline]]
+        previous = None
+        for p in training[pipeline]:  # each training-only pass after its predecessor
+            if p.name not in merged:
+                merged.insert(merged.index(previous) + 1 if previous else 0, p.name)
+            previous = p.name
+        names[pipeline] = merged
+    if "space_to_depth_stem" not in names["fusion"]:  # added only where Triton runs
+        names["fusion"].append("space_to_depth_stem")
+    return names

@@ -1,5 +1,6 @@
-"""The pass manager: runs ``GraphModule -> GraphModule`` passes in order, re-propagating tensor
-metadata after each one and optionally handing every intermediate graph to a callback."""
+"""The pass manager: runs a pipeline of ``GraphModule -> GraphModule`` passes in order, logging
+each, re-propagating tensor metadata after each one (pre-fusion and fusion pipelines) and handing
+every intermediate graph to a callback (the stages ``fusion-compiler dump --stage`` shows)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ at N=2 on a 2-core CPU: about 0.02 s a run, where meta propagation of the first 
 
 @dataclass(frozen=True)
 class Pass:
-    """A named graph transformation ``fn(gm) -> gm`` (it may rewrite ``gm`` in place)."""
+    """A named graph transformation ``fn(gm) -> gm`` (it may rewrite ``gm`` in place); ``name``
+    is its stage name."""
 
     name: str
     fn: Callable[[fx.GraphModule], fx.GraphModule]
@@ -34,7 +36,9 @@ class Pass:
 class PassManager:
     """Run ``passes`` in order on a graph specialized to ``example_inputs``.
 
-    After every pass the graph is linted, recompiled and its ``node.meta["val"]`` refreshed by
+    Each pass is logged (DEBUG: its name and host time; with ``FUSION_COMPILER_LOG=debug`` the
+    graph after it too). With ``propagate`` (the pre-fusion and fusion pipelines), after every pass
+    the graph is linted, recompiled and its ``node.meta["val"]`` refreshed by
     shape propagation (:func:`~fusion_compiler.capture.propagate_shapes`; skipped when the pass
     changed no graph: the same generated code of the graph and of every graph module in it, and
     every node still has its value), so each pass sees shapes, dtypes and strides of every node:
@@ -44,14 +48,16 @@ class PassManager:
     name -> table of :func:`~fusion_compiler.capture.encode_meta`) holds what an earlier compile
     of the same model for the same inputs recorded: a stage found there is not propagated again;
     ``recorded`` holds the tables of the stages propagated now.
-    ``on_stage(name, gm)`` is called with the captured graph (``"captured"``) and after each pass;
-    with ``FUSION_COMPILER_LOG=debug`` every stage's code is also logged.
+    ``on_stage(name, gm)`` is called with the captured graph (``"captured"``, with ``propagate``)
+    and after each pass. Without ``propagate`` (post-lowering and glue passes, which keep the
+    metadata of what they change themselves) the graph is only linted and recompiled.
     """
 
-    def __init__(self, passes: Sequence[Pass], example_inputs: Sequence[Any],
+    def __init__(self, passes: Sequence[Pass], example_inputs: Sequence[Any] = (),
                  on_stage: Callable[[str, fx.GraphModule], None] | None = None,
-                 known_shapes: dict[str, dict] | None = None):
+                 known_shapes: dict[str, dict] | None = None, propagate: bool = True):
         self.passes = list(passes)
+        self.propagate = propagate
         self.example_inputs = list(example_inputs)
         self.on_stage = on_stage
         self.known_shapes = known_shapes or {}
@@ -97,24 +103,31 @@ class PassManager:
         """Run every pass on ``gm``.
 
         Raises:
-            ValueError: the example inputs do not fit the captured model (wrong rank, channel
-                count, ...); the message carries PyTorch's own error.
+            ValueError: (with ``propagate``) the example inputs do not fit the captured model
+                (wrong rank, channel count, ...); the message carries PyTorch's own error.
         """
-        try:
-            self._propagate("captured", gm)
-        except Exception as exc:  # shape errors surface as many exception types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            shapes = ", ".join(str(tuple(a.shape)) for a in self.example_inputs if hasattr(a, "shape"))
-            raise ValueError(f"inputs of shape {shapes} do not fit the model: {first}") from exc
-        self._stage("captured", gm)
+        if self.propagate:
+            try:
+                self._propagate("captured", gm)
+            except Exception as exc:  # shape errors surface as many exception types
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() \
+                    else type(exc).__name__
+                shapes = ", ".join(str(tuple(a.shape)) for a in self.example_inputs
+                                   if hasattr(a, "shape"))
+                raise ValueError(f"inputs of shape {shapes} do not fit the model: "
+                                 f"{first}") from exc
+            self._stage("captured", gm)
         for p in self.passes:
-            before = _codes(gm)
+            start = time.perf_counter()
+            before = _codes(gm) if self.propagate else None
             gm = p.fn(gm)
             gm.graph.lint()
             gm.recompile()
-            unchanged = _codes(gm) == before and all(
-                "val" in n.meta for n in gm.graph.nodes if n.op != "output")
-            self._propagate(p.name, gm, unchanged=unchanged)
+            if self.propagate:
+                unchanged = _codes(gm) == before and all(
+                    "val" in n.meta for n in gm.graph.nodes if n.op != "output")
+                self._propagate(p.name, gm, unchanged=unchanged)
+            log.debug("pass %s: %.1f ms", p.name, 1e3 * (time.perf_counter() - start))
             self._stage(p.name, gm)
         return gm
 

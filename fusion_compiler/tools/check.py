@@ -267,7 +267,7 @@ def _check_regions(compiled: CompiledModule, inputs: Sequence[Any], train: bool,
                                                  region.region_id, relative_error(o, r),
                                                  relative_error(e, r), tol))
         if train:
-            derived = region.backend != "reference" or compiled.derived_backward
+            derived = region.backend != "reference" or compiled.options.derived_backward
             _check_region_grads(call, region, args, outs, derived, tol, seed, report)
 
 

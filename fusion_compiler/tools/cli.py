@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..backends.cudnn.backend import DEFAULT_AUTOTUNE
+from ..config import BACKENDS, CompileOptions
 from .report import DEFAULT_STAGES, STAGES_HELP
 
 __all__ = ["main", "load_model", "parse_shape"]
@@ -166,7 +166,7 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
                    help="dtype of the model and its inputs (default %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--train", action="store_true", help="training mode (default: eval)")
-    p.add_argument("--backend", choices=["auto", "cudnn", "reference"], default="auto")
+    p.add_argument("--backend", choices=BACKENDS, default=CompileOptions.backend)
     p.add_argument("--fuse-prologue", action="store_true",
                    help="fuse pointwise ops on a conv's input into its region (off by default: "
                         "slower on an H100 with cuDNN 9.19)")
@@ -178,7 +178,7 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
                         "which then runs on a second CUDA stream in CUDA inference (off by "
                         "default: on an H100 faster for SE-ResNet9 RGB N=128, slower for depth "
                         "N=512)")
-    p.add_argument("--autotune", type=int, default=DEFAULT_AUTOTUNE,
+    p.add_argument("--autotune", type=int, default=CompileOptions.autotune,
                    help="cuDNN plans built and timed per region on a GPU (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help=out_help)
 

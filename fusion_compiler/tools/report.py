@@ -18,13 +18,18 @@ from rich.text import Text
 from ..backends.cudnn.autotune import fastest
 from ..ir.ops import conv_flops, is_call
 from ..ir.region import Region, called_region
+from ..passes import pass_names
 
 __all__ = ["format_regions", "format_tuning", "format_gradients", "unfused_convolutions",
            "pytorch_nodes", "op_name_of", "conv_flops", "summarize", "describe",
            "group_by_reason", "format_summary", "format_text", "DEFAULT_STAGES", "STAGES_HELP"]
 
 DEFAULT_STAGES: tuple[str, ...] = ()  # graph code only when asked for
-STAGES_HELP = "captured, normalize, fold_bn, space_to_depth, avgpool_conv, fused, lowered"
+STAGES_HELP = ", ".join(["captured", *(n for names in pass_names().values() for n in names),
+                         "fused", "lowered"])
+"""The stages ``describe`` knows: the captured graph, the graph after any pass (where it ran),
+``fused`` (after the fusion pipeline, with every region's own graph) and ``lowered`` (what
+runs)."""
 _CONV_FUNCS = {torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
                torch.conv_transpose2d, torch.conv_transpose3d}
 # data movement and bookkeeping that is not worth a line in the "left to PyTorch" table
@@ -99,11 +104,12 @@ def _regions_table(rows: list[dict]) -> str:
 def format_tuning(regions: Sequence[Region]) -> str:
     """Per region, what autotuning measured (ms per execution, median of CUDA-graph timings on
     random data): plans timed, heuristics' first plan and the chosen one, the chosen plan's
-    convolution TFLOP/s (:func:`conv_flops` over its time), seconds spent building plans, and the
-    lowered kernel (input preparation included) against the region's PyTorch ops."""
-    table = Table(title="autotuning (cuDNN execution plans per region)")
+    convolution TFLOP/s (:func:`conv_flops` over its time), seconds spent building plans, each
+    candidate backend's kernel timed against the others (input preparation included; ``PyTorch``:
+    the region's own ops) and the backend that runs it."""
+    table = Table(title="autotuning (execution plans and candidate backends per region)")
     for col in ("id", "pattern", "plans timed", "first plan ms", "chosen plan", "chosen ms",
-                "TFLOP/s", "build s", "kernel ms", "PyTorch ms", "backend"):
+                "TFLOP/s", "build s", "candidates, ms", "backend"):
         table.add_column(col, overflow="fold")
     for r in regions:
         timed = [t for t in r.tuning if t.ms is not None]
@@ -111,13 +117,13 @@ def format_tuning(regions: Sequence[Region]) -> str:
         if best is None and not r.timing:
             continue
         flops = conv_flops(r.conv, r.graph_module)
+        candidates = ", ".join(f"{'PyTorch' if name == 'reference' else name} {ms:.4f}"
+                               for name, ms in r.timing.items())
         _add_row(table, r.region_id, r.pattern, f"{len(timed)}/{len(r.tuning)}",
                  f"{timed[0].ms:.4f}" if timed else "", f"#{best.index} {best.name}" if best else "",
                  f"{best.ms:.4f}" if best else "",
                  f"{flops / best.ms / 1e9:.1f}" if best and best.ms > 0 and flops else "",
-                 f"{sum(t.build_s for t in r.tuning):.1f}",
-                 *(f"{r.timing[k]:.4f}" if k in r.timing else "" for k in ("cudnn_ms", "pytorch_ms")),
-                 r.backend)
+                 f"{sum(t.build_s for t in r.tuning):.1f}", candidates, r.backend)
     return _render(table)
 
 
@@ -201,7 +207,7 @@ def describe(spec: Any, stages: Sequence[str] = DEFAULT_STAGES) -> dict:
     """
     gm = spec.graph_module
     codes = dict(spec.stages)
-    codes["fused"] = codes.get("verify", codes.get("fuse", ""))
+    codes["fused"] = next((codes[n] for n in reversed(pass_names()["fusion"]) if n in codes), "")
     for region in spec.regions:
         codes["fused"] += f"\n# region {region.region_id}: {region.pattern}\n{region.graph_module.code}"
     codes["lowered"] = gm.code

@@ -42,7 +42,7 @@ import torch.fx as fx
 from ...autograd.backward import TorchConvGradients
 from ...ir.ops import node_device
 from ...ir.errors import UnsupportedError, condense
-from ...ir.region import Region
+from ...ir.region import BackwardPlan, Region
 from ...runtime.region_op import is_traced, register_kernel, run_region
 from ..timing import paired_time_ms, sample_tensor
 from .graph import channel_padding, import_cudnn, recipe_dtype, to_nhwc
@@ -132,8 +132,10 @@ class CudnnConvGradients:
     """dgrad/wgrad of one region's convolution on cuDNN (see module docstring).
 
     Args:
-        backend: the :class:`~.cudnn.CudnnBackend` (handles, workspace, cache, autotune).
+        backend: the :class:`~.backend.CudnnBackend` (handles, workspace, cache, autotune).
         region: the region (shapes from its nodes' ``meta["val"]``).
+        backward: the region's backward plan (``dgrad_drelu``: the dgrad graph applies the ReLU
+            backward of the region producing the convolution's input).
         skip: gradient kinds never needed (``"dgrad"`` when the conv input is a network input
             that needs no gradient); they are not built and compute through PyTorch if asked.
         weight_cache: the forward kernel's channels_last copy of the weight, so forward and dgrad
@@ -142,8 +144,8 @@ class CudnnConvGradients:
     ``pieces`` lists a :class:`GradientPiece` per kind.
     """
 
-    def __init__(self, backend, region: Region, skip: frozenset[str] = frozenset(),
-                 weight_cache=None):
+    def __init__(self, backend, region: Region, backward: BackwardPlan,
+                 skip: frozenset[str] = frozenset(), weight_cache=None):
         conv = region.conv
         self.torch = TorchConvGradients(conv)
         self.device = node_device(conv)
@@ -157,7 +159,7 @@ class CudnnConvGradients:
         self.pieces: list[GradientPiece] = []
         self._ops: dict[str, tuple[_GradientOp, int]] = {}  # kind -> (op kernel, run_region key)
         padded = channel_padding(region) is not None
-        kinds = ("dgrad_drelu" if region.dgrad_drelu else "dgrad", "wgrad")
+        kinds = ("dgrad_drelu" if backward.dgrad_drelu else "dgrad", "wgrad")
         for kind in kinds:
             if kind.split("_")[0] in skip:
                 self.pieces.append(GradientPiece(kind, "pytorch", "not needed (no input of it "
@@ -179,7 +181,7 @@ class CudnnConvGradients:
             shape = self._out_shape(kind)
             self._ops[kind] = (op, register_kernel(op, [(shape, tuple(nhwc_strides(shape)),
                                                          self.dtype)]))
-            unfused = region.dgrad_drelu_reason if kind == "dgrad" else ""
+            unfused = backward.dgrad_drelu_reason if kind == "dgrad" else ""
             piece = GradientPiece(kind, "cudnn", plan=plan.plan_name,
                                   note=f"relu_backward not fused: {unfused}" if unfused else "")
             if backend.autotune > 1:

@@ -1,1 +1,2 @@
-"""post_lowering passes."""
+"""The post-lowering pipeline: graph edits that need to know which backend runs each region
+(layouts between regions, hoisting of parameter-only work, the side-stream schedule)."""

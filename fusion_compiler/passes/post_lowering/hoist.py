@@ -17,9 +17,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["HoistedParameters", "hoist_parameter_subgraphs"]
+__all__ = ["HoistedParameters", "hoist_parameter_subgraphs", "hoist_parameters", "HOISTED"]
 
 _PREFIX = "_hoisted_"
+HOISTED = "hoisted"
+"""The key of ``gm.meta`` under which :func:`hoist_parameters` leaves the
+:class:`HoistedParameters` (or ``None``), for the runner to refresh before each call."""
 
 
 class HoistedParameters:
@@ -116,3 +119,10 @@ def _fetch(gm: fx.GraphModule, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def hoist_parameters(gm: fx.GraphModule) -> fx.GraphModule:
+    """The pass form of :func:`hoist_parameter_subgraphs`: ``gm`` rewritten in place, the
+    :class:`HoistedParameters` (or ``None``) left in ``gm.meta[HOISTED]``."""
+    gm.meta[HOISTED] = hoist_parameter_subgraphs(gm)
+    return gm

@@ -66,7 +66,8 @@ def run_short_branches_beside(gm: fx.GraphModule,
                               mark: Callable[[Region], None] = _beside) -> list[str]:
     """Schedule each short-branch region of lowered ``gm`` on the side stream (in place; see the
     module doc); returns their region ids. ``eligible`` says which regions may go (default: cuDNN
-    regions), ``mark`` makes a region's kernel run on the side stream (tests pass their own)."""
+    regions), ``mark`` makes a region's kernel run on the side stream and raise its ``beside``
+    flag (tests pass their own)."""
     graph = gm.graph
     calls = {n: r for n in graph.nodes if (r := called_region(gm, n)) is not None}
     flops = {n: conv_flops(r.conv, r.graph_module) or 0 for n, r in calls.items()}
@@ -82,8 +83,7 @@ def run_short_branches_beside(gm: fx.GraphModule,
         _fork_early(graph, dag, node)
         _join_before_readers(gm, dag, node, main)  # before the next edit adds a reader
         _fork_before_other_branch(gm, dag, node, main, calls, eligible)
-        mark(calls[node])
-        calls[node].stream = "side"
+        mark(calls[node])  # the region's ``stream`` now reads "side" (its kernel's flag)
     if chosen:
         graph.lint()
         gm.recompile()

@@ -1,0 +1,194 @@
+"""The settings object: every option of :func:`fusion_compiler.compile` with its default, in one
+place, validated once (:class:`CompileOptions`), and what a specialization is compiled for
+(:class:`Target`). Every door derives its settings from :class:`CompileOptions`: ``compile()``
+from its keyword arguments, the ``torch.compile`` backend from ``options={...}``
+(:meth:`CompileOptions.for_dynamo`), ``fusion-compiler dump`` (:meth:`CompileOptions.for_dump`)
+and the CLI's flags (whose defaults are read from here). What each option does, with the
+measurements behind the defaults: ``docs/options.md`` and ``docs/decisions.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["CompileOptions", "Target", "BACKENDS", "CUDA_GRAPH_MODES"]
+
+BACKENDS = ("auto", "cudnn", "reference")
+"""Values of :attr:`CompileOptions.backend`."""
+CUDA_GRAPH_MODES = ("auto", "static", True, False)
+"""Values of :attr:`CompileOptions.cuda_graph` (``True`` is ``"auto"``)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one specialization is compiled for.
+
+    Attributes:
+        cuda: its tensor inputs are on a CUDA device.
+        training: a call needs gradients (grad mode on and a parameter or input requiring grad).
+        autocast: the ``torch.autocast`` dtype active for the inputs' device, or ``None``.
+    """
+
+    cuda: bool
+    training: bool = False
+    autocast: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How :func:`fusion_compiler.compile` compiles a model (all keyword arguments of it).
+
+    Attributes:
+        backend: ``"auto"`` (each region on the best backend that takes it, PyTorch ops
+            elsewhere), ``"cudnn"`` (the same, each fallback a warning) or ``"reference"``
+            (PyTorch ops only).
+        cuda_graph: ``"auto"`` (``True``): on CUDA each specialization replays its whole forward
+            (and a training one its backward) as a CUDA graph, outputs never overwritten by a
+            later call; ``"static"``: the same, calls return the graph's own output buffers;
+            ``False``: no CUDA graph.
+        cache_dir: directory of the on-disk plan and shape cache (``None``:
+            ``$FUSION_COMPILER_CACHE_DIR`` or the user cache directory; ``False``: memory only).
+        autotune: cuDNN execution plans built and timed per region (``<= 1``: heuristics' first).
+        fuse_prologue: fuse pointwise ops on a convolution's input into its region.
+        fuse_reduction: fuse the H, W sum after a convolution into its region.
+        report: print the region table after each compilation.
+        progress: a progress bar while plans build (``None``: only on a terminal).
+        glue_backend: the ``torch.compile`` backend of the ops between regions (``"auto"``:
+            Inductor on CUDA when Triton imports, eager ops for inference without a CUDA graph;
+            ``None``: eager ops).
+        max_specializations: input signatures kept; the least recently used is evicted.
+        tiered: answer a new specialization's first calls at once while plans and the glue
+            compile in the background (CUDA inference in a CUDA graph).
+        concurrent_branches: run a short branch's region on a second CUDA stream.
+        derived_backward: in training, PyTorch-ops regions also run the derived backward (tests).
+        cuda_pipeline: run the pre-fusion and fusion passes a CUDA input gets whatever the inputs'
+            device (what ``fusion-compiler dump`` shows on any machine); ``None``: the inputs'.
+
+    Raises (on construction):
+        ValueError: a value outside an option's choices or range (the message names the option,
+            the value and what it takes).
+        TypeError: a value of the wrong type.
+    """
+
+    backend: str = "auto"
+    cuda_graph: bool | str = "auto"
+    cache_dir: str | os.PathLike | bool | None = None
+    autotune: int = 8
+    fuse_prologue: bool = False
+    fuse_reduction: bool = False
+    report: bool = False
+    progress: bool | None = None
+    glue_backend: str | None = "auto"
+    max_specializations: int = 16
+    tiered: bool = True
+    concurrent_branches: bool = False
+    derived_backward: bool = False
+    cuda_pipeline: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.cuda_graph not in CUDA_GRAPH_MODES or isinstance(self.cuda_graph, int) and \
+                not isinstance(self.cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be one of {CUDA_GRAPH_MODES}, got "
+                             f"{self.cuda_graph!r}")
+        if self.cuda_graph is True:
+            object.__setattr__(self, "cuda_graph", "auto")
+        for name in ("fuse_prologue", "fuse_reduction", "report", "tiered",
+                     "concurrent_branches", "derived_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("progress", "cuda_pipeline"):
+            if getattr(self, name) not in (None, True, False):
+                raise TypeError(f"{name} must be None, True or False, got "
+                                f"{getattr(self, name)!r}")
+        for name, low in (("autotune", 0), ("max_specializations", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < low:
+                raise ValueError(f"{name} must be at least {low}, got {value}")
+        if self.glue_backend is not None and not isinstance(self.glue_backend, str):
+            raise TypeError(f"glue_backend must be a torch.compile backend name or None, got "
+                            f"{self.glue_backend!r}")
+        if self.cache_dir is not None and self.cache_dir is not False and not isinstance(
+                self.cache_dir, (str, os.PathLike)):
+            raise TypeError(f"cache_dir must be a path, None or False, got {self.cache_dir!r}")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_kwargs(cls, options: "CompileOptions | None" = None,
+                    **kwargs: Any) -> "CompileOptions":
+        """``options`` (default: the defaults) with ``kwargs`` replacing its fields.
+
+        Raises:
+            TypeError: an unknown option name (the message suggests the nearest one).
+            ValueError: see the class.
+        """
+        base = options if options is not None else cls()
+        if not isinstance(base, CompileOptions):
+            raise TypeError(f"options must be a CompileOptions, got {type(base).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                near = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise TypeError(f"unknown compile option {key!r}{hint} (options: "
+                                f"{', '.join(names)})")
+        return dataclasses.replace(base, **kwargs) if kwargs else base
+
+    def replace(self, **changes: Any) -> "CompileOptions":
+        """A copy with ``changes`` (validated as on construction)."""
+        return self.from_kwargs(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as keyword arguments of :func:`fusion_compiler.compile`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def for_dump(self) -> "CompileOptions":
+        """What ``fusion-compiler dump`` compiles with: no CUDA graph and no glue backend (both
+        change how the graph is called, not its regions) and the CUDA pass pipeline on any
+        machine, so a machine without a GPU shows the graphs a GPU gets."""
+        return self.replace(cuda_graph=False, glue_backend=None, cuda_pipeline=True)
+
+    @classmethod
+    def for_dynamo(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
+        """The options of one Dynamo graph from ``torch.compile(..., options={...})``: Dynamo's
+        graphs run between Python code, inside ``torch.compile``, so without a whole-forward
+        CUDA graph and without a glue backend.
+
+        Raises:
+            TypeError: ``cuda_graph`` or ``glue_backend`` among ``options`` (they are
+                ``compile()``'s), or an unknown option.
+        """
+        options = dict(options or {})
+        if "cuda_graph" in options:
+            raise TypeError("cuda_graph is an option of fusion_compiler.compile, not of the "
+                            "torch.compile backend (Dynamo graphs run between Python code)")
+        if "glue_backend" in options:
+            raise TypeError("glue_backend is an option of fusion_compiler.compile, not of the "
+                            "torch.compile backend (this graph is already being compiled by "
+                            "torch.compile)")
+        return cls.from_kwargs(**options).replace(cuda_graph=False, glue_backend=None)
+
+    # ------------------------------------------------------------------ derived decisions
+    def graphed_inference(self, target: Target) -> bool:
+        """Whether a specialization is CUDA inference in a CUDA graph: what tiering and
+        concurrent branches apply to."""
+        return target.cuda and not target.training and bool(self.cuda_graph)
+
+    def concurrent(self, target: Target) -> bool:
+        """Whether short branches run on a second stream (``concurrent_branches``, for CUDA
+        inference in a CUDA graph)."""
+        return self.concurrent_branches and self.graphed_inference(target)
+
+    def tiers_before_lowering(self, target: Target) -> bool:
+        """Whether a call may answer from tier 0 while the plans build (``tiered``, CUDA
+        inference in a CUDA graph, no autocast)."""
+        return self.tiered and target.autocast is None and self.graphed_inference(target)

@@ -1,0 +1,247 @@
+"""One specialization: the model compiled for one input signature, and how it is built.
+
+Capture, then the pre-fusion and fusion pipelines (shapes from the shape cache where it has
+them), lowering, the post-lowering pipeline, and the runner (:mod:`.runners`). With ``tiered``, a
+call that compiles a specialization whose plans must be built answers from tier 0 (its regions'
+own PyTorch ops) while the background thread builds them (:meth:`SpecializationCompiler.build`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from .backends.timing import timing_deferred
+from .capture import capture
+from .config import CompileOptions, Target
+from .ir.errors import TimingDeferred
+from .ir.region import Region
+from .lowering import build_plans, lower, plan_work, regions_of
+from .passes import PassManager, fusion, post_lowering, pre_fusion
+from .passes.post_lowering.hoist import HOISTED, HoistedParameters
+from .runners import Runners, memory_format, with_hoisting_and_formats
+from .runtime.plan_cache import PlanCache, default_cache_dir
+from .runtime.tiered import COMPILE_LOCK, TieredRunner, unlowered_copy
+
+__all__ = ["Specialization", "SpecializationCompiler"]
+
+log = logging.getLogger("fusion_compiler")
+
+
+@dataclass
+class Specialization:
+    """One compiled graph for one input signature.
+
+    ``stages`` holds the code of the graph after capture and after each pass (by pass name; the
+    post-lowering passes' too). ``glue_backend`` is the ``torch.compile`` backend its graph runs
+    through (``None``: eager ops); ``cuda_graph`` whether its forward replays a CUDA graph
+    (``"static"``, ``"safe"``) or not (``None``), and ``notes`` why a default was not taken (no
+    Triton, capture impossible). ``lowered`` is ``False`` while a specialization a call compiled
+    answers from tier 0 (its regions as PyTorch ops): its regions have no kernel yet, and
+    ``glue_backend`` and ``cuda_graph`` are not decided.
+    """
+
+    signature: tuple
+    graph_module: fx.GraphModule
+    run: Callable[..., Any]
+    stages: dict[str, str]
+    glue_backend: str | None = None
+    cuda_graph: str | None = None
+    notes: list[str] = field(default_factory=list)
+    lowered: bool = True
+
+    @property
+    def regions(self) -> list[Region]:
+        return regions_of(self.graph_module)
+
+    def close(self) -> None:
+        """Release what this specialization holds on the GPU: its CUDA graph (and the graph's
+        memory pool) and, once nothing else refers to them, its regions' plans."""
+        close = getattr(self.run, "close", None)
+        if close is not None:
+            close()
+        self.run = _closed
+
+
+def _closed(*args: Any) -> Any:
+    raise RuntimeError("this specialization was evicted (max_specializations); call the "
+                       "compiled module, not a specialization's run function")
+
+
+class SpecializationCompiler:
+    """Builds the specializations of one model.
+
+    Args:
+        model: the model (captured anew for each specialization).
+        options: the compile's options.
+        note: ``note(notes, reason)`` records why a default was not taken (and logs it once).
+    """
+
+    def __init__(self, model: torch.nn.Module, options: CompileOptions,
+                 note: Callable[[list[str], str], None]):
+        self.model, self.options, self._note = model, options, note
+        self.runners = Runners(model, options, note)
+        self.shape_cache = PlanCache(default_cache_dir(options.cache_dir))  # shapes per input
+
+    def build(self, args: Sequence[Any], key: tuple, target: Target,
+              requires: tuple[bool, ...], answer_early: bool) -> Specialization:
+        """The specialization for inputs like ``args`` (signature ``key``). With
+        ``answer_early`` (a call, not ``specialize``) it may answer from tier 0 until lowered
+        (:meth:`_tier_before_lowering`)."""
+        stages: dict[str, str] = {}
+        formats: list[torch.memory_format | None] = []
+
+        def on_stage(name: str, g: fx.GraphModule) -> None:
+            stages[name] = g.code
+            if name == "captured":  # the memory formats eager returns, before any rewrite
+                out = g.graph.find_nodes(op="output")[0]
+                formats.extend(memory_format(n.meta.get("val") if isinstance(n, fx.Node) else n)
+                               for n in tree_flatten(out.args[0])[0])
+
+        with COMPILE_LOCK:  # never beside a background compile (see the lock's docstring)
+            gm, lock = self._passes(key, args, target, on_stage)
+            work = self._work_before_lowering(gm, target) if answer_early else ""
+            if not work:
+                hoisted = self._lower(gm, lock, target, requires, on_stage)
+        spec = Specialization(key, gm, _closed, stages)
+        if work:
+            spec.lowered = False
+            spec.run = self._tier_before_lowering(spec, args, lock, formats, target, on_stage,
+                                                  timed=work == "tune")
+        else:
+            spec.run, spec.glue_backend, spec.cuda_graph = self.runners.for_lowered(
+                gm, spec.notes, args, hoisted, formats, target)
+            if self.options.report:
+                self.print_report(spec, target.training)
+        return spec
+
+    def print_report(self, spec: Specialization, training: bool) -> None:
+        from .tools.report import format_gradients, format_regions  # noqa: PLC0415
+
+        print(format_regions(spec.regions))
+        if training:
+            print(format_gradients(spec.regions))
+
+    def _passes(self, key: tuple, args: Sequence[Any], target: Target,
+                on_stage: Callable[[str, fx.GraphModule], None]) -> tuple[fx.GraphModule, str]:
+        """The model captured and rewritten by the pre-fusion and fusion pipelines (shapes from
+        the shape cache where it has them), and the name of the lock :meth:`_lower` takes."""
+        passes = [*pre_fusion(self.options, target), *fusion(self.options, target)]
+        captured = capture(self.model)
+        text = self._shapes_text(captured, key, passes)
+        shapes_header = PlanCache.header(text, {"kind": "shapes"})
+        # Processes sharing the cache directory (DDP ranks) compile this one at a time: the
+        # first builds and tunes, the others find its plans and choices and run the same plans.
+        # The lock ignores the device index (each rank has its own GPU); the shapes do not
+        # (their recorded devices say where plans run).
+        lock = PlanCache.header(re.sub(r"\bcuda:\d+", "cuda", text), {"kind": "compile"})
+        with self.shape_cache.lock(lock, f"compile {type(self.model).__name__}"):
+            known = self.shape_cache.load_record(shapes_header, "shapes")
+            manager = PassManager(passes, args, on_stage=on_stage, known_shapes=known)
+            gm = manager.run(captured)
+            if manager.recorded:
+                self.shape_cache.store_record(shapes_header, "shapes",
+                                              {**(known or {}), **manager.recorded})
+        return gm, lock
+
+    def _lower(self, gm: fx.GraphModule, lock: str, target: Target, requires: tuple[bool, ...],
+               on_stage: Callable[[str, fx.GraphModule], None] | None = None,
+               progress: bool | None = None) -> HoistedParameters | None:
+        """Give every region of ``gm`` its kernel (:func:`~fusion_compiler.lowering.lower`, under
+        the compile lock ``lock`` shared with other processes), then run the post-lowering
+        pipeline; returns the hoisted parameter subgraphs, or ``None``."""
+        frozen = frozenset(ph.name for ph, needs in zip(
+            gm.graph.find_nodes(op="placeholder"), requires) if not needs)
+        with self.shape_cache.lock(lock, f"compile {type(self.model).__name__}"):
+            lower(gm, self.options, training=target.training, no_grad_inputs=frozen,
+                  progress=progress)
+        PassManager(post_lowering(self.options, target), on_stage=on_stage,
+                    propagate=False).run(gm)
+        return gm.meta.get(HOISTED)
+
+    def _shapes_text(self, captured: fx.GraphModule, key: tuple, passes: Sequence[Any]) -> str:
+        """What the shapes propagated through ``passes`` for this model and specialization
+        ``key`` depend on, as text (hashed into their cache header): the traced code, the module
+        tree with each module's configuration, parameter and buffer metadata, the inputs, the
+        passes and their options, the versions of torch and fusion_compiler."""
+        from . import __version__  # noqa: PLC0415
+
+        state = [(name, tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device))
+                 for name, t in (*self.model.named_parameters(), *self.model.named_buffers())]
+        steps = [(p.name, sorted(getattr(p.fn, "keywords", {}).items(), key=str)) for p in passes]
+        return repr((torch.__version__, __version__, captured.code, repr(self.model), state,
+                     key, steps))
+
+    def _work_before_lowering(self, gm: fx.GraphModule, target: Target) -> str:
+        """What a specialization a call compiles would wait for before its first output, if
+        anything, when tier 0 may answer meanwhile (:meth:`_tier_before_lowering`): plans to
+        build (``"build"``) or to build and time (``"tune"``), see
+        :func:`~fusion_compiler.lowering.plan_work`; ``""`` lowers at once (every plan is in the
+        cache). Tier 0 is for CUDA inference specializations in a CUDA graph, without autocast,
+        with ``tiered``."""
+        if not self.options.tiers_before_lowering(target):
+            return ""
+        return plan_work(gm, self.options)
+
+    def _tier_before_lowering(self, spec: Specialization, args: Sequence[Any], lock: str,
+                              formats: list[torch.memory_format | None], target: Target,
+                              on_stage: Callable[[str, fx.GraphModule], None],
+                              timed: bool) -> TieredRunner:
+        """Tier 0: calls of ``spec`` answered by its regions' own PyTorch ops
+        (:func:`~fusion_compiler.runtime.tiered.unlowered_copy`, eager, no CUDA graph) while the
+        background thread does what lowering can do beside them, with nothing run on the GPU:
+
+        - when lowering times nothing (``timed`` false: each plan follows the choice made at a
+          batch size within a factor of 2, or ``autotune <= 1``), the whole lowering (plans
+          built in worker processes, deserialized) and the post-lowering pipeline;
+        - otherwise only the candidate plans' builds in worker processes
+          (:func:`~fusion_compiler.lowering.build_plans`): their timing, which must not share
+          the GPU with the caller's work, is left to the switch.
+
+        The background lowering runs under
+        :func:`~fusion_compiler.backends.timing.timing_deferred`: should it need a timing after
+        all (cuDNN rejected a reused choice's engine, which is then tuned), it stops, and the
+        switch lowers again, timing on the calling thread.
+
+        The first call after that switches on the calling thread: it lowers (timing the
+        candidates, when left to it), then captures the lowered graph
+        (:meth:`.runners.Runners.for_lowered`, itself tiered when Inductor compiles the glue)."""
+        gm = spec.graph_module
+        example = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        first = with_hoisting_and_formats(unlowered_copy(gm), None, formats)
+        log.info("%s answers from PyTorch ops while its plans are %s in the background",
+                 type(self.model).__name__, "built" if timed else "built and loaded")
+
+        def build() -> tuple[HoistedParameters | None] | None:  # on the background thread
+            with COMPILE_LOCK:  # no progress bar unless asked for: the caller's calls go on
+                if timed:
+                    build_plans(gm, self.options)
+                    return None
+                try:
+                    with timing_deferred():
+                        return (self._lower(gm, lock, target, (), on_stage,
+                                            progress=bool(self.options.progress)),)
+                except TimingDeferred:  # a reused choice cuDNN rejected must be tuned: lowered
+                    return None  # again at the switch (plans built so far come from the cache)
+
+        def finish(lowered: tuple[HoistedParameters | None] | None) -> Callable[..., Any]:
+            if lowered is None:  # times the candidates built meanwhile
+                with COMPILE_LOCK:
+                    lowered = (self._lower(gm, lock, target, (), on_stage),)
+            spec.lowered = True
+            runner, spec.glue_backend, spec.cuda_graph = self.runners.for_lowered(
+                gm, spec.notes, example, lowered[0], formats, target)
+            if self.options.report:
+                self.print_report(spec, False)
+            return runner
+
+        def failed(reason: str) -> None:
+            self._note(spec.notes, f"lowering failed; the regions run as PyTorch ops: {reason}")
+
+        return TieredRunner(first, build, finish, failed)
