@@ -153,7 +153,7 @@ class CompiledModule(torch.nn.Module):
         """The region table of the last specialization (as the CLI dump prints it)."""
         if self.last is None:
             return "not compiled yet: call the module once (or pass example_inputs)"
-        from .tools.report import format_regions  # noqa: PLC0415
+        from .tables import format_regions  # noqa: PLC0415
 
         return format_regions(self.last.regions)
 

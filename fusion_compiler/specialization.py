@@ -122,7 +122,7 @@ class SpecializationCompiler:
         return spec
 
     def print_report(self, spec: Specialization, training: bool) -> None:
-        from .tools.report import format_gradients, format_regions  # noqa: PLC0415
+        from .tables import format_gradients, format_regions  # noqa: PLC0415
 
         print(format_regions(spec.regions))
         if training:

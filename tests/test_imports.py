@@ -1,5 +1,7 @@
-"""The package's modules import one way (capture -> passes -> lowering -> runtime, tools on top):
-no circle of imports, lazy ones inside functions included."""
+"""The package's layers import one way: each module imports only modules of its own layer or of
+the layers below it (:data:`LAYERS`, bottom first), ``runtime`` only ``ir`` besides itself, and no
+modules import each other in a circle. Every import counts: relative and absolute, at module
+level and inside functions (lazy), the package root included."""
 
 from __future__ import annotations
 
@@ -9,6 +11,28 @@ from pathlib import Path
 import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fusion_compiler"
+ROOT = "fusion_compiler"
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("ir", ("fusion_compiler.ir",)),
+    ("config", ("fusion_compiler.config",)),
+    ("runtime", ("fusion_compiler.runtime",)),
+    ("kernels", ("fusion_compiler.kernels",)),
+    ("capture", ("fusion_compiler.capture",)),
+    ("autograd", ("fusion_compiler.autograd",)),
+    ("passes", ("fusion_compiler.passes",)),
+    ("backends", ("fusion_compiler.backends",)),
+    ("lowering", ("fusion_compiler.lowering",)),
+    ("front doors", ("fusion_compiler.runners", "fusion_compiler.specialization",
+                     "fusion_compiler.tables", "fusion_compiler.compiler",
+                     "fusion_compiler.dynamo")),
+    ("tools", ("fusion_compiler.tools",)),
+    ("package root", ("fusion_compiler",)),
+]
+"""The layers, bottom first, each with the modules and folders (packages) it holds."""
+
+ONLY = {"runtime": {"ir", "runtime"}}
+"""Layers that may import only these layers, whatever lies below them."""
 
 
 def _module_name(path: Path) -> str:
@@ -21,22 +45,43 @@ def _exists(module: str) -> bool:
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
+def layer_of(module: str) -> str:
+    """The layer of ``module``: the layer whose entry is its longest prefix (the package root's
+    entry is the root module alone)."""
+    best, length = None, -1
+    for name, prefixes in LAYERS:
+        for prefix in prefixes:
+            inside = module.startswith(prefix + ".") and prefix != ROOT
+            if (module == prefix or inside) and len(prefix) > length:
+                best, length = name, len(prefix)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
 def import_graph() -> nx.DiGraph:
-    """Edges module -> module it imports (relative imports, at any depth of the code); the
-    package root ``fusion_compiler`` itself is left out (it imports the front doors)."""
+    """Edges module -> module of this package it imports (relative or absolute, at any depth of
+    the code; ``from package import name`` counts the submodule ``name`` when it is one)."""
     graph = nx.DiGraph()
     for path in PACKAGE.rglob("*.py"):
         module = _module_name(path)
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         graph.add_node(module)
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or not node.level:
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.split(".")[0] == ROOT]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                elif (node.module or "").split(".")[0] == ROOT:
+                    target = node.module
+                else:
+                    continue
+                targets = [target, *(f"{target}.{a.name}" for a in node.names)]
+            else:
                 continue
-            base = package.split(".")[: len(package.split(".")) - node.level + 1]
-            target = ".".join(base + ([node.module] if node.module else []))
-            for name in (target, *(f"{target}.{a.name}" for a in node.names)):
-                if _exists(name) and name not in (module, "fusion_compiler") \
-                        and not module.startswith(name + "."):
+            for name in targets:
+                if _exists(name) and name != module and not module.startswith(name + "."):
                     graph.add_edge(module, name)
     return graph
 
@@ -46,9 +91,31 @@ def test_no_import_circles():
     assert cycles == [], cycles
 
 
-def test_the_graph_sees_lazy_imports():
+def test_imports_point_down_the_layers():
+    order = [name for name, _ in LAYERS]
+    wrong = []
+    for module, target in import_graph().edges:
+        mine, theirs = layer_of(module), layer_of(target)
+        allowed = ONLY.get(mine)
+        if (allowed is not None and theirs not in allowed) or \
+                order.index(theirs) > order.index(mine):
+            wrong.append(f"{module} ({mine}) imports {target} ({theirs})")
+    assert wrong == []
+
+
+def test_every_module_is_in_a_layer_and_at_most_400_lines():
+    for path in PACKAGE.rglob("*.py"):
+        layer_of(_module_name(path))
+        lines = len(path.read_text().splitlines())
+        assert lines <= 400, f"{path.relative_to(PACKAGE.parent)} has {lines} lines"
+
+
+def test_the_graph_sees_lazy_and_absolute_imports():
     graph = import_graph()
     assert graph.has_edge("fusion_compiler.backends",
                           "fusion_compiler.backends.cudnn.backend")  # lazy
     assert graph.has_edge("fusion_compiler.backends.cudnn.backward",
                           "fusion_compiler.backends.cudnn.plan")
+    assert graph.has_edge("fusion_compiler", "fusion_compiler.compiler")  # the package root
+    assert layer_of("fusion_compiler.tools.bench.timing") == "tools"
+    assert layer_of("fusion_compiler") == "package root"

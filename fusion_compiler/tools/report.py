@@ -4,21 +4,19 @@ whole dump (summary, tables, graphs per stage, cuDNN graph JSON) as text or JSON
 
 from __future__ import annotations
 
-import io
 import re
 from collections import Counter
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
-from ..backends.cudnn.autotune import fastest
 from ..ir.ops import conv_flops, is_call
-from ..ir.region import Region, called_region
+from ..ir.region import called_region
 from ..passes import pass_names
+from ..tables import (add_row, format_gradients, format_regions, format_tuning, regions_table,
+                      render)
 
 __all__ = ["format_regions", "format_tuning", "format_gradients", "unfused_convolutions",
            "pytorch_nodes", "op_name_of", "conv_flops", "summarize", "describe",
@@ -35,17 +33,6 @@ _CONV_FUNCS = {torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
 # data movement and bookkeeping that is not worth a line in the "left to PyTorch" table
 _QUIET = {"getitem", "getattr", "reshape", "view", "size", "contiguous", "expand", "permute",
           "flatten", "neg", "rsqrt", "join_side_stream.default"}  # the last: runtime.streams
-
-
-def _render(table: Table) -> str:
-    buf = io.StringIO()
-    Console(file=buf, width=160, force_terminal=False, color_system=None).print(table)
-    return buf.getvalue()
-
-
-def _add_row(table: Table, *cells: str) -> None:
-    """Add plain-text cells (no rich markup: patterns contain brackets)."""
-    table.add_row(*(Text(str(c)) for c in cells))
 
 
 def op_name_of(node: fx.Node, gm: fx.GraphModule) -> str:
@@ -84,71 +71,6 @@ def pytorch_nodes(gm: fx.GraphModule) -> list[dict]:
     return result
 
 
-def format_regions(regions: Sequence[Region]) -> str:
-    """The region table (id, pattern, absorbed nodes, backend, status, reason or plan, workspace)."""
-    return _regions_table([r.describe() for r in regions])
-
-
-def _regions_table(rows: list[dict]) -> str:
-    table = Table(title=f"{len(rows)} fused regions")
-    for col in ("id", "pattern", "nodes", "backend", "status", "reason / plan", "workspace"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        ws = "" if r["workspace_bytes"] is None else f"{r['workspace_bytes']} B"
-        side = "; on the side stream" if r.get("stream") == "side" else ""
-        _add_row(table, r["id"], r["pattern"], ", ".join(r["nodes"]), r["backend"], r["status"],
-                 (r["reason"] or r["plan"]) + side, ws)
-    return _render(table)
-
-
-def format_tuning(regions: Sequence[Region]) -> str:
-    """Per region, what autotuning measured (ms per execution, median of CUDA-graph timings on
-    random data): plans timed, heuristics' first plan and the chosen one, the chosen plan's
-    convolution TFLOP/s (:func:`conv_flops` over its time), seconds spent building plans, each
-    candidate backend's kernel timed against the others (input preparation included; ``PyTorch``:
-    the region's own ops) and the backend that runs it."""
-    table = Table(title="autotuning (execution plans and candidate backends per region)")
-    for col in ("id", "pattern", "plans timed", "first plan ms", "chosen plan", "chosen ms",
-                "TFLOP/s", "build s", "candidates, ms", "backend"):
-        table.add_column(col, overflow="fold")
-    for r in regions:
-        timed = [t for t in r.tuning if t.ms is not None]
-        best = fastest(r.tuning)
-        if best is None and not r.timing:
-            continue
-        flops = conv_flops(r.conv, r.graph_module)
-        candidates = ", ".join(f"{'PyTorch' if name == 'reference' else name} {ms:.4f}"
-                               for name, ms in r.timing.items())
-        _add_row(table, r.region_id, r.pattern, f"{len(timed)}/{len(r.tuning)}",
-                 f"{timed[0].ms:.4f}" if timed else "", f"#{best.index} {best.name}" if best else "",
-                 f"{best.ms:.4f}" if best else "",
-                 f"{flops / best.ms / 1e9:.1f}" if best and best.ms > 0 and flops else "",
-                 f"{sum(t.build_s for t in r.tuning):.1f}", candidates, r.backend)
-    return _render(table)
-
-
-def format_gradients(regions: Sequence[Region]) -> str:
-    """Per region of a training specialization, how its backward runs: dgrad (``dgrad_drelu``
-    when fused with the producing region's ReLU backward) and wgrad each on cuDNN or PyTorch,
-    with their times when autotuning measured them (ms per call, CUDA-graph timing on random
-    data), the reason for every piece left to PyTorch and, for a cuDNN dgrad, why the ReLU
-    backward is not in it. Regions whose forward runs on PyTorch are differentiated by PyTorch
-    autograd (the region's reason says why)."""
-    table = Table(title="backward per region (dgrad, wgrad)")
-    for col in ("id", "pattern", "piece", "backend", "cuDNN ms", "PyTorch ms", "reason"):
-        table.add_column(col, overflow="fold")
-    for r in regions:
-        if not r.gradients:
-            _add_row(table, r.region_id, r.pattern, "all", "PyTorch autograd", "", "",
-                     r.reason or "region runs on the reference backend")
-            continue
-        for p in r.gradients:
-            _add_row(table, r.region_id, r.pattern, p.kind, p.backend,
-                     "" if p.cudnn_ms is None else f"{p.cudnn_ms:.5f}",
-                     "" if p.pytorch_ms is None else f"{p.pytorch_ms:.5f}", p.reason or p.note)
-    return _render(table)
-
-
 def _format_left(rows: list[dict], title: str) -> str:
     if not rows:
         return f"{title}: none\n"
@@ -156,8 +78,8 @@ def _format_left(rows: list[dict], title: str) -> str:
     for col in ("node", "op", "reason"):
         table.add_column(col, overflow="fold")
     for row in rows:
-        _add_row(table, row["node"], row["op"], row["reason"])
-    return f"{title}:\n" + _render(table)
+        add_row(table, row["node"], row["op"], row["reason"])
+    return f"{title}:\n" + render(table)
 
 
 def summarize(spec: Any) -> dict:
@@ -275,15 +197,15 @@ def _format_groups(rows: list[dict], title: str, shown: int = 6) -> str:
     for g in group_by_reason(rows):
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(g["ops"].items(), key=lambda kv: -kv[1]))
         more = f" ... (+{len(g['nodes']) - shown})" if len(g["nodes"]) > shown else ""
-        _add_row(table, f"{g['count']}: {ops}", g["reason"], ", ".join(g["nodes"][:shown]) + more)
-    return _render(table)
+        add_row(table, f"{g['count']}: {ops}", g["reason"], ", ".join(g["nodes"][:shown]) + more)
+    return render(table)
 
 
 def format_text(report: dict, title: str = "") -> str:
     """Human-readable form of :func:`describe`'s result, summary first: the header
     (:func:`format_summary`), the region table, the convolutions not fused, the other ops left to
     PyTorch grouped by reason, then the graph code of each stage asked for."""
-    out = [format_summary(report, title), _regions_table(report["regions"]),
+    out = [format_summary(report, title), regions_table(report["regions"]),
            _format_left(report["unfused"], "convolutions not fused"),
            _format_groups(report["pytorch"], "ops left to PyTorch, by reason")]
     for stage, code in report["stages"].items():

@@ -48,7 +48,7 @@ from ..base import Backend, Lowered, Support
 from .backward import CudnnConvGradients
 from .graph import graph_json, import_cudnn, output_padding, region_recipe
 from .kernel import CudnnKernel
-from .plan import CudnnPlan, condense_error
+from .plan import condense_error
 from .recipe import any_batch_key, recipe_key
 from .support import cudnn_support, known_slow_on_cudnn, slower_than_pytorch
 from .workers import build_candidates, workers_for

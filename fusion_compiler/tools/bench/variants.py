@@ -1,0 +1,220 @@
+"""The benchmark's variants and its driver, :func:`bench`: each variant built, timed and checked
+against an fp32 copy in one process (see the package docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ...compiler import compile as compile_model
+from ..check import floating_outputs, relative_error
+from ..report import summarize
+from ...tables import format_gradients, format_tuning
+from .compile_times import BenchRecipe, new_batch_seconds, new_process_compile_seconds
+from .profiling import gpu_ops_per_call, kernel_profile
+from .timing import device_name, fp32_convolutions, graphed, sync, time_ms, train_step
+
+__all__ = ["bench", "INFERENCE_VARIANTS", "TRAIN_VARIANTS", "ALTERNATING"]
+
+
+INFERENCE_VARIANTS = ("eager", "eager+cudagraph", "torch.compile", "torch.compile reduce-overhead",
+                      "fusion_compiler")
+TRAIN_VARIANTS = (*INFERENCE_VARIANTS, "fusion_compiler+cudagraph")
+_NEEDS_CUDA = {"eager+cudagraph", "torch.compile reduce-overhead", "fusion_compiler+cudagraph"}
+ALTERNATING = "fusion_compiler 2 inputs alternating"
+"""The first fusion_compiler variant called with two input tensors in turn: each call passes
+another tensor than the last, so its CUDA graph copies the input in (the other rows pass one
+tensor every call, which a graph then reads in place: ``runtime/cuda_graph.py``)."""
+
+
+def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
+            fusion_variants: dict[str, dict], cache_dir: str, result: dict
+            ) -> dict[str, Callable[[], Callable[[], object]]]:
+    """Per variant, a function that builds it and returns the callable to time."""
+    def fresh() -> torch.nn.Module:  # training variants each get their own parameters
+        return copy.deepcopy(model) if train else model
+
+    first = next(iter(fusion_variants))  # the variant whose choices and tables are reported
+
+    def ours(label: str, graph_whole_step: bool = False,
+             alternate: bool = False) -> Callable[[], object]:
+        options = fusion_variants[label]
+        if graph_whole_step:  # the step is captured by hand: no graph inside it
+            options = {**options, "cuda_graph": False}
+        m = fresh()
+        module = compile_model(m, cache_dir=cache_dir, progress=False, **options)  # spinner instead
+        if not train:
+            spec = module.specialize(*inputs)
+            if label == first:  # what compile(model) chose, per region
+                summary = summarize(spec)
+                result["fusion_compiler"] = {"cuda_graph": spec.cuda_graph,
+                                             "glue": spec.glue_backend, "notes": spec.notes,
+                                             "regions": summary["regions_per_backend"],
+                                             "conv_gflop": summary["conv_gflop"]}
+                result["tuning"] = format_tuning(spec.regions)
+            module(*inputs)  # the first output, then the steady state: the compiled glue
+            module.wait_for_background_compiles()
+            if alternate:
+                turns = itertools.cycle((inputs, [t.clone() if isinstance(t, torch.Tensor)
+                                                  else t for t in inputs]))
+                return lambda: module(*next(turns))
+            return lambda: module(*inputs)
+        step = train_step(m, module, inputs)
+        step()
+        if label == first:
+            result["gradients"] = format_gradients(module.last.regions)
+        return graphed(step) if graph_whole_step else step
+
+    def plain(run_of: Callable[[torch.nn.Module], Callable], graph: bool = False,
+              mark: bool = False) -> Callable[[], object]:
+        m = fresh()
+        run = run_of(m)
+        fn = train_step(m, run, inputs, mark) if train else (lambda: run(*inputs))
+        return graphed(fn) if graph else fn
+
+    makers = {
+        "eager": lambda: plain(lambda m: m),
+        "eager+cudagraph": lambda: plain(lambda m: m, graph=True),
+        "torch.compile": lambda: plain(torch.compile),
+        "torch.compile reduce-overhead": lambda: plain(
+            lambda m: torch.compile(m, mode="reduce-overhead"), mark=train),
+        "fusion_compiler+cudagraph": lambda: ours(first, graph_whole_step=True),
+    }
+    for label in fusion_variants:
+        makers[label] = lambda lab=label: ours(lab)
+    if not train:
+        makers[ALTERNATING] = lambda: ours(first, alternate=True)
+    return makers
+
+
+@contextlib.contextmanager
+def _status(console: Any, text: str):
+    if console is None:
+        yield
+        return
+    with console.status(text):
+        yield
+
+
+def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
+          variants: Sequence[str] | None = None, fusion_variants: dict[str, dict] | None = None,
+          reps: int | None = None, iters: int | None = None, recipe: BenchRecipe | None = None,
+          profile: bool = False, compile_labels: Sequence[str] | None = None,
+          progress: bool = True) -> dict:
+    """Time ``model`` on ``inputs`` in every variant (module doc) and return a JSON-ready result.
+
+    Args:
+        model: on its device, in its dtype and mode (not changed for inference; training variants
+            each train a copy).
+        inputs: the example inputs, used by every call.
+        variants: which to run (default: all for the mode that run on the device; the variants
+            that need CUDA are skipped on the CPU with that reason).
+        fusion_variants: label -> :func:`fusion_compiler.compile` options, each timed as a
+            variant of its own (default ``{"fusion_compiler": {}}``: the defaults).
+        reps, iters: see :func:`time_ms` (``reps`` default 15 on CUDA, 5 on the CPU).
+        recipe: rebuild instructions for cold and warm compile times in new processes
+            (inference only); ``None`` skips them.
+        profile: keep a kernel table (``torch.profiler``, 20 calls) of the fusion_compiler defaults
+            and of reduce-overhead (CUDA only: check the replays hold the expected kernels).
+        compile_labels: the fusion_compiler variants whose cold and warm compile times (with
+            ``recipe``) and first call at half the batch (inference) are measured (default: the
+            first of ``fusion_variants``).
+        progress: spinner and one line per variant on stderr.
+
+    Returns:
+        ``{"model", "inputs", "dtype", "device", "gpu", "torch", "train", "ms": {variant: time_ms
+        dict or None}, "compile_s": {...}, "rel_err_vs_fp32": {...}, "skipped": {variant: reason},
+        "errors": {variant: message}, "profiles": {variant: table}, "kernel_time": {variant:
+        :func:`kernel_categories`} (with ``profile``), "gpu_ops": {variant: GPU
+        operations per call} (CUDA), "first"`` (the label of the first fusion variant) ``}``,
+        and the keys below. A variant that fails is
+        reported in ``errors`` and the others go on.
+    """
+    from rich.console import Console  # noqa: PLC0415
+
+    console = Console(stderr=True) if progress else None
+    first = next(t for t in inputs if isinstance(t, torch.Tensor))
+    device = first.device
+    fusion_variants = fusion_variants or {"fusion_compiler": {}}
+    names = list(variants) if variants is not None else [
+        *(v for v in (TRAIN_VARIANTS if train else INFERENCE_VARIANTS) if v != "fusion_compiler"),
+        *fusion_variants, *(() if train else (ALTERNATING,))]
+    result: dict = {"model": type(model).__name__, "inputs": [list(t.shape) for t in inputs],
+                    "dtype": str(first.dtype).removeprefix("torch."), "device": str(device),
+                    "gpu": device_name(device), "torch": torch.__version__, "train": train,
+                    "ms": {}, "compile_s": {}, "skipped": {}, "errors": {},
+                    "first": next(iter(fusion_variants))}
+    reps = reps or (15 if device.type == "cuda" else 5)
+    cache_dir = tempfile.mkdtemp(prefix="fc-bench-plans-")
+    makers = _makers(model, inputs, train, fusion_variants, cache_dir, result)
+    unknown = [v for v in names if v not in makers]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {sorted(makers)}")
+    reference = None
+    if not train:
+        with torch.inference_mode(), fp32_convolutions():
+            reference = floating_outputs(copy.deepcopy(model).float()(*[
+                t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in inputs]))
+        result["rel_err_vs_fp32"] = {}
+    first_fusion = result["first"]
+    built: dict[str, Callable[[], object]] = {}  # kept for the profiler, after all timings
+    grad = torch.enable_grad() if train else torch.inference_mode()
+    with grad:
+        for name in names:
+            if name in _NEEDS_CUDA and device.type != "cuda":
+                result["skipped"][name] = "needs CUDA"
+                continue
+            try:
+                with _status(console, f"bench: building {name}"):
+                    t0 = time.perf_counter()
+                    fn = makers[name]()
+                    fn()
+                    sync(device)
+                    result["compile_s"][name] = time.perf_counter() - t0
+                with _status(console, f"bench: timing {name}"):
+                    result["ms"][name] = time_ms(fn, device, reps, iters)
+                if reference is not None:
+                    out = floating_outputs(fn())
+                    result["rel_err_vs_fp32"][name] = max(
+                        relative_error(o, r) for o, r in zip(out, reference)) if out else None
+                    # not held into the profile: a CUDA-graph runner whose last outputs are still
+                    # held replays its copying graph (an input copy per call: 27 us in depth)
+                    del out
+                built[name] = fn
+            except Exception as exc:  # one broken variant must not hide the others
+                result["ms"][name] = None
+                result["errors"][name] = " ".join(str(exc).split())[:300]
+            if console is not None:
+                ms = result["ms"].get(name)
+                console.log(f"{name}: " + (f"{ms['median']:.3f} ms, compiled in "
+                                           f"{result['compile_s'][name]:.1f} s" if ms else
+                                           f"failed: {result['errors'][name]}"))
+        # The profiler runs after all timings, so no variant is timed after a profiler session
+        # and another not (whether one changes later host-side launch cost was not settled: one
+        # probe on the H100 timed eager faster after it, within that machine's run-to-run spread)
+        for name, fn in built.items() if device.type == "cuda" else ():
+            try:
+                result.setdefault("gpu_ops", {})[name] = gpu_ops_per_call(fn)
+                if profile and name in (first_fusion, "torch.compile reduce-overhead",
+                                        "fusion_compiler+cudagraph", "eager+cudagraph"):
+                    table, split = kernel_profile(fn)
+                    result.setdefault("profiles", {})[name] = table
+                    result.setdefault("kernel_time", {})[name] = split
+            except Exception as exc:  # reported, the rest goes on
+                result["errors"][f"{name}, profile"] = " ".join(str(exc).split())[:300]
+        built.clear()
+        timed = {k: fusion_variants[k] for k in compile_labels or list(fusion_variants)[:1]}
+        if not train and first.dim() > 0 and first.shape[0] >= 2:
+            with _status(console, "bench: first call at half the batch"):
+                new_batch_seconds(model, inputs, timed, cache_dir, result)
+    if recipe is not None and not train:
+        with _status(console, "bench: compile times in new processes (cold and warm)"):
+            result["compile_s"].update(new_process_compile_seconds(recipe, timed))
+    return result
