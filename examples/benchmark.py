@@ -1,5 +1,5 @@
-"""The project's benchmark: ``fusion_compiler.bench`` on a fixed list of models, each in a process
-of its own, with more fusion_compiler variants than ``fusion-compiler bench`` times.
+"""The project's benchmark: ``fusion_compiler.tools.bench`` on a fixed list of models, each in a
+process of its own, with more fusion_compiler variants than ``fusion-compiler bench`` times.
 
     python examples/benchmark.py --out bench_out                 # every model
     python examples/benchmark.py --models seresnet9-rgb --profile
@@ -9,14 +9,13 @@ of its own, with more fusion_compiler variants than ``fusion-compiler bench`` ti
 Everything is fp16 (inputs NCHW; ``--channels-last`` stores the parameters channels_last).
 torchvision models have random weights and batch-norm statistics calibrated on random data
 (:func:`calibrate_batch_norm`), so their fp16 activations do not overflow.
-Timing, variants and compile times are those of :mod:`fusion_compiler.bench`; the extra
+Timing, variants and compile times are those of :mod:`fusion_compiler.tools.bench`; the extra
 fusion_compiler variants (``FUSION_VARIANTS``) show what each default is worth. Each model runs
 in a new process: torch.compile's caches and CUDA graph pools from one model's variants would
-otherwise carry over to the next (the training step of reduce-overhead measured 7.1 ms after the
-inference models in one process, 3.8 ms alone, on an H200). Prints the tables, per model the
-autotuning table (inference) or the per-region backward table (training) and, with
-``--profile``, the kernels of 20 calls of the CUDA-graph variants; writes ``bench.json``,
-``bench.txt`` and ``bench.png`` to ``--out``.
+otherwise carry over to the next (measurements: docs/decisions.md, "Benchmarked models in
+processes of their own"). Prints the tables, per model the autotuning table (inference) or the
+per-region backward table (training) and, with ``--profile``, the kernels of 20 calls of the
+CUDA-graph variants; writes ``bench.json``, ``bench.txt`` and ``bench.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -97,7 +96,8 @@ def calibrate_batch_norm(model: torch.nn.Module, shape: tuple[int, ...], steps: 
     """Give a randomly initialized model batch-norm statistics of its own activations: a few
     fp32 train-mode forwards on random inputs with a cumulative average (``momentum=None``).
     With the initial statistics (mean 0, variance 1) activations grow layer by layer and
-    overflow fp16 (efficientnet_b0's output error against fp32 was 1.0 for every variant)."""
+    overflow fp16 (measurements: docs/decisions.md, "Benchmarked models in processes of their
+    own")."""
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     for m in norms:
         m.reset_running_stats()

@@ -1,9 +1,9 @@
 """SE-ResNet9-Fixup, the visual encoder of the bps-nav DD-PPO agent.
 
-Re-implemented from the description in ``shared/models/se_resnet9_fixup.md`` (Shacklett et al.,
-"Large Batch Simulation for Deep Reinforcement Learning", ICLR 2021, arXiv 2103.07013; the
-original is ``se_resnet9_fixup`` in bps-nav). Fixup: Zhang et al., "Fixup Initialization",
-ICLR 2019. Squeeze-and-excitation: Hu et al., CVPR 2018.
+Re-implemented from the network's description in Shacklett et al., "Large Batch Simulation for
+Deep Reinforcement Learning", ICLR 2021, arXiv 2103.07013 (the original is ``se_resnet9_fixup``
+in bps-nav). Fixup: Zhang et al., "Fixup Initialization", ICLR 2019. Squeeze-and-excitation:
+Hu et al., CVPR 2018.
 
 Input (N, C, 64, 64) NCHW; ``se_resnet9_fixup`` returns (N, 512, 2, 2) and ``bps_visual_encoder``
 (N, 512). The in-place ``relu_`` and ``nn.ReLU(inplace=True)`` of the original are kept on purpose:
@@ -25,7 +25,8 @@ __all__ = ["SpaceToDepth", "SqueezeExcitation", "SEFixupBlock", "SEResNet9Fixup"
 
 
 class SpaceToDepth(nn.Module):
-    """(N, C, H, W) -> (N, b*b*C, H/b, W/b) with ``out[(dh*b+dw)*C + c, hb, wb] = x[c, b*hb+dh, b*wb+dw]``."""
+    """(N, C, H, W) -> (N, b*b*C, H/b, W/b) with
+    ``out[(dh*b+dw)*C + c, hb, wb] = x[c, b*hb+dh, b*wb+dw]``."""
 
     def __init__(self, block: int = 4):
         super().__init__()
@@ -40,7 +41,8 @@ class SpaceToDepth(nn.Module):
 
 
 class SqueezeExcitation(nn.Module):
-    """SE gate: ``x * sigmoid(fc2(relu(fc1(mean_hw(x)))))``, reduction ``r`` (both Linears with bias)."""
+    """SE gate: ``x * sigmoid(fc2(relu(fc1(mean_hw(x)))))``, reduction ``r`` (both Linears with
+    bias)."""
 
     def __init__(self, planes: int, reduction: int = 16):
         super().__init__()
@@ -86,7 +88,8 @@ class SEFixupBlock(nn.Module):
 
 
 class SEResNet9Fixup(nn.Module):
-    """Stem (SpaceToDepth(4), 1x1 conv 16C->64, ReLU) and four SE-Fixup blocks: (N,C,64,64) -> (N,512,2,2)."""
+    """Stem (SpaceToDepth(4), 1x1 conv 16C->64, ReLU) and four SE-Fixup blocks:
+    (N,C,64,64) -> (N,512,2,2)."""
 
     def __init__(self, in_channels: int = 3, base_planes: int = 64):
         super().__init__()
@@ -148,7 +151,8 @@ def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
     """Give every parameter non-zero values (Fixup zeros hide bugs in numerics tests).
 
     Scalars are drawn from U(-0.5, 0.5) (``scale`` from U(0.5, 1.5)), zero-initialized conv2
-    weights from N(0, 1/fan_in), and any other all-zero parameter (LayerNorm bias) from U(-0.5, 0.5).
+    weights from N(0, 1/fan_in), and any other all-zero parameter (LayerNorm bias) from
+    U(-0.5, 0.5).
     """
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():

@@ -1,4 +1,4 @@
-"""The SpaceToDepth stem alone, three ways, on a CUDA GPU: what ``runtime/space_to_depth.py`` chose.
+"""The SpaceToDepth stem alone, three ways, on a CUDA GPU: why it runs as one Triton kernel.
 
     python examples/space_to_depth_stem.py                 # depth stem: N=512, C=11, 64x64
     python examples/space_to_depth_stem.py --batch 128 --channels 3
@@ -8,11 +8,12 @@ The stem is ``relu(conv1x1(SpaceToDepth4(x), w) + b)`` with 64 output channels, 
 * ``copy + 1x1 conv``: the SpaceToDepth as Inductor's copy straight to channels_last, then
   PyTorch's (cuDNN) 1x1 convolution on ``16*C`` channels: what the graph held before the Triton
   stem (there the convolution was a cuDNN region);
-* ``4x4/s4 conv``: the folded form (``passes/rewrites.py``), PyTorch's (cuDNN) convolution on the
-  ``C``-channel NCHW image;
-* ``Triton stem``: ``fusion_compiler::space_to_depth_conv``, one kernel.
+* ``4x4/s4 conv``: the folded form (``passes/pre_fusion/rewrites.py``), PyTorch's (cuDNN)
+  convolution on the ``C``-channel NCHW image;
+* ``Triton stem``: ``fusion_compiler::space_to_depth_conv``
+  (``fusion_compiler/kernels/space_to_depth.py``), one kernel.
 
-Each is timed in CUDA-graph replays (``backends.autotune.paired_time_ms``: replays alternating, so
+Each is timed in CUDA-graph replays (``backends.timing.paired_time_ms``: replays alternating, so
 drift hits all alike); prints a table of medians in us with the GPU's name, and each one's max
 relative error against fp32.
 """

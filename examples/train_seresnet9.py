@@ -153,7 +153,8 @@ def synthetic_data(batches: int, batch: int, device, dtype, outputs: int = 16, s
 
 def train(steps: int, batch: int, precision: str, device: str, lr: float, log_every: int,
           backend: str = "auto") -> list[tuple[int, float, float]]:
-    """Train an eager and a compiled copy side by side; returns ``(step, eager, compiled)`` losses."""
+    """Train an eager and a compiled copy side by side; returns ``(step, eager, compiled)``
+    losses."""
     weights = torch.float16 if precision == "fp16" else torch.float32
     eager = build_model().to(device, weights).train()
     twin = copy.deepcopy(eager)

@@ -7,11 +7,12 @@ meta function computes its output's shape, dtype and strides), or, under ``torch
 for inputs that are already ``FakeTensor`` s, with fake tensors
 (``torch.fx.passes.fake_tensor_prop``). The first meta or fake propagation imports
 ``torch._dynamo`` (fake tensors on construction, meta tensors through the Python meta functions of
-``torch._refs``) and sympy (the convolution's meta function): 1.5-2 s on a 2-core CPU. The pass
-manager also caches what was propagated (:func:`encode_meta`, :func:`apply_meta`). After
+``torch._refs``) and sympy (the convolution's meta function), which takes seconds (measurements:
+docs/decisions.md, "Shape propagation on real inputs under a 0.2 s budget"). The pass manager also
+caches what was propagated (:func:`encode_meta`, :func:`apply_meta`). After
 :func:`propagate_shapes` every node's ``meta["val"]`` holds a meta tensor or ``FakeTensor`` (or a
 Python value/tuple of them for shape arithmetic and multi-output nodes) and ``meta["device"]`` the
-device the value lives on when the graph runs (:func:`node_device`).
+device the value lives on when the graph runs (:func:`~fusion_compiler.ir.ops.node_device`).
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@ point (``pyproject.toml``) finds it without the import.
 Dynamo hands over one ``fx.GraphModule`` per graph between graph breaks, with example inputs that
 are ``FakeTensor`` s (and, with ``torch._dynamo.config.inline_inbuilt_nn_modules``, the default,
 the module's parameters among the inputs). Fake inputs cannot be compiled against (cuDNN plans are
-built and timed on real memory), so each graph is wrapped in a :class:`~fusion_compiler.CompiledModule`
-that specializes on the first real call, exactly as ``fusion_compiler.compile`` does: the same
-passes, regions, fallbacks with reasons, and re-specialization when shapes, strides or dtypes
-change. While gradients are needed (training) the specialization is a training one: cuDNN regions
-run through the ``run_region`` custom op with their fused backward (:mod:`fusion_compiler.backward`);
-under ``torch.no_grad``/``inference_mode`` they run inference plans.
+built and timed on real memory), so each graph is wrapped in a
+:class:`~fusion_compiler.CompiledModule` that specializes on the first real call, exactly as
+``fusion_compiler.compile`` does: the same passes, regions, fallbacks with reasons, and
+re-specialization when shapes, strides or dtypes change. While gradients are needed (training) the
+specialization is a training one: cuDNN regions run through the ``run_region`` custom op with
+their fused backward (:mod:`fusion_compiler.autograd.backward`); under
+``torch.no_grad``/``inference_mode`` they run inference plans.
 
 Which front door to use: ``fusion_compiler.compile`` for a whole ``nn.Module`` that
 ``torch.fx.symbolic_trace`` can trace (one graph, parameter-only work hoisted, optional CUDA graph
@@ -101,10 +102,10 @@ def register() -> None:
     """Make ``torch.compile(model, backend="fusion_compiler")`` find this backend by name.
 
     Dynamo looks names up in ``torch._dynamo.backends.registry``. Importing ``torch._dynamo``
-    takes about 1.5 s (2-core CPU, torch 2.13), so when it is not imported yet the backend is
-    registered the moment it is (a ``sys.meta_path`` finder that wraps the registry module's
-    loader), and ``import fusion_compiler`` stays fast. Called by ``import fusion_compiler``;
-    calling it again does nothing.
+    is slow (measurements: docs/decisions.md, "Keeping ``import fusion_compiler`` light"), so
+    when it is not imported yet the backend is registered the moment it is (a ``sys.meta_path``
+    finder that wraps the registry module's loader), and ``import fusion_compiler`` stays fast.
+    Called by ``import fusion_compiler``; calling it again does nothing.
     """
     registry = sys.modules.get(_REGISTRY)
     if registry is not None:

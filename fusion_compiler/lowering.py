@@ -140,7 +140,7 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
     shown = progress if progress is not None else options.progress
     bar = regions
     if shown or (shown is None and sys.stderr.isatty()):
-        from tqdm.auto import tqdm  # noqa: PLC0415  (0.2 s of imports, only for a bar shown)
+        from tqdm.auto import tqdm  # noqa: PLC0415  (a slow import, only for a bar shown)
 
         bar = tqdm(regions, desc="fusion_compiler: building region plans", unit="region",
                    leave=False)

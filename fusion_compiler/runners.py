@@ -128,7 +128,8 @@ class Runners:
         ``"auto"``: Inductor on CUDA when Triton imports (else eager ops, the reason noted),
         except for an inference forward run without a CUDA graph: called from Python, each region
         is then one more dispatch of the ``run_region`` op from Inductor's code, while eager glue
-        calls the plans directly, and eager glue was the faster.
+        calls the plans directly, and eager glue was the faster (measurements: docs/decisions.md,
+        "``glue_backend="auto"`` runs eager glue for inference without a CUDA graph").
         """
         if self.options.glue_backend != "auto":
             return self.options.glue_backend

@@ -1,7 +1,7 @@
 """The backward of a fused region: what its forward saves and how its gradients are computed.
 
-A region is ``[prologue] conv > epilogue [+ sum_hw]`` (:mod:`fusion_compiler.region`). Its backward
-is reverse-mode differentiation of that graph, rule by rule, in reverse node order:
+A region is ``[prologue] conv > epilogue [+ sum_hw]`` (:mod:`fusion_compiler.ir.region`). Its
+backward is reverse-mode differentiation of that graph, rule by rule, in reverse node order:
 
 ======================  =================================================================
 op                      gradient rule (``g``: gradient of the op's output)
@@ -26,16 +26,12 @@ gradient of ``y * s``, ``wgrad(x, g * s) = wgrad(x, g) * s`` and
 the conv output need not be saved. The data gradient stays ``dgrad(g * s, w)``, rounded per
 element as eager rounds it: the equal ``dgrad(g, fp16(w * s))`` rounds each weight once for every
 position, a coherent error that does not average out in the sums of the scalar-bias gradients
-upstream (on an H200, going back to eager's rounding moved layer1.bias1b of the reference network
-from an L2 error of 5.9e-2 to 5.6e-2, eager fp16 4.5e-3). The rest of that error is the
-scalar's conditioning (its terms' absolute sum is 41x the sum), not this backward: on an H100
-(seed 3, N=32, fp16, loss scale 1024) eager fp16 with cuDNN disabled gave 3.8e-2, the compiled
-graph differentiated by PyTorch autograd (reference backend) 4.3e-2, eager fp32 with TF32
-convolutions 1.6e-2; with seed 5, N=64 every variant gave 1.9e-4. Under
-``glue_backend="inductor"`` the ``g * s`` fuses with the pointwise op producing ``g``.
+upstream. What error remains in those gradients comes from the scalar's conditioning, not from
+this backward (measurements: docs/decisions.md, "The Fixup scale folded into the backward").
+Under ``glue_backend="inductor"`` the ``g * s`` fuses with the pointwise op producing ``g``.
 
 When the convolution's input is the output of a ReLU in another region, read by nothing else
-(:func:`fusion_compiler.lowering.plan_dgrad_drelu`), the dgrad applies that ReLU's backward
+(:func:`fusion_compiler.autograd.plan.backward_plans`), the dgrad applies that ReLU's backward
 (``ConvGradients.dgrad_drelu``: one cuDNN graph ``conv_dgrad > relu_backward``) and the producing
 region's ``relu`` rule passes the gradient through (``region.masked_outputs``).
 
@@ -47,8 +43,8 @@ computed for inputs that need them (a frozen weight gets no wgrad, a network inp
 
 The convolution's dgrad and wgrad come from a :class:`ConvGradients`: PyTorch's
 ``aten.convolution_backward`` (:class:`TorchConvGradients`) or cuDNN graphs
-(:class:`fusion_compiler.backends.cudnn_backward.CudnnConvGradients`); the pointwise rules run as
-PyTorch ops.
+(:class:`fusion_compiler.backends.cudnn.backward.CudnnConvGradients`); the pointwise rules
+run as PyTorch ops.
 """
 
 from __future__ import annotations

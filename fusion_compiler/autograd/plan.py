@@ -6,9 +6,10 @@ region that produced their input (``dgrad_drelu``).
 applied to this dgrad when ``x`` is a ReLU's output (``x > 0`` exactly where the ReLU's input is)
 and this convolution is the only reader of ``x``: otherwise the gradients of the other readers
 must be added before the ReLU's backward. cuDNN fuses ``relu_backward`` into stride-1 dgrad only
-(``docs/cudnn.md``, "Support surface"), so the convolution must have stride 1, dilation 1 and one
-group. The producing region then passes that gradient through its ReLU unchanged (its plan's
-``masked_outputs``, known once the consumer's backend is: only a derived backward masks).
+(docs/cudnn.md, "Runtime-fusion support surface (SM 9.0)"), so the convolution must have stride 1,
+dilation 1 and one group. The producing region then passes that gradient through its ReLU unchanged
+(its plan's ``masked_outputs``, known once the consumer's backend is: only a derived backward
+masks).
 """
 
 from __future__ import annotations

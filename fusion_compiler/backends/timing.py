@@ -20,7 +20,7 @@ __all__ = ["PYTORCH_MARGIN", "timing_deferred", "ensure_timing_allowed", "random
 PYTORCH_MARGIN = 0.9
 """PyTorch's ops replace a region's forward cuDNN graph only when they time below this fraction of
 it (10% faster): near-ties would otherwise flip between runs on timing noise. Gradient graphs do
-not use it (:mod:`.cudnn_backward`): they are kept only when not slower."""
+not use it (:mod:`.cudnn.backward`): they are kept only when not slower."""
 
 
 _DEFERRED = ThreadFlag()
@@ -29,9 +29,9 @@ _DEFERRED = ThreadFlag()
 @contextlib.contextmanager
 def timing_deferred():
     """Within it, on this thread, any GPU timing of this module raises
-    :class:`~fusion_compiler.errors.TimingDeferred` (:func:`ensure_timing_allowed`): for work
+    :class:`~fusion_compiler.ir.errors.TimingDeferred` (:func:`ensure_timing_allowed`): for work
     done beside a caller's GPU work, where timings would be noise (tier 0's background lowering,
-    :meth:`fusion_compiler.compiler.CompiledModule._tier_before_lowering`)."""
+    :meth:`fusion_compiler.specialization.SpecializationCompiler._tier_before_lowering`)."""
     with _DEFERRED.raised():
         yield
 
@@ -64,7 +64,8 @@ def sample_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device
 def sample_inputs(region) -> list[torch.Tensor]:
     """Random tensors like ``region``'s inputs (shapes, dtypes, device from the placeholders'
     ``meta["val"]``), made by :func:`sample_tensor`: 4-d tensors are channels_last, as activations
-    arrive from an upstream cuDNN region at run time (the captured strides are eager's NCHW ones)."""
+    arrive from an upstream cuDNN region at run time (the captured strides are eager's NCHW
+    ones)."""
     return [sample_tensor(ph.meta["val"].shape, ph.meta["val"].dtype, node_device(ph))
             for ph in region.graph_module.graph.find_nodes(op="placeholder")]
 
@@ -72,15 +73,17 @@ def sample_inputs(region) -> list[torch.Tensor]:
 def gpu_time_ms(run: Callable[[], object], reps: int = 3, iters: int = 10) -> float:
     """GPU time of one ``run()`` in ms: the median over ``reps`` replays of a CUDA graph holding
     ``iters`` back-to-back calls. A CUDA graph, because timing calls issued from Python would
-    measure the host (about 20 us per ``execute``, CUDNN_FACTS.md) rather than the kernel."""
+    measure the host's cost of each ``execute`` rather than the kernel (measurements:
+    docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin")."""
     return paired_time_ms([run], reps, iters)[0]
 
 
 def _captured(run: Callable[[], object], iters: int, stream: torch.cuda.Stream
               ) -> torch.cuda.CUDAGraph:
     """``iters`` calls of ``run`` captured on ``stream`` in a CUDA graph. Captured by hand:
-    ``torch.cuda.graph`` also runs ``gc.collect()`` and ``empty_cache()`` on entry, which cost
-    tens of ms per graph in a compiling process and autotuning captures about a hundred."""
+    ``torch.cuda.graph`` also runs ``gc.collect()`` and ``empty_cache()`` on entry, which are
+    slow in a compiling process, and autotuning captures about a hundred graphs (measurements:
+    docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin")."""
     graph = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
     with COMPILE_LOCK, torch.cuda.stream(stream):

@@ -41,7 +41,7 @@ class UnsupportedError(RuntimeError):
 
 class TimingDeferred(RuntimeError):
     """GPU timing was asked for where it must not run (beside a caller's GPU work: tier 0's
-    background lowering, :func:`fusion_compiler.backends.autotune.timing_deferred`); the work is
+    background lowering, :func:`fusion_compiler.backends.timing.timing_deferred`); the work is
     to be redone where timing may run."""
 
 

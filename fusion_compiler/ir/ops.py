@@ -1,7 +1,7 @@
 """The canonical operator set that the passes produce and the backends consume.
 
-After :func:`fusion_compiler.passes.normalize.normalize` a graph uses only these targets for the
-operations a region may contain (everything else stays as the model wrote it):
+After :func:`fusion_compiler.passes.pre_fusion.normalize.normalize` a graph uses only these
+targets for the operations a region may contain (everything else stays as the model wrote it):
 
 ======================  ==========================================================  ===========
 target                  form                                                        cuDNN op
@@ -96,8 +96,9 @@ def conv_flops(node: fx.Node, gm: fx.GraphModule) -> int | None:
 
 
 def node_device(node: fx.Node) -> torch.device:
-    """The device ``node``'s value lives on when the graph runs (set by :func:`fusion_compiler.capture.propagate_shapes`;
-    ``meta["val"]`` itself may be a meta tensor)."""
+    """The device ``node``'s value lives on when the graph runs (set by
+    :func:`fusion_compiler.capture.propagate_shapes`; ``meta["val"]`` itself may be a meta
+    tensor)."""
     device = node.meta.get("device")
     if device is not None:
         return device
@@ -105,6 +106,7 @@ def node_device(node: fx.Node) -> torch.device:
 
 
 def tensor_meta(node: fx.Node) -> torch.Tensor | None:
-    """The meta or fake tensor recorded on ``node`` by :func:`fusion_compiler.capture.propagate_shapes`, or ``None``."""
+    """The meta or fake tensor recorded on ``node`` by
+    :func:`fusion_compiler.capture.propagate_shapes`, or ``None``."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None

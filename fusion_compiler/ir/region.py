@@ -31,8 +31,8 @@ def operand_kind(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str | No
 
     Returns ``"scalar"`` (``[1,1,1,1]``, any 1-element shape), ``"channel"`` (``[1,K,1,1]``),
     ``"spatial"`` (``[N,1,P,Q]``), ``"full"`` (``[N,K,P,Q]``), ``"sample_channel"`` (``[N,K,1,1]``,
-    which cuDNN's runtime fusion engines do not take as an epilogue operand, see CUDNN_FACTS.md) or
-    ``None`` for anything else.
+    which cuDNN's runtime fusion engines do not take as an epilogue operand, see docs/cudnn.md,
+    "Runtime-fusion support surface (SM 9.0)") or ``None`` for anything else.
     """
     if len(shape) > 4:
         return None

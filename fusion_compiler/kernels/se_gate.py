@@ -7,13 +7,13 @@ computes, per sample ``n`` and channel ``c``::
     g[n, :] = sigmoid(W2 @ act(W1 @ s[n, :] + b1) + b2)          # excitation, act: ReLU or SiLU
 
 and the block then multiplies ``x`` by ``g``. Inductor compiles this as three or four kernels (the
-spatial sum, then one reduction per linear layer; each 2-8 us on an H100 in SE-ResNet9), since it
-does not fuse a reduction into the next one. Here one Triton program per sample does it all: it
-streams ``x[n]`` once, keeps ``s`` and the hidden layer in registers, and writes ``g[n, :]``. The
-multiply by ``g`` stays outside, where Inductor fuses it with the residual add and ReLU that
-follow. One program streaming a large sample is slow (efficientnet_b0's 32x112x112 took 70 us at
-N=32 on an H100), so for those the pass hands the op the pooled ``[N, C, 1, 1]`` mean, and the
-program only runs the two layers (``passes/glue.py``, ``FUSED_SQUEEZE``).
+spatial sum, then one reduction per linear layer), since it does not fuse a reduction into the next
+one. Here one Triton program per sample does it all: it streams ``x[n]`` once, keeps ``s`` and the
+hidden layer in registers, and writes ``g[n, :]``. The multiply by ``g`` stays outside, where
+Inductor fuses it with the residual add and ReLU that follow. One program streaming a large sample
+is slow, so for those the pass hands the op the pooled ``[N, C, 1, 1]`` mean, and the program only
+runs the two layers (:mod:`fusion_compiler.passes.glue.se_gate`, ``FUSED_SQUEEZE``). Measurements:
+docs/decisions.md, "The SE gate as one Triton kernel".
 
 On a device other than CUDA, or where Triton does not import, the op runs the same formula as
 torch ops (fp32 accumulation, the result in ``x``'s dtype). Both paths compute in fp32 throughout,
@@ -122,8 +122,8 @@ def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.T
     w1, w2 = w1.contiguous(), w2.contiguous()
     g = torch.empty((n, c), dtype=x.dtype, device=x.device)
     block_c, block_r = _pow2(c), _pow2(r)
-    # x[n] in chunks of 4096 values: on an H100 a version that loaded up to 16384 at once (and the
-    # weights before x) took 4.6-7.0 us per SE-ResNet9 gate at N=128 against 4.1-5.5 for this one
+    # x[n] in chunks of 4096 values: faster than loading up to 16384 at once (and the weights
+    # before x); measurements: docs/decisions.md, "The SE gate as one Triton kernel"
     block_hw = max(1, min(_pow2(h * w), 4096 // block_c))
     kernel[(n,)](x, w1, w1 if b1 is None else b1, w2, w2 if b2 is None else b2, g,
                  h * w, c, r, x.stride(0), x.stride(3) if w > 1 else x.stride(2), x.stride(1),

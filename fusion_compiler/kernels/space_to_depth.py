@@ -41,9 +41,8 @@ MAX_STEPS = 4
 MAX_OUTPUTS = 2
 """Most region outputs (values of the chain: the convolution's or any epilogue op's)."""
 _MAX_CHANNELS = 128  # output channels: the fp32 accumulator is [rows, K] in registers
-_ROWS = 64  # output pixels per program: 4 output rows of 16 on the depth stem; standalone on an
-# H100 it took 24.7 us at 64 pixels (4 warps), 25.2 at 128 (4 warps), 28.3 at 32 (2 warps), 35.6
-# at 16 (2 warps)
+_ROWS = 64  # output pixels per program: 4 output rows of 16 on the depth stem; the fastest of
+# 16 to 128 (measurements: docs/decisions.md, "The SpaceToDepth stem as one Triton kernel")
 
 # epilogue op codes, as the kernel's constexpr arguments take them
 _ADD, _SUB, _MUL, _DIV, _RELU, _SIGMOID, _TANH = range(1, 8)
@@ -176,7 +175,8 @@ def space_to_depth_conv(x: torch.Tensor, weight: torch.Tensor, operands: list[to
         (:data:`BLOCK`, shapes per :func:`kernel_reason`); elsewhere torch ops
         (:func:`space_to_depth_conv_reference`).
 
-    In a :func:`~.region_op.dry_run` the outputs are uninitialized and nothing runs.
+    In a :func:`~fusion_compiler.runtime.region_op.dry_run` the outputs are uninitialized and
+    nothing runs.
 
     Raises:
         ValueError: more than :data:`MAX_STEPS` ops or :data:`MAX_OUTPUTS` outputs, or shapes the
@@ -210,8 +210,8 @@ class SpaceToDepthConvKernel:
     """A stem region's kernel: calls :data:`OP` with the region's inputs in its order.
 
     ``operands``: for each binary epilogue op, the position of its region input, or a one-element
-    fp32 tensor for a number in the graph. In a :func:`~.region_op.dry_run` the op returns
-    uninitialized outputs and launches nothing.
+    fp32 tensor for a number in the graph. In a :func:`~fusion_compiler.runtime.region_op.dry_run`
+    the op returns uninitialized outputs and launches nothing.
     """
 
     def __init__(self, image_at: int, weight_at: int, operands: list[int | torch.Tensor],

@@ -1,4 +1,4 @@
-"""The Triton kernel of :mod:`fusion_compiler.runtime.space_to_depth` (imported only when Triton
+"""The Triton kernel of :mod:`fusion_compiler.kernels.space_to_depth` (imported only when Triton
 does: this module imports it at the top, as Triton resolves the helpers a kernel calls among its
 module's globals).
 

@@ -19,9 +19,9 @@ log = logging.getLogger("fusion_compiler")
 REAL_PROPAGATION_BUDGET_S = 0.2
 """Shapes are propagated by running the graph on (copies of) the example inputs while one such
 run takes at most this long (seconds, host time; the first run 5x as long); after a slower run the
-later stages use meta tensors, so a large input costs at most about one extra forward. SE-ResNet9
-at N=2 on a 2-core CPU: about 0.02 s a run, where meta propagation of the first stage also imports
-``torch._dynamo`` and sympy (about 1.5 s)."""
+later stages use meta tensors, so a large input costs at most about one extra forward. A run on
+small inputs is far cheaper than meta propagation's first use, which imports ``torch._dynamo`` and
+sympy (measurements: docs/decisions.md, "Shape propagation on real inputs under a 0.2 s budget")."""
 
 
 @dataclass(frozen=True)

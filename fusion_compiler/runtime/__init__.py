@@ -1,2 +1,2 @@
-"""Runtime pieces: the region custom op, the SE gate op (``se_gate``), the on-disk plan cache, the
-CUDA-graph runners, tiered compiles, the layout of values between regions."""
+"""Runtime pieces: the region custom op, the on-disk plan cache, the CUDA-graph runners, tiered
+compiles, the side stream and its join op, tensor helpers."""

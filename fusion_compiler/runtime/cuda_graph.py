@@ -2,18 +2,19 @@
 
 The forward is warmed up on a side stream (so every cuDNN plan is built, the workspace sized and
 Inductor's kernels compiled before capture: ``execute()`` must not build inside a capture,
-CUDNN_FACTS.md), then captured once. Each call copies the inputs into static buffers and replays.
+docs/cudnn.md, "Executing a plan"), then captured once. Each call copies the inputs into static
+buffers and replays.
 
-Inputs: a call copies its tensors into the graph's input buffers (a device copy each; SE-ResNet9
-depth reads 46 MB per call, 27 us on an H100). A caller that passes the very tensors of its
-previous call again (same addresses and strides: it refilled them in place, as a batch simulator
-refills its observation buffer) gets, at that second call, a *direct* graph captured on those
-tensors, which reads them where they are: no input copy for as long as the caller keeps passing
-them. It has a memory pool of its own (one more set of the forward's intermediate buffers); only
-the first tensors so reused get one, and a call with any others takes the copying graph. (With
-the caching allocator a new tensor often lands where the last call's freed one was: a direct
-graph then serves a caller that makes a new input each call.) Not with ``cuda_graph="static"``,
-whose calls return the one graph's output buffers, the same every call.
+Inputs: a call copies its tensors into the graph's input buffers (a device copy each, a kernel of
+its own; measurements: docs/decisions.md, "The direct graph for inputs passed again"). A caller that
+passes the very tensors of its previous call again (same addresses and strides: it refilled them in
+place, as a batch simulator refills its observation buffer) gets, at that second call, a *direct*
+graph captured on those tensors, which reads them where they are: no input copy for as long as the
+caller keeps passing them. It has a memory pool of its own (one more set of the forward's
+intermediate buffers); only the first tensors so reused get one, and a call with any others takes
+the copying graph. (With the caching allocator a new tensor often lands where the last call's freed
+one was: a direct graph then serves a caller that makes a new input each call.) Not with
+``cuda_graph="static"``, whose calls return the one graph's output buffers, the same every call.
 
 Outputs: with ``copy_outputs`` (the default of ``compile()``) a later call never overwrites what
 an earlier one returned. A call hands out the graph's output buffers themselves (as new tensor
@@ -22,12 +23,10 @@ referenced by the runner alone (``torch._C._storage_Use_Count``, the check Induc
 trees make on their outputs). When something still does (the output, or a view of it), the call
 replays a spare graph, captured at the first such call in the main graph's memory pool, whose
 outputs never leave the runner, and returns copies of them (one device copy per output, on the
-current stream). On an H100, SE-ResNet9 RGB N=128 ran 0.177 ms per call with a copy on every
-call and 0.167 ms with none (``cuda_graph="static"``, ``examples/benchmark.py``): the copy is a
-kernel of its own after the graph. Handing out the buffers, it ran 0.165 ms against static's
-0.168 in one run (depth C=11 N=512: 0.389 against 0.387). Without ``copy_outputs``
-(``cuda_graph="static"``) calls return the static buffers themselves, which the next call
-overwrites.
+current stream). A copy on every call costs a kernel of its own after the graph; handing out the
+buffers costs nothing (measurements: docs/decisions.md, "CUDA-graph outputs handed out or
+copied"). Without ``copy_outputs`` (``cuda_graph="static"``) calls return the static buffers
+themselves, which the next call overwrites.
 
 A forward that cannot be captured (a host synchronization such as ``.item()``, a copy from pageable
 host memory, data-dependent shapes) raises :class:`CaptureError` at construction; the caller then

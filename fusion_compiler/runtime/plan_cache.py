@@ -1,10 +1,10 @@
 """On-disk cache of serialized cuDNN execution plans.
 
 An entry is keyed by the region's cuDNN graph recipe (ops, shapes, strides, dtypes, with tensors
-named by position: the region spec, :func:`fusion_compiler.backends.cudnn_recipe.recipe_key`), the
-GPU's name and SM, and the cuDNN backend and frontend versions -- a serialized plan is
-only valid for the same GPU model and versions (cuDNN frontend docs, "Serialization";
-CUDNN_FACTS.md "Persistence"). Each file holds a one-line JSON header with those fields followed by
+named by position: the region spec, :func:`fusion_compiler.backends.cudnn.recipe.recipe_key`),
+the GPU's name and SM, and the cuDNN backend and frontend versions -- a serialized plan is only
+valid for the same GPU model and versions (cuDNN frontend docs, "Serialization"; docs/cudnn.md,
+"Serialization"). Each file holds a one-line JSON header with those fields followed by
 the plan bytes. A corrupt, stale or foreign entry is reported with a warning by the caller and
 rebuilt; the cache never raises on a bad file. Small JSON records about a plan (its timing against
 PyTorch's ops) sit beside it in ``<key>.<name>.json`` (:meth:`PlanCache.load_record`).
@@ -62,7 +62,8 @@ class PlanCache:
 
     @staticmethod
     def header(graph_json: str, device: dict) -> dict:
-        """The fields an entry must match: ``device`` holds GPU name, SM, cuDNN and frontend versions."""
+        """The fields an entry must match: ``device`` holds GPU name, SM, cuDNN and frontend
+        versions."""
         return {"format": _FORMAT, "graph_sha256": hashlib.sha256(graph_json.encode()).hexdigest(),
                 **device}
 

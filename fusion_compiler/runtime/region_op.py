@@ -6,11 +6,11 @@ dtypes without running cuDNN. Kernels are registered under an integer key; the r
 weakly, so a region's kernel lives exactly as long as the compiled module that owns it.
 
 Autograd: a kernel registered with a backward (:func:`register_backward`, a
-:class:`fusion_compiler.backward.RegionBackward` for lowered regions) is differentiable. The op
-saves its inputs and outputs (a region compiled for training returns the values its backward reads
-as extra outputs) and calls the backward with the output gradients (``None`` for outputs nothing
-read). Calling a kernel compiled for inference while gradients are needed raises ``RuntimeError``
-in the backward pass.
+:class:`fusion_compiler.autograd.backward.RegionBackward` for lowered regions) is differentiable.
+The op saves its inputs and outputs (a region compiled for training returns the values its backward
+reads as extra outputs) and calls the backward with the output gradients (``None`` for outputs
+nothing read). Calling a kernel compiled for inference while gradients are needed raises
+``RuntimeError`` in the backward pass.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def dry_run():
     """On this thread, make :func:`run_region` return uninitialized outputs of the right shapes
     without running the kernel: a background compile that runs its compiled graph once (Triton's
     autotuning happens at the first run) then leaves the regions' plans and workspaces alone,
-    which a CUDA graph of another thread may be replaying (:mod:`fusion_compiler.runtime.tiered`)."""
+    which a CUDA graph of another thread may be replaying
+    (:mod:`fusion_compiler.runtime.tiered`)."""
     with _DRY.raised():
         yield
 
@@ -61,8 +62,8 @@ def is_traced(t: torch.Tensor) -> bool:
 
 def register_kernel(kernel: object,
                     outputs: Sequence[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]) -> int:
-    """Register ``kernel`` (callable: tensors -> tuple of tensors) and the ``(shape, stride, dtype)``
-    of each output it returns; returns the key to pass to :func:`run_region`."""
+    """Register ``kernel`` (callable: tensors -> tuple of tensors) and the ``(shape, stride,
+    dtype)`` of each output it returns; returns the key to pass to :func:`run_region`."""
     key = next(_KEYS)
     _KERNELS[key] = kernel
     _OUTPUTS[key] = list(outputs)

@@ -17,8 +17,8 @@ from .region_op import in_dry_run
 __all__ = ["side_stream", "join_side_stream", "MAIN_WORKSPACE", "SIDE_WORKSPACE"]
 
 MAIN_WORKSPACE, SIDE_WORKSPACE = "main", "side"
-"""Workspace keys (:meth:`~fusion_compiler.backends.cudnn.CudnnBackend.workspace`) of kernels
-on the current stream and of kernels on the side stream."""
+"""Workspace keys (:meth:`~fusion_compiler.backends.cudnn.backend.CudnnBackend.workspace`) of
+kernels on the current stream and of kernels on the side stream."""
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 

@@ -2,16 +2,16 @@
 background.
 
 A specialization whose glue is compiled by Inductor would otherwise make its first call wait for
-Inductor (on an H100, about 10 s cold and 3.5 s warm for SE-ResNet9), and one whose plans are not
-cached would wait for their builds (about 6 s cold, 1-2 s for a new batch size). With tiering,
-a quick tier answers at once and one background thread compiles the next: tier 0 runs the
-regions as their own PyTorch ops (:func:`unlowered_copy`) while plans build; tier 1 the lowered
-regions with the glue as eager PyTorch ops, in a CUDA graph, while Inductor compiles the glue;
-tier 2 the compiled glue. The first call after a background compile finished switches tiers
-(lowering or capturing on the calling thread) and frees the tier before. A
-:class:`TieredRunner` holds two tiers; tier 0's second is itself a :class:`TieredRunner` when
-Inductor compiles the glue. The tiers compute the same function; outputs may differ in the last
-bits (Inductor's fused glue and cuDNN's plans round differently from eager ops).
+Inductor, and one whose plans are not cached would wait for their builds: seconds each
+(measurements: docs/decisions.md, "Tiered compilation"). With tiering, a quick tier answers at once
+and one background thread compiles the next: tier 0 runs the regions as their own PyTorch ops
+(:func:`unlowered_copy`) while plans build; tier 1 the lowered regions with the glue as eager
+PyTorch ops, in a CUDA graph, while Inductor compiles the glue; tier 2 the compiled glue. The first
+call after a background compile finished switches tiers (lowering or capturing on the calling
+thread) and frees the tier before. A :class:`TieredRunner` holds two tiers; tier 0's second is
+itself a :class:`TieredRunner` when Inductor compiles the glue. The tiers compute the same function;
+outputs may differ in the last bits (Inductor's fused glue and cuDNN's plans round differently from
+eager ops).
 
 While the background thread compiles, it holds the GIL in Python's switch-interval slices (5 ms),
 so calls in that window can take longer. Inductor's first run there uses a stream of its own and
@@ -43,11 +43,12 @@ __all__ = ["TieredRunner", "COMPILE_LOCK", "ThreadFlag", "submit", "drain", "iso
            "unlowered_copy"]
 
 COMPILE_LOCK = threading.RLock()
-"""Held by a background glue compile from start to end (the job ``CompiledModule`` hands to
-:func:`submit`; ``submit`` itself takes no lock), and on the calling thread by every compile of a
-specialization (capture, passes, lowering with its autotuning) and every CUDA graph capture of
-this package, which therefore never run beside a background compile. Beside one, on an H100 with
-torch 2.11:
+"""Held by a background glue compile from start to end (the job
+:meth:`fusion_compiler.runners.Runners.inductor_tier` hands to :func:`submit`; ``submit`` itself
+takes no lock), and on the calling thread by every compile of a specialization (capture, passes,
+lowering with its autotuning) and every CUDA graph capture of this package, which therefore never
+run beside a background compile. Beside one, with torch 2.11 (docs/decisions.md, "The compile lock
+and no Dynamo on the background thread"):
 
 - a capture failed with "operation not permitted when stream is capturing", although captures
   use ``capture_error_mode="thread_local"``;
@@ -63,7 +64,7 @@ class ThreadFlag:
     block leaves it as the outer one had it); ``bool(flag)`` reads the calling thread's. For
     what a background compile does differently from the calling thread: regions not executed
     (:func:`~fusion_compiler.runtime.region_op.dry_run`), no GPU timing
-    (:func:`~fusion_compiler.backends.autotune.timing_deferred`)."""
+    (:func:`~fusion_compiler.backends.timing.timing_deferred`)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -192,8 +193,9 @@ def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool],
 def unlowered_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """An :func:`isolated_copy` of ``gm`` in which each region runs its own PyTorch ops: a graph
     module made from a copy of the region's graph, so that lowering ``gm`` (kernels, the layout
-    edits of :mod:`.layout`, which rewrite a region's graph in place) on another thread leaves it
-    alone. Inputs and outputs as ``gm``'s, computed as eager PyTorch would (NCHW)."""
+    edits of :mod:`fusion_compiler.passes.post_lowering.layout`, which rewrite a region's graph in
+    place) on another thread leaves it alone. Inputs and outputs as ``gm``'s, computed as eager
+    PyTorch would (NCHW)."""
 
     def region_ops(module: torch.nn.Module) -> torch.nn.Module | None:
         if not isinstance(module, Region):

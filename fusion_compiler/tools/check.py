@@ -113,6 +113,10 @@ class CheckReport:
         return list(dict.fromkeys(c.region for c in self.comparisons
                                   if not c.ok and c.region is not None))
 
+    def __str__(self) -> str:
+        """The table of :meth:`format` (``print(check(model, x))`` prints it)."""
+        return self.format()
+
     def to_json(self) -> dict:
         return {**asdict(self), "ok": self.ok, "mismatched_regions": self.mismatched_regions,
                 "comparisons": [{**asdict(c), "ok": c.ok} for c in self.comparisons]}
@@ -135,7 +139,7 @@ class CheckReport:
             table.add_row(*(Text(x) for x in (c.region or "model", c.name, f"{c.error:.2e}", eager,
                                               f"{c.tolerance:.0e}", "ok" if c.ok else "MISMATCH")))
         buf = io.StringIO()
-        Console(file=buf, width=120, force_terminal=False, color_system=None).print(table)
+        Console(file=buf, width=100, force_terminal=False, color_system=None).print(table)
         bad = self.mismatched_regions
         model_bad = [c.name for c in self.comparisons if not c.ok and c.region is None]
         if self.ok:
@@ -273,9 +277,10 @@ def _check_regions(compiled: CompiledModule, inputs: Sequence[Any], train: bool,
 
 def _own_args(region: Region, args: tuple) -> tuple:
     """``args`` as the region's own ops take them: without the inputs past the region's own (they
-    only order a side-stream region before this one, :mod:`.runtime.streams`), and an image the
-    graph zero-padded for its cuDNN kernel (``Region.padded_images``) narrowed back to the
-    channels of the region's placeholder."""
+    only order a side-stream region before this one,
+    :mod:`fusion_compiler.passes.post_lowering.streams`), and an image the graph zero-padded for its
+    cuDNN kernel (``Region.padded_images``) narrowed back to the channels of the region's
+    placeholder."""
     placeholders = list(region.graph_module.graph.find_nodes(op="placeholder"))
     args = args[:len(placeholders)]
     if not region.padded_images:

@@ -169,15 +169,14 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--backend", choices=BACKENDS, default=CompileOptions.backend)
     p.add_argument("--fuse-prologue", action="store_true",
                    help="fuse pointwise ops on a conv's input into its region (off by default: "
-                        "slower on an H100 with cuDNN 9.19)")
+                        "slower, docs/decisions.md)")
     p.add_argument("--fuse-reduction", action="store_true",
-                   help="fuse the H, W sum after a conv into its region (off by default: slower "
-                        "on an H100 with cuDNN 9.19)")
+                   help="fuse the H, W sum after a conv into its region (off by default: "
+                        "slower, docs/decisions.md)")
     p.add_argument("--concurrent-branches", action="store_true",
                    help="leave the join of two branches out of the shorter branch's region, "
                         "which then runs on a second CUDA stream in CUDA inference (off by "
-                        "default: on an H100 faster for SE-ResNet9 RGB N=128, slower for depth "
-                        "N=512)")
+                        "default: faster on some networks, slower on others, docs/decisions.md)")
     p.add_argument("--autotune", type=int, default=CompileOptions.autotune,
                    help="cuDNN plans built and timed per region on a GPU (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help=out_help)

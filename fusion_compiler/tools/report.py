@@ -85,7 +85,8 @@ def _format_left(rows: list[dict], title: str) -> str:
 def summarize(spec: Any) -> dict:
     """Coverage of a specialization: convolutions in regions of all, their share of convolution
     FLOPs (all regions, and those lowered to cuDNN), regions per backend, kinds of fallback
-    reasons with their counts (the region table has each region's whole reason). JSON-ready; FLOPs are counted from traced shapes (:func:`conv_flops`)."""
+    reasons with their counts (the region table has each region's whole reason). JSON-ready;
+    FLOPs are counted from traced shapes (:func:`conv_flops`)."""
     gm = spec.graph_module
     regions = spec.regions
     unfused = [n for n in gm.graph.nodes if _is_conv_node(n, gm)]
@@ -118,11 +119,11 @@ def _is_conv_node(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 def describe(spec: Any, stages: Sequence[str] = DEFAULT_STAGES) -> dict:
     """A JSON-ready description of a specialization (``CompiledModule.specialize``'s result,
-    :func:`fusion_compiler.dump.specialize_for_dump`'s): ``inputs``, ``summary`` (:func:`summarize`),
-    ``stages`` (stage name -> Python code of the graph: ``captured``, a pass name such as
-    ``normalize``, ``fused`` (with every region's own graph) or ``lowered``), ``regions`` (see
-    :meth:`Region.describe`), ``unfused`` (convolutions outside every region, with reasons) and
-    ``pytorch`` (other ops left to PyTorch, with reasons).
+    :func:`fusion_compiler.tools.dump.specialize_for_dump`'s): ``inputs``, ``summary``
+    (:func:`summarize`), ``stages`` (stage name -> Python code of the graph: ``captured``, a pass
+    name such as ``normalize``, ``fused`` (with every region's own graph) or ``lowered``),
+    ``regions`` (see :meth:`~fusion_compiler.ir.region.Region.describe`), ``unfused`` (convolutions
+    outside every region, with reasons) and ``pytorch`` (other ops left to PyTorch, with reasons).
 
     Raises:
         ValueError: a stage name that does not exist (the message lists those that do).

@@ -1,13 +1,13 @@
 """Autotuning: the timing that selects among a cuDNN graph's ranked execution plans.
 
 cuDNN's heuristics rank the engines that can run a graph, but their first choice is often not the
-fastest: on an H100 (cuDNN 9.19, fp16) the first plan of a 512->512 3x3 conv + add + ReLU at
-N=128, 2x2 took 23.7 us and the fifth 12.8 us. The frontend exposes the ranked list
-(``get_execution_plan_count``, ``build_plan_at_index``: cuDNN frontend docs, "Autotuning");
-:class:`~.cudnn_plan.CudnnPlan` builds the first ``autotune`` of them (in worker processes,
-:mod:`.plan_workers`), times each with :func:`gpu_time_ms` (CUDA graph replays timed with CUDA
-events) on random data of the graph's own shapes, strides and dtypes (:func:`sample_pack`), and
-keeps the fastest.
+fastest (measurements: docs/decisions.md, "Engine search beyond 8 ranked plans not adopted"). The
+frontend exposes the ranked list (``get_execution_plan_count``, ``build_plan_at_index``: cuDNN
+frontend docs, "Autotuning"); :class:`~.plan.CudnnPlan` builds the first ``autotune`` of them (in
+worker processes, :mod:`.workers`), times each with
+:func:`~fusion_compiler.backends.timing.gpu_time_ms` (CUDA graph replays timed with CUDA events)
+on random data of the graph's own shapes, strides and dtypes (:func:`sample_pack`), and keeps the
+fastest.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ class PlanTiming:
     """One ranked plan as autotuning saw it: ``ms`` per execution (median), or why it was skipped.
 
     ``build_s`` is the wall time of ``build_plan_at_index`` (seconds): runtime-compiled engines
-    pay 0.5-3 s here, precompiled ones milliseconds.
+    pay far more here than precompiled ones (measurements: docs/decisions.md, "Plan building in
+    worker processes").
     """
 
     index: int

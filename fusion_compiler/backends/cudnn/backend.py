@@ -1,10 +1,10 @@
 """The cuDNN backend: each region runs as one cuDNN execution plan.
 
 Per region (and so per shapes, strides, dtypes and device, since regions are specialized) it
-describes the graph as a recipe (:mod:`.cudnn_graph`), loads the plan from the on-disk
+describes the graph as a recipe (:mod:`.graph`), loads the plan from the on-disk
 :class:`~fusion_compiler.runtime.plan_cache.PlanCache` or builds candidate plans (heuristics A then
-FALLBACK) and keeps the fastest (:class:`~.cudnn_plan.CudnnPlan`). Building is CPU work
-(0.03-0.5 s a plan in the compiling process on an H100 machine, see :mod:`.plan_workers`), so
+FALLBACK) and keeps the fastest (:class:`~.plan.CudnnPlan`). Building is slow CPU work
+(:mod:`.workers`; measurements: docs/decisions.md, "Plan building in worker processes"), so
 :meth:`CudnnBackend.prefetch` hands the plans of all regions of a graph to worker processes at once
 before they are lowered one by one. Regions with the same graph on the same shapes share one plan
 (one build, one autotune).
@@ -21,7 +21,7 @@ converted by the kernel, outputs are channels_last. When a convolution's input c
 a multiple of 8 (fp16/bf16) or 4 (fp32) the image and weight are zero-padded in channels; when its
 output channel count is not, inference kernels pad the weight's output channels and the epilogue's
 per-channel and full operands, and copy the real channels out of the padded outputs
-(:func:`.cudnn_graph.output_padding`).
+(:func:`.graph.output_padding`).
 
 Precision: fp16 and bf16 I/O with fp32 intermediate and compute types; fp32 I/O follows
 ``torch.backends.cudnn.allow_tf32`` (TF32 allowed by default, as PyTorch's own cuDNN convolutions).
@@ -133,13 +133,13 @@ class CudnnBackend(Backend):
                 "cudnn": int(cudnn.backend_version()), "frontend": cudnn.__version__}
 
     def header(self, key: str, device: torch.device) -> dict:
-        """The plan cache header of the graph whose :func:`.cudnn_recipe.recipe_key` is ``key``."""
+        """The plan cache header of the graph whose :func:`.recipe.recipe_key` is ``key``."""
         return PlanCache.header(key, {**self.device_fields(device), "autotune": self.autotune,
                                       "heuristics": list(HEURISTICS)})
 
     # ------------------------------------------------------------------ plan building
     def _job(self, recipe: dict, choice: dict | None) -> list[dict]:
-        """The worker jobs (:func:`.plan_workers.build_candidates`) that build ``recipe``'s
+        """The worker jobs (:func:`.workers.build_candidates`) that build ``recipe``'s
         candidate plans: the engine ``choice`` made at another batch size; else one job per ranked
         plan to time (``autotune > 1``); else the first plan that builds."""
         base = {"recipe": recipe, "heuristics": list(HEURISTICS)}
@@ -169,7 +169,7 @@ class CudnnBackend(Backend):
         self.cache.store_record(self.header(key, device), "choice", choice)
 
     def prefetch(self, regions: Sequence[Region]) -> None:
-        """Start building the plans of ``regions`` in worker processes (:mod:`.plan_workers`),
+        """Start building the plans of ``regions`` in worker processes (:mod:`.workers`),
         so that :meth:`lower` finds them built. Regions whose plan is cached, that this backend
         declines, or that share a graph with one already started add no job. Does nothing with
         fewer than two jobs or without workers (``FUSION_COMPILER_BUILD_WORKERS=0``)."""
@@ -229,7 +229,7 @@ class CudnnBackend(Backend):
 
     def candidates(self, recipe: dict, key: str, device: torch.device,
                    reuse: bool = True) -> tuple[list[dict], bool]:
-        """The built candidate plans of ``recipe`` (see :func:`.plan_workers.build_candidates`)
+        """The built candidate plans of ``recipe`` (see :func:`.workers.build_candidates`)
         and whether they follow a choice made at another batch size (only with ``reuse``); from
         the jobs :meth:`prefetch` started, else built now in this process.
 

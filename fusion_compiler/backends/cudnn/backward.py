@@ -3,31 +3,33 @@
 * dgrad: ``dx[N,C,H,W] = conv_dgrad(dy[N,K,P,Q], w[K,C/g,R,S])``;
 * dgrad_drelu: ``dx = relu_backward(conv_dgrad(dy, w), x)`` = ``dgrad * (x > 0)``, for a
   convolution whose input ``x[N,C,H,W]`` is another region's ReLU output
-  (:func:`fusion_compiler.lowering.plan_dgrad_drelu`); the ``dgrad`` stays virtual. cuDNN fuses
-  it for stride 1 only (CUDNN_FACTS.md). Measured on an H200 (cuDNN 9.19), N=2048, 64->64 3x3
-  at 16x16: 0.117 ms, against 0.104 ms for the dgrad alone (the mask costs one read of ``x``)
-  and 0.154 ms for PyTorch's dgrad then ``threshold_backward``;
-* wgrad: ``dw[K,C/g,R,S] = conv_wgrad(x[N,C,H,W], dy[N,K,P,Q])``, written in the I/O type: an fp32
-  wgrad output made cuDNN pick an engine 25x slower on an H100 (CUDNN_FACTS.md, "Measured").
+  (:func:`fusion_compiler.autograd.plan.backward_plans`); the ``dgrad`` stays virtual. cuDNN
+  fuses it for stride 1 only (docs/cudnn.md, "Runtime-fusion support surface (SM 9.0)"). Fused,
+  it is faster than PyTorch's dgrad then ``threshold_backward``; the mask costs one more read of
+  ``x`` than the dgrad alone (measurements: docs/decisions.md, "dgrad fused with the ReLU
+  backward");
+* wgrad: ``dw[K,C/g,R,S] = conv_wgrad(x[N,C,H,W], dy[N,K,P,Q])``, written in the I/O type: with an
+  fp32 output cuDNN picked a much slower engine (measurements: docs/decisions.md, "wgrad written
+  in fp16").
 
-All follow the forward's conventions (:mod:`.cudnn_graph`): fully packed NHWC tensors, fp32
-compute, alpha = 1 and beta = 0 (the autograd engine adds gradients that meet). The pointwise part
-of a region's backward (:mod:`fusion_compiler.backward`) runs as PyTorch ops.
+All follow the forward's conventions (:mod:`.graph`): fully packed NHWC tensors, fp32 compute,
+alpha = 1 and beta = 0 (the autograd engine adds gradients that meet). The pointwise part of a
+region's backward (:mod:`fusion_compiler.autograd.backward`) runs as PyTorch ops.
 
 While ``torch.compile`` traces a backward (``compile(model, glue_backend=...)``: AOTAutograd
-traces the region's backward formula), each piece is called through the ``fusion_compiler::run_region`` custom
-op, so the traced graph holds an opaque call with known output shape and strides; run eagerly it
-executes the plan directly (no dispatcher overhead).
+traces the region's backward formula), each piece is called through the
+``fusion_compiler::run_region`` custom op, so the traced graph holds an opaque call with known
+output shape and strides; run eagerly it executes the plan directly (no dispatcher overhead).
 
-Each graph is built into a :class:`~.cudnn_plan.CudnnPlan` (cached, autotuned). When autotuning is on,
+Each graph is built into a :class:`~.plan.CudnnPlan` (cached, autotuned). When autotuning is on,
 each is also timed against PyTorch's ``convolution_backward`` (then ``threshold_backward`` for
 dgrad_drelu) on random data of its shapes, the two timed alternately
-(:func:`~.autotune.paired_time_ms`), and PyTorch's ops run instead when they were faster: no
-gradient graph is kept that timed slower than the ops it replaces (the timing is cached with the
-plan, see ``CudnnPlan.timed_against_pytorch``). Unlike a region's forward graph, there is no 10%
-margin for PyTorch to clear (``PYTORCH_MARGIN``): both sides do the same work on the same layouts,
-the weight aside, which each side gets as it has it at run time. A graph cuDNN rejects runs on
-PyTorch with cuDNN's reason.
+(:func:`~fusion_compiler.backends.timing.paired_time_ms`), and PyTorch's ops run instead when
+they were faster: no gradient graph is kept that timed slower than the ops it replaces (the timing
+is cached with the plan, see ``CudnnPlan.timed_against_pytorch``). Unlike a region's forward
+graph, there is no 10% margin for PyTorch to clear (``PYTORCH_MARGIN``): both sides do the same
+work on the same layouts, the weight aside, which each side gets as it has it at run time. A graph
+cuDNN rejects runs on PyTorch with cuDNN's reason.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _shape(node: Any) -> list[int]:
 
 def conv_grad_recipe(kind: str, conv: fx.Node) -> dict:
     """The dgrad (``kind="dgrad"``), dgrad_drelu or wgrad (``"wgrad"``) graph of convolution
-    node ``conv`` (see module docstring) as a recipe (:mod:`.cudnn_recipe`).
+    node ``conv`` (see module docstring) as a recipe (:mod:`.recipe`).
 
     Inputs as ``GRAPH_INPUTS[kind]`` names them: dgrad ``(dy, w)``, dgrad_drelu ``(dy, w, x)``,
     wgrad ``(x, dy)``; one output (``dx`` or ``dw``).

@@ -1,6 +1,6 @@
-"""Region -> cuDNN graph recipe (:mod:`.cudnn_recipe`) and ``cudnn.pygraph`` (no GPU needed).
+"""Region -> cuDNN graph recipe (:mod:`.recipe`) and ``cudnn.pygraph`` (no GPU needed).
 
-The graph follows the cuDNN graph rules (CUDNN_FACTS.md; cuDNN frontend "Graph API" docs):
+The graph follows the cuDNN graph rules (docs/cudnn.md; cuDNN frontend "Graph API" docs):
 
 * I/O tensors are the region's inputs and outputs, declared in the logical NCHW order of
   dimensions with **fully packed NHWC strides** (channels_last): ``[N,C,H,W]`` has strides
@@ -9,8 +9,8 @@ The graph follows the cuDNN graph rules (CUDNN_FACTS.md; cuDNN frontend "Graph A
   Python numbers become pass-by-value scalars (``is_pass_by_value=True``, fp32).
 * Every op output is virtual unless it is a region output (``set_output(True)``), intermediate and
   compute types are fp32, and prologue outputs are stored in the I/O type (cuDNN rejects a
-  prologue left at fp32 on SM 9.0, CUDNN_FACTS.md "Support surface"); the reduction output is
-  fp32 (see :func:`output_dtype`).
+  prologue left at fp32 on SM 9.0: docs/cudnn.md, "Runtime-fusion support surface (SM 9.0)"); the
+  reduction output is fp32 (see :func:`output_dtype`).
 * The convolution is ``conv_fprop`` with alpha = 1, beta = 0 (accumulation is an explicit ``add``);
   groups follow from the weight's shape. The H, W sum is a ``reduction(mode=ADD)`` whose output is
   ``[N,K,1,1]``.
@@ -40,7 +40,7 @@ __all__ = ["CudnnGraph", "region_recipe", "build_graph", "graph_json", "nhwc_str
            "BATCHED_ROLES"]
 
 BATCHED_ROLES = ("image", "full", "spatial")
-"""Region input roles whose first dimension is the batch (:func:`.cudnn_recipe.any_batch_key`)."""
+"""Region input roles whose first dimension is the batch (:func:`.recipe.any_batch_key`)."""
 
 
 def import_cudnn():
@@ -95,10 +95,10 @@ def _padded_count(conv: fx.Node, channels: int) -> int | None:
 
 def channel_padding(region: Region) -> tuple[int, set[str]] | None:
     """``(C_padded, names of the placeholders to pad)`` when the convolution's input channel count
-    ``C`` is not a multiple of 8 (fp16/bf16) or 4 (fp32) (CUDNN_FACTS.md "Support surface"), else
-    ``None``. Padding the image and the weight with zero channels is exact when ``groups == 1`` and
-    every prologue operand is a scalar (the padded channels then meet zero weights); otherwise
-    ``None`` is returned too and cuDNN decides.
+    ``C`` is not a multiple of 8 (fp16/bf16) or 4 (fp32) (docs/cudnn.md, "Runtime-fusion support
+    surface (SM 9.0)"), else ``None``. Padding the image and the weight with zero channels is exact
+    when ``groups == 1`` and every prologue operand is a scalar (the padded channels then meet zero
+    weights); otherwise ``None`` is returned too and cuDNN decides.
     """
     conv = region.conv
     padded = _padded_count(conv, conv.args[1].meta["val"].shape[1])
@@ -115,7 +115,7 @@ def channel_padding(region: Region) -> tuple[int, set[str]] | None:
 def output_padding(region: Region) -> tuple[int, set[str]] | None:
     """``(K_padded, names of the placeholders to pad)`` when the convolution's output channel
     count ``K`` is not a multiple of 8 (fp16/bf16) or 4 (fp32), which cuDNN's NHWC engines need
-    (CUDNN_FACTS.md "Support surface"), else ``None``.
+    (docs/cudnn.md, "Runtime-fusion support surface (SM 9.0)"), else ``None``.
 
     The graph then computes ``K_padded`` channels: the weight gets zero output channels
     (dimension 0), per-channel and full epilogue operands get channels of zeros (their channel
@@ -156,7 +156,7 @@ def _is_scalar(arg: Any) -> bool:
 
 
 def region_recipe(region: Region) -> dict:
-    """The cuDNN graph of ``region`` as a recipe (:mod:`.cudnn_recipe`), following the module
+    """The cuDNN graph of ``region`` as a recipe (:mod:`.recipe`), following the module
     docstring's rules; region inputs are the recipe's inputs in placeholder order, region outputs
     its outputs. Inputs with a batch dimension (roles ``BATCHED_ROLES``) and outputs are marked
     ``"batched"``.
@@ -244,9 +244,9 @@ def build_graph(region: Region, handle: Any = None) -> CudnnGraph:
 def output_dtype(node: fx.Node) -> torch.dtype:
     """The dtype cuDNN writes a region output in: the node's own, except fp32 for the H, W sum.
 
-    Measured on an H100 (cuDNN 9.19): a conv graph ending in a ``reduction`` builds only when the
-    reduction output is FLOAT; with a HALF output every variant (with or without prologue or extra
-    output) is declined with "No valid engine configs".
+    A conv graph ending in a ``reduction`` builds only when the reduction output is FLOAT; with a
+    HALF output cuDNN declines every variant (with or without prologue or extra output) with "No
+    valid engine configs" (docs/cudnn.md, "Runtime-fusion support surface (SM 9.0)").
     """
     return torch.float32 if is_hw_sum(node) else node.meta["val"].dtype
 

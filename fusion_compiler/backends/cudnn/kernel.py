@@ -32,9 +32,11 @@ class CudnnKernel:
 
     ``direct``: :meth:`call` runs the plan straight from Python (inference), unless its inputs
     are being traced; else through the ``fusion_compiler::run_region`` custom op (training,
-    tracing), which costs about 20 us more per call on an H100 host.
+    tracing), which costs more host time per call (measurements: docs/decisions.md,
+    "``glue_backend="auto"`` runs eager glue for inference without a CUDA graph").
 
-    ``beside`` (set by :func:`~fusion_compiler.runtime.streams.run_short_branches_beside`, with
+    ``beside`` (set by
+    :func:`~fusion_compiler.passes.post_lowering.streams.run_short_branches_beside`, with
     :meth:`run_beside`): each call runs on the device's side stream, after the current stream's
     work issued so far, on a workspace of its own. Inputs past the region's own are ignored
     (that pass hands some kernels a side-stream region's outputs, to order the two).

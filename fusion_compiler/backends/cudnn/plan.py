@@ -1,9 +1,9 @@
 """One cuDNN graph made executable (:class:`CudnnPlan`) and the channels_last weight copies its
-callers share (:class:`WeightCache`): the pieces that both the forward kernels (:mod:`.cudnn`) and
-the dgrad/wgrad graphs (:mod:`.cudnn_backward`) use, kept here so neither imports the other.
+callers share (:class:`WeightCache`): the pieces that both the forward kernels (:mod:`.kernel`)
+and the dgrad/wgrad graphs (:mod:`.backward`) use, kept here so neither imports the other.
 
 A plan needs a backend object for handles, workspaces, the plan cache and candidate building: the
-:class:`~.cudnn.CudnnBackend` (duck-typed here, see :class:`PlanBackend`).
+:class:`~.backend.CudnnBackend` (duck-typed here, see :class:`PlanBackend`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def condense_error(exc: BaseException) -> str:
 
 
 class PlanBackend(Protocol):
-    """What :class:`CudnnPlan` asks of its backend (:class:`~.cudnn.CudnnBackend` provides it)."""
+    """What :class:`CudnnPlan` asks of its backend (:class:`~.backend.CudnnBackend` provides it)."""
 
     autotune: int
     cache: PlanCache
@@ -59,10 +59,10 @@ class CudnnPlan:
     choice made at another batch size) and cached.
 
     Args:
-        backend: the :class:`~.cudnn.CudnnBackend` (handles, workspaces, cache, autotune
+        backend: the :class:`~.backend.CudnnBackend` (handles, workspaces, cache, autotune
             setting).
         device: the CUDA device the plan runs on.
-        recipe: the graph (:mod:`.cudnn_recipe`); UIDs follow from it.
+        recipe: the graph (:mod:`.recipe`); UIDs follow from it.
         label: names the graph in warnings and errors (``"r3"``, ``"r3 dgrad"``).
 
     Attributes:
@@ -165,7 +165,8 @@ class CudnnPlan:
         return graphs[best.index]
 
     def _time(self, graphs: dict[int, Any]) -> None:
-        """Time every loaded candidate on random data (:func:`.autotune.gpu_time_ms`)."""
+        """Time every loaded candidate on random data
+        (:func:`~fusion_compiler.backends.timing.gpu_time_ms`)."""
         pack = sample_pack({t.get_uid(): t for t in (*self.spec.inputs, *self.spec.outputs)},
                            self.device)
         pack.update(self.constants)

@@ -4,7 +4,7 @@ A recipe says everything a cuDNN graph is: tensors with dims, strides and data t
 with their attributes, outputs. It is JSON-ready data (dicts, lists, strings, numbers), so it can
 cross a process boundary and serve as a cache key. This module imports only the standard library
 and, when a graph is built, the cuDNN frontend (``cudnn``): never torch. The plan-build worker
-processes (:mod:`.plan_workers`) build graphs from recipes without paying torch's import.
+processes (:mod:`.workers`) build graphs from recipes without paying torch's import.
 
 Format::
 
@@ -35,7 +35,7 @@ op                    ports                   attrs
 UIDs, fixed by position so that a plan serialized in one process executes in another: input ``i``
 gets ``1 + i``, output ``j`` gets ``OUTPUT_UID + j``, the ``k``-th scalar constant
 ``CONSTANT_UID + k``. Every op output that is not a graph output stays virtual, and compute and
-intermediate types are fp32 (cuDNN graph rules, CUDNN_FACTS.md).
+intermediate types are fp32 (cuDNN graph rules: docs/cudnn.md, "Graph API calls used").
 """
 
 from __future__ import annotations

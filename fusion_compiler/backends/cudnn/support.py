@@ -50,11 +50,11 @@ def known_slow_on_cudnn(region: Region) -> str:
     """Why ``region`` stays on PyTorch ops when nothing is timed (``autotune <= 1``), or ``""``.
 
     A static rule for region kinds that cuDNN's runtime-fusion engines ran much slower than
-    PyTorch on an H100 (cuDNN 9.19); with ``autotune > 1`` timing decides instead. One kind so
-    far: depthwise convolutions of 7x7 taps or more (convnext_tiny with ``autotune=1`` ran 13.3 ms
-    against eager's 4.8 ms; issue "Performance frontier"). resnet's 7x7 stem on zero-padded input
-    channels was also slower in every timed plan (``_slower_than_pytorch``) but is left to cuDNN
-    here: it is one region, and the GPU tests run it on cuDNN to check its gradients.
+    PyTorch; with ``autotune > 1`` timing decides instead. One kind so far: depthwise
+    convolutions of 7x7 taps or more (measurements: docs/decisions.md, "``known_slow_on_cudnn``:
+    depthwise 7×7 convolutions"). resnet's 7x7 stem on zero-padded input channels was also slower
+    in every timed plan (:func:`slower_than_pytorch`) but is left to cuDNN here: it is one region,
+    and the GPU tests run it on cuDNN to check its gradients.
     """
     conv = region.conv
     x, w = conv.args[0].meta["val"], conv.args[1].meta["val"]
@@ -64,13 +64,12 @@ def known_slow_on_cudnn(region: Region) -> str:
     channels, groups = x.shape[1], conv.args[6]
     if groups > 1 and groups == channels:
         return (f"a depthwise {kh}x{kw} convolution: cuDNN's runtime-fusion engines ran these "
-                f"slower than PyTorch (convnext_tiny, H100: 13.3 ms against eager's 4.8 ms); "
-                f"with autotune > 1 timing decides")
+                f"far slower than PyTorch (docs/decisions.md); with autotune > 1 timing decides")
     return ""
 
 
 def _no_padding_reason(region: Region) -> str:
-    """Why :func:`.cudnn_graph.output_padding` declines ``region`` (it returned ``None``)."""
+    """Why :func:`.graph.output_padding` declines ``region`` (it returned ``None``)."""
     conv = region.conv
     if conv.args[6] != 1:
         return f"a grouped convolution ({conv.args[6]} groups)"
@@ -84,15 +83,16 @@ def slower_than_pytorch(region: Region, kernel: CudnnKernel) -> tuple[str, dict[
     when PyTorch is at least 10% faster (else ``""``) and the times, ms per call by backend
     (``{"cudnn": ..., "reference": ...}``).
 
-    Measured cases on an H100: a 7x7 stride-2 conv on 3 channels zero-padded to 8 (the resnet
-    stem) ran far slower on cuDNN's runtime-fusion engines than PyTorch's conv + pointwise ops.
+    A 7x7 stride-2 conv on 3 channels zero-padded to 8 (the resnet stem), for one, runs far slower
+    on cuDNN's runtime-fusion engines than PyTorch's conv + pointwise ops (measurements:
+    docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin").
     """
     inputs = sample_inputs(region)
 
     def measure() -> tuple[float, float]:
-        # Paired (replays alternating), so drift during the measurement affects both alike:
-        # timed one after the other, on a freshly started H100 the stem conv1x1 timed 0.0230 ms
-        # on cuDNN against 0.0158 ms for PyTorch, and 0.0059 ms on cuDNN in other runs.
+        # Paired (replays alternating), so drift during the measurement affects both alike;
+        # timed one after the other, the same region's verdict changed from run to run
+        # (measurements: docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin").
         fused, torch_ = paired_time_ms([lambda: kernel(*inputs),
                                         lambda: region.graph_module(*inputs)], reps=5)
         return fused, torch_

@@ -1,16 +1,15 @@
 """Build cuDNN execution plans in worker processes, several at a time.
 
-Building a plan is CPU work: built one after another in the compiling process, the 96 candidate
-plans of SE-ResNet9 (12 regions, 8 each) took 0.03-0.5 s each, 19.7 s in all, on an H100 machine
-(the first plan of an engine in a process pays for loading it), and the frontend holds the GIL
-while it builds (measured: a Python thread's loop ran 56x slower meanwhile), so threads do not
-overlap builds. Processes do: each worker builds the plans it is asked for from a
-recipe (:mod:`.cudnn_recipe`: plain data, no torch) and returns them serialized
-(``pygraph.serialize``); the compiling process deserializes and times them. A serialized plan is
-valid for the same GPU model, cuDNN and frontend versions (CUDNN_FACTS.md "Persistence"): the
-workers run on the same GPU as their parent.
+Building a plan is CPU work, slow when done one after another in the compiling process (the first
+plan of an engine in a process pays for loading it), and the frontend holds the GIL while it
+builds, so threads do not overlap builds (measurements: docs/decisions.md, "Plan building in
+worker processes"). Processes do: each worker builds the plans it is asked for from a recipe
+(:mod:`.recipe`: plain data, no torch) and returns them serialized (``pygraph.serialize``); the
+compiling process deserializes and times them. A serialized plan is valid for the same GPU model,
+cuDNN and frontend versions (docs/cudnn.md, "Serialization"): the workers run on the same GPU as
+their parent.
 
-A worker is this file run as a script by the parent's Python (``python plan_workers.py``): it
+A worker is this file run as a script by the parent's Python (``python workers.py``): it
 imports the standard library, the cuDNN frontend and the recipe module only, so it starts in a
 fraction of a second, without torch. Parent and worker exchange length-prefixed pickles of plain
 data over the worker's stdin and stdout. The worker sees only its parent's GPU
@@ -30,7 +29,8 @@ is ``{"count": number of ranked plans, "plans": [{"index", "name", "engine", "bl
 
 Pool size: ``FUSION_COMPILER_BUILD_WORKERS`` (``0`` builds in the compiling process), default one
 fewer than the CPU count, at most 8. Workers exit when idle for ``IDLE_SECONDS``; each holds a
-CUDA context on the GPU while alive (about 0.5 GiB on an H100: 15 workers took 8 GiB).
+CUDA context on the GPU while alive, which takes GPU memory (measurements: docs/decisions.md,
+"Plan building in worker processes").
 """
 
 from __future__ import annotations

@@ -1,17 +1,21 @@
-"""fuse: grow one region around each convolution and contract it into a :class:`~fusion_compiler.region.Region`.
+"""fuse: grow one region around each convolution and contract it into a
+:class:`~fusion_compiler.ir.region.Region`.
 
-Rules (cuDNN generic runtime fusion, CUDNN_FACTS.md "Support surface"; DESIGN.md "fuse"):
+Rules (cuDNN generic runtime fusion: docs/cudnn.md, "Runtime-fusion support surface (SM 9.0)"; the
+defaults: docs/decisions.md, "``fuse_prologue`` and ``fuse_reduction`` off by default"):
 
-* **Prologue** (``prologue=True``; off in ``default_passes``) -- pointwise ``add``/``sub``/
-  ``mul``/``div`` ops on the conv input whose other operand is a scalar or per-channel tensor (the
-  Fixup ``x + bias`` before a conv). The prologue chain is *cloned* into the region, so a value
-  that other nodes also read (the Fixup ``a = x + bias1a`` read by conv1 and by the downsample) is
-  recomputed inside each region that needs it (on an H100 this made the conv kernel 2-4x slower).
+* **Prologue** (``prologue=True``; off unless ``compile(fuse_prologue=True)``, see
+  :func:`fusion_compiler.passes.pipelines`) -- pointwise ``add``/``sub``/``mul``/``div`` ops on the
+  conv input whose other operand is a scalar or per-channel tensor (the Fixup ``x + bias`` before
+  a conv). The prologue chain is *cloned* into the region, so a value that other nodes also read
+  (the Fixup ``a = x + bias1a`` read by conv1 and by the downsample) is recomputed inside each
+  region that needs it; a fused prologue also made the convolution kernel slower (measurements:
+  docs/decisions.md, "``fuse_prologue`` and ``fuse_reduction`` off by default").
 * **Epilogue** -- starting at the conv output, a chain of pointwise ops: binary ops whose other
   operand is ``[1,1,1,1]``, ``[1,K,1,1]``, ``[N,1,P,Q]`` or ``[N,K,P,Q]`` with the chain value as
   first operand (operands of ``add``/``mul`` are swapped when needed), ReLU, clipped ReLU
   (``clamp(x, 0, c)``), sigmoid, tanh, SiLU.
-* **Reduction** (``reduction=True``; off in ``default_passes``) -- at most one
+* **Reduction** (``reduction=True``; off unless ``compile(fuse_reduction=True)``) -- at most one
   ``sum(x, [2, 3], keepdim=True)`` (the SE squeeze), as an exit.
 * Intermediates that nodes outside the region still read become extra region outputs.
 * A merge is legal only if the graph with every region contracted to one node stays acyclic,
@@ -23,7 +27,7 @@ Rules (cuDNN generic runtime fusion, CUDNN_FACTS.md "Support surface"; DESIGN.md
   fork. Fused there, that convolution would wait for the longer branch; left to the longer
   branch's region (torchvision's bottleneck: its last convolution) or to the glue (SE-ResNet9:
   the SE gate's multiply ends the main path), the shorter branch's region can run beside the
-  longer one on a second CUDA stream (:mod:`fusion_compiler.runtime.streams`).
+  longer one on a second CUDA stream (:mod:`fusion_compiler.passes.post_lowering.streams`).
 
 Declined nodes get a reason in ``gm.meta["fusion_reasons"]`` (node name -> text), which the
 dump reports for everything left to PyTorch.
@@ -61,16 +65,15 @@ def _conv_reason(conv: fx.Node) -> str | None:
             and tuple(conv.args[4]) == (0, 0) and conv.args[6] == 1 and _se_gate_sized(w):
         return ("a 1x1 convolution of a 1x1 image is a matrix-vector product (a squeeze-and-"
                 "excitation layer): left to the glue, where a whole SE gate becomes one kernel "
-                "(passes/glue.py se_gates); as cuDNN regions these took 2.7-14 us each on an H100 "
-                "(efficientnet_b0, N=32) and 13 of 32 timed slower than PyTorch's ops")
+                "(the glue pass se_gates); as cuDNN regions these ran slower (docs/decisions.md)")
     return None
 
 
 def _se_gate_sized(w: torch.Tensor) -> bool:
     """Whether a ``[K, C, 1, 1]`` weight fits the ``se_gate`` kernel as either layer of a gate.
-    Larger ones stay regions: left to the glue unmatched, regnet_y_400mf's 440x110 gates ran as
-    Inductor convolutions with cuDNN layout transforms around them (about 80 us a forward more on
-    an H100)."""
+    Larger ones stay regions: left to the glue unmatched, they ran as Inductor convolutions with
+    cuDNN layout transforms around them, slower than as regions (measurements: docs/decisions.md,
+    "A 1×1 convolution of a 1×1 image left to the glue")."""
     from ...kernels.se_gate import MAX_CHANNELS, MAX_GATE_WEIGHT, MAX_HIDDEN  # noqa: PLC0415
 
     k, c = w.shape[:2]

@@ -1,16 +1,17 @@
 """verify: check the cuDNN graph rules on a fused graph before it is lowered.
 
-Rules (CUDNN_FACTS.md; cuDNN frontend graph API: every tensor has one producer, convolutions
-compute ``y = alpha * conv(x, w) + beta * y`` and are only supported with ``alpha = 1, beta = 0``):
+Rules (docs/cudnn.md, "Runtime-fusion support surface (SM 9.0)"; cuDNN frontend graph API: every
+tensor has one producer, convolutions compute ``y = alpha * conv(x, w) + beta * y`` and are only
+supported with ``alpha = 1, beta = 0``):
 
 * no in-place node anywhere in the graph (every value is written once: SSA);
 * each region holds exactly one convolution, whose ``bias`` is ``None`` and which has no ``out=``
   (beta = 0: accumulation must be an explicit ``add`` node);
 * a region's reduction is an exit: nothing inside the region reads it;
-* every op inside a region is one of the canonical ops of :mod:`fusion_compiler.ops`;
+* every op inside a region is one of the canonical ops of :mod:`fusion_compiler.ir.ops`;
 * no region output aliases a region input, and no value is returned twice.
 
-Violations raise :class:`~fusion_compiler.errors.FusionError` naming the node.
+Violations raise :class:`~fusion_compiler.ir.errors.FusionError` naming the node.
 """
 
 from __future__ import annotations

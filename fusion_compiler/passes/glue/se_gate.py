@@ -17,9 +17,9 @@ __all__ = ["se_gates", "FUSED_SQUEEZE"]
 
 FUSED_SQUEEZE = 16384
 """Most values per sample (``C*H*W``) whose spatial mean the ``se_gate`` kernel computes itself,
-one program streaming the sample; a larger gate gets the mean from the graph's own reduction. On
-an H100 a fused squeeze took 4.1-4.7 us per SE-ResNet9 gate (N=128, up to 64x16x16) but 70 us
-for efficientnet_b0's 32x112x112 at N=32: 32 programs streaming 0.8 MB each."""
+one program streaming the sample; a larger gate gets the mean from the graph's own reduction:
+a few programs streaming large samples are slow (measurements: docs/decisions.md, "The SE gate as
+one Triton kernel")."""
 
 
 def _spatial_mean_of(node: object) -> tuple[fx.Node, fx.Node] | None:
@@ -47,9 +47,9 @@ def _spatial_mean_of(node: object) -> tuple[fx.Node, fx.Node] | None:
 
 def _dense(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object, bool] | None:
     """``(input, weight, bias, conv)`` of a fully connected layer: a linear layer (see
-    :func:`~.linears.linear_parts`; ``conv`` false), or a 1x1 convolution without padding or groups of a
-    ``[N, C, 1, 1]`` value, its bias the ``[1, K, 1, 1]`` operand of an ``add`` after it, as
-    ``normalize`` writes a conv bias (``conv`` true; ``bias`` may be ``None``)."""
+    :func:`~.linears.linear_parts`; ``conv`` false), or a 1x1 convolution without padding or
+    groups of a ``[N, C, 1, 1]`` value, its bias the ``[1, K, 1, 1]`` operand of an ``add`` after
+    it, as ``normalize`` writes a conv bias (``conv`` true; ``bias`` may be ``None``)."""
     parts = linear_parts(gm, node)
     if parts is not None:
         return (*parts, False)
@@ -82,9 +82,9 @@ def se_gates(gm: fx.GraphModule) -> int:
 
     Matched when ``x`` is 4-d with known metadata, ``x``, the weights and the sigmoid share one
     floating dtype, ``W1`` is ``[R, C]`` and ``W2`` ``[C, R]`` (``[R, C, 1, 1]``, ``[C, R, 1, 1]``
-    as convolutions) with ``C`` at most :data:`~fusion_compiler.runtime.se_gate.MAX_CHANNELS`,
-    ``R`` at most :data:`~fusion_compiler.runtime.se_gate.MAX_HIDDEN` and ``R * C`` at most
-    :data:`~fusion_compiler.runtime.se_gate.MAX_GATE_WEIGHT` (the kernel holds a weight in
+    as convolutions) with ``C`` at most :data:`~fusion_compiler.kernels.se_gate.MAX_CHANNELS`,
+    ``R`` at most :data:`~fusion_compiler.kernels.se_gate.MAX_HIDDEN` and ``R * C`` at most
+    :data:`~fusion_compiler.kernels.se_gate.MAX_GATE_WEIGHT` (the kernel holds a weight in
     registers). Other gates (hard sigmoid, other activations) are not matched. Returns how many
     were rewritten."""
     from ...kernels.se_gate import MAX_CHANNELS, MAX_GATE_WEIGHT, MAX_HIDDEN, OP  # noqa: PLC0415

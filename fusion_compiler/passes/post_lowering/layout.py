@@ -12,12 +12,8 @@ them see channels_last where eager saw NCHW. Graph edits, made after lowering:
 * :func:`nchw_padded_avg_pools`: in a training graph on CUDA, an ``avg_pool2d`` with padding gets
   an NCHW input, because PyTorch's CUDA backward of ``avg_pool2d`` for a channels_last input with
   ``padding > 0`` returns wrong input gradients (pytorch/pytorch#188344: the NHWC backward kernel
-  leaves the padding offset out of the input coordinates). Measured on an H100 with torch
-  2.11+cu130: SE-ResNet9-Fixup with its downsample ``AvgPool2d(3, 2, 1)`` left as a PyTorch op
-  (the ``avgpool_conv`` pass removed), eager fp16 on channels_last tensors, gave
-  ``layer1.bias1b`` an L2 gradient error of 1.74 against fp64 and ``layer1.conv1.weight`` 0.34,
-  against 4.5e-3 and 3.0e-3 in NCHW; compiled (cuDNN regions, seed 3, N=32) without this edit the
-  same 1.74 and 0.34, with it 1.8e-2 and 3.1e-3.
+  leaves the padding offset out of the input coordinates; measurements: docs/decisions.md,
+  "Padded ``avg_pool2d`` made NCHW in training").
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ __all__ = ["channels_last_activations", "channel_padded_images", "four_channel_i
 
 
 #: Backends whose region outputs are channels_last: cuDNN's, and the Triton SpaceToDepth stems
-#: of :mod:`.space_to_depth`.
+#: of :mod:`fusion_compiler.backends.triton_stem`.
 NHWC_OUTPUT_BACKENDS = ("cudnn", "triton")
 
 
@@ -78,9 +74,8 @@ def channel_padded_images(gm: fx.GraphModule) -> int:
     The pad is the kernel's own (``x.permute(0, 2, 3, 1)``, ``F.pad`` of the channels, permuted
     back: a channels_last tensor), and the kernel takes a tensor so padded as it is. Eager, the
     same two kernels run (a fill and a copy); under Inductor they become one kernel that reads the
-    NCHW image and writes the padded channels_last one: on an H100 at N=32, for the 3-channel
-    224x224 stems of mobilenet_v2 and efficientnet_b0, 24-27 us in the region's fill and copy,
-    against 11.3 us for such a kernel standalone (3 -> 8 channels with the NCHW -> NHWC change).
+    NCHW image and writes the padded channels_last one, faster than the region's fill and copy
+    (measurements: docs/decisions.md, "Images padded in the graph").
     """
     added = 0
     for node in list(gm.graph.nodes):
@@ -110,29 +105,19 @@ def four_channel_images(gm: fx.GraphModule) -> int:
     """Give the convolution of every region left to PyTorch (not lowered to cuDNN) that reads a
     3-channel fp16/bf16 image a fourth, zero channel, in the image and in the weight (in place);
     returns how many regions changed. The sum gains zero terms only: the same values. For CUDA
-    graphs: the measurements are from an H100.
+    graphs.
 
     The zero channel is added in the graph, before the region call (``F.pad``), and the region's
     placeholders take the 4-channel shapes. The weight's padding depends on the parameter alone, so
     in inference it is computed once per parameter version (:mod:`.hoist`); the image's fuses, under
     Inductor, with its channels_last conversion (:func:`channels_last_activations`, run after).
     Regions lowered to cuDNN are left alone: their kernel pads the image to 8 channels itself, and
-    a 4-channel image before that was one more copy (mobilenet_v2's stem: 7.4 us).
+    a 4-channel image before that was one more copy.
 
-    Measured on an H100 (cuDNN 9.19, fp16, standalone: PyTorch's convolution on channels_last
-    tensors after the NCHW input's conversion, both compiled by Inductor; CUDA-graph timing of
-    random data), us per call:
-
-    ======================================  ======  ======  =======
-    stem                                    3 ch.   4 ch.   8 ch.
-    ======================================  ======  ======  =======
-    7x7/s2, 64 out, N=32 (resnet50)         117.2   69.5    213.8
-    7x7/s2, 64 out, N=128                   423.2   238.0   653.2
-    3x3/s2, 32 out, N=32 (mobilenet_v2)     62.9    29.8    85.6
-    ======================================  ======  ======  =======
-
-    With 3 channels Inductor's NCHW -> NHWC copy of the image took 35 us against 8 us, and
-    PyTorch's cuDNN call added a padding kernel of its own (``nhwcAddPaddingKernel``, 2 x 7 us).
+    Four channels, not 3 or 8: with 3, Inductor's NCHW -> NHWC copy of the image is slower and
+    PyTorch's cuDNN call adds a padding kernel of its own (``nhwcAddPaddingKernel``); with 8 the
+    stem was slower still (measurements: docs/decisions.md, "Four-channel images for PyTorch
+    stems").
     """
     changed = 0
     for call in list(gm.graph.nodes):
@@ -169,13 +154,12 @@ def channels_last_activations(gm: fx.GraphModule) -> int:
     that writes channels_last made it (in place); returns how many values were converted.
 
     Without it, every reading cuDNN region converts the value itself, inside its kernel: a graph
-    input or a PyTorch op's NCHW output read by two regions is copied twice, and a region left to
-    PyTorch runs its convolution on NCHW data (resnet50's stem at N=32 on an H100: 186 us against
-    86 us channels_last, PyTorch's convolution alone). Under Inductor the
-    conversion also fuses into the kernel that makes the value, because a custom op's inputs get
-    the strides they had when the graph was traced: on an H100, torchvision resnet50 at N=32
-    (its stem convolution left to PyTorch) spent 2 x 32 us per forward in eager NCHW -> NHWC
-    copies of the max-pool output, one in each of the two regions reading it.
+    input or a PyTorch op's NCHW output read by two regions is copied twice (resnet50's max-pool
+    output, one copy in each of the two regions reading it), and a region left to PyTorch runs its
+    convolution on NCHW data, which is slower than on channels_last. Under Inductor the conversion
+    also fuses into the kernel that makes the value, because a custom op's inputs get the strides
+    they had when the graph was traced (measurements: docs/decisions.md, "channels_last
+    activations converted where made").
     """
     converted = 0
     for node in list(gm.graph.nodes):

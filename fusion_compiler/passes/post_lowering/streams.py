@@ -1,15 +1,14 @@
-"""Concurrent branches (a post-lowering pass): a short branch's cuDNN region runs on a second CUDA stream
-(``compile(concurrent_branches=True)``, opt-in: on an H100 faster on SE-ResNet9 RGB
-N=128, slower on depth N=512, README).
+"""Concurrent branches (a post-lowering pass): a short branch's cuDNN region runs on a second CUDA
+stream (``compile(concurrent_branches=True)``, opt-in: it made SE-ResNet9's forward faster on the
+RGB input at N=128 and slower on the depth input at N=512; measurements: docs/decisions.md,
+"``concurrent_branches`` off by default").
 
 A residual block with a downsample convolution forks at its input: the main path (conv1, conv2,
 the SE gate) and the downsample convolution read the same value and meet again at the residual
-add. One stream runs them one after the other; a small convolution fills few of an H100's 132
-SMs, so two independent ones overlap well (CUDNN_FACTS.md, "Engine choice and concurrency": two
-3x3/s2 convolutions of SE-ResNet9's layer 1 at N=128 took 10.8 us on two streams against 19.0
-one after the other). The fuse pass leaves the join out of the shorter branch's region
-(``fuse_regions(branches=True)``), and :func:`run_short_branches_beside` then schedules that
-region on a second stream:
+add. One stream runs them one after the other; a small convolution fills few of the GPU's SMs, so
+two independent ones overlap well (docs/cudnn.md, "Two convolutions on two streams"). The fuse
+pass leaves the join out of the shorter branch's region (``fuse_regions(branches=True)``), and
+:func:`run_short_branches_beside` then schedules that region on a second stream:
 
 * **Which regions**: the cuDNN regions off the critical path, the longest path through the graph
   with each region weighted by its convolution FLOPs (``networkx.dag_longest_path``): the short

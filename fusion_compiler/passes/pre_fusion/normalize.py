@@ -1,4 +1,4 @@
-"""normalize: bring a captured graph to the canonical, SSA form of :mod:`fusion_compiler.ops`.
+"""normalize: bring a captured graph to the canonical, SSA form of :mod:`fusion_compiler.ir.ops`.
 
 Rewrites, in this order:
 
@@ -7,13 +7,15 @@ Rewrites, in this order:
    value reads the new node instead. Afterwards each value is written once (SSA).
 2. **specialize shapes** -- shape arithmetic (``x.shape``, ``x.size(1)``, ``H // 4``) becomes
    constants: a compiled graph is specialized on its input shapes anyway.
-3. **modules to functions** -- ``nn.Conv2d``, ``nn.ReLU``/``ReLU6``/``Hardtanh``/``Sigmoid``/``Tanh``,
-   ``nn.BatchNorm2d``, ``nn.AvgPool2d``, ``nn.AdaptiveAvgPool2d(1)`` and ``nn.Identity`` become
-   function calls; other modules stay as ``call_module``.
-4. **canonical calls** -- ``conv2d(x, w, b)`` -> ``conv2d(x, w, None)`` + ``add(., b.reshape(1,K,1,1))``;
-   operators and methods (``x + y``, ``x.mul(y)``) -> ``torch.add``/``torch.mul``/...;
-   ``relu6``/``hardtanh``/``clamp`` -> ``torch.clamp``; ``mean``/``adaptive_avg_pool2d(., 1)`` over
-   H, W -> ``sum(x, [2, 3], keepdim=True) * (1 / (H*W))``.
+3. **modules to functions** -- ``nn.Conv2d``,
+   ``nn.ReLU``/``ReLU6``/``Hardtanh``/``Sigmoid``/``Tanh``, ``nn.BatchNorm2d``, ``nn.AvgPool2d``,
+   ``nn.AdaptiveAvgPool2d(1)`` and ``nn.Identity`` become function calls; other modules stay as
+   ``call_module``.
+4. **canonical calls** -- ``conv2d(x, w, b)`` -> ``conv2d(x, w, None)`` +
+   ``add(., b.reshape(1,K,1,1))``; operators and methods (``x + y``, ``x.mul(y)``) ->
+   ``torch.add``/``torch.mul``/...; ``relu6``/``hardtanh``/``clamp`` -> ``torch.clamp``;
+   ``mean``/``adaptive_avg_pool2d(., 1)`` over H, W ->
+   ``sum(x, [2, 3], keepdim=True) * (1 / (H*W))``.
 
 Nodes it cannot bring to canonical form are left as they are (they will run in PyTorch).
 """
@@ -289,7 +291,8 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
 
 
 def _hw_reduction(gm: fx.GraphModule, node: fx.Node, x: fx.Node, mean: bool, keepdim: bool) -> None:
-    """``sum``/``mean`` over H, W -> ``sum(x, [2, 3], keepdim=True)`` (``* 1/(H*W)``) (``reshape``)."""
+    """``sum``/``mean`` over H, W -> ``sum(x, [2, 3], keepdim=True)`` (``* 1/(H*W)``)
+    (``reshape``)."""
     n, c, h, w = _shape(x)
     g = gm.graph
     with g.inserting_before(node):
@@ -316,7 +319,8 @@ def _retarget(node: fx.Node, target: Callable, args: tuple | None = None,
 
 def _replace(gm: fx.GraphModule, node: fx.Node, target: Callable | str, args: tuple,
              kwargs: dict | None = None, op: str = "call_function") -> fx.Node:
-    """Insert ``target(*args, **kwargs)`` before ``node``, move ``node``'s users to it, erase ``node``."""
+    """Insert ``target(*args, **kwargs)`` before ``node``, move ``node``'s users to it, erase
+    ``node``."""
     g = gm.graph
     with g.inserting_before(node):
         new = g.create_node(op, target, tuple(args), dict(kwargs or {}))

@@ -5,10 +5,11 @@ lowers to cuDNN well.
   stride-b convolution with the weight rearranged (a change of summation order only). That form
   is used when the image's channel count needs no padding for cuDNN; otherwise (the 3-channel RGB
   and 11-channel depth stems) the SpaceToDepth becomes one copy straight to channels_last and
-  the 1x1 convolution stays, on ``b*b*C`` channels that need no padding. In CUDA inference,
-  after lowering, such a region absorbs the copy and runs as one Triton kernel
-  (:mod:`fusion_compiler.runtime.space_to_depth`, which finds it with
-  :func:`space_to_depth_source`).
+  the 1x1 convolution stays, on ``b*b*C`` channels that need no padding. In CUDA inference where
+  Triton runs, such a region then absorbs the copy (the fusion pass
+  :mod:`fusion_compiler.passes.fusion.space_to_depth_stem`, which finds it with
+  :func:`space_to_depth_source`) and runs as one Triton kernel (the ``triton`` backend,
+  :mod:`fusion_compiler.backends.triton_stem`).
 * :func:`avgpool_conv` -- ``AvgPool2d(k, s, p, count_include_pad=True)`` followed by a 1x1
   convolution equals a k x k, stride-s, pad-p convolution whose every tap is ``weight / k**2``
   (both are linear; the pool's divisor is always ``k**2`` when padding counts).
@@ -58,25 +59,27 @@ def _permutation(node: object) -> tuple[int, ...] | None:
 
 
 #: Channel multiple a convolution input needs on cuDNN's NHWC engines without zero padding (8 for
-#: fp16/bf16, CUDNN_FACTS.md "Support surface"; 4 would do for fp32, 8 serves both).
+#: fp16/bf16, docs/cudnn.md, "Runtime-fusion support surface (SM 9.0)"; 4 would do for fp32, 8
+#: serves both).
 CHANNEL_MULTIPLE = 8
 
 
 def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``conv1x1(SpaceToDepth_b(x), w)`` for cuDNN.
 
-    SpaceToDepth is matched as ``x.view(N,C,H/b,b,W/b,b).permute(0,3,5,1,2,4).reshape(N,b*b*C,H/b,W/b)``,
+    SpaceToDepth is matched as
+    ``x.view(N,C,H/b,b,W/b,b).permute(0,3,5,1,2,4).reshape(N,b*b*C,H/b,W/b)``,
     i.e. ``out[(dh*b+dw)*C + c, hb, wb] = x[c, b*hb+dh, b*wb+dw]``.
 
     * ``C`` a multiple of :data:`CHANNEL_MULTIPLE`: ``conv(x, w', stride=b)`` with
-      ``w'[k, c, dh, dw] = w[k, (dh*b+dw)*C + c]`` (``w.reshape(K,b,b,C).permute(0,3,1,2)``), no copy.
+      ``w'[k, c, dh, dw] = w[k, (dh*b+dw)*C + c]`` (``w.reshape(K,b,b,C).permute(0,3,1,2)``), no
+      copy.
     * otherwise: the same values written in one copy straight to channels_last,
       ``x.view(N,C,H/b,b,W/b,b).permute(0,2,4,3,5,1).reshape(N,H/b,W/b,b*b*C).permute(0,3,1,2)``
       (an ``[N, b*b*C, H/b, W/b]`` tensor with NHWC strides), and the 1x1 convolution is kept.
       The folded form would make cuDNN zero-pad the image to 8 channels and run a strided conv on
-      it: on an H200 at N=2048, C=3 the 4x4/s4 conv alone took 0.215 ms against 0.083 ms for the
-      copy plus 0.070 ms for the 1x1 conv + ReLU (``torch.nn.functional`` ops, CUDA-graph timing),
-      before the padding copy; for C=11, N=512: 0.196 against 0.076 + 0.031 ms.
+      it, slower than the copy and the 1x1 convolution together (measurements: docs/decisions.md,
+      "The ``space_to_depth`` and ``avgpool_conv`` rewrites and why CPU inputs skip them").
     """
     g = gm.graph
     for conv in list(g.nodes):

@@ -17,17 +17,18 @@ figures are the model's, not an optimizer's). Variants:
                                     other ``fusion_variants`` (label -> ``compile`` options)
 ``fusion_compiler+cudagraph``       training only: the step of the first ``fusion_variants`` entry,
                                     compiled with ``cuda_graph=False``, captured in one CUDA graph
-                                    by hand (README, "Training")
+                                    by hand (docs/training.md, "Capturing a whole step
+                                    yourself")
 ==================================  ================================================================
 
-Timing (the method of shared/BASELINES.md): after 3 warm-up calls, ``reps`` repetitions of
+Timing (the method of docs/benchmarks.md, "Method"): after 3 warm-up calls, ``reps`` repetitions of
 ``iters`` back-to-back calls, each repetition timed with CUDA events (``time.perf_counter`` on the
-CPU); ms per call is the median over repetitions, the spread their quartiles. ``iters`` defaults
-to what fills 20 ms. "compile s" is the variant's build plus first call in this process; "cold" and
+CPU); ms per call is the median over repetitions, the spread their quartiles. ``iters`` defaults to
+what fills 20 ms. "compile s" is the variant's build plus first call in this process; "cold" and
 "warm" compile times are seconds to the first output in new processes
-(:mod:`fusion_compiler.first_output`) with empty cache directories and with the ones the cold run
-filled. For inference each variant's output is also compared with an fp32 copy of the model (TF32
-off), beside eager's error.
+(:mod:`fusion_compiler.tools.bench.first_output`) with empty cache directories and with the ones the
+cold run filled. For inference each variant's output is also compared with an fp32 copy of the model
+(TF32 off), beside eager's error.
 """
 
 from .compile_times import BenchRecipe, new_process_compile_seconds

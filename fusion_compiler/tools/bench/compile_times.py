@@ -64,7 +64,7 @@ def new_batch_seconds(model: torch.nn.Module, inputs: Sequence[Any],
 def _new_batch_of(label: str, options: dict, model: torch.nn.Module,
                   inputs: Sequence[Any], half: Sequence[Any], device: torch.device,
                   cache_dir: str, result: dict) -> None:
-    """One variant of :func:`_new_batch_seconds`."""
+    """One variant of :func:`new_batch_seconds`."""
     try:
         module = compile_model(model, cache_dir=cache_dir, **options)
         module(*inputs)
@@ -88,10 +88,9 @@ def new_process_compile_seconds(recipe: BenchRecipe, fusion_variants: dict[str, 
     ``None`` with its message under ``"<label>, <run> error"``.
 
     The CUDA JIT cache (``CUDA_CACHE_PATH``, by default ``~/.nv/ComputeCache``) holds the
-    driver's compiles of cuDNN's runtime-compiled kernels: on an H100, with it warm SE-ResNet9's
-    96 candidate plans built in 4.3 s of worker time, and with it empty in 41 s (3.3 s and
-    8.8 s to the end of the compile). Without a fresh one a "cold" run would measure whatever an
-    earlier run on the machine left there."""
+    driver's compiles of cuDNN's runtime-compiled kernels, most of a cold compile's plan building
+    (measurements: docs/decisions.md, "Plan building in worker processes"). Without a fresh one a
+    "cold" run would measure whatever an earlier run on the machine left there."""
     script = Path(__file__).with_name("first_output.py")
     labels = dict(fusion_variants)
     if recipe.device.startswith("cuda"):

@@ -51,8 +51,9 @@ def kernel_categories(kernels: Sequence[tuple[str, float]], calls: int) -> dict[
     """Per category, GPU time (ms) and kernel count per call, from ``(kernel name, microseconds)``
     pairs recorded over ``calls`` calls, and its slowest kernel (``"slowest"``: name and mean
     microseconds per launch); ``"total"`` sums the times and counts. The slowest kernel is worth
-    a look when a variant's time moves between runs: on an H100 one Triton reduction of
-    SE-ResNet9's glue took 3.5, 11.5 or 20.6 us, depending on the compile."""
+    a look when a variant's time moves between runs: one Triton reduction of SE-ResNet9's glue
+    took several times longer in some compiles than in others (measurements: docs/decisions.md,
+    "The custom-op aliasing check put off for Inductor's first call")."""
     launches: dict[str, list[float]] = {}
     for name, us in kernels:
         launches.setdefault(name, []).append(us)

@@ -185,7 +185,7 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                     result["rel_err_vs_fp32"][name] = max(
                         relative_error(o, r) for o, r in zip(out, reference)) if out else None
                     # not held into the profile: a CUDA-graph runner whose last outputs are still
-                    # held replays its copying graph (an input copy per call: 27 us in depth)
+                    # held replays its copying graph (an input copy per call)
                     del out
                 built[name] = fn
             except Exception as exc:  # one broken variant must not hide the others
@@ -197,8 +197,8 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                                            f"{result['compile_s'][name]:.1f} s" if ms else
                                            f"failed: {result['errors'][name]}"))
         # The profiler runs after all timings, so no variant is timed after a profiler session
-        # and another not (whether one changes later host-side launch cost was not settled: one
-        # probe on the H100 timed eager faster after it, within that machine's run-to-run spread)
+        # and another not (whether one changes later host-side launch cost is not settled;
+        # docs/decisions.md, "Benchmarked models in processes of their own")
         for name, fn in built.items() if device.type == "cuda" else ():
             try:
                 result.setdefault("gpu_ops", {})[name] = gpu_ops_per_call(fn)

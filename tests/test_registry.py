@@ -1,0 +1,108 @@
+"""The settings object and the backend registry on the CPU: options validated once with one clear
+error, every door's options derived from them; lowering asks the registered backends by priority,
+records each region's choice once, and a backend of higher priority claims its regions first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fusion_compiler import CompileOptions
+from fusion_compiler.backends import Backend, Lowered, Support, registry
+from fusion_compiler.lowering import lower, regions_of
+
+
+def test_options_are_validated_once_with_a_clear_error():
+    assert CompileOptions(cuda_graph=True).cuda_graph == "auto"
+    with pytest.raises(TypeError, match="unknown compile option 'autotun'; did you mean 'autotune'"):
+        CompileOptions.from_kwargs(autotun=3)
+    with pytest.raises(ValueError, match="max_specializations must be at least 1, got 0"):
+        CompileOptions(max_specializations=0)
+    with pytest.raises(TypeError, match="tiered must be True or False"):
+        CompileOptions(tiered="yes")
+    with pytest.raises(ValueError, match="cuda_graph must be one of"):
+        CompileOptions(cuda_graph=1)
+    dump = CompileOptions(autotune=2).for_dump()
+    assert (dump.cuda_graph, dump.glue_backend, dump.cuda_pipeline, dump.autotune) == (
+        False, None, True, 2)
+    dynamo = CompileOptions.for_dynamo({"autotune": 1})
+    assert (dynamo.cuda_graph, dynamo.glue_backend, dynamo.autotune) == (False, None, 1)
+    with pytest.raises(TypeError, match="cuda_graph is an option of fusion_compiler.compile"):
+        CompileOptions.for_dynamo({"cuda_graph": True})
+    assert CompileOptions.from_kwargs(**CompileOptions(tiered=False).to_dict()).tiered is False
+
+
+class _Doubling(Backend):
+    """A backend for the test: takes every region whose convolution has 8 output channels and
+    runs it as its own ops."""
+
+    name = "doubling"
+
+    def supports(self, region):
+        if region.conv.meta["val"].shape[1] != 8:
+            return Support(False)  # not its kind: nothing to report
+        return Support(True)
+
+    def lower(self, region, training=False, backward=None):
+        return Lowered(region.graph_module, plan="the region's own ops", workspace_bytes=0)
+
+
+@pytest.fixture
+def doubling():
+    registry.register_backend("doubling", lambda options: _Doubling(), priority=30)
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register_backend("doubling", lambda options: _Doubling(), priority=5)
+    yield
+    del registry._REGISTRY["doubling"]
+
+
+def _fused(model, x):
+    import fusion_compiler as fc
+
+    return fc.compile(model, glue_backend=None, cuda_pipeline=True,
+                      backend="reference").specialize(x).graph_module
+
+
+def test_a_registered_backend_claims_its_regions_before_the_others(doubling):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        gm = _fused(model, x)  # lowered to PyTorch ops: the regions, lowered again below
+    for region in regions_of(gm):
+        region.lowering = None
+    lower(gm, CompileOptions())
+    first, second = regions_of(gm)
+    assert (first.backend, first.status, first.plan) == ("doubling", "lowered",
+                                                          "the region's own ops")
+    # the second is not its kind: the reason is the next backend's (no CUDA here), not its own
+    assert (second.backend, second.status) == ("reference", "fallback")
+    assert second.reason == "CUDA is not available on this machine"
+    with pytest.raises(RuntimeError, match="lowered already"):
+        lower(gm, CompileOptions())
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+
+
+def test_several_candidates_are_all_lowered_and_off_cuda_the_first_is_kept(doubling):
+    lowered = []
+
+    class Second(_Doubling):
+        name = "second"
+
+        def lower(self, region, training=False, backward=None):
+            lowered.append(region.region_id)
+            return super().lower(region, training, backward)
+
+    registry.register_backend("second", lambda options: Second(), priority=25)
+    try:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+        with torch.no_grad():
+            gm = _fused(model, torch.randn(2, 3, 16, 16))
+        (region,) = regions_of(gm)
+        region.lowering = None
+        lower(gm, CompileOptions())
+        assert lowered == ["r0"]  # both candidates built their kernel
+        assert (region.backend, dict(region.timing)) == ("doubling", {})  # no GPU to time on
+    finally:
+        del registry._REGISTRY["second"]
