@@ -256,8 +256,9 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
                                           _pair(a["padding"]), _pair(a["dilation"]), a["groups"]))
             conv.meta.update(node.meta)
             out = conv
-            if a["bias"] is not None:
-                bias = g.call_function(torch.reshape, (a["bias"], (1, -1, 1, 1)))
+            if a["bias"] is not None:  # per channel: [1, K, 1, 1], or [K, 1, 1] unbatched
+                rank = len(_shape(node))
+                bias = g.call_function(torch.reshape, (a["bias"], (1, -1, 1, 1)[4 - rank:]))
                 out = g.call_function(torch.add, (conv, bias))
                 out.meta.update(node.meta)  # the conv's value: later rewrites read its shape
         node.replace_all_uses_with(out)
