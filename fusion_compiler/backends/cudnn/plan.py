@@ -8,6 +8,8 @@ A plan needs a backend object for handles, workspaces, the plan cache and candid
 
 from __future__ import annotations
 
+import atexit
+import gc
 import inspect
 import warnings
 import weakref
@@ -53,6 +55,29 @@ class PlanBackend(Protocol):
     def remember_choice(self, recipe: dict, device: torch.device, choice: dict) -> None: ...
 
 
+_LIVE: "weakref.WeakSet[CudnnPlan]" = weakref.WeakSet()
+
+
+def _release_at_exit(plan: "CudnnPlan") -> None:
+    """Track ``plan`` for :func:`release_all`, which the first plan registers to run at exit
+    (after ``import cudnn``, so it runs before any exit handler the frontend registered)."""
+    if not _LIVE and not getattr(_release_at_exit, "registered", False):
+        atexit.register(release_all)
+        _release_at_exit.registered = True  # type: ignore[attr-defined]
+    _LIVE.add(plan)
+
+
+def release_all() -> None:
+    """Drop every plan's cuDNN frontend objects (its graph and the graph description's tensors)
+    and collect them. Run at interpreter exit: objects of the frontend's C++ extension still alive
+    when it is torn down are reported one by one on stderr ("nanobind: leaked ... instances"), and
+    compiled modules a script keeps in globals outlive the exit handlers. Plans cannot run after
+    it."""
+    for plan in list(_LIVE):
+        plan.graph = plan.spec = None
+    gc.collect()
+
+
 class CudnnPlan:
     """One cuDNN graph made executable: its plan loaded from the cache or built (candidates from
     heuristics A then FALLBACK, timed and the fastest kept when ``backend.autotune > 1``, or the
@@ -76,6 +101,7 @@ class CudnnPlan:
     """
 
     def __init__(self, backend: PlanBackend, device: torch.device, recipe: dict, label: str):
+        _release_at_exit(self)
         self.backend = backend
         self.device = device
         self.label = label
