@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..ir.ops import COMMUTATIVE
 from ..ir.region import Region, operand_kind
-from ..runtime.region_op import in_dry_run
+from ..runtime.region_op import in_dry_run, is_traced
 
 __all__ = ["space_to_depth_conv", "space_to_depth_conv_reference", "kernel_reason",
            "triton_reason", "epilogue_program", "SpaceToDepthConvKernel", "OP", "BLOCK",
@@ -182,6 +182,14 @@ def space_to_depth_conv(x: torch.Tensor, weight: torch.Tensor, operands: list[to
         ValueError: more than :data:`MAX_STEPS` ops or :data:`MAX_OUTPUTS` outputs, or shapes the
             Triton kernel does not take on CUDA.
     """
+    return _run(x, weight, operands, ops, outputs, block)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor],
+         ops: Sequence[int], outputs: Sequence[int], block: int) -> list[torch.Tensor]:
+    """The op's body (see :func:`space_to_depth_conv`), which its kernel also calls directly:
+    the first call of a ``torch.library`` op goes through a wrapper that imports Dynamo, seconds
+    that would otherwise land before a warm process's first output."""
     if len(ops) > MAX_STEPS or not 1 <= len(outputs) <= MAX_OUTPUTS:
         raise ValueError(f"space_to_depth_conv: at most {MAX_STEPS} ops and 1 to {MAX_OUTPUTS} "
                          f"outputs, got {len(ops)} and {len(outputs)}")
@@ -207,7 +215,8 @@ OP = torch.ops.fusion_compiler.space_to_depth_conv.default
 
 
 class SpaceToDepthConvKernel:
-    """A stem region's kernel: calls :data:`OP` with the region's inputs in its order.
+    """A stem region's kernel: the op on the region's inputs in its order, called directly, or as
+    :data:`OP` (one opaque op) when its inputs are being traced.
 
     ``operands``: for each binary epilogue op, the position of its region input, or a one-element
     fp32 tensor for a number in the graph. In a :func:`~fusion_compiler.runtime.region_op.dry_run`
@@ -222,7 +231,8 @@ class SpaceToDepthConvKernel:
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x, weight = inputs[self.image_at], inputs[self.weight_at]
         operands = [inputs[o] if isinstance(o, int) else o for o in self.operands]
-        return tuple(OP(x, weight, operands, self.ops, self.outputs, self.block))
+        run = OP if is_traced(x) else _run
+        return tuple(run(x, weight, operands, self.ops, self.outputs, self.block))
 
 
 def epilogue_program(region: Region, device: torch.device
