@@ -15,11 +15,11 @@ import os as _os
 from .compiler import CompiledModule, compile
 from .config import CompileOptions
 from .dynamo import register as _register_dynamo_backend
-from .ir.errors import FusionError, UnsupportedError
+from .ir.errors import FusionError, InputError, UnsupportedError
 from .tools.check import CheckReport, check
 
 __all__ = ["compile", "CompiledModule", "CompileOptions", "check", "CheckReport", "FusionError",
-           "UnsupportedError", "__version__"]
+           "InputError", "UnsupportedError", "__version__"]
 __version__ = "0.1.0"
 
 _register_dynamo_backend()

@@ -13,6 +13,8 @@ import torch
 
 from .capture import TensorSpec, capture, input_specs
 from .config import CompileOptions, Target
+from .ir.errors import FusionError, InputError, InputTypeError
+from .runtime.tensors import restored
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
 
@@ -47,10 +49,12 @@ class CompiledModule(torch.nn.Module):
         TypeError, ValueError: an unknown or invalid option.
 
     Raises (on call):
-        TypeError: wrong number of inputs, or a floating input whose dtype differs from the
-            model's parameters (expected and actual dtypes are in the message).
-        ValueError: an input on another device than the model's parameters, or of a shape the
-            model does not take.
+        InputTypeError: (a ``TypeError``) wrong number of inputs, or a floating input whose dtype
+            differs from the model's parameters (expected and actual dtypes are in the message).
+        InputError: (a ``ValueError``) an input on another device than the model's parameters,
+            or of a shape the model does not take (the message names the input, its shape, the
+            model's own error for it and the shapes earlier calls took). Input errors are raised
+            from the call, without the compiler's frames or chained errors.
         FusionError: the graph breaks the cuDNN graph rules.
     """
 
@@ -69,7 +73,9 @@ class CompiledModule(torch.nn.Module):
     # ------------------------------------------------------------------ checks
     def _check_inputs(self, args: Sequence[Any]) -> None:
         if len(args) != self._arity:
-            raise TypeError(f"expected {self._arity} inputs, got {len(args)}")
+            plural = "" if self._arity == 1 else "s"
+            raise InputTypeError(f"{type(self.model).__name__} takes {self._arity} "
+                                 f"input{plural}, got {len(args)}")
         ref = next((p for p in self.model.parameters() if p.is_floating_point()), None)
         if ref is None:
             return
@@ -77,11 +83,11 @@ class CompiledModule(torch.nn.Module):
             if not isinstance(a, torch.Tensor):
                 continue
             if a.device != ref.device:
-                raise ValueError(f"input {i} is on {a.device} but the model's parameters are on "
+                raise InputError(f"input {i} is on {a.device} but the model's parameters are on "
                                  f"{ref.device}; move the input (or the model) first")
             if a.is_floating_point() and a.dtype != ref.dtype and _autocast_dtype(args) is None:
-                raise TypeError(f"input {i} has dtype {a.dtype} but the model's parameters are "
-                                f"{ref.dtype}; convert the input to {ref.dtype}")
+                raise InputTypeError(f"input {i} has dtype {a.dtype} but the model's parameters "
+                                     f"are {ref.dtype}; convert the input to {ref.dtype}")
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
         if not torch.is_grad_enabled():
@@ -97,11 +103,50 @@ class CompiledModule(torch.nn.Module):
             log.info("%s", reason)
 
     # ------------------------------------------------------------------ compile
+    def _explained(self, exc: InputError, args: Sequence[Any]) -> Exception:
+        """The error to raise for inputs the compiled graph could not take, ready to raise from
+        the caller's frame: an :class:`InputError` with eager PyTorch's own message for them
+        (run once, gradients off, buffers restored) and what earlier calls took, without the
+        compiler's frames or chained errors; a :class:`FusionError` chained to the failure when
+        eager takes them (then it is the compiler's fault, not the caller's)."""
+        error: Exception = exc  # a check of ours (count, device, dtype): its message says it all
+        cause = None
+        if any("do not fit the model" in a for a in exc.args):
+            try:
+                with torch.no_grad(), restored(list(self.model.buffers())):
+                    self.model(*args)
+            except Exception as eager:  # the model's own error: what a user reads from eager
+                error = self._input_error(args, " ".join(str(eager).split())
+                                          or type(eager).__name__)
+            else:
+                error = FusionError(f"the compiled graph cannot run on inputs that eager "
+                                    f"PyTorch takes: {exc}")
+                cause = exc.__cause__
+        error.__cause__, error.__suppress_context__ = cause, True
+        return error.with_traceback(None) if cause is None else error
+
+    def _input_error(self, args: Sequence[Any], why: str) -> InputError:
+        """An :class:`InputError` naming the inputs, ``why`` eager rejects them and what earlier
+        calls took."""
+        got = ", ".join(str(s) for s in input_specs(args) if isinstance(s, TensorSpec))
+        seen = [", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec))
+                for key in self.specializations]
+        took = f"; earlier calls took {' and '.join(seen[-2:])}" if seen else ""
+        what = "input 0" if len(args) == 1 else "the inputs"
+        return InputError(f"{type(self.model).__name__} cannot take {what} {got}: {why}{took}")
+
     def specialize(self, *args: Any) -> Specialization:
         """Compile (or fetch) the specialization for inputs like ``args``, lowered now: a
         specialization that a call compiled and that still answers from tier 0 is waited for
-        (see ``tiered`` in :func:`compile`; Inductor's tier may still be compiling)."""
-        spec = self._specialize(args, answer_early=False)
+        (see ``tiered`` in :func:`compile`; Inductor's tier may still be compiling).
+
+        Raises:
+            InputError: inputs the model does not take (see :class:`CompiledModule`).
+        """
+        try:
+            spec = self._specialize(args, answer_early=False)
+        except InputError as exc:
+            raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
         if not spec.lowered and isinstance(spec.run, TieredRunner):
             spec.run.wait(nested=False)
         return spec
@@ -146,16 +191,22 @@ class CompiledModule(torch.nn.Module):
         return True
 
     def forward(self, *args: Any) -> Any:
-        self.last = self._specialize(args, answer_early=True)
+        try:
+            self.last = self._specialize(args, answer_early=True)
+        except InputError as exc:
+            raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
         return self.last.run(*args)
 
     def report(self) -> str:
-        """The region table of the last specialization (as the CLI dump prints it)."""
+        """What the last specialization is, as text at most 100 columns wide: the summary
+        ``fusion-compiler dump`` prints (convolutions and their FLOPs in regions, regions per
+        backend, why regions fell back), the region table (pattern, backend, plan or reason) and
+        the ops left to PyTorch, grouped by reason."""
         if self.last is None:
             return "not compiled yet: call the module once (or pass example_inputs)"
-        from .tables import format_regions  # noqa: PLC0415
+        from .tables import format_report  # noqa: PLC0415
 
-        return format_regions(self.last.regions)
+        return format_report(self.last, type(self.model).__name__)
 
 
 def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, *,

@@ -21,7 +21,8 @@ from .backends.timing import timing_deferred
 from .capture import capture
 from .config import CompileOptions, Target
 from .ir.errors import TimingDeferred
-from .ir.region import Region
+from .ir.ops import is_any_conv
+from .ir.region import Region, called_region
 from .lowering import build_plans, lower, plan_work, regions_of
 from .passes import PassManager, fusion, post_lowering, pre_fusion
 from .passes.post_lowering.hoist import HOISTED, HoistedParameters
@@ -88,6 +89,7 @@ class SpecializationCompiler:
         self.model, self.options, self._note = model, options, note
         self.runners = Runners(model, options, note)
         self.shape_cache = PlanCache(default_cache_dir(options.cache_dir))  # shapes per input
+        self._warned = False  # about a model without convolutions
 
     def build(self, args: Sequence[Any], key: tuple, target: Target,
               requires: tuple[bool, ...], answer_early: bool) -> Specialization:
@@ -106,6 +108,7 @@ class SpecializationCompiler:
 
         with COMPILE_LOCK:  # never beside a background compile (see the lock's docstring)
             gm, lock = self._passes(key, args, target, on_stage)
+            self._warn_without_convolutions(gm)
             work = self._work_before_lowering(gm, target) if answer_early else ""
             if not work:
                 hoisted = self._lower(gm, lock, target, requires, on_stage)
@@ -120,6 +123,16 @@ class SpecializationCompiler:
             if self.options.report:
                 self.print_report(spec, target.training)
         return spec
+
+    def _warn_without_convolutions(self, gm: fx.GraphModule) -> None:
+        """Warn (once per model) that a model without a convolution gets nothing fused."""
+        if self._warned or any(is_any_conv(n, gm) or called_region(gm, n) is not None
+                               for n in gm.graph.nodes):
+            return
+        self._warned = True
+        log.warning("%s has no convolution: nothing will be fused (fusion_compiler fuses "
+                    "convolution chains); it runs as its own PyTorch ops",
+                    type(self.model).__name__)
 
     def print_report(self, spec: Specialization, training: bool) -> None:
         from .tables import format_gradients, format_regions  # noqa: PLC0415

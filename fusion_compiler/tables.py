@@ -1,31 +1,48 @@
-"""The region tables a compiled module prints (``CompiledModule.report()``,
-``compile(report=True)``) and the tools reuse: per region its pattern, backend and plan; what
-autotuning measured; how a training region's backward runs. Plain text, at most
-:data:`WIDTH` columns wide."""
+"""What a compiled module reports (``CompiledModule.report()``, ``compile(report=True)``) and the
+tools reuse: the coverage summary (convolutions and FLOPs in regions, regions per backend), the
+region table (pattern, backend, plan or reason), what autotuning measured, how a training region's
+backward runs, the ops left to PyTorch with their reasons. Plain text, tables at most
+:data:`WIDTH` columns wide, their cells wrapped."""
 
 from __future__ import annotations
 
 import io
-from typing import Sequence
+import re
+from collections import Counter
+from typing import Any, Sequence
+
+import torch.fx as fx
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from .backends.cudnn.autotune import fastest
-from .ir.ops import conv_flops
-from .ir.region import Region
+from .ir.ops import conv_flops, is_any_conv
+from .ir.region import Region, called_region
 
-__all__ = ["format_regions", "format_tuning", "format_gradients", "regions_table", "render",
-           "add_row", "WIDTH"]
+__all__ = ["format_report", "format_regions", "format_tuning", "format_gradients",
+           "format_summary", "format_left", "format_groups", "regions_table", "summarize",
+           "unfused_convolutions", "pytorch_nodes", "group_by_reason", "op_name_of", "render",
+           "add_row", "WIDTH", "WIDE", "NO_CUDA"]
 
-WIDTH = 160
-"""Columns the tables are rendered in."""
+WIDTH = 100
+"""Columns the tables are rendered in (cells wrap to fit)."""
+WIDE = 160
+"""Columns of the benchmark's tables (autotuning, backward), which go to logs and files."""
+NO_CUDA = "CUDA is not available on this machine"
+"""The reason every region gives on a machine without CUDA (the cuDNN backend's)."""
+
+# data movement and bookkeeping that is not worth a line in the "left to PyTorch" table
+_QUIET = {"getitem", "getattr", "reshape", "view", "size", "contiguous", "expand", "permute",
+          "flatten", "neg", "rsqrt", "join_side_stream.default"}  # the last: runtime.streams
 
 
-def render(table: Table) -> str:
+
+def render(table: Table, width: int = WIDTH) -> str:
+    """``table`` as plain text at most ``width`` columns wide (cells wrap)."""
     buf = io.StringIO()
-    Console(file=buf, width=WIDTH, force_terminal=False, color_system=None).print(table)
+    Console(file=buf, width=width, force_terminal=False, color_system=None).print(table)
     return buf.getvalue()
 
 
@@ -74,7 +91,7 @@ def format_tuning(regions: Sequence[Region]) -> str:
                  f"{best.ms:.4f}" if best else "",
                  f"{flops / best.ms / 1e9:.1f}" if best and best.ms > 0 and flops else "",
                  f"{sum(t.build_s for t in r.tuning):.1f}", candidates, r.backend)
-    return render(table)
+    return render(table, WIDE)
 
 
 def format_gradients(regions: Sequence[Region]) -> str:
@@ -96,4 +113,155 @@ def format_gradients(regions: Sequence[Region]) -> str:
             add_row(table, r.region_id, r.pattern, p.kind, p.backend,
                      "" if p.cudnn_ms is None else f"{p.cudnn_ms:.5f}",
                      "" if p.pytorch_ms is None else f"{p.pytorch_ms:.5f}", p.reason or p.note)
+    return render(table, WIDE)
+
+
+def op_name_of(node: fx.Node, gm: fx.GraphModule) -> str:
+    """What a node of ``gm`` calls: a module's class name, else the function or method name."""
+    if node.op == "call_module":
+        return type(gm.get_submodule(node.target)).__name__
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def unfused_convolutions(gm: fx.GraphModule) -> list[dict]:
+    """Convolutions of the top-level graph that no region absorbed: ``{"node", "op", "reason"}``."""
+    reasons = gm.meta.get("fusion_reasons", {})
+    result = []
+    for node in gm.graph.nodes:
+        if is_any_conv(node, gm):
+            reason = reasons.get(node.name) or (
+                f"{op_name_of(node, gm)}: only 2-d, zero-padded convolutions are fused")
+            result.append({"node": node.name, "op": op_name_of(node, gm), "reason": reason})
+    return result
+
+
+def pytorch_nodes(gm: fx.GraphModule) -> list[dict]:
+    """Compute nodes left to PyTorch (outside every region), each with the fuse pass's reason."""
+    reasons = gm.meta.get("fusion_reasons", {})
+    result = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if called_region(gm, node) is not None:
+            continue
+        name = op_name_of(node, gm)
+        if name in _QUIET and node.name not in reasons:
+            continue
+        reason = reasons.get(node.name, "not part of a convolution chain")
+        result.append({"node": node.name, "op": name, "reason": reason})
+    return result
+
+
+def format_left(rows: list[dict], title: str) -> str:
+    if not rows:
+        return f"{title}: none\n"
+    table = Table()
+    for col in ("node", "op", "reason"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        add_row(table, row["node"], row["op"], row["reason"])
+    return f"{title}:\n" + render(table)
+
+
+def summarize(spec: Any) -> dict:
+    """Coverage of a specialization: convolutions in regions of all, their share of convolution
+    FLOPs (all regions, and those lowered to cuDNN), regions per backend, kinds of fallback
+    reasons with their counts (the region table has each region's whole reason). JSON-ready;
+    FLOPs are counted from traced shapes (:func:`conv_flops`)."""
+    gm = spec.graph_module
+    regions = spec.regions
+    unfused = [n for n in gm.graph.nodes if is_any_conv(n, gm)]
+    region_flops = [(r, conv_flops(r.conv, r.graph_module)) for r in regions]
+    total = sum(f or 0 for _, f in region_flops) + sum(conv_flops(n, gm) or 0 for n in unfused)
+    cudnn = sum(f or 0 for r, f in region_flops if r.backend == "cudnn")
+    fused = sum(f or 0 for _, f in region_flops)
+    return {
+        "convolutions": len(regions) + len(unfused),
+        "convolutions_in_regions": len(regions),
+        "conv_gflop": total / 1e9,
+        "conv_flops_in_regions": fused / total if total else None,
+        "conv_flops_on_cudnn": cudnn / total if total else None,
+        "regions_per_backend": dict(Counter(r.backend for r in regions)),
+        "fallback_reasons": dict(Counter(_reason_kind(r.reason) for r in regions
+                                         if r.status == "fallback")),
+    }
+
+
+def _reason_kind(reason: str) -> str:
+    """A fallback reason without its particulars, to count alike ones together: the text before
+    the first ``": "`` (the times, cuDNN's message), a leading channel count as ``K``."""
+    return re.sub(r"^\d+ output channels", "K output channels", reason.split(": ", 1)[0])
+
+
+_REGION_REASON = re.compile(r"^not fused into the region of \S+: ")
+
+
+def group_by_reason(rows: Sequence[dict]) -> list[dict]:
+    """Rows of :func:`pytorch_nodes` grouped by reason, most ops first: ``{"reason", "count",
+    "ops"`` (op name -> count) ``, "nodes"}``. ``"not fused into the region of conv2d_14: why"``
+    and the same for other convolutions group under ``"not fused into a region: why"``."""
+    groups: dict[str, dict] = {}
+    for row in rows:
+        reason = _REGION_REASON.sub("not fused into a region: ", row["reason"])
+        group = groups.setdefault(reason, {"reason": reason, "count": 0, "ops": Counter(),
+                                           "nodes": []})
+        group["count"] += 1
+        group["ops"][row["op"]] += 1
+        group["nodes"].append(row["node"])
+    return sorted(({**g, "ops": dict(g["ops"])} for g in groups.values()),
+                  key=lambda g: -g["count"])
+
+
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.0f}%"
+
+
+def format_summary(report: dict, title: str = "") -> str:
+    """The header of a dump or report: model, inputs, device; convolutions fused of all and their
+    share of convolution FLOPs (in regions, on cuDNN); regions per backend with fallback reasons.
+    Where every region fell back because the machine has no CUDA, it says so once, as what runs
+    here, not as a failure."""
+    s = report["summary"]
+    count = sum(s["regions_per_backend"].values())
+    backends = ", ".join(f"{b} {n}" for b, n in sorted(s["regions_per_backend"].items()))
+    no_cuda = count and s["fallback_reasons"] == {NO_CUDA: count}
+    cudnn = "" if no_cuda else f"; {_percent(s['conv_flops_on_cudnn'])} of the FLOPs on cuDNN"
+    lines = [f"# {title}" if title else "#",
+             f"inputs:         {', '.join(report['inputs'])}",
+             f"convolutions:   {s['convolutions_in_regions']} of {s['convolutions']} in fused "
+             f"regions ({_percent(s['conv_flops_in_regions'])} of {s['conv_gflop']:.2f} "
+             f"GFLOP){cudnn}"]
+    if no_cuda:
+        lines.append(f"regions:        {count}, each run as its own PyTorch ops here ({NO_CUDA})")
+    else:
+        lines.append(f"regions:        {count} ({backends or 'none'})")
+        for reason, n in s["fallback_reasons"].items():
+            lines.append(f"  fallback x{n}: {reason}")
+    left = report["pytorch"]
+    lines.append(f"left to PyTorch: {len(report['unfused'])} convolution(s), {len(left)} other "
+                 f"op(s) in {len(group_by_reason(left))} group(s) (below)")
+    return "\n".join(lines) + "\n"
+
+
+def format_groups(rows: list[dict], title: str, shown: int = 6) -> str:
+    if not rows:
+        return f"{title}: none\n"
+    table = Table(title=title)
+    for col in ("ops", "reason", "nodes"):
+        table.add_column(col, overflow="fold")
+    for g in group_by_reason(rows):
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(g["ops"].items(), key=lambda kv: -kv[1]))
+        more = f" ... (+{len(g['nodes']) - shown})" if len(g["nodes"]) > shown else ""
+        add_row(table, f"{g['count']}: {ops}", g["reason"], ", ".join(g["nodes"][:shown]) + more)
     return render(table)
+
+
+def format_report(spec: Any, title: str = "") -> str:
+    """What ``CompiledModule.report()`` prints for a specialization: the summary
+    (:func:`format_summary`), the region table and the ops left to PyTorch, grouped by reason."""
+    gm = spec.graph_module
+    report = {"inputs": [str(a) for a in spec.signature[0]], "summary": summarize(spec),
+              "unfused": unfused_convolutions(gm), "pytorch": pytorch_nodes(gm)}
+    return "\n".join([format_summary(report, title), format_regions(spec.regions),
+                      format_left(report["unfused"], "convolutions not fused"),
+                      format_groups(report["pytorch"], "ops left to PyTorch, by reason")])

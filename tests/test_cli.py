@@ -46,7 +46,7 @@ def test_dump_default_is_a_short_summary_first():
     assert lines[0].startswith(f"# {REF} on ")
     header = "\n".join(lines[:8])
     assert "convolutions:   12 of 12 in fused regions (100% of 19.53 GFLOP)" in header
-    assert "regions:        12 (" in header and "left to PyTorch: 0 convolution(s)" in header
+    assert "regions:        12" in header and "left to PyTorch: 0 convolution(s)" in header
     assert "=== " not in proc.stdout  # no graph code unless --stage asks for it
     out = proc.stdout
     assert out.index("12 fused regions") < out.index("ops left to PyTorch, by reason")
@@ -74,7 +74,7 @@ def test_dump_reports_bad_arguments():
     proc = _run("dump", REF, "--input", "1xAx64")
     assert proc.returncode == 2 and "bad input shape" in proc.stderr
     proc = _run("dump", REF, "--input", "1x11x64x64")
-    assert proc.returncode == 2 and "do not fit the model" in proc.stderr
+    assert proc.returncode == 2 and "cannot take input 0" in proc.stderr
     proc = _run("dump", REF, "--input", "1x3x64x64", "--stage", "bogus")
     assert proc.returncode == 2 and "unknown stage" in proc.stderr
 
@@ -114,7 +114,7 @@ def test_bench_cli_on_cpu_times_eager_and_ours(tmp_path):
     assert result["ms"]["eager"]["median"] > 0 and result["ms"]["fusion_compiler"]["median"] > 0
     assert result["skipped"] == {"eager+cudagraph": "needs CUDA"}
     assert result["fusion_compiler"]["regions"] == {"reference": 12}  # what the defaults chose
-    assert "12 fused regions" not in proc.stdout and "compile(model) took" in proc.stdout
+    assert "12 fused regions" not in proc.stdout and "compile(model) chose" in proc.stdout
     # cold and warm first outputs in new processes (fusion_compiler only: reduce-overhead's
     # CUDA graphs need CUDA)
     assert result["compile_s"]["fusion_compiler, cold"] > 0

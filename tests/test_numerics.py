@@ -84,7 +84,7 @@ def test_gradients_through_reference_backend_match_eager():
 
 def test_wrong_inputs_raise_clear_errors():
     compiled = fc.compile(nn.Conv2d(3, 8, 3))
-    with pytest.raises(TypeError, match="expected 1 inputs, got 2"):
+    with pytest.raises(TypeError, match="Conv2d takes 1 input, got 2"):
         compiled(torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8))
     with pytest.raises(TypeError, match="dtype torch.float16 but the model's parameters are torch.float32"):
         compiled(torch.randn(1, 3, 8, 8, dtype=torch.float16))

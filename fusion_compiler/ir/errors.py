@@ -17,6 +17,17 @@ class FusionError(RuntimeError):
         super().__init__(f"{node}: {message}" if node else message)
 
 
+class InputError(ValueError):
+    """A compiled model called with inputs it cannot take: another device than its parameters, or
+    a shape the model does not take. The message names the input, what it got and, where known,
+    what the model takes; it is raised without the compiler's frames or chained errors."""
+
+
+class InputTypeError(InputError, TypeError):
+    """An :class:`InputError` of type: the wrong number of inputs, or a floating input of another
+    dtype than the model's parameters (also a ``TypeError``)."""
+
+
 class UnsupportedError(RuntimeError):
     """A backend declined a region; ``reason`` is the backend's own explanation.
 

@@ -95,6 +95,18 @@ def conv_flops(node: fx.Node, gm: fx.GraphModule) -> int | None:
     return 2 * out.numel() * weight[0].numel()
 
 
+CONVOLUTIONS = (torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
+                torch.conv_transpose2d, torch.conv_transpose3d, F.conv1d, F.conv2d, F.conv3d)
+"""Every convolution function of PyTorch (regions take 2-d ones; the others stay PyTorch ops)."""
+
+
+def is_any_conv(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` of ``gm`` is a convolution of any kind: a call of :data:`CONVOLUTIONS`
+    or of a ``torch.nn`` convolution module."""
+    return is_call(node, *CONVOLUTIONS) or (node.op == "call_module" and isinstance(
+        gm.get_submodule(node.target), torch.nn.modules.conv._ConvNd))
+
+
 def node_device(node: fx.Node) -> torch.device:
     """The device ``node``'s value lives on when the graph runs (set by
     :func:`fusion_compiler.capture.propagate_shapes`; ``meta["val"]`` itself may be a meta

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import BACKENDS, CompileOptions
+from ..ir.errors import FusionError, condense
 from .report import DEFAULT_STAGES, STAGES_HELP
 
 __all__ = ["main", "load_model", "parse_shape"]
@@ -53,7 +55,11 @@ def load_model(ref: str) -> torch.nn.Module:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load {ref!r}: {exc}") from exc
-    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) else factory
+    try:
+        model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) \
+            else factory
+    except Exception as exc:  # the user's factory failed: say so in its words
+        raise ValueError(f"{ref} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"{ref!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -63,6 +69,9 @@ def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]
     """The model of ``args.model`` on the device in the dtype (train mode with ``--train``) and
     random inputs of the ``--input`` shapes (seeded: the same in every process)."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine "
+                         f"(torch {torch.__version__}); use --device cpu")
     dtype = _DTYPES[args.dtype]
     torch.manual_seed(0)
     model = load_model(args.model).to(device=device, dtype=dtype)
@@ -94,6 +103,9 @@ def _dump(args: argparse.Namespace) -> int:
     model, inputs, device = _load(args)
     spec = specialize_for_dump(model, inputs, **_options(args))
     title = f"{args.model} on {device}, {args.dtype}, {'train' if args.train else 'eval'}"
+    if torch.device(device).type != "cuda":  # what the dump shows, and what runs here instead
+        title += (": the regions a CUDA GPU gets (the CUDA pass pipeline); on this device "
+                  "compile() runs every region as its own PyTorch ops")
     if args.format == "dot":
         from .dot import to_dot  # noqa: PLC0415
 
@@ -180,6 +192,8 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--autotune", type=int, default=CompileOptions.autotune,
                    help="cuDNN plans built and timed per region on a GPU (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help=out_help)
+    p.add_argument("--debug", action="store_true",
+                   help="on an error, show the traceback instead of one line")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,8 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "torch.compile (default, reduce-overhead) and fusion_compiler "
                                    "with its defaults, in one process: medians and spread, compile "
                                    "times (cold and warm, in new processes), the GPU's name. "
-                                   "Writes bench.json and, with matplotlib, bench.png to --out.")
-    _common(b, "directory for bench.json and bench.png (default: none written)")
+                                   "Shows on stderr which variant is building and for how long. "
+                                   "Writes bench.json, bench.txt and, with matplotlib, bench.png "
+                                   "to --out.")
+    _common(b, "directory to write bench.json (every result, as JSON), bench.txt (the tables "
+               "printed) and, with matplotlib installed, bench.png (a bar plot of the medians) "
+               "(default: none written)")
     from .bench import add_arguments  # noqa: PLC0415
 
     add_arguments(b)
@@ -231,12 +249,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status. A user's error (a model that cannot be
+    loaded or traced, inputs it does not take, an unavailable device, a bad option) is one line
+    on stderr and exit status 2; ``--debug`` or ``FUSION_COMPILER_LOG=debug`` raises it with
+    its traceback instead."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("FUSION_COMPILER_LOG", "").lower() == "debug"
     try:
         return args.func(args)
-    except ValueError as exc:
-        parser.exit(2, f"fusion-compiler: error: {exc}\n")
+    except (ValueError, FusionError) as exc:
+        if debug:
+            raise
+        parser.exit(2, f"fusion-compiler: error: {condense(str(exc), 1000)}\n")
 
 
 if __name__ == "__main__":

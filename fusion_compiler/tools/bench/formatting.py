@@ -82,7 +82,7 @@ def format_results(results: Sequence[dict]) -> str:
                 if err is not None:
                     console.print(f"{_row_name(r)}: {v} max rel. error vs fp32 {err:.2e}")
             if "fusion_compiler" in r:
-                console.print(f"{_row_name(r)}: compile(model) took {r['fusion_compiler']}")
+                console.print(f"{_row_name(r)}: {_what_compile_chose(r['fusion_compiler'])}")
                 gflop, t = r["fusion_compiler"].get("conv_gflop"), r["ms"].get(r["first"])
                 if gflop and t:
                     console.print(f"{_row_name(r)}: {gflop:.2f} GFLOP of convolutions per "
@@ -102,6 +102,18 @@ def format_results(results: Sequence[dict]) -> str:
             for v, why in r.get("skipped", {}).items():
                 console.print(f"{_row_name(r)}: {v} skipped: {why}")
     return cap.get()
+
+
+def _what_compile_chose(chosen: dict) -> str:
+    """What ``compile(model)`` chose, in words: regions per backend, the glue, the CUDA graph,
+    why a default was not taken."""
+    regions = ", ".join(f"{n} on {b}" for b, n in sorted(chosen.get("regions", {}).items()))
+    glue = f"glue compiled by {chosen['glue']}" if chosen.get("glue") else "glue as eager ops"
+    graph = {"safe": "one CUDA graph", "static": "one CUDA graph (static outputs)"}.get(
+        chosen.get("cuda_graph"), "no CUDA graph")
+    notes = "; ".join(chosen.get("notes") or []) or "none"
+    return (f"compile(model) chose: regions {regions or 'none'}; {glue}; {graph}; defaults not "
+            f"taken: {notes}")
 
 
 def _row_name(r: dict) -> str:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...compiler import compile as compile_model
+from ...ir.errors import InputError
 from ..check import floating_outputs, relative_error
 from ..report import summarize
 from ...tables import format_gradients, format_tuning
@@ -94,12 +95,37 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
 
 
 @contextlib.contextmanager
-def _status(console: Any, text: str):
+def _status(console: Any, text: str, announce: bool = True):
+    """Show ``text`` on stderr while the block runs: on a terminal a live line with the seconds
+    it has taken; elsewhere (a log file) one line when it starts, with ``announce``, and one with
+    the seconds when it ended, for blocks that are not followed by a verdict of their own."""
     if console is None:
         yield
         return
-    with console.status(text):
+    start = time.perf_counter()
+    if not console.is_terminal:
+        if announce:
+            console.print(f"{text} ...")
         yield
+        if announce and not text.startswith("bench: building"):
+            console.print(f"{text}: done in {time.perf_counter() - start:.1f} s")
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        progress.add_task(text, total=None)
+        yield
+
+
+def _verdict(name: str, result: dict) -> str:
+    """One line on a variant, in words: its time per call and how long it took to be ready, or
+    why it failed."""
+    ms = result["ms"].get(name)
+    if not ms:
+        return f"{name}: failed: {result['errors'][name]}"
+    return (f"{name}: {ms['median']:.3f} ms per call (median of {ms['reps']} x {ms['iters']} "
+            f"calls); built and first call in {result['compile_s'][name]:.1f} s")
 
 
 def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
@@ -138,7 +164,7 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
     """
     from rich.console import Console  # noqa: PLC0415
 
-    console = Console(stderr=True) if progress else None
+    console = Console(stderr=True, soft_wrap=True, highlight=False) if progress else None
     first = next(t for t in inputs if isinstance(t, torch.Tensor))
     device = first.device
     fusion_variants = fusion_variants or {"fusion_compiler": {}}
@@ -156,12 +182,18 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
     unknown = [v for v in names if v not in makers]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {sorted(makers)}")
-    reference = None
-    if not train:
+    shapes = ", ".join("x".join(map(str, t.shape)) for t in inputs if isinstance(t, torch.Tensor))
+    try:  # an fp32 copy in true fp32: the errors' reference, and a check that the inputs fit
         with torch.inference_mode(), fp32_convolutions():
             reference = floating_outputs(copy.deepcopy(model).float()(*[
                 t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 for t in inputs]))
+    except Exception as exc:  # the user's inputs (or model): one clear error, not per variant
+        raise InputError(f"{type(model).__name__} does not run on inputs of shape {shapes}: "
+                         f"{' '.join(str(exc).split())}") from exc
+    if train:
+        reference = None
+    else:
         result["rel_err_vs_fp32"] = {}
     first_fusion = result["first"]
     built: dict[str, Callable[[], object]] = {}  # kept for the profiler, after all timings
@@ -172,13 +204,13 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                 result["skipped"][name] = "needs CUDA"
                 continue
             try:
-                with _status(console, f"bench: building {name}"):
+                with _status(console, f"bench: building and calling {name}"):
                     t0 = time.perf_counter()
                     fn = makers[name]()
                     fn()
                     sync(device)
                     result["compile_s"][name] = time.perf_counter() - t0
-                with _status(console, f"bench: timing {name}"):
+                with _status(console, f"bench: timing {name}", announce=False):
                     result["ms"][name] = time_ms(fn, device, reps, iters)
                 if reference is not None:
                     out = floating_outputs(fn())
@@ -192,10 +224,7 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                 result["ms"][name] = None
                 result["errors"][name] = " ".join(str(exc).split())[:300]
             if console is not None:
-                ms = result["ms"].get(name)
-                console.log(f"{name}: " + (f"{ms['median']:.3f} ms, compiled in "
-                                           f"{result['compile_s'][name]:.1f} s" if ms else
-                                           f"failed: {result['errors'][name]}"))
+                console.print(_verdict(name, result), highlight=False)
         # The profiler runs after all timings, so no variant is timed after a profiler session
         # and another not (whether one changes later host-side launch cost is not settled;
         # docs/decisions.md, "Benchmarked models in processes of their own")
