@@ -212,17 +212,17 @@ class Runners:
         process-wide, pytorch/pytorch#196637). It compiles an
         :func:`~fusion_compiler.runtime.tiered.isolated_copy` of ``gm``, which shares tensors with
         the model (in-place updates reach the compiled code) but no module, rewritten by the glue
-        pipeline (:func:`fusion_compiler.passes.glue`). The compiled graph then runs once on
-        copies of the inputs, on a stream of its own, in the caller's grad and inference modes,
-        with the regions not executed (:func:`~fusion_compiler.runtime.region_op.dry_run`):
-        Triton's autotuning happens there. All of it holds
+        pipeline (:func:`fusion_compiler.passes.glue`) on the background thread. The compiled
+        graph then runs once on copies of the inputs, on a stream of its own, in the caller's
+        grad and inference modes, with the regions not executed
+        (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there.
+        All of it holds
         :data:`~fusion_compiler.runtime.tiered.COMPILE_LOCK`: a new specialization's compile on
         the calling thread waits for it."""
         from .runtime.region_op import dry_run  # noqa: PLC0415
 
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
         private = isolated_copy(gm, opaque=lambda m: isinstance(m, Region))
-        PassManager(glue(), propagate=False).run(private)
         device = next(a.device for a in example if isinstance(a, torch.Tensor))
         ready = torch.cuda.Event()
         ready.record()
@@ -236,6 +236,9 @@ class Runners:
 
         def build() -> Any:  # on the background thread; no capture may run meanwhile
             with COMPILE_LOCK:
+                # the glue pipeline here too: it imports the SE gate kernel (Triton), seconds a
+                # warm process's first output would wait for on the calling thread
+                PassManager(glue(), propagate=False).run(private)
                 with in_modes(), torch.no_grad():  # an inference graph (no backward traced)
                     compiled = inductor_compile(private, example)
                 stream = torch.cuda.Stream(device)
