@@ -17,6 +17,7 @@ device the value lives on when the graph runs (:func:`~fusion_compiler.ir.ops.no
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -57,7 +58,10 @@ def input_specs(args: Sequence[Any]) -> tuple:
 
 
 def capture(model: torch.nn.Module) -> fx.GraphModule:
-    """Trace ``model`` with ``torch.fx.symbolic_trace``.
+    """Trace ``model`` with ``torch.fx.symbolic_trace``; a ``GraphModule`` (a Dynamo graph) is
+    not traced again but copied: a graph module of its own, with a copy of its graph and the same
+    submodules and tensors, so that the passes, which rewrite the graph they get in place, leave
+    the model's graph as it was (each specialization starts from it).
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
@@ -66,7 +70,10 @@ def capture(model: torch.nn.Module) -> fx.GraphModule:
             naming the fix.
     """
     if isinstance(model, fx.GraphModule):
-        return model
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(model.graph, {}))
+        graph._codegen = copy.deepcopy(model.graph._codegen)  # the inputs' and outputs' specs
+        return fx.GraphModule(model, graph)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise FusionError(
             "fusion_compiler.compile got a DistributedDataParallel module: compile the model "

@@ -1,8 +1,9 @@
 """``torch.compile(model, backend="fusion_compiler")``: the Dynamo backend.
 
-``import fusion_compiler`` registers the name (:func:`register`), so it works from a source
-checkout on ``PYTHONPATH`` too; once the package is installed, the ``torch_dynamo_backends`` entry
-point (``pyproject.toml``) finds it without the import.
+Installed (``pip install``), the package declares the backend as a ``torch_dynamo_backends``
+entry point (``pyproject.toml``), which Dynamo loads and registers by itself, with or without
+``import fusion_compiler``; from a source checkout on ``PYTHONPATH`` (no entry point),
+``import fusion_compiler`` registers the name (:func:`register`).
 
 Dynamo hands over one ``fx.GraphModule`` per graph between graph breaks, with example inputs that
 are ``FakeTensor`` s (and, with ``torch._dynamo.config.inline_inbuilt_nn_modules``, the default,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import sys
 from typing import Any, Callable, Sequence
 
@@ -37,6 +39,7 @@ __all__ = ["fusion_compiler_backend", "register", "BACKEND_NAME"]
 
 BACKEND_NAME = "fusion_compiler"
 _REGISTRY = "torch._dynamo.backends.registry"
+_GROUP = "torch_dynamo_backends"
 
 
 def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -69,8 +72,19 @@ def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
     return run
 
 
+def _installed() -> bool:
+    """Whether an installed distribution declares this backend as a ``torch_dynamo_backends``
+    entry point: then Dynamo loads it by that name itself."""
+    return BACKEND_NAME in importlib.metadata.entry_points(group=_GROUP).names
+
+
 def _register_now(registry: Any) -> None:
-    """Add the backend to Dynamo's ``registry`` module unless a backend of that name is there."""
+    """Add the backend to Dynamo's ``registry`` module, unless an installed entry point declares
+    it or a backend of that name is there. Dynamo registers an entry point's backend itself when
+    it first looks the name up, after loading it (which imports this package): registered here
+    too, its own registration then failed ("duplicate name")."""
+    if _installed():
+        return
     try:
         registry.register_backend(fusion_compiler_backend, name=BACKEND_NAME)
     except AssertionError:  # "duplicate name": registered already (e.g. a second import path)

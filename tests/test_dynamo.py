@@ -150,3 +150,63 @@ def test_import_does_not_import_dynamo():
                            "print('torch._dynamo' in sys.modules)"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+
+
+_INSTALLED = """
+{before}
+import torch
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).eval()
+x = torch.randn(2, 3, 8, 8)
+compiled = torch.compile(model, backend="fusion_compiler")
+{between}
+with torch.no_grad():
+    out = compiled(x)
+{after}
+assert torch.allclose(out, model(x), atol=1e-5)
+print("ok", "fusion_compiler" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("before,between,after", [
+    ("import sys", "", ""),  # no import of the package: the entry point alone
+    ("import sys, fusion_compiler", "", ""),
+    ("import sys, torch._dynamo, fusion_compiler", "", ""),
+    ("import sys", "import fusion_compiler", ""),
+    ("import sys", "", "import fusion_compiler"),
+], ids=["no import", "import first", "after dynamo", "before the call", "after the call"])
+def test_the_installed_backend_works_with_or_without_the_import(before, between, after):
+    """Installed, Dynamo loads the backend from its entry point; the package's import must not
+    register the name a second time ("duplicate name"), whenever it happens."""
+    from importlib.metadata import entry_points
+
+    if "fusion_compiler" not in entry_points(group="torch_dynamo_backends").names:
+        pytest.skip("the package is not installed (pip install -e .): no entry point")
+    script = _INSTALLED.format(before=before, between=between, after=after)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok True"
+
+
+def test_any_batch_sequence_gives_eagers_outputs_and_gradients():
+    """After its first recompile Dynamo makes the batch dimension dynamic; each graph keeps its
+    own graph untouched by the passes (they rewrite a copy), so every specialization starts from
+    it: batch sizes in any order give eager's outputs, in inference and in training."""
+    from examples.seresnet9_fixup import randomized_se_resnet9_fixup
+
+    torch.manual_seed(0)
+    model = randomized_se_resnet9_fixup()
+    compiled = torch.compile(model, backend="fusion_compiler")
+    for n in (8, 4, 2, 5, 1, 8):
+        x = torch.randn(n, 3, 64, 64)
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        model.train()
+        model.zero_grad()
+        compiled(x).square().mean().backward()
+        got = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad()
+        model(x).square().mean().backward()
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(got[k], p.grad, rtol=1e-3, atol=1e-5, msg=k)
