@@ -138,7 +138,7 @@ class CompiledModule(torch.nn.Module):
     def specialize(self, *args: Any) -> Specialization:
         """Compile (or fetch) the specialization for inputs like ``args``, lowered now: a
         specialization that a call compiled and that still answers from tier 0 is waited for
-        (see ``tiered`` in :func:`compile`; Inductor's tier may still be compiling).
+        (option ``tiered``, docs/options.md; Inductor's tier may still be compiling).
 
         Raises:
             InputError: inputs the model does not take (see :class:`CompiledModule`).
@@ -178,8 +178,8 @@ class CompiledModule(torch.nn.Module):
         return spec
 
     def wait_for_background_compiles(self, timeout: float | None = None) -> bool:
-        """Block until every specialization's background compile (see ``tiered`` in
-        :func:`compile`) has ended, at most ``timeout`` seconds in all, and switch those
+        """Block until every specialization's background compile (option ``tiered``,
+        docs/options.md) has ended, at most ``timeout`` seconds in all, and switch those
         specializations to their last tier now. Returns ``False`` if the timeout passed first.
         Benchmarks call it before timing the steady state."""
         deadline = None if timeout is None else time.monotonic() + timeout
