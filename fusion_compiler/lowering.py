@@ -15,6 +15,7 @@ also on a machine without a GPU), so dumps show what would run. Each region's re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -64,6 +65,17 @@ def _candidates(region: Region, backends: list[Backend]) -> tuple[list[Backend],
     return taking, reason
 
 
+def _first_asked(candidates: dict[Region, tuple[list[Backend], str]]
+                 ) -> dict[Backend, list[Region]]:
+    """The regions each backend is asked first (the first that takes them), in graph order:
+    what it may start preparing (:meth:`~fusion_compiler.backends.Backend.prefetch`)."""
+    mine: dict[Backend, list[Region]] = {}
+    for region, (taking, _) in candidates.items():
+        if taking:
+            mine.setdefault(taking[0], []).append(region)
+    return mine
+
+
 def _fastest(region: Region, lowered: dict[str, Lowered]) -> tuple[str, dict[str, float]]:
     """The backend whose kernel ran ``region`` fastest on random inputs of its shapes (each
     kernel timed in a CUDA graph, the replays alternating), and every kernel's ms per call. Off
@@ -92,16 +104,16 @@ def _choose(region: Region, taking: list[Backend], reason: str, reference: Backe
         fallback = reference.lower(region, training, backward)
         if declined is not None:
             reason = declined.reason
-            fallback = Lowered(fallback.kernel, timing=declined.timing,
-                               nhwc_inputs=declined.nhwc_inputs)
+            fallback = dataclasses.replace(fallback, timing=declined.timing,
+                                           nhwc_inputs=declined.nhwc_inputs)
         return _Choice(reference, fallback, reason)
     if len(lowered) == 1:
         name = next(iter(lowered))
         return _Choice(backend_of[name], lowered[name])
     name, timing = _fastest(region, lowered)
     chosen = lowered[name]
-    return _Choice(backend_of[name], Lowered(**{**vars(chosen), "timing": {**chosen.timing,
-                                                                            **timing}}))
+    return _Choice(backend_of[name], dataclasses.replace(chosen,
+                                                         timing={**chosen.timing, **timing}))
 
 
 def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False,
@@ -134,9 +146,8 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
     regions = [gm.get_submodule(call.target) for call in calls]
     candidates = {r: _candidates(r, backends) for r in regions}
     describers = [r.make(options) for r in registered()]
-    for backend in backends:  # each starts on the regions it will be asked first (plan builds)
-        if backend is not reference:
-            backend.prefetch([r for r in regions if candidates[r][0][:1] == [backend]])
+    for backend, mine in _first_asked(candidates).items():  # plan builds start now, at once
+        backend.prefetch(mine)
     shown = progress if progress is not None else options.progress
     bar = regions
     if shown or (shown is None and sys.stderr.isatty()):
@@ -175,8 +186,9 @@ def plan_work(gm: fx.GraphModule, options: CompileOptions) -> str:
     must be built but nothing timed (CPU work in worker processes, which may run beside GPU
     work), ``"tune"`` when candidates must also be timed on the GPU."""
     backends = backends_for(options)
-    work = [taking[0].plan_work(r) for r in regions_of(gm)
-            if (taking := _candidates(r, backends)[0])]
+    candidates = {r: _candidates(r, backends) for r in regions_of(gm)}
+    work = [backend.plan_work(r) for backend, mine in _first_asked(candidates).items()
+            for r in mine]
     return max(work, key=PLAN_WORK.index, default="")
 
 
@@ -186,10 +198,8 @@ def build_plans(gm: fx.GraphModule, options: CompileOptions) -> None:
     work, nothing run on the GPU). A later :func:`lower` finds them built and only loads and
     times them."""
     backends = backends_for(options)
-    first = {r: taking[0] for r in regions_of(gm) if (taking := _candidates(r, backends)[0])}
-    for backend in backends:
-        mine = [r for r, b in first.items() if b is backend]
-        if mine:
-            backend.prefetch(mine)
-            backend.wait_for_prefetched()
+    candidates = {r: _candidates(r, backends) for r in regions_of(gm)}
+    for backend, mine in _first_asked(candidates).items():
+        backend.prefetch(mine)
+        backend.wait_for_prefetched()
 
