@@ -13,7 +13,7 @@ import torch
 
 from .capture import TensorSpec, capture, input_specs
 from .config import CompileOptions, Target
-from .ir.errors import FusionError, InputError, InputTypeError
+from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
 from .runtime.tensors import restored
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
@@ -111,7 +111,7 @@ class CompiledModule(torch.nn.Module):
         eager takes them (then it is the compiler's fault, not the caller's)."""
         error: Exception = exc  # a check of ours (count, device, dtype): its message says it all
         cause = None
-        if any("do not fit the model" in a for a in exc.args):
+        if isinstance(exc, InputShapeError):
             try:
                 with torch.no_grad(), restored(list(self.model.buffers())):
                     self.model(*args)
@@ -204,9 +204,9 @@ class CompiledModule(torch.nn.Module):
         the ops left to PyTorch, grouped by reason."""
         if self.last is None:
             return "not compiled yet: call the module once (or pass example_inputs)"
-        from .tables import format_report  # noqa: PLC0415
+        from .tables import coverage, format_report  # noqa: PLC0415
 
-        return format_report(self.last, type(self.model).__name__)
+        return format_report(coverage(self.last), type(self.model).__name__)
 
 
 def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, *,

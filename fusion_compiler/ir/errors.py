@@ -28,6 +28,12 @@ class InputTypeError(InputError, TypeError):
     dtype than the model's parameters (also a ``TypeError``)."""
 
 
+class InputShapeError(InputError):
+    """An :class:`InputError` found by running the captured graph on the inputs: the model does
+    not take their shapes. The message carries the failing op's error; the compiled module
+    replaces it with eager PyTorch's own message for the inputs."""
+
+
 class UnsupportedError(RuntimeError):
     """A backend declined a region; ``reason`` is the backend's own explanation.
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from ..capture import apply_meta, encode_meta, propagate_shapes
-from ..ir.errors import InputError
+from ..ir.errors import InputShapeError
 
 __all__ = ["Pass", "PassManager", "REAL_PROPAGATION_BUDGET_S"]
 
@@ -104,7 +104,7 @@ class PassManager:
         """Run every pass on ``gm``.
 
         Raises:
-            InputError: (with ``propagate``) the example inputs do not fit the captured model
+            InputShapeError: (with ``propagate``) the example inputs do not fit the captured model
                 (wrong rank, channel count, ...); the message carries PyTorch's own error.
         """
         if self.propagate:
@@ -115,7 +115,7 @@ class PassManager:
                     else type(exc).__name__
                 shapes = ", ".join(str(tuple(a.shape)) for a in self.example_inputs
                                    if hasattr(a, "shape"))
-                raise InputError(f"inputs of shape {shapes} do not fit the model: "
+                raise InputShapeError(f"inputs of shape {shapes} do not fit the model: "
                                  f"{first}") from exc
             self._stage("captured", gm)
         for p in self.passes:
