@@ -21,7 +21,7 @@ from .backends.cudnn.autotune import fastest
 from .ir.ops import conv_flops, is_any_conv
 from .ir.region import Region, called_region
 
-__all__ = ["format_report", "format_regions", "format_tuning", "format_gradients",
+__all__ = ["coverage", "format_report", "format_regions", "format_tuning", "format_gradients",
            "format_summary", "format_left", "format_groups", "regions_table", "summarize",
            "unfused_convolutions", "pytorch_nodes", "group_by_reason", "op_name_of", "render",
            "add_row", "WIDTH", "WIDE", "NO_CUDA"]
@@ -256,12 +256,21 @@ def format_groups(rows: list[dict], title: str, shown: int = 6) -> str:
     return render(table)
 
 
-def format_report(spec: Any, title: str = "") -> str:
-    """What ``CompiledModule.report()`` prints for a specialization: the summary
-    (:func:`format_summary`), the region table and the ops left to PyTorch, grouped by reason."""
+def coverage(spec: Any) -> dict:
+    """What a specialization covers, JSON-ready: ``inputs``, ``summary`` (:func:`summarize`),
+    ``regions`` (each region's :meth:`~fusion_compiler.ir.region.Region.describe`), ``unfused``
+    (convolutions outside every region, with reasons) and ``pytorch`` (other ops left to
+    PyTorch, with reasons)."""
     gm = spec.graph_module
-    report = {"inputs": [str(a) for a in spec.signature[0]], "summary": summarize(spec),
-              "unfused": unfused_convolutions(gm), "pytorch": pytorch_nodes(gm)}
-    return "\n".join([format_summary(report, title), format_regions(spec.regions),
+    return {"inputs": [str(a) for a in spec.signature[0]], "summary": summarize(spec),
+            "regions": [r.describe() for r in spec.regions],
+            "unfused": unfused_convolutions(gm), "pytorch": pytorch_nodes(gm)}
+
+
+def format_report(report: dict, title: str = "") -> str:
+    """:func:`coverage`'s result as text (what ``CompiledModule.report()`` prints and the dump
+    starts with): the summary (:func:`format_summary`), the region table, the convolutions not
+    fused and the other ops left to PyTorch, grouped by reason."""
+    return "\n".join([format_summary(report, title), regions_table(report["regions"]),
                       format_left(report["unfused"], "convolutions not fused"),
                       format_groups(report["pytorch"], "ops left to PyTorch, by reason")])

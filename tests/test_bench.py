@@ -77,7 +77,8 @@ def test_tuning_table_gives_the_chosen_plans_tflops():
 
     import fusion_compiler as fc
     from fusion_compiler.backends.cudnn.autotune import PlanTiming
-    from fusion_compiler.tools.report import conv_flops, format_tuning
+    from fusion_compiler.ir.ops import conv_flops
+    from fusion_compiler.tables import format_tuning
 
     spec = fc.compile(_model().eval()).specialize(torch.randn(2, 3, 8, 8))
     region = spec.regions[1]

@@ -231,7 +231,7 @@ class Unsupported(nn.Module):
 
 
 def test_unsupported_ops_are_left_alone_with_reasons():
-    from fusion_compiler.tools.report import pytorch_nodes, unfused_convolutions
+    from fusion_compiler.tables import pytorch_nodes, unfused_convolutions
 
     spec = _check(Unsupported(), torch.randn(2, 8, 8, 8), ["conv3x3 > add"])
     unfused = {row["op"]: row["reason"] for row in unfused_convolutions(spec.graph_module)}

@@ -35,7 +35,7 @@ from conftest import lowered_on_gpu  # noqa: E402
 from fusion_compiler.tools.check import check  # noqa: E402
 from fusion_compiler.compiler import CompiledModule  # noqa: E402
 from fusion_compiler.passes.fusion.verify import verify  # noqa: E402
-from fusion_compiler.tools.report import unfused_convolutions  # noqa: E402
+from fusion_compiler.tables import unfused_convolutions  # noqa: E402
 
 ACTIVATIONS = {"none": nn.Identity, "relu": nn.ReLU, "relu6": nn.ReLU6, "silu": nn.SiLU,
                "sigmoid": nn.Sigmoid, "hardswish": nn.Hardswish,

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..ir.region import Region, called_region
-from .report import op_name_of
+from ..tables import op_name_of
 
 __all__ = ["to_dot", "BACKEND_COLORS"]
 

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..ir.ops import conv_flops
 from ..passes import pass_names
-from ..tables import (format_gradients, format_groups, format_left, format_regions,
-                      format_summary, format_tuning, group_by_reason, op_name_of, pytorch_nodes,
-                      regions_table, summarize, unfused_convolutions)
+from ..tables import coverage, format_report
 
-__all__ = ["describe", "format_text", "DEFAULT_STAGES", "STAGES_HELP", "format_regions",
-           "format_tuning", "format_gradients", "format_summary", "summarize", "group_by_reason",
-           "unfused_convolutions", "pytorch_nodes", "op_name_of", "conv_flops"]
+__all__ = ["describe", "format_text", "DEFAULT_STAGES", "STAGES_HELP"]
 
 DEFAULT_STAGES: tuple[str, ...] = ()  # graph code only when asked for
 STAGES_HELP = ", ".join(["captured", *(n for names in pass_names().values() for n in names),
@@ -26,11 +21,10 @@ runs)."""
 
 def describe(spec: Any, stages: Sequence[str] = DEFAULT_STAGES) -> dict:
     """A JSON-ready description of a specialization (``CompiledModule.specialize``'s result,
-    :func:`fusion_compiler.tools.dump.specialize_for_dump`'s): ``inputs``, ``summary``
-    (:func:`summarize`), ``stages`` (stage name -> Python code of the graph: ``captured``, a pass
-    name such as ``normalize``, ``fused`` (with every region's own graph) or ``lowered``),
-    ``regions`` (see :meth:`~fusion_compiler.ir.region.Region.describe`), ``unfused`` (convolutions
-    outside every region, with reasons) and ``pytorch`` (other ops left to PyTorch, with reasons).
+    :func:`fusion_compiler.tools.dump.specialize_for_dump`'s): its
+    :func:`~fusion_compiler.tables.coverage` (``inputs``, ``summary``, ``regions``, ``unfused``,
+    ``pytorch``) and ``stages`` (stage name -> Python code of the graph: ``captured``, a pass
+    name such as ``normalize``, ``fused`` (with every region's own graph) or ``lowered``).
 
     Raises:
         ValueError: a stage name that does not exist (the message lists those that do).
@@ -44,23 +38,14 @@ def describe(spec: Any, stages: Sequence[str] = DEFAULT_STAGES) -> dict:
     unknown = [s for s in stages if s not in codes]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; choose from {sorted(codes)}")
-    return {
-        "inputs": [str(a) for a in spec.signature[0]],
-        "summary": summarize(spec),
-        "stages": {s: codes[s] for s in stages},
-        "regions": [r.describe() for r in spec.regions],
-        "unfused": unfused_convolutions(gm),
-        "pytorch": pytorch_nodes(gm),
-    }
+    return {**coverage(spec), "stages": {s: codes[s] for s in stages}}
 
 
 def format_text(report: dict, title: str = "") -> str:
-    """Human-readable form of :func:`describe`'s result, summary first: the header
-    (:func:`format_summary`), the region table, the convolutions not fused, the other ops left to
-    PyTorch grouped by reason, then the graph code of each stage asked for."""
-    out = [format_summary(report, title), regions_table(report["regions"]),
-           format_left(report["unfused"], "convolutions not fused"),
-           format_groups(report["pytorch"], "ops left to PyTorch, by reason")]
+    """Human-readable form of :func:`describe`'s result: what ``CompiledModule.report()`` prints
+    (:func:`~fusion_compiler.tables.format_report`), then the graph code of each stage asked
+    for."""
+    out = [format_report(report, title)]
     for stage, code in report["stages"].items():
         out.append(f"=== {stage} graph ===\n{code.strip()}\n")
     return "\n".join(out)

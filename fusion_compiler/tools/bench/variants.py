@@ -15,8 +15,7 @@ import torch
 from ...compiler import compile as compile_model
 from ...ir.errors import InputError
 from ..check import floating_outputs, relative_error
-from ..report import summarize
-from ...tables import format_gradients, format_tuning
+from ...tables import format_gradients, format_tuning, summarize
 from .compile_times import BenchRecipe, new_batch_seconds, new_process_compile_seconds
 from .profiling import gpu_ops_per_call, kernel_profile
 from .timing import device_name, fp32_convolutions, graphed, sync, time_ms, train_step
@@ -95,10 +94,10 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
 
 
 @contextlib.contextmanager
-def _status(console: Any, text: str, announce: bool = True):
+def _status(console: Any, text: str, announce: bool = True, done: bool = True):
     """Show ``text`` on stderr while the block runs: on a terminal a live line with the seconds
-    it has taken; elsewhere (a log file) one line when it starts, with ``announce``, and one with
-    the seconds when it ended, for blocks that are not followed by a verdict of their own."""
+    it has taken; elsewhere (a log file) one line when it starts (``announce``) and one with the
+    seconds when it has ended (``done``: not for blocks a verdict line of their own follows)."""
     if console is None:
         yield
         return
@@ -107,7 +106,7 @@ def _status(console: Any, text: str, announce: bool = True):
         if announce:
             console.print(f"{text} ...")
         yield
-        if announce and not text.startswith("bench: building"):
+        if announce and done:
             console.print(f"{text}: done in {time.perf_counter() - start:.1f} s")
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: PLC0415
@@ -204,7 +203,7 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                 result["skipped"][name] = "needs CUDA"
                 continue
             try:
-                with _status(console, f"bench: building and calling {name}"):
+                with _status(console, f"bench: building and calling {name}", done=False):
                     t0 = time.perf_counter()
                     fn = makers[name]()
                     fn()
