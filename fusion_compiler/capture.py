@@ -17,7 +17,6 @@ device the value lives on when the graph runs (:func:`~fusion_compiler.ir.ops.no
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -26,6 +25,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
 from .ir.errors import FusionError
+from .ir.ops import copy_graph
 from .runtime.tensors import restored
 
 __all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "encode_meta", "apply_meta"]
@@ -70,10 +70,7 @@ def capture(model: torch.nn.Module) -> fx.GraphModule:
             naming the fix.
     """
     if isinstance(model, fx.GraphModule):
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(model.graph, {}))
-        graph._codegen = copy.deepcopy(model.graph._codegen)  # the inputs' and outputs' specs
-        return fx.GraphModule(model, graph)
+        return fx.GraphModule(model, copy_graph(model.graph))
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise FusionError(
             "fusion_compiler.compile got a DistributedDataParallel module: compile the model "

@@ -20,6 +20,7 @@ Tensors are NCHW in the graph (the logical layout); backends choose the physical
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -105,6 +106,16 @@ def is_any_conv(node: fx.Node, gm: fx.GraphModule) -> bool:
     or of a ``torch.nn`` convolution module."""
     return is_call(node, *CONVOLUTIONS) or (node.op == "call_module" and isinstance(
         gm.get_submodule(node.target), torch.nn.modules.conv._ConvNd))
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph``: new nodes with the same ops, targets and metadata, and the same
+    code generator settings (the pytree specs of its inputs and outputs). Passes that rewrite the
+    copy leave ``graph`` as it was."""
+    copied = fx.Graph()
+    copied.output(copied.graph_copy(graph, {}))
+    copied._codegen = copy.deepcopy(graph._codegen)
+    return copied
 
 
 def node_device(node: fx.Node) -> torch.device:

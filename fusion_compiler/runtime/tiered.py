@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..ir.ops import copy_graph
 from ..ir.region import Region
 
 __all__ = ["TieredRunner", "COMPILE_LOCK", "ThreadFlag", "submit", "drain", "isolated_copy",
@@ -163,9 +164,7 @@ def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool],
     which hold no state the trace needs) are called through a wrapper that hides their contents.
     ``substitute(module)``, when given and not ``None``, is called instead of ``module``.
     """
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    graph._codegen = copy.deepcopy(gm.graph._codegen)  # the inputs' and outputs' pytree specs
+    graph = copy_graph(gm.graph)
     root = torch.nn.Module()
     names: dict[tuple[str, str], str] = {}
     for node in graph.nodes:
@@ -200,9 +199,7 @@ def unlowered_copy(gm: fx.GraphModule) -> fx.GraphModule:
     def region_ops(module: torch.nn.Module) -> torch.nn.Module | None:
         if not isinstance(module, Region):
             return None
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(module.graph_module.graph, {}))
-        return fx.GraphModule(module.graph_module, graph)
+        return fx.GraphModule(module.graph_module, copy_graph(module.graph_module.graph))
 
     return isolated_copy(gm, opaque=lambda m: False, substitute=region_ops)
 

@@ -56,14 +56,16 @@ class PlanBackend(Protocol):
 
 
 _LIVE: "weakref.WeakSet[CudnnPlan]" = weakref.WeakSet()
+_RELEASE_REGISTERED = False
 
 
 def _release_at_exit(plan: "CudnnPlan") -> None:
     """Track ``plan`` for :func:`release_all`, which the first plan registers to run at exit
     (after ``import cudnn``, so it runs before any exit handler the frontend registered)."""
-    if not _LIVE and not getattr(_release_at_exit, "registered", False):
+    global _RELEASE_REGISTERED
+    if not _RELEASE_REGISTERED:
         atexit.register(release_all)
-        _release_at_exit.registered = True  # type: ignore[attr-defined]
+        _RELEASE_REGISTERED = True
     _LIVE.add(plan)
 
 
