@@ -64,6 +64,9 @@ class CompiledModule(torch.nn.Module):
         self.options = CompileOptions.from_kwargs(options, **kwargs)
         self.model = model
         self._arity = len(capture(model).graph.find_nodes(op="placeholder"))  # fail early
+        # read at every call: the parameter objects stay (``.to()``/``.half()`` change their data)
+        self._model_params = tuple(model.parameters())
+        self._dtype_ref = next((p for p in self._model_params if p.is_floating_point()), None)
         self.specializations: collections.OrderedDict[tuple, Specialization] = \
             collections.OrderedDict()
         self.last: Specialization | None = None
@@ -76,7 +79,7 @@ class CompiledModule(torch.nn.Module):
             plural = "" if self._arity == 1 else "s"
             raise InputTypeError(f"{type(self.model).__name__} takes {self._arity} "
                                  f"input{plural}, got {len(args)}")
-        ref = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        ref = self._dtype_ref
         if ref is None:
             return
         for i, a in enumerate(args):
@@ -92,7 +95,7 @@ class CompiledModule(torch.nn.Module):
     def _needs_grad(self, args: Sequence[Any]) -> bool:
         if not torch.is_grad_enabled():
             return False
-        return any(p.requires_grad for p in self.model.parameters()) or any(
+        return any(p.requires_grad for p in self._model_params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
     def _note(self, notes: list[str], reason: str) -> None:
@@ -192,10 +195,12 @@ class CompiledModule(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         try:
-            self.last = self._specialize(args, answer_early=True)
+            spec = self._specialize(args, answer_early=True)
         except InputError as exc:
             raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
-        return self.last.run(*args)
+        if spec is not self.last:  # (nn.Module.__setattr__ costs microseconds per call)
+            object.__setattr__(self, "last", spec)
+        return spec.run(*args)
 
     def report(self) -> str:
         """What the last specialization is, as text at most 100 columns wide: the summary

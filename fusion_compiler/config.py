@@ -17,12 +17,14 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["CompileOptions", "Target", "BACKENDS", "CUDA_GRAPH_MODES"]
+__all__ = ["CompileOptions", "Target", "BACKENDS", "CUDA_GRAPH_MODES", "DYNAMO_MODES"]
 
 BACKENDS = ("auto", "cudnn", "reference")
 """Values of :attr:`CompileOptions.backend`."""
 CUDA_GRAPH_MODES = ("auto", "static", True, False)
 """Values of :attr:`CompileOptions.cuda_graph` (``True`` is ``"auto"``)."""
+DYNAMO_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""Values of ``torch.compile``'s ``mode`` the backend takes (:meth:`CompileOptions.for_dynamo`)."""
 
 
 @dataclass(frozen=True)
@@ -158,24 +160,24 @@ class CompileOptions:
         return self.replace(cuda_graph=False, glue_backend=None, cuda_pipeline=True)
 
     @classmethod
-    def for_dynamo(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
-        """The options of one Dynamo graph from ``torch.compile(..., options={...})``: Dynamo's
-        graphs run between Python code, inside ``torch.compile``, so without a whole-forward
-        CUDA graph and without a glue backend.
+    def for_dynamo(cls, options: Mapping[str, Any] | None,
+                   mode: str | None = None) -> "CompileOptions":
+        """The options of the graphs ``torch.compile(..., backend="fusion_compiler")`` hands over:
+        ``options={...}`` (this class's fields) on top of :func:`fusion_compiler.compile`'s
+        defaults, CUDA graph included. ``mode`` is ``torch.compile``'s: ``None``,
+        ``"default"``, ``"reduce-overhead"`` and ``"max-autotune"`` keep the defaults (each
+        already replays a CUDA graph and autotunes the plans); ``"max-autotune-no-cudagraphs"``
+        turns the CUDA graph off.
 
         Raises:
-            TypeError: ``cuda_graph`` or ``glue_backend`` among ``options`` (they are
-                ``compile()``'s), or an unknown option.
+            TypeError: an unknown option.
+            ValueError: an invalid option value, or an unknown ``mode``.
         """
-        options = dict(options or {})
-        if "cuda_graph" in options:
-            raise TypeError("cuda_graph is an option of fusion_compiler.compile, not of the "
-                            "torch.compile backend (Dynamo graphs run between Python code)")
-        if "glue_backend" in options:
-            raise TypeError("glue_backend is an option of fusion_compiler.compile, not of the "
-                            "torch.compile backend (this graph is already being compiled by "
-                            "torch.compile)")
-        return cls.from_kwargs(**options).replace(cuda_graph=False, glue_backend=None)
+        if mode not in DYNAMO_MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, DYNAMO_MODES))}, got "
+                             f"{mode!r}")
+        base = cls(cuda_graph=False) if mode == "max-autotune-no-cudagraphs" else cls()
+        return cls.from_kwargs(base, **dict(options or {}))
 
     # ------------------------------------------------------------------ derived decisions
     def graphed_inference(self, target: Target) -> bool:

@@ -6,36 +6,42 @@ entry point (``pyproject.toml``), which Dynamo loads and registers by itself, wi
 ``import fusion_compiler`` registers the name (:func:`register`).
 
 Dynamo hands over one ``fx.GraphModule`` per graph between graph breaks, with example inputs that
-are ``FakeTensor`` s (and, with ``torch._dynamo.config.inline_inbuilt_nn_modules``, the default,
-the module's parameters among the inputs). Fake inputs cannot be compiled against (cuDNN plans are
-built and timed on real memory), so each graph is wrapped in a
-:class:`~fusion_compiler.CompiledModule` that specializes on the first real call, exactly as
-``fusion_compiler.compile`` does: the same passes, regions, fallbacks with reasons, and
-re-specialization when shapes, strides or dtypes change. While gradients are needed (training) the
-specialization is a training one: cuDNN regions run through the ``run_region`` custom op with
-their fused backward (:mod:`fusion_compiler.autograd.backward`); under
-``torch.no_grad``/``inference_mode`` they run inference plans.
-
-Which front door to use: ``fusion_compiler.compile`` for a whole ``nn.Module`` that
-``torch.fx.symbolic_trace`` can trace (one graph, parameter-only work hoisted, optional CUDA graph
-capture); ``torch.compile(..., backend="fusion_compiler")`` for models with Python control flow or
-untraceable code, where Dynamo splits the model into graphs and runs the rest in Python.
+are ``FakeTensor`` s. With ``torch._dynamo.config.inline_inbuilt_nn_modules`` (the default) the
+module's parameters and buffers are graph inputs too, passed at every call; Dynamo marks them
+(``nn.Parameter``, or a ``_dynamo_static_input_type`` attribute on the tensor). Each graph becomes
+a :class:`DynamoGraph`: at its first real call those tensors are bound to the graph as its own
+parameters and buffers (the very tensors, so optimizer steps and ``load_state_dict`` reach it),
+and the graph with only the true inputs left is a :class:`~fusion_compiler.CompiledModule`,
+compiled exactly as ``fusion_compiler.compile(model)`` compiles a model: the same passes and
+regions, parameter-only work hoisted, the glue compiled by Inductor with each region one custom
+op inside it, the whole graph (and a training backward) replayed as a CUDA graph, the first calls
+answered at once while the plans build (``tiered``), one specialization per input signature (so
+any batch sequence works, the dynamic ``SymInt`` inputs Dynamo adds after its first recompile
+among them). Plans need shapes only, but cuDNN's are timed on real memory of those shapes, so
+they are built at the first call of each signature, not from the fake inputs.
 """
 
 from __future__ import annotations
 
+import collections
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import operator
 import sys
+import time
+import weakref
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 
 from .compiler import CompiledModule
 from .config import CompileOptions
+from .ir.ops import copy_graph
 
-__all__ = ["fusion_compiler_backend", "register", "BACKEND_NAME"]
+__all__ = ["fusion_compiler_backend", "DynamoGraph", "register", "BACKEND_NAME",
+           "wait_for_background_compiles"]
 
 BACKEND_NAME = "fusion_compiler"
 _REGISTRY = "torch._dynamo.backends.registry"
@@ -44,32 +50,145 @@ _GROUP = "torch_dynamo_backends"
 
 def fusion_compiler_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
                             options: dict[str, Any] | None = None,
-                            mode: str | None = None) -> Callable[..., Any]:
+                            mode: str | None = None) -> "DynamoGraph":
     """Compile one Dynamo graph; returns the callable Dynamo runs in its place.
 
     Args:
         gm: the graph Dynamo captured.
-        example_inputs: its example inputs (``FakeTensor`` s; only their number is used here).
+        example_inputs: its example inputs (``FakeTensor`` s, ``SymInt`` s): which of them are
+            the model's parameters and buffers is read from them.
         options: :func:`fusion_compiler.compile` options, given as
-            ``torch.compile(..., options={...})``
+            ``torch.compile(..., options={...})``; ``compile()``'s defaults otherwise.
+        mode: ``torch.compile``'s ``mode``
             (:meth:`~fusion_compiler.config.CompileOptions.for_dynamo`).
-        mode: not used (there is one mode); accepted because ``torch.compile`` passes it.
 
     Raises:
-        TypeError: an unknown option, or ``cuda_graph`` (Dynamo graphs run between Python code,
-            so there is no whole forward to capture; use ``fusion_compiler.compile`` for that), or
-            ``glue_backend`` (this graph already runs inside a ``torch.compile`` call; use
-            ``fusion_compiler.compile(model, glue_backend=...)``).
-        ValueError: an invalid option value.
+        TypeError: an unknown option.
+        ValueError: an invalid option value or ``mode``.
         FusionError: the graph cannot be retraced or breaks the cuDNN graph rules (on first call).
     """
-    compiled = CompiledModule(gm, CompileOptions.for_dynamo(options))
+    return DynamoGraph(gm, example_inputs, CompileOptions.for_dynamo(options, mode))
 
-    def run(*args: Any) -> Any:
-        return compiled(*args)
 
-    run.compiled_module = compiled  # for inspection: run.compiled_module.report()
-    return run
+_LIVE: "weakref.WeakSet[DynamoGraph]" = weakref.WeakSet()
+"""The graphs this backend compiled that Dynamo still holds."""
+
+
+def wait_for_background_compiles(timeout: float | None = None) -> bool:
+    """Block until the background compiles (option ``tiered``: plans, then Inductor's glue) of
+    every graph the ``torch.compile`` backend compiled have ended, at most ``timeout`` seconds
+    in all, and switch them to their last tier now (the door's
+    :meth:`fusion_compiler.CompiledModule.wait_for_background_compiles`). Returns ``False`` if
+    the timeout passed first. Benchmarks call it before timing the steady state."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for graph in list(_LIVE):
+        for compiled in graph.bindings:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not compiled.wait_for_background_compiles(left):
+                return False
+    return True
+
+
+def _picker(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``args -> tuple(args[i] for i in positions)``, as one C call."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        return lambda args: (args[positions[0]],)
+    return operator.itemgetter(*positions)
+
+
+def _is_model_state(example: Any) -> bool:
+    """Whether a Dynamo graph input is one of the model's parameters or buffers (or a tensor the
+    user marked static with ``torch._dynamo.mark_static_address``)."""
+    return isinstance(example, torch.nn.Parameter) or (
+        isinstance(example, torch.Tensor)
+        and getattr(example, "_dynamo_static_input_type", None) is not None)
+
+
+class DynamoGraph:
+    """One Dynamo graph, compiled at its first call: called with every input Dynamo passes
+    (model state and true inputs, in the graph's placeholder order), returns the graph's outputs.
+
+    The model state is bound by identity: a call passing other parameter or buffer tensors
+    (Dynamo reuses a graph for another instance of the same module class without a guard on
+    them) compiles a binding of its own; ``options.max_specializations`` bindings are kept, the
+    least recently used evicted.
+
+    Attributes:
+        options: the options every binding compiles with.
+        compiled_module: the :class:`~fusion_compiler.CompiledModule` of the last call's binding
+            (``None`` before the first call): ``.report()``, ``.specializations``.
+
+    Raises (on call): what :class:`~fusion_compiler.CompiledModule` raises.
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 options: CompileOptions):
+        self.gm, self.options = gm, options
+        self._state = [i for i, e in enumerate(example_inputs) if _is_model_state(e)]
+        taken = set(self._state)
+        self._inputs = [i for i in range(len(example_inputs)) if i not in taken]
+        self._state_of = _picker(self._state)
+        self._inputs_of = _picker(self._inputs)
+        self._bindings: collections.OrderedDict[tuple[int, ...], CompiledModule] = \
+            collections.OrderedDict()
+        self._bound: tuple[Any, ...] = ()
+        self.compiled_module: CompiledModule | None = None
+        _LIVE.add(self)
+
+    def __call__(self, *args: Any) -> Any:
+        state = self._state_of(args)
+        if len(state) != len(self._bound) or not all(map(operator.is_, state, self._bound)):
+            self.compiled_module = self._binding(list(state))
+            self._bound = state
+        assert self.compiled_module is not None
+        return self.compiled_module.forward(*self._inputs_of(args))  # (no module hooks)
+
+    @property
+    def bindings(self) -> list[CompiledModule]:
+        """The compiled module of each binding kept, the least recently used first."""
+        return list(self._bindings.values())
+
+    def report(self) -> str:
+        """:meth:`fusion_compiler.CompiledModule.report` of the last call's binding."""
+        if self.compiled_module is None:
+            return "not compiled yet: call the compiled model once"
+        return self.compiled_module.report()
+
+    def _binding(self, state: list[Any]) -> CompiledModule:
+        key = tuple(map(id, state))
+        compiled = self._bindings.get(key)
+        if compiled is None:
+            compiled = CompiledModule(self._bind(state), self.options)
+            self._bindings[key] = compiled
+            while len(self._bindings) > self.options.max_specializations:
+                self._bindings.popitem(last=False)
+        self._bindings.move_to_end(key)
+        return compiled
+
+    def _bind(self, state: list[Any]) -> fx.GraphModule:
+        """A copy of the graph in which the state inputs are attributes holding ``state``
+        (parameters as parameters, other tensors as buffers) and the other inputs remain."""
+        graph = copy_graph(self.gm.graph)
+        placeholders = graph.find_nodes(op="placeholder")
+        root: dict[str, Any] = {}
+        for node in graph.nodes:  # what the graph itself refers to
+            if node.op in ("get_attr", "call_module"):
+                root[node.target] = operator.attrgetter(node.target)(self.gm)
+        first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        for k, value in zip(self._state, state):
+            node = placeholders[k]
+            name = f"_state_{k}"
+            root[name] = value
+            with graph.inserting_before(first_op):
+                attr = graph.get_attr(name)
+            attr.meta = dict(node.meta)
+            node.replace_all_uses_with(attr)
+            graph.erase_node(node)
+        bound = fx.GraphModule(root, graph, class_name=type(self.gm).__name__)
+        bound.train(self.gm.training)
+        return bound
 
 
 def _installed() -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from .passes.post_lowering.hoist import HoistedParameters
 from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy
 
 __all__ = ["Runners", "memory_format", "with_hoisting_and_formats", "inductor_reason",
-           "inductor_compile", "without_custom_op_alias_check"]
+           "inductor_compile", "without_custom_op_alias_check", "version_sum"]
 
 
 def memory_format(t: Any) -> torch.memory_format | None:
@@ -51,6 +52,16 @@ def with_hoisting_and_formats(call: Callable[..., Any], hoisted: HoistedParamete
                         if (f := next(flat)) is not None
                         and not t.is_contiguous(memory_format=f) else t, out)
     return run
+
+
+def version_sum(tensors: Sequence[torch.Tensor]) -> int:
+    """The sum of the tensors' version counters (``Tensor._version``): counters only grow, so
+    it changes whenever one of them is modified in place (an optimizer step, ``load_state_dict``),
+    and it is read with one C-level pass per call, not a tuple built in Python."""
+    return sum(map(_VERSION, tensors))
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 @functools.cache
@@ -190,8 +201,7 @@ class Runners:
             else:
                 params = [t for t in (*self.model.parameters(), *self.model.buffers())
                           if not t.is_inference()]
-                runner = CudaGraphRunner(run, args,
-                                         guard=lambda: tuple(p._version for p in params),
+                runner = CudaGraphRunner(run, args, guard=functools.partial(version_sum, params),
                                          copy_outputs=not static)
         except CaptureError as exc:
             what = "training step" if training else "forward"

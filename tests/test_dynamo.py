@@ -29,7 +29,7 @@ def _fresh_dynamo():
 def _recording_backend(seen: list):
     def backend(gm, example_inputs, **kwargs):
         run = fusion_compiler_backend(gm, example_inputs, **kwargs)
-        seen.append(run.compiled_module)
+        seen.append(run)  # run.compiled_module: the CompiledModule of its last call
         return run
     return backend
 
@@ -51,7 +51,7 @@ def test_dynamo_graph_is_fused_into_regions():
     with torch.no_grad():
         compiled(torch.randn(2, 3, 64, 64))
     assert len(seen) == 1
-    regions = seen[0].last.regions
+    regions = seen[0].compiled_module.last.regions
     assert len(regions) == 12  # the same regions as fusion_compiler.compile finds
     assert "conv1x1 > relu > add" in [r.pattern for r in regions]
 
@@ -79,7 +79,7 @@ def test_training_gradients_match_eager(derived):
         nonzero += 1
         assert rel_err(p.grad, q.grad) < 1e-4, name
     assert nonzero >= len(list(twin.parameters())) - 2
-    regions = seen[0].last.regions
+    regions = seen[0].compiled_module.last.regions
     assert len(regions) == 12
     assert all((r.kernel is not r.graph_module) == derived for r in regions)
 
@@ -105,21 +105,43 @@ def test_graph_breaks_compile_each_graph():
     x = torch.randn(2, 8, 8, 8)
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-5
-    assert len(seen) == 2 and all(m.last.regions for m in seen)
+    assert len(seen) == 2 and all(g.compiled_module.last.regions for g in seen)
 
 
-def test_options_pass_through_and_compile_only_options_are_refused():
+def test_options_and_modes_pass_through():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
     x = torch.randn(1, 3, 8, 8)
-    compiled = torch.compile(model, backend="fusion_compiler", options={"backend": "reference"})
-    with torch.no_grad():
-        assert rel_err(compiled(x), model(x)) < 1e-6
-    torch._dynamo.reset()
-    for option in ("cuda_graph", "glue_backend"):
+    for kwargs in ({"options": {"backend": "reference", "cuda_graph": False}},
+                   {"mode": "reduce-overhead"}, {"mode": "max-autotune-no-cudagraphs"}):
         torch._dynamo.reset()
-        bad = torch.compile(model, backend="fusion_compiler", options={option: True})
-        with pytest.raises(Exception, match=f"{option} is an option of fusion_compiler.compile"):
-            bad(x)
+        compiled = torch.compile(model, backend="fusion_compiler", **kwargs)
+        with torch.no_grad():
+            assert rel_err(compiled(x), model(x)) < 1e-6, kwargs
+    from fusion_compiler.dynamo import wait_for_background_compiles
+
+    assert wait_for_background_compiles(timeout=60)  # nothing runs in the background on a CPU
+    torch._dynamo.reset()
+    bad = torch.compile(model, backend="fusion_compiler", options={"cuda_grph": False})
+    with pytest.raises(Exception, match="did you mean 'cuda_graph'"):
+        bad(x)
+
+
+def test_parameters_are_bound_by_identity():
+    """Dynamo passes the parameters as graph inputs and reuses one graph for two instances of a
+    module class: each instance's tensors get a binding of their own, and in-place updates of
+    a parameter reach the compiled graph."""
+    torch.manual_seed(0)
+    seen = []
+    backend = _recording_backend(seen)
+    one, two = (_randomize_bn(BasicBlock(8, 8)).eval() for _ in range(2))
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        for model in (one, two, one):
+            assert rel_err(torch.compile(model, backend=backend)(x), model(x)) < 1e-5
+        one.conv1.weight.mul_(2)
+        assert rel_err(torch.compile(one, backend=backend)(x), one(x)) < 1e-5
+    assert len(seen) == 1 and len(seen[0].bindings) == 2  # one graph, two bindings
+    assert all(len(m.last.regions) == 2 for m in seen[0].bindings)
 
 
 _NO_ENTRY_POINTS = """
@@ -210,3 +232,20 @@ def test_any_batch_sequence_gives_eagers_outputs_and_gradients():
         model(x).square().mean().backward()
         for k, p in model.named_parameters():
             torch.testing.assert_close(got[k], p.grad, rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_integer_inputs_become_constants_of_each_specialization():
+    """A dynamic Dynamo graph takes its batch size as a ``SymInt`` input; each specialization
+    is for one size, so the passes see the value (the SpaceToDepth stem pass copies the
+    reshapes that use it into a region) and nothing reads the input any more."""
+    torch.manual_seed(0)
+    model = randomize_(se_resnet9_fixup(3)).eval()
+    seen = []
+    compiled = torch.compile(model, backend=_recording_backend(seen))
+    with torch.no_grad():
+        for n in (4, 2, 3):
+            x = torch.randn(n, 3, 64, 64)
+            assert rel_err(compiled(x), model(x)) < 1e-5
+    gm = seen[-1].compiled_module.last.graph_module
+    sizes = [p for p in gm.graph.find_nodes(op="placeholder") if isinstance(p.meta.get("val"), int)]
+    assert sizes and not any(p.users for p in sizes)

@@ -26,10 +26,14 @@ def test_options_are_validated_once_with_a_clear_error():
     dump = CompileOptions(autotune=2).for_dump()
     assert (dump.cuda_graph, dump.glue_backend, dump.cuda_pipeline, dump.autotune) == (
         False, None, True, 2)
-    dynamo = CompileOptions.for_dynamo({"autotune": 1})
-    assert (dynamo.cuda_graph, dynamo.glue_backend, dynamo.autotune) == (False, None, 1)
-    with pytest.raises(TypeError, match="cuda_graph is an option of fusion_compiler.compile"):
-        CompileOptions.for_dynamo({"cuda_graph": True})
+    dynamo = CompileOptions.for_dynamo({"autotune": 1})  # compile()'s defaults: a CUDA graph
+    assert (dynamo.cuda_graph, dynamo.glue_backend, dynamo.autotune) == ("auto", "auto", 1)
+    for mode in ("default", "reduce-overhead", "max-autotune"):
+        assert CompileOptions.for_dynamo(None, mode) == CompileOptions()
+    assert CompileOptions.for_dynamo(None, "max-autotune-no-cudagraphs").cuda_graph is False
+    assert CompileOptions.for_dynamo({"cuda_graph": False}).cuda_graph is False
+    with pytest.raises(ValueError, match="mode must be one of"):
+        CompileOptions.for_dynamo(None, "fast")
     assert CompileOptions.from_kwargs(**CompileOptions(tiered=False).to_dict()).tiered is False
 
 

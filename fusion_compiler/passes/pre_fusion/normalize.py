@@ -5,8 +5,9 @@ Rewrites, in this order:
 1. **functionalize** -- every in-place op (``relu_``, ``add_``, ``+=``, ``F.relu(inplace=True)``,
    ``nn.ReLU(inplace=True)``) becomes its out-of-place twin, and every later reader of the mutated
    value reads the new node instead. Afterwards each value is written once (SSA).
-2. **specialize shapes** -- shape arithmetic (``x.shape``, ``x.size(1)``, ``H // 4``) becomes
-   constants: a compiled graph is specialized on its input shapes anyway.
+2. **specialize shapes** -- shape arithmetic (``x.shape``, ``x.size(1)``, ``H // 4``) and integer
+   inputs (the ``SymInt`` sizes Dynamo passes to a graph with a dynamic batch) become
+   constants: a compiled graph is specialized on its input shapes and integer values anyway.
 3. **modules to functions** -- ``nn.Conv2d``,
    ``nn.ReLU``/``ReLU6``/``Hardtanh``/``Sigmoid``/``Tanh``, ``nn.BatchNorm2d``, ``nn.AvgPool2d``,
    ``nn.AdaptiveAvgPool2d(1)`` and ``nn.Identity`` become function calls; other modules stay as
@@ -133,7 +134,8 @@ def _specialize_shapes(gm: fx.GraphModule) -> None:
             isinstance(v, tuple) and all(isinstance(i, int) for i in v))
 
     for node in list(gm.graph.nodes):
-        if node.op not in ("call_function", "call_method") or "val" not in node.meta:
+        if node.op not in ("call_function", "call_method", "placeholder") \
+                or "val" not in node.meta:
             continue
         val = node.meta["val"]
         if isinstance(val, bool) or not is_static(val):

@@ -21,6 +21,8 @@ import torch
 from ...compiler import compile as compile_model
 from .timing import sync
 
+DOOR = "torch.compile backend=fusion_compiler"
+
 __all__ = ["BenchRecipe", "new_process_compile_seconds", "new_batch_seconds"]
 
 
@@ -82,8 +84,8 @@ def _new_batch_of(label: str, options: dict, model: torch.nn.Module,
 
 
 def new_process_compile_seconds(recipe: BenchRecipe, fusion_variants: dict[str, dict]) -> dict:
-    """Cold and warm seconds to the first output of each fusion_compiler variant and of
-    reduce-overhead (CUDA only), each in a new process: cold with empty plan, Inductor and CUDA
+    """Cold and warm seconds to the first output of each fusion_compiler variant and (CUDA only)
+    of reduce-overhead and ``torch.compile backend=fusion_compiler``, each in a new process: cold with empty plan, Inductor and CUDA
     JIT cache directories, warm with the ones the cold run filled. A failure is reported as
     ``None`` with its message under ``"<label>, <run> error"``.
 
@@ -94,7 +96,7 @@ def new_process_compile_seconds(recipe: BenchRecipe, fusion_variants: dict[str, 
     script = Path(__file__).with_name("first_output.py")
     labels = dict(fusion_variants)
     if recipe.device.startswith("cuda"):
-        labels["torch.compile reduce-overhead"] = None
+        labels["torch.compile reduce-overhead"] = labels[DOOR] = None
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="fc-cold-") as tmp:
         for label, options in labels.items():
