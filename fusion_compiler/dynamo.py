@@ -176,6 +176,8 @@ class DynamoGraph:
         for node in graph.nodes:  # what the graph itself refers to
             if node.op in ("get_attr", "call_module"):
                 root[node.target] = operator.attrgetter(node.target)(self.gm)
+        for node in placeholders:  # Dynamo's record of the input holds a weak reference,
+            node.meta.pop("grapharg", None)  # which Inductor's cache key cannot pickle
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
         for k, value in zip(self._state, state):
             node = placeholders[k]
