@@ -22,12 +22,11 @@ import functools
 from typing import Any, Sequence
 
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 
-from ..ir.ops import COMMUTATIVE
-from ..ir.region import Region, operand_kind
+from ..ir.region import Region
 from ..runtime.region_op import in_dry_run, is_traced
+from .epilogue import BINARY, CODES, SILU, binary_operand, epilogue_chain, reference_outputs
 
 __all__ = ["space_to_depth_conv", "space_to_depth_conv_reference", "kernel_reason",
            "triton_reason", "epilogue_program", "SpaceToDepthConvKernel", "OP", "BLOCK",
@@ -44,13 +43,8 @@ _MAX_CHANNELS = 128  # output channels: the fp32 accumulator is [rows, K] in reg
 _ROWS = 64  # output pixels per program: 4 output rows of 16 on the depth stem; the fastest of
 # 16 to 128 (measurements: docs/decisions.md, "The SpaceToDepth stem as one Triton kernel")
 
-# epilogue op codes, as the kernel's constexpr arguments take them
-_ADD, _SUB, _MUL, _DIV, _RELU, _SIGMOID, _TANH = range(1, 8)
-_CODES = {torch.add: _ADD, torch.sub: _SUB, torch.mul: _MUL, torch.div: _DIV,
-          torch.relu: _RELU, torch.sigmoid: _SIGMOID, torch.tanh: _TANH}
-_BINARY_CODES = {_ADD, _SUB, _MUL, _DIV}
-_TORCH = {_ADD: torch.add, _SUB: torch.sub, _MUL: torch.mul, _DIV: torch.div,
-          _RELU: torch.relu, _SIGMOID: torch.sigmoid, _TANH: torch.tanh}
+# the epilogue ops the kernel runs: the shared codes but SiLU
+_CODES = {fn: code for fn, code in CODES.items() if code != SILU}
 
 
 def _space_to_depth(x: torch.Tensor, b: int) -> torch.Tensor:
@@ -66,15 +60,7 @@ def space_to_depth_conv_reference(x: torch.Tensor, weight: torch.Tensor,
     (fp64 for fp64 inputs: an oracle) and rounded to ``x.dtype`` once per output."""
     acc = torch.promote_types(x.dtype, torch.float32)
     y = F.conv2d(_space_to_depth(x, block).to(acc), weight.to(acc))
-    stages, it = [y], iter(operands)
-    for code in ops:
-        if code in _BINARY_CODES:
-            other = next(it).to(acc)
-            y = _TORCH[code](y, other.reshape(1, -1, 1, 1) if other.dim() < 4 else other)
-        else:
-            y = _TORCH[code](y)
-        stages.append(y)
-    return [stages[i].to(x.dtype).contiguous(memory_format=torch.channels_last) for i in outputs]
+    return reference_outputs(y, ops, operands, outputs, x.dtype)
 
 
 @functools.cache
@@ -136,7 +122,7 @@ def _launch(kernel: Any, x: torch.Tensor, weight: torch.Tensor, operands: Sequen
     codes = [*ops, *[0] * (MAX_STEPS - len(ops))]
     pointers, strides, it = [], [], iter(operands)
     for code in codes:
-        if code in _BINARY_CODES:
+        if code in BINARY:
             t = next(it).reshape(-1).contiguous()
             pointers.append(t)
             strides.append(0 if t.numel() == 1 else 1)
@@ -240,38 +226,15 @@ def epilogue_program(region: Region, device: torch.device
     """``(operands, ops, outputs)`` of ``region``'s epilogue (the ops after its convolution) as
     :class:`SpaceToDepthConvKernel` takes them, or why the kernel cannot run it (a text).
     Numbers of the graph become one-element fp32 tensors on ``device``."""
-    names = [n.name for n in region.graph_module.graph.find_nodes(op="placeholder")]
-    conv = region.conv
-    out_shape = tuple(conv.meta["val"].shape)
-    stage = {conv: 0}
-    chain, operands, ops, after = conv, [], [], False
-    for node in region.graph_module.graph.nodes:
-        after = after or node is conv
-        if not after or node.op in ("placeholder", "output") or node is conv:
-            continue
-        code = _CODES.get(node.target) if node.op == "call_function" else None
-        if code is None:
-            return f"epilogue op {node.format_node()} is not one the kernel runs"
-        if node.kwargs or not node.args or (node.args[0] is not chain and not (
-                code in _BINARY_CODES and node.target in COMMUTATIVE and node.args[1] is chain)):
-            return f"{node.name} does not take the chain value as its operand"
-        if code in _BINARY_CODES:
-            other = node.args[1] if node.args[0] is chain else node.args[0]
-            if isinstance(other, (int, float)):
-                operands.append(torch.tensor([float(other)], device=device))
-            elif (isinstance(other, fx.Node) and other.op == "placeholder"
-                  and operand_kind(tuple(other.meta["val"].shape), out_shape)
-                  in ("scalar", "channel")):
-                operands.append(names.index(other.name))
-            else:
-                return f"{node.name}'s operand is not a number or a per-channel tensor"
-        ops.append(code)
-        chain = node
-        stage[node] = len(ops)
-    outputs = [stage.get(n, -1) for n in region.output_nodes]
-    if len(ops) > MAX_STEPS or -1 in outputs or len(outputs) > MAX_OUTPUTS:
-        return (f"{len(ops)} epilogue ops and {len(region.output_nodes)} outputs; the kernel "
-                f"takes {MAX_STEPS} and {MAX_OUTPUTS}, all values of the chain")
-    if any(n.meta["val"].dtype != conv.meta["val"].dtype for n in region.output_nodes):
-        return "an output of another dtype than the convolution's"
-    return operands, ops, outputs
+    chain = epilogue_chain(region, _CODES, BINARY, MAX_STEPS, MAX_OUTPUTS, prologue=True)
+    if isinstance(chain, str):
+        return chain
+    steps, outputs = chain
+    operands = []
+    for step in steps:
+        if step.code in BINARY:
+            operand = binary_operand(step, region, ("scalar", "channel"), device)
+            if operand is None:
+                return f"{step.node.name}'s operand is not a number or a per-channel tensor"
+            operands.append(operand[0])
+    return operands, [step.code for step in steps], outputs

@@ -1,6 +1,7 @@
-"""One cuDNN graph made executable (:class:`CudnnPlan`) and the channels_last weight copies its
-callers share (:class:`WeightCache`): the pieces that both the forward kernels (:mod:`.kernel`)
-and the dgrad/wgrad graphs (:mod:`.backward`) use, kept here so neither imports the other.
+"""One cuDNN graph made executable (:class:`CudnnPlan`), with the channels_last weight copies its
+callers share (:class:`~fusion_compiler.runtime.weight_cache.WeightCache`, imported here for
+them): the pieces that both the forward kernels (:mod:`.kernel`) and the dgrad/wgrad graphs
+(:mod:`.backward`) use, kept here so neither imports the other.
 
 A plan needs a backend object for handles, workspaces, the plan cache and candidate building: the
 :class:`~.backend.CudnnBackend` (duck-typed here, see :class:`PlanBackend`).
@@ -18,7 +19,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ...ir.errors import UnsupportedError, condense
-from ...runtime.cuda_graph import EVERY_CALL, weight_cache_scope
+from ...runtime.weight_cache import WeightCache
 from ...runtime.plan_cache import PlanCache, StaleEntry
 from ...runtime.streams import MAIN_WORKSPACE
 from ..timing import ensure_timing_allowed, gpu_time_ms
@@ -265,51 +266,3 @@ class CudnnPlan:
         pack.update(zip(self.output_uids, outputs))
         pack.update(self.constants)
         self.graph.execute(pack, ws, handle=handle)
-
-
-class WeightCache:
-    """channels_last copy of a weight, made once per weight version instead of once per call.
-
-    Keyed by the tensor object itself (held weakly) and its version counter (``Tensor._version``
-    grows on every in-place update, optimizer steps included), so an updated parameter is copied
-    again, and a weight computed afresh each call (a rewritten weight in training, an inference
-    tensor) is always converted: a new tensor may reuse a freed one's memory and version number,
-    so storage address and version alone would return a stale copy.
-
-    In a CUDA graph capture whose replays follow optimizer updates (a graphed training step) the
-    copy is made inside the graph, so every replay converts the weight as the optimizer left it:
-    once per step for ``compile()``'s own training graphs (forward and backward share it), at every
-    use in a capture of someone else's (see
-    :func:`~fusion_compiler.runtime.cuda_graph.weight_cache_scope`).
-
-    Args:
-        convert: makes the copy from the weight (default: ``contiguous(channels_last)``, and a
-            weight already channels_last is used as it is); e.g. a zero-padding of its channels.
-    """
-
-    def __init__(self, convert: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self.convert = convert
-        self.source: weakref.ref | None = None
-        self.version = -1
-        self.scope: int | None = None  # weight_cache_scope() when the value was made
-        self.value: torch.Tensor | None = None
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        convert = self.convert
-        if convert is None:
-            if t.is_contiguous(memory_format=torch.channels_last):
-                return t
-            convert = _channels_last
-        if t.is_inference():  # made under inference_mode: no version counter, a fresh tensor
-            return convert(t)
-        if self.source is not None and self.source() is t and self.version == t._version:
-            scope = weight_cache_scope()
-            if scope is None or (scope == self.scope and scope != EVERY_CALL):
-                return self.value
-        self.value = convert(t)
-        self.source, self.version, self.scope = weakref.ref(t), t._version, weight_cache_scope()
-        return self.value
-
-
-def _channels_last(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=torch.channels_last)
