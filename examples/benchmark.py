@@ -60,6 +60,7 @@ FUSION_VARIANTS = {
     "fusion_compiler cuda_graph=False": {"cuda_graph": False},  # glue "auto": eager ops
     "fusion_compiler cuda_graph=False glue=inductor": {"cuda_graph": False,
                                                       "glue_backend": "inductor"},
+    "fusion_compiler triton_conv=True": {"triton_conv": True},
 }
 TRAIN_FUSION_VARIANTS = {"fusion_compiler": {}, "fusion_compiler glue=None": {"glue_backend": None},
                          "fusion_compiler cuda_graph=False": {"cuda_graph": False}}

@@ -71,6 +71,9 @@ class CompileOptions:
         derived_backward: in training, PyTorch-ops regions also run the derived backward (tests).
         cuda_pipeline: run the pre-fusion and fusion passes a CUDA input gets whatever the inputs'
             device (what ``fusion-compiler dump`` shows on any machine); ``None``: the inputs'.
+        triton_conv: inference regions whose convolution the Triton implicit-GEMM kernel takes
+            (:mod:`fusion_compiler.kernels.conv`) get that kernel too, timed against cuDNN's plan
+            per region, the faster kept (off until measured on a GPU: docs/options.md).
 
     Raises (on construction):
         ValueError: a value outside an option's choices or range (the message names the option,
@@ -92,6 +95,7 @@ class CompileOptions:
     concurrent_branches: bool = False
     derived_backward: bool = False
     cuda_pipeline: bool | None = None
+    triton_conv: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -103,7 +107,7 @@ class CompileOptions:
         if self.cuda_graph is True:
             object.__setattr__(self, "cuda_graph", "auto")
         for name in ("fuse_prologue", "fuse_reduction", "report", "tiered",
-                     "concurrent_branches", "derived_backward"):
+                     "concurrent_branches", "derived_backward", "triton_conv"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("progress", "cuda_pipeline"):

@@ -65,14 +65,14 @@ def _candidates(region: Region, backends: list[Backend]) -> tuple[list[Backend],
     return taking, reason
 
 
-def _first_asked(candidates: dict[Region, tuple[list[Backend], str]]
-                 ) -> dict[Backend, list[Region]]:
-    """The regions each backend is asked first (the first that takes them), in graph order:
-    what it may start preparing (:meth:`~fusion_compiler.backends.Backend.prefetch`)."""
+def _asked(candidates: dict[Region, tuple[list[Backend], str]]) -> dict[Backend, list[Region]]:
+    """The regions each backend will lower (every backend that takes a region lowers it), in
+    graph order: what it may start preparing (:meth:`~fusion_compiler.backends.Backend.prefetch`)
+    and what its :meth:`~fusion_compiler.backends.Backend.plan_work` is asked about."""
     mine: dict[Backend, list[Region]] = {}
     for region, (taking, _) in candidates.items():
-        if taking:
-            mine.setdefault(taking[0], []).append(region)
+        for backend in taking:
+            mine.setdefault(backend, []).append(region)
     return mine
 
 
@@ -146,7 +146,7 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
     regions = [gm.get_submodule(call.target) for call in calls]
     candidates = {r: _candidates(r, backends) for r in regions}
     describers = [r.make(options) for r in registered()]
-    for backend, mine in _first_asked(candidates).items():  # plan builds start now, at once
+    for backend, mine in _asked(candidates).items():  # plan builds start now, at once
         backend.prefetch(mine)
     shown = progress if progress is not None else options.progress
     bar = regions
@@ -181,13 +181,13 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
 
 def plan_work(gm: fx.GraphModule, options: CompileOptions) -> str:
     """The most that :func:`lower` of ``gm`` (inference) has to do for one region beyond loading
-    cached plans (one of :data:`~fusion_compiler.backends.PLAN_WORK`, asked of the backend that
-    would lower each region): ``""`` when every plan is in the plan cache, ``"build"`` when some
-    must be built but nothing timed (CPU work in worker processes, which may run beside GPU
+    cached plans (one of :data:`~fusion_compiler.backends.PLAN_WORK`, asked of every backend
+    that would lower each region): ``""`` when every plan is in the plan cache, ``"build"`` when
+    some must be built but nothing timed (CPU work in worker processes, which may run beside GPU
     work), ``"tune"`` when candidates must also be timed on the GPU."""
     backends = backends_for(options)
     candidates = {r: _candidates(r, backends) for r in regions_of(gm)}
-    work = [backend.plan_work(r) for backend, mine in _first_asked(candidates).items()
+    work = [backend.plan_work(r) for backend, mine in _asked(candidates).items()
             for r in mine]
     return max(work, key=PLAN_WORK.index, default="")
 
@@ -199,7 +199,7 @@ def build_plans(gm: fx.GraphModule, options: CompileOptions) -> None:
     times them."""
     backends = backends_for(options)
     candidates = {r: _candidates(r, backends) for r in regions_of(gm)}
-    for backend, mine in _first_asked(candidates).items():
+    for backend, mine in _asked(candidates).items():
         backend.prefetch(mine)
         backend.wait_for_prefetched()
 

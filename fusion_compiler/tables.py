@@ -72,11 +72,11 @@ def format_tuning(regions: Sequence[Region]) -> str:
     """Per region, what autotuning measured (ms per execution, median of CUDA-graph timings on
     random data): plans timed, heuristics' first plan and the chosen one, the chosen plan's
     convolution TFLOP/s (:func:`conv_flops` over its time), seconds spent building plans, each
-    candidate backend's kernel timed against the others (input preparation included; ``PyTorch``:
-    the region's own ops) and the backend that runs it."""
+    candidate backend's kernel timed against the others (ms and convolution TFLOP/s; input
+    preparation included; ``PyTorch``: the region's own ops) and the backend that runs it."""
     table = Table(title="autotuning (execution plans and candidate backends per region)")
     for col in ("id", "pattern", "plans timed", "first plan ms", "chosen plan", "chosen ms",
-                "TFLOP/s", "build s", "candidates, ms", "backend"):
+                "TFLOP/s", "build s", "candidates, ms (TFLOP/s)", "backend"):
         table.add_column(col, overflow="fold")
     for r in regions:
         timed = [t for t in r.tuning if t.ms is not None]
@@ -84,8 +84,10 @@ def format_tuning(regions: Sequence[Region]) -> str:
         if best is None and not r.timing:
             continue
         flops = conv_flops(r.conv, r.graph_module)
-        candidates = ", ".join(f"{'PyTorch' if name == 'reference' else name} {ms:.4f}"
-                               for name, ms in r.timing.items())
+        candidates = ", ".join(
+            f"{'PyTorch' if name == 'reference' else name} {ms:.4f}"
+            + (f" ({flops / ms / 1e9:.1f})" if flops and ms > 0 else "")
+            for name, ms in r.timing.items())
         add_row(table, r.region_id, r.pattern, f"{len(timed)}/{len(r.tuning)}",
                  f"{timed[0].ms:.4f}" if timed else "", f"#{best.index} {best.name}" if best else "",
                  f"{best.ms:.4f}" if best else "",

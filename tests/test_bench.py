@@ -90,5 +90,5 @@ def test_tuning_table_gives_the_chosen_plans_tflops():
     assert flops == 2 * (2 * 8 * 8 * 8) * (8 * 3 * 3)
     table = format_tuning(spec.regions)
     assert "TFLOP/s" in table and "2/3" in table and "#1 engB" in table
-    assert "cudnn 0.0000, PyTorch 0.0000" in table
+    assert "cudnn 0.0000 (73.7), PyTorch 0.0000 (49.2)" in table
     assert f"{flops / 2e-6 / 1e9:.1f}" == "73.7" and "73.7" in table

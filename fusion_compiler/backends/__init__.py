@@ -1,8 +1,9 @@
 """Backends that lower regions to kernels, and their registry.
 
-Registered here, highest priority first: ``triton`` (the SpaceToDepth stem as one Triton kernel,
-:mod:`.triton_stem`), ``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the
-region's PyTorch ops, :mod:`.reference`: takes every region, the fallback). A new backend is one
+Registered here, highest priority first: ``triton`` (kernels of this package's own: the
+SpaceToDepth stem, and under ``triton_conv`` an implicit-GEMM convolution; :mod:`.triton`),
+``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the region's PyTorch ops,
+:mod:`.reference`: takes every region, the fallback). A new backend is one
 module plus one :func:`~.registry.register_backend` line below.
 """
 
@@ -23,12 +24,12 @@ def _cudnn(options: CompileOptions) -> Backend:
     return CudnnBackend.for_options(options)
 
 
-def _triton_stem(options: CompileOptions) -> Backend:
-    from .triton_stem import SpaceToDepthStemBackend  # noqa: PLC0415
+def _triton(options: CompileOptions) -> Backend:
+    from .triton import TritonBackend  # noqa: PLC0415
 
-    return SpaceToDepthStemBackend.for_options(options)
+    return TritonBackend.for_options(options)
 
 
 register_backend(REFERENCE, ReferenceBackend.for_options, priority=0)
 register_backend("cudnn", _cudnn, priority=10)
-register_backend("triton", _triton_stem, priority=20)
+register_backend("triton", _triton, priority=20)

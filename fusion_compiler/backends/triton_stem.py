@@ -1,4 +1,5 @@
-"""The ``triton`` backend: a region whose prologue is a SpaceToDepth (given it by the fusion pass
+"""The SpaceToDepth stem half of the ``triton`` backend (:mod:`.triton`): a region whose
+prologue is a SpaceToDepth (given it by the fusion pass
 ``space_to_depth_stem``) runs as one ``fusion_compiler::space_to_depth_conv`` Triton kernel
 (:mod:`fusion_compiler.kernels.space_to_depth`): SpaceToDepth, the 1x1 convolution and its
 epilogue, reading the NCHW image once and writing channels_last outputs. Inference only; it

@@ -85,7 +85,7 @@ def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]
 def _options(args: argparse.Namespace) -> dict:
     return {"backend": args.backend, "autotune": args.autotune,
             "fuse_prologue": args.fuse_prologue, "fuse_reduction": args.fuse_reduction,
-            "concurrent_branches": args.concurrent_branches}
+            "concurrent_branches": args.concurrent_branches, "triton_conv": args.triton_conv}
 
 
 def _emit(text: str, out: Path | None) -> None:
@@ -189,6 +189,10 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
                    help="leave the join of two branches out of the shorter branch's region, "
                         "which then runs on a second CUDA stream in CUDA inference (off by "
                         "default: faster on some networks, slower on others, docs/decisions.md)")
+    p.add_argument("--triton-conv", action="store_true",
+                   help="time a Triton implicit-GEMM convolution against cuDNN per region in CUDA "
+                        "inference, the faster kept (off by default: not yet measured, "
+                        "docs/options.md)")
     p.add_argument("--autotune", type=int, default=CompileOptions.autotune,
                    help="cuDNN plans built and timed per region on a GPU (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help=out_help)

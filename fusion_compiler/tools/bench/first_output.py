@@ -5,15 +5,15 @@
     python first_output.py MODEL_REF VARIANT DTYPE DEVICE CHANNELS_LAST SHAPE [SHAPE ...]
 
 (``VARIANT`` is ``torch.compile reduce-overhead``, ``torch.compile backend=fusion_compiler`` or a
-JSON object of :func:`fusion_compiler.compile` options; ``SHAPE`` like ``128x3x64x64``). It builds the model and
-its inputs first, then starts the clock: for fusion_compiler (either door) before
-``import fusion_compiler``
-(run as a script, the package is not imported yet, so its import is part of the cost), for
-``torch.compile`` before the ``torch.compile`` call; the clock stops when the first output is on
-the host's side of a device synchronization. Prints the seconds on the last line, and after them,
-when a background glue compile was still running (``compile(tiered=True)``), the seconds until
-it was done and the compiled glue switched in. The plan cache and the Inductor cache are wherever
-the environment points them (``FUSION_COMPILER_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``).
+JSON object of :func:`fusion_compiler.compile` options; ``SHAPE`` like ``128x3x64x64``). It
+builds the model and its inputs first, then starts the clock: for fusion_compiler (either door)
+before ``import fusion_compiler`` (run as a script, the package is not imported yet, so its
+import is part of the cost), for reduce-overhead before the ``torch.compile`` call; the clock
+stops when the first output is on the host's side of a device synchronization. Prints the
+seconds on the last line, and after them, when a background glue compile was still running
+(``compile(tiered=True)``), the seconds until it was done and the compiled glue switched in.
+The plan cache and the Inductor cache are wherever the environment points them
+(``FUSION_COMPILER_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def main(argv: list[str]) -> list[float]:
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     if channels_last == "1":
         model = model.to(memory_format=torch.channels_last)
-    inputs = [torch.randn([int(d) for d in s.split("x")], device=device, dtype=getattr(torch, dtype))
-              for s in shapes]
+    inputs = [torch.randn([int(d) for d in s.split("x")], device=device,
+                          dtype=getattr(torch, dtype)) for s in shapes]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sync()
     start = time.perf_counter()

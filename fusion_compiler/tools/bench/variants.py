@@ -61,6 +61,9 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
                                              "regions": summary["regions_per_backend"],
                                              "conv_gflop": summary["conv_gflop"]}
                 result["tuning"] = format_tuning(spec.regions)
+            elif options.get("triton_conv"):  # each region's Triton and cuDNN times
+                result["tuning"] = result.get("tuning", "") + f"{label}:\n" + format_tuning(
+                    spec.regions)
             module(*inputs)  # the first output, then the steady state: the compiled glue
             module.wait_for_background_compiles()
             if alternate:

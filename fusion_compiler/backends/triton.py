@@ -1,0 +1,185 @@
+"""The ``triton`` backend: regions as kernels of this package's own, written in Triton.
+
+* A region whose prologue is a SpaceToDepth (given it by the fusion pass ``space_to_depth_stem``)
+  runs as the SpaceToDepth stem kernel (:mod:`.triton_stem`), by default.
+* With ``triton_conv=True`` any other inference region whose convolution and epilogue
+  :func:`fusion_compiler.kernels.conv.conv_program` takes runs as the implicit-GEMM convolution
+  kernel (:class:`~fusion_compiler.kernels.conv.ConvKernel`). cuDNN takes such regions too, so
+  lowering times both kernels on the region's shapes and keeps the faster
+  (:func:`fusion_compiler.lowering.lower`).
+
+The convolution kernel's tile configuration is autotuned per region shape: each of
+:func:`~fusion_compiler.kernels.conv.candidate_configs` is launched once on sample inputs (a
+failure to compile or run drops the candidate) and the rest are timed in CUDA graphs
+(:func:`.timing.paired_time_ms`); the winner is stored as a record in the plan cache, keyed by
+the region's shapes, epilogue, GPU and Triton version, so a process that finds it times nothing
+for it. ``autotune <= 1`` takes :func:`~fusion_compiler.kernels.conv.default_config` untimed. No
+candidate surviving is a decline (the region stays on cuDNN or PyTorch ops, the record saying
+why), never a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from ..config import CompileOptions
+from ..ir.errors import UnsupportedError, condense
+from ..ir.ops import node_device
+from ..ir.region import BackwardPlan, Region
+from ..kernels.conv import (ConvKernel, ConvProgram, TileConfig, candidate_configs, conv_program,
+                            default_config, triton_kernel)
+from ..runtime.plan_cache import PlanCache, default_cache_dir
+from .base import Backend, Lowered, Support
+from .timing import paired_time_ms, sample_inputs
+from .triton_stem import SpaceToDepthStemBackend
+
+__all__ = ["TritonBackend"]
+
+_RECORD = "triton_conv"  # the plan-cache record holding a region shape's tile configuration
+_FORMAT = 1
+
+
+def _conv_triton_reason() -> str:
+    """Why the convolution kernel cannot run here (``""``: it can)."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    if triton_kernel() is None:
+        return "Triton does not import"
+    return ""
+
+
+class TritonBackend(Backend):
+    """The SpaceToDepth stem kernel, and the convolution kernel under ``triton_conv`` (module
+    docstring). Regions of neither kind are declined without a reason.
+
+    Args:
+        conv: offer the convolution kernel (``triton_conv``).
+        autotune: ``<= 1``: the default configuration, nothing timed.
+        cache: where tile configurations are recorded (the plan cache).
+    """
+
+    name = "triton"
+
+    def __init__(self, conv: bool, autotune: int = 8, cache: PlanCache | None = None):
+        self.stem = SpaceToDepthStemBackend()
+        self.conv, self.autotune = conv, autotune
+        self.cache = cache if cache is not None else PlanCache(None)
+
+    @classmethod
+    def for_options(cls, options: CompileOptions) -> "TritonBackend":
+        cache = PlanCache(default_cache_dir(options.cache_dir)) if options.triton_conv else None
+        return cls(conv=options.triton_conv, autotune=options.autotune, cache=cache)
+
+    def supports(self, region: Region) -> Support:
+        if region.space_to_depth:
+            return self.stem.supports(region)
+        if not self.conv:
+            return Support(False)
+        reason = _conv_triton_reason()
+        if not reason:
+            program = conv_program(region, node_device(region.conv))
+            reason = program if isinstance(program, str) else ""
+        return Support(not reason, f"Triton convolution: {reason}" if reason else "")
+
+    def plan_work(self, region: Region) -> str:
+        """``"tune"`` for a convolution region (its kernel is timed against cuDNN's at every
+        compile), ``""`` for a stem region."""
+        return "tune" if self.conv and not region.space_to_depth else ""
+
+    def lower(self, region: Region, training: bool = False,
+              backward: BackwardPlan | None = None) -> Lowered:
+        """The region's stem kernel or :class:`ConvKernel`.
+
+        Raises:
+            UnsupportedError: in training (the kernels have no backward), the region is not one
+                the kernel takes, or no configuration of the kernel ran on sample inputs of the
+                region's shapes.
+            TimingDeferred: configurations must be timed on a thread where timing is deferred.
+        """
+        if region.space_to_depth:
+            return self.stem.lower(region, training, backward)
+        if training:
+            raise UnsupportedError("the Triton convolution runs inference only", region.region_id)
+        program = conv_program(region, node_device(region.conv))
+        if isinstance(program, str):
+            raise UnsupportedError(f"Triton convolution: {program}", region.region_id)
+        kernel, timing = self._tuned(region, program)
+        config = kernel.config
+        return Lowered(kernel.call, plan=f"implicit-GEMM convolution + {len(program.ops)} "
+                       f"epilogue ops, Triton ({_label(config)})", plan_from_cache=timing is None,
+                       workspace_bytes=0, timing={} if timing is None else timing,
+                       nhwc_inputs=frozenset({program.image_at, *(
+                           at for at, kind in zip(program.operands, program.kinds)
+                           if kind == 2)}))
+
+    def _tuned(self, region: Region, program: ConvProgram
+               ) -> tuple[ConvKernel, dict[str, float] | None]:
+        """The region's kernel with its best configuration, and each timed configuration's ms
+        (``None``: taken from the cache or untimed)."""
+        conv = region.conv
+        n, k, ho, wo = conv.meta["val"].shape
+        _, c, r, s = conv.args[1].meta["val"].shape
+        outputs = [(tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in region.output_nodes]
+        cuda = node_device(conv).type == "cuda"  # off CUDA (tests) the kernel runs torch ops
+        header = self._header(region, program) if cuda else None
+        record = _cached_config(self.cache, header)
+        configs = ([record] if record else
+                   [default_config(n * ho * wo, k, c)] if self.autotune <= 1 or not cuda else
+                   candidate_configs(n * ho * wo, k, c, r * s))
+        inputs = sample_inputs(region)
+        ran: list[ConvKernel] = []
+        failures = []
+        for config in configs:  # the first launch compiles: a failure drops the candidate
+            kernel = ConvKernel(program, outputs, config)
+            try:
+                kernel(*inputs)
+            except Exception as exc:  # Triton's compile errors have no common base class
+                failures.append(f"{_label(config)}: {condense(exc)}")
+                continue
+            ran.append(kernel)
+        if not ran:
+            raise UnsupportedError("the Triton convolution failed on the region's shapes: "
+                                   + "; ".join(failures[:2]), region.region_id)
+        if record or len(ran) == 1:
+            return ran[0], None
+        times = paired_time_ms([lambda kern=kern: kern(*inputs) for kern in ran])
+        best = min(range(len(ran)), key=times.__getitem__)
+        self.cache.store_record(header, _RECORD, {
+            "config": dataclasses.asdict(ran[best].config),
+            "ms": {_label(kern.config): ms for kern, ms in zip(ran, times)}})
+        return ran[best], {f"triton {_label(kern.config)}": ms for kern, ms in zip(ran, times)}
+
+    @staticmethod
+    def _header(region: Region, program: ConvProgram) -> dict:
+        """The plan-cache header of a region's tile configuration: what the kernel computes
+        (shapes, dtype, geometry, epilogue), the GPU and the Triton version."""
+        import triton  # noqa: PLC0415  (imports: triton_kernel() returned a kernel)
+
+        device = node_device(region.conv)
+        placeholders = region.graph_module.graph.find_nodes(op="placeholder")
+        header = {"format": _FORMAT, "kind": _RECORD,
+                  "inputs": [[list(p.meta["val"].shape), str(p.meta["val"].dtype)]
+                             for p in placeholders],
+                  "geometry": [program.stride, program.padding, program.dilation],
+                  "epilogue": [program.ops, program.kinds, program.outputs],
+                  "gpu": torch.cuda.get_device_name(device),
+                  "sm": list(torch.cuda.get_device_capability(device)),
+                  "triton": triton.__version__}
+        return json.loads(json.dumps(header))  # tuples as lists: as a stored record reads back
+
+
+def _cached_config(cache: PlanCache, header: dict | None) -> TileConfig | None:
+    """The tile configuration recorded for ``header``; ``None`` when absent or unreadable."""
+    record = cache.load_record(header, _RECORD) if header is not None else None
+    try:
+        return TileConfig(**record["config"]) if record else None
+    except (TypeError, KeyError):  # written by another version of this record
+        return None
+
+
+def _label(config: TileConfig) -> str:
+    split = f"/split{config.split}" if config.split > 1 else ""
+    return f"{config.bm}x{config.bn}x{config.bk}/{config.warps}w{config.stages}s{split}"

@@ -1,0 +1,144 @@
+"""The Triton implicit-GEMM convolution (``triton_conv``) on the GPU: the compiled kernel against
+fp64 (SE-ResNet9's layer shapes and odd ones, fp16 and bf16, every epilogue kind), and
+``compile(model, triton_conv=True)`` timing it against cuDNN per region. All tests carry
+``@pytest.mark.gpu`` (and skip without Triton). tests/test_triton_conv.py runs the kernel under
+Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import rel_err
+
+import fusion_compiler as fc
+from examples.seresnet9_fixup import randomized_se_resnet9_fixup
+
+pytestmark = pytest.mark.gpu
+
+ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU = range(1, 9)
+SCALAR, CHANNEL, FULL = range(3)
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton():
+    pytest.importorskip("triton")
+
+
+SHAPES = {  # N, C, H, W, K, R, stride, padding
+    "layer0 3x3": (128, 64, 16, 16, 64, 3, 1, 1),
+    "layer1 3x3/s2": (128, 64, 16, 16, 128, 3, 2, 1),
+    "layer3 3x3 (small M)": (128, 512, 2, 2, 512, 3, 1, 1),
+    "1x1": (64, 256, 8, 8, 128, 1, 1, 0),
+    "ragged channels": (3, 20, 9, 11, 36, 3, 1, 1),
+    "5x5/s2": (8, 32, 17, 17, 48, 5, 2, 2),
+}
+EPILOGUES = {  # ops, operand kinds, outputs
+    "conv": ((), (), (0,)),
+    "bias_relu_bias": ((ADD, RELU, ADD), (SCALAR, SCALAR), (3,)),
+    "scale_residual_silu_two_outputs": ((MUL, ADD, SILU), (CHANNEL, FULL), (2, 3)),
+    "all_ops": ((SUB, DIV, TANH, SIGMOID, RELU), (CHANNEL, SCALAR), (5,)),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+@pytest.mark.parametrize("layout", ["channels_last", "nchw"])
+def test_kernel_matches_fp64(shape, dtype, epilogue, layout):
+    from fusion_compiler.kernels.conv import ConvProgram, conv_reference, launch, triton_kernel
+
+    n, c, h, w, k, r, stride, padding = SHAPES[shape]
+    ops, kinds, outputs = EPILOGUES[epilogue]
+    torch.manual_seed(0)
+    x = torch.randn(n, c, h, w, device="cuda", dtype=dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = (torch.randn(k, c, r, r, device="cuda") / (c * r * r) ** 0.5).to(dtype)
+    ho, wo = (h + 2 * padding - r) // stride + 1, (w + 2 * padding - r) // stride + 1
+    shapes = {SCALAR: (1,), CHANNEL: (1, k, 1, 1), FULL: (n, k, ho, wo)}
+    operands = [(torch.rand(shapes[kind], device="cuda") + 0.5).to(dtype) for kind in kinds]
+    program = ConvProgram(0, 1, (stride, stride), (padding, padding), (1, 1),
+                          tuple(range(len(kinds))), kinds, ops, outputs)
+    got = launch(triton_kernel(), x, weight, operands, program)
+    want = conv_reference(x.double(), weight.double(), [o.double() for o in operands], program)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    for g, wv in zip(got, want):
+        assert g.dtype == dtype and g.shape == (n, k, ho, wo)
+        assert g.is_contiguous(memory_format=torch.channels_last)
+        assert rel_err(g, wv) < tol
+
+
+@pytest.mark.parametrize("config", ["default", "128x128x32", "split2", "split4"])
+def test_every_candidate_kind_matches_fp64(config):
+    """SE-ResNet9's layer3 at N=128 (32 tiles of 64x128: the shape split-K is for) with a
+    residual and two outputs, under each kind of configuration autotuning times."""
+    from fusion_compiler.kernels.conv import (ConvProgram, TileConfig, conv_reference, launch,
+                                              triton_kernel)
+
+    configs = {"default": None, "128x128x32": TileConfig(128, 128, 32, warps=8, stages=4),
+               "split2": TileConfig(64, 128, 64, stages=4, split=2),
+               "split4": TileConfig(64, 128, 64, stages=4, split=4)}
+    torch.manual_seed(0)
+    x = torch.randn(128, 256, 4, 4, device="cuda", dtype=torch.half)
+    x = x.contiguous(memory_format=torch.channels_last)
+    weight = (torch.randn(512, 256, 3, 3, device="cuda") / 48).half()
+    residual = torch.randn(128, 512, 2, 2, device="cuda", dtype=torch.half)
+    program = ConvProgram(0, 1, (2, 2), (1, 1), (1, 1), (0, 1), (SCALAR, FULL),
+                          (ADD, RELU, ADD), (0, 3))
+    operands = [torch.tensor([0.25], device="cuda"), residual]
+    got = launch(triton_kernel(), x, weight, operands, program, configs[config])
+    want = conv_reference(x.double(), weight.double(), [o.double() for o in operands], program)
+    for g, wv in zip(got, want):
+        assert rel_err(g, wv) < 2e-3
+
+
+def test_compile_times_the_kernel_against_cudnn_per_region(tmp_path):
+    """SE-ResNet9 RGB at N=128 with ``triton_conv=True``: every region but the stem has both
+    candidates' times in its record and runs the faster; outputs within fp16 tolerance of fp64,
+    in a CUDA-graph replay whose kernels include the chosen ones."""
+    torch.manual_seed(0)
+    model = randomized_se_resnet9_fixup().cuda().half().eval()
+    x = torch.randn(128, 3, 64, 64, device="cuda", dtype=torch.half)
+    want = copy.deepcopy(model).double()(x.double())
+    compiled = fc.compile(model, triton_conv=True, cache_dir=tmp_path)
+    with torch.inference_mode():
+        compiled(x)
+        compiled.wait_for_background_compiles()
+        got = compiled(x)
+    assert rel_err(got, want) < 2e-3
+    regions = [r for r in compiled.last.regions if not r.space_to_depth]
+    assert len(regions) == 11
+    for region in regions:
+        assert {"triton", "cudnn"} <= set(region.timing), (region.region_id, region.timing)
+        fastest = min(("triton", "cudnn"), key=region.timing.__getitem__)
+        assert region.backend == fastest, (region.region_id, region.timing)
+    with torch.inference_mode(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        compiled(x)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    if any(r.backend == "triton" for r in regions):
+        assert any("conv_nhwc_kernel" in name for name in names)
+    if any(r.backend == "cudnn" for r in regions):
+        assert any("convFwd" in name for name in names)
+    # the tile configurations are in the plan cache: a new compile times none of them
+    assert list(tmp_path.glob("*.triton_conv.json"))
+    again = fc.compile(copy.deepcopy(model), triton_conv=True, cache_dir=tmp_path)
+    with torch.inference_mode():
+        again(x)
+        again.wait_for_background_compiles()
+    for region in again.last.regions:
+        assert not [name for name in region.timing if name.startswith("triton ")], region.timing
+
+
+def test_training_keeps_cudnn_for_the_forward():
+    """The kernel has no backward: in training no region runs it."""
+    torch.manual_seed(0)
+    model = randomized_se_resnet9_fixup().cuda().half().train()
+    x = torch.randn(8, 3, 64, 64, device="cuda", dtype=torch.half)
+    compiled = fc.compile(model, triton_conv=True, cache_dir=False)
+    compiled(x).float().sum().backward()
+    backends = [r.backend for r in compiled.last.regions]
+    assert "triton" not in backends and backends.count("cudnn") >= 11, backends
