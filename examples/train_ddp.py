@@ -5,6 +5,10 @@ weights with fp32 masters and dynamic loss scaling (``MasterWeightOptimizer``).
     torchrun --nproc-per-node 2 examples/train_ddp.py                 # compiled encoder
     torchrun --nproc-per-node 2 examples/train_ddp.py --variant eager # the same loop, eager
     torchrun --nproc-per-node 2 examples/train_ddp.py --variant reduce-overhead
+    torchrun --nproc-per-node 2 examples/train_ddp.py --variant door  # torch.compile(DDP(agent),
+                                                                      #   backend="fusion_compiler")
+    torchrun --nproc-per-node 2 examples/train_ddp.py --device cpu --batch 2 --steps 2  # a smoke
+                                                                      #   run: gloo, fp32, SGD
 
 Per rank it prints the median step time (forward, backward with the all-reduce, optimizer step;
 CUDA events over ``--steps`` steps after ``--warmup``) and the loss, and rank 0 the steps per
@@ -12,7 +16,11 @@ second of the whole job. Variants: ``fusion_compiler`` (default) wraps the compi
 ``DDP(Agent(fusion_compiler.compile(encoder)))``, and the ranks share the plan cache directory, so
 one rank tunes and the others load its plans; ``eager`` is ``DDP(Agent(encoder))``;
 ``reduce-overhead`` is ``torch.compile(DDP(Agent(encoder)), mode="reduce-overhead")`` (each step
-marked with ``torch.compiler.cudagraph_mark_step_begin``).
+marked with ``torch.compiler.cudagraph_mark_step_begin``); ``door`` is
+``torch.compile(DDP(Agent(encoder)), backend="fusion_compiler")`` (Dynamo splits the graph at
+DDP's bucket boundaries, each piece compiled as ``fusion_compiler.compile`` compiles a model).
+``--device cpu`` runs the same loop on the CPU over gloo, in fp32 with plain SGD and wall-clock
+times: a check that a variant trains, not a benchmark.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +45,7 @@ from examples.seresnet9_fixup import randomize_, se_resnet9_fixup  # noqa: E402
 from examples.train_seresnet9 import MasterWeightOptimizer  # noqa: E402
 
 
-VARIANTS = ("fusion_compiler", "eager", "reduce-overhead")
+VARIANTS = ("fusion_compiler", "eager", "reduce-overhead", "door")
 
 
 class Agent(nn.Module):
@@ -51,52 +60,93 @@ class Agent(nn.Module):
         return self.head(torch.flatten(self.encoder(x), 1))
 
 
+class _Plain:
+    """The optimizer interface of ``MasterWeightOptimizer`` over fp32 parameters (``--device
+    cpu``): no masters, no loss scale."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
+class _Clock:
+    """ms of one step: CUDA events on the GPU, the wall clock on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        if cuda:
+            self.start, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def ms(self) -> float:
+        if not self.cuda:
+            return (time.perf_counter() - self.t0) * 1000.0
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=1024, help="per rank (default %(default)s)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variant", choices=VARIANTS, default="fusion_compiler")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    dtype = torch.half if cuda else torch.float
     torch.manual_seed(0)  # the same initial weights on every rank
-    encoder = randomize_(se_resnet9_fixup(3)).cuda().half().train()
+    encoder = randomize_(se_resnet9_fixup(3)).to(args.device, dtype).train()
     if args.variant == "fusion_compiler":
         encoder = fc.compile(encoder)
-    model = DDP(Agent(encoder).cuda().half())
+    model = DDP(Agent(encoder).to(args.device, dtype))
     mark = args.variant == "reduce-overhead"
     if mark:
         model = torch.compile(model, mode="reduce-overhead")
-    opt = MasterWeightOptimizer(model.parameters(),
-                                lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9))
-    gen = torch.Generator("cuda").manual_seed(rank)  # each rank its own observations
-    x = torch.randn(args.batch, 3, 64, 64, device="cuda", dtype=torch.half, generator=gen)
-    target = torch.randn(args.batch, 1, device="cuda", generator=gen)
+    elif args.variant == "door":
+        model = torch.compile(model, backend="fusion_compiler")
+    sgd = lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)  # noqa: E731
+    opt = (MasterWeightOptimizer(model.parameters(), sgd) if cuda
+           else _Plain(sgd(model.parameters())))
+    gen = torch.Generator(args.device).manual_seed(rank)  # each rank its own observations
+    x = torch.randn(args.batch, 3, 64, 64, device=args.device, dtype=dtype, generator=gen)
+    target = torch.randn(args.batch, 1, device=args.device, generator=gen)
     times, loss = [], None
     for step in range(args.warmup + args.steps):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
+        clock = _Clock(cuda)
         if mark:  # a new step for CUDA graph trees: the last step's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad()
         loss = (model(x).float() - target).square().mean()
         opt.backward(loss)
         opt.step()
-        end.record()
-        end.synchronize()
         if step >= args.warmup:
-            times.append(start.elapsed_time(end))
+            times.append(clock.ms())
     ms = statistics.median(times)
     label = args.variant
+    where = torch.cuda.get_device_name() if cuda else "CPU, gloo"
     print(f"rank {rank}/{world} {label}: {ms:.2f} ms/step (median of {args.steps}), "
-          f"loss {loss.item():.4f}, {torch.cuda.get_device_name()}", flush=True)
-    total = torch.tensor([args.batch * 1000.0 / ms], device="cuda")
+          f"loss {loss.item():.6f}, {where}", flush=True)
+    total = torch.tensor([args.batch * 1000.0 / ms], device=args.device)
     dist.all_reduce(total)
     if rank == 0:
-        print(f"{label}: {total.item():.0f} samples/s over {world} GPU(s), batch {args.batch} "
-              f"per rank", flush=True)
+        print(f"{label}: {total.item():.0f} samples/s over {world} "
+              f"{'GPU(s)' if cuda else 'CPU processes'}, batch {args.batch} per rank", flush=True)
     dist.destroy_process_group()
     return 0
 
