@@ -182,8 +182,7 @@ def candidate_configs(m: int, k: int, c: int, taps: int = 9) -> list[TileConfig]
     pow2 = lambda v: max(16, 1 << (v - 1).bit_length())  # noqa: E731
     found = [default_config(m, k, c)]
     for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4),
-                                      (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
-                                      (128, 128, 32, 8, 4), (64, 64, 32, 4, 5)):
+                                      (64, 128, 64, 4, 4), (64, 64, 32, 4, 5)):
         config = TileConfig(min(bm, pow2(m)), min(bn, pow2(k)), min(bk, pow2(c)), warps=warps,
                             stages=stages)
         if config not in found:
