@@ -163,8 +163,8 @@ SMS = 132
 def default_config(m: int, k: int, c: int) -> TileConfig:
     """The launch configuration for ``m`` output pixels, ``k`` output channels and ``c`` input
     channels: 128 by 128 tiles (8 warps) where the grid still fills an H100's 132 SMs, else 64
-    pixels per tile; input channels in chunks of 64 (fewer for thinner inputs). A heuristic, not
-    yet autotuned per shape."""
+    pixels per tile; input channels in chunks of 64 (fewer for thinner inputs). A heuristic: the
+    first of :func:`candidate_configs`, and the one taken untimed (``autotune <= 1``)."""
     bn = min(128, max(16, 1 << (k - 1).bit_length()))
     bk = min(64, max(16, 1 << (c - 1).bit_length()))
     tiles_n = -(-k // bn)
