@@ -106,19 +106,20 @@ class TritonBackend(Backend):
         program = conv_program(region, node_device(region.conv))
         if isinstance(program, str):
             raise UnsupportedError(f"Triton convolution: {program}", region.region_id)
-        kernel, timing = self._tuned(region, program)
+        kernel, timing, cached = self._tuned(region, program)
         config = kernel.config
         return Lowered(kernel.call, plan=f"implicit-GEMM convolution + {len(program.ops)} "
-                       f"epilogue ops, Triton ({_label(config)})", plan_from_cache=timing is None,
-                       workspace_bytes=0, timing={} if timing is None else timing,
+                       f"epilogue ops, Triton ({_label(config)})", plan_from_cache=cached,
+                       workspace_bytes=0, timing=timing,
                        nhwc_inputs=frozenset({program.image_at, *(
                            at for at, kind in zip(program.operands, program.kinds)
                            if kind == 2)}))
 
     def _tuned(self, region: Region, program: ConvProgram
-               ) -> tuple[ConvKernel, dict[str, float] | None]:
-        """The region's kernel with its best configuration, and each timed configuration's ms
-        (``None``: taken from the cache or untimed)."""
+               ) -> tuple[ConvKernel, dict[str, float], bool | None]:
+        """The region's kernel with its best configuration, each timed configuration's ms
+        (empty when nothing was timed) and whether the configuration came from the plan cache
+        (``None`` off CUDA, where nothing is cached)."""
         conv = region.conv
         n, k, ho, wo = conv.meta["val"].shape
         _, c, r, s = conv.args[1].meta["val"].shape
@@ -144,13 +145,14 @@ class TritonBackend(Backend):
             raise UnsupportedError("the Triton convolution failed on the region's shapes: "
                                    + "; ".join(failures[:2]), region.region_id)
         if record or len(ran) == 1:
-            return ran[0], None
+            return ran[0], {}, (record is not None) if cuda else None
         times = paired_time_ms([lambda kern=kern: kern(*inputs) for kern in ran])
         best = min(range(len(ran)), key=times.__getitem__)
         self.cache.store_record(header, _RECORD, {
             "config": dataclasses.asdict(ran[best].config),
             "ms": {_label(kern.config): ms for kern, ms in zip(ran, times)}})
-        return ran[best], {f"triton {_label(kern.config)}": ms for kern, ms in zip(ran, times)}
+        return (ran[best], {f"triton {_label(kern.config)}": ms for kern, ms in zip(ran, times)},
+                False)
 
     @staticmethod
     def _header(region: Region, program: ConvProgram) -> dict:
