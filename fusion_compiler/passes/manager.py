@@ -116,7 +116,7 @@ class PassManager:
                 shapes = ", ".join(str(tuple(a.shape)) for a in self.example_inputs
                                    if hasattr(a, "shape"))
                 raise InputShapeError(f"inputs of shape {shapes} do not fit the model: "
-                                 f"{first}") from exc
+                                      f"{first}") from exc
             self._stage("captured", gm)
         for p in self.passes:
             start = time.perf_counter()

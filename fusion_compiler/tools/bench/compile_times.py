@@ -87,8 +87,8 @@ def new_process_compile_seconds(recipe: BenchRecipe, fusion_variants: dict[str, 
     """Cold and warm seconds to the first output of each fusion_compiler variant and (CUDA only)
     of reduce-overhead and ``torch.compile backend=fusion_compiler``, each in a new process:
     cold with empty plan, Inductor and CUDA JIT cache directories, warm with the ones the cold
-    run filled. A failure is reported as
-    ``None`` with its message under ``"<label>, <run> error"``.
+    run filled. A failure is reported as ``None`` with its message under
+    ``"<label>, <run> error"``.
 
     The CUDA JIT cache (``CUDA_CACHE_PATH``, by default ``~/.nv/ComputeCache``) holds the
     driver's compiles of cuDNN's runtime-compiled kernels, most of a cold compile's plan building
