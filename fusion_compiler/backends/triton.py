@@ -30,7 +30,8 @@ from ..ir.errors import UnsupportedError, condense
 from ..ir.ops import node_device
 from ..ir.region import BackwardPlan, Region
 from ..kernels.conv import (ConvKernel, ConvProgram, TileConfig, candidate_configs, conv_program,
-                            default_config, triton_kernel)
+                            default_config)
+from ..kernels.conv import triton_reason as _conv_triton_reason
 from ..runtime.plan_cache import PlanCache, default_cache_dir
 from .base import Backend, Lowered, Support
 from .timing import paired_time_ms, sample_inputs
@@ -40,15 +41,6 @@ __all__ = ["TritonBackend"]
 
 _RECORD = "triton_conv"  # the plan-cache record holding a region shape's tile configuration
 _FORMAT = 1
-
-
-def _conv_triton_reason() -> str:
-    """Why the convolution kernel cannot run here (``""``: it can)."""
-    if not torch.cuda.is_available():
-        return "CUDA is not available on this machine"
-    if triton_kernel() is None:
-        return "Triton does not import"
-    return ""
 
 
 class TritonBackend(Backend):

@@ -29,11 +29,12 @@ import torch.nn.functional as F
 from ..ir.region import Region
 from ..runtime.region_op import in_dry_run, is_traced, register_kernel, run_region
 from ..runtime.weight_cache import WeightCache
+from . import triton_unavailable
 from .epilogue import BINARY, CODES, binary_operand, epilogue_chain, reference_outputs
 
 __all__ = ["MAX_STEPS", "MAX_OUTPUTS", "ConvProgram", "TileConfig", "conv_program",
            "conv_reference", "SMS", "default_config", "candidate_configs", "launch",
-           "triton_kernel", "ConvKernel"]
+           "triton_kernel", "triton_reason", "ConvKernel"]
 
 MAX_STEPS = 6
 """Most epilogue ops after the convolution."""
@@ -205,6 +206,12 @@ def triton_kernel() -> Any:
     except Exception:  # ImportError, or a broken install
         return None
     return conv_triton
+
+
+def triton_reason() -> str:
+    """Why the kernel cannot run here (``""``: it can): Triton must import and CUDA must be
+    available."""
+    return triton_unavailable(triton_kernel)
 
 
 def launch(kernels: Any, x: torch.Tensor, weight: torch.Tensor,

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..ir.region import Region
 from ..runtime.region_op import in_dry_run, is_traced
+from . import triton_unavailable
 from .epilogue import BINARY, CODES, SILU, binary_operand, epilogue_chain, reference_outputs
 
 __all__ = ["space_to_depth_conv", "space_to_depth_conv_reference", "kernel_reason",
@@ -77,11 +78,7 @@ def _triton_kernel() -> Any:
 def triton_reason() -> str:
     """Why the Triton kernel cannot run here (``""``: it can): Triton must import and CUDA must
     be available."""
-    if not torch.cuda.is_available():
-        return "CUDA is not available on this machine"
-    if _triton_kernel() is None:
-        return "Triton does not import"
-    return ""
+    return triton_unavailable(_triton_kernel)
 
 
 def _rows_per_program(ho: int, wo: int) -> int:
