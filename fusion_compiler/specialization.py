@@ -196,11 +196,13 @@ class SpecializationCompiler:
         anything, when tier 0 may answer meanwhile (:meth:`_tier_before_lowering`): plans to
         build (``"build"``) or to build and time (``"tune"``), see
         :func:`~fusion_compiler.lowering.plan_work`; ``""`` lowers at once (every plan is in the
-        cache). Tier 0 is for CUDA inference specializations in a CUDA graph, without autocast,
-        with ``tiered``."""
+        cache) or ``"load"`` (every plan is cached; tier 0 answers while the background
+        thread deserializes them, see docs/decisions.md, "A warm start answers from tier 0").
+        Without tier 0 (not CUDA inference in a CUDA graph, autocast, or ``tiered`` off)
+        ``""``: lower at once."""
         if not self.options.tiers_before_lowering(target):
             return ""
-        return plan_work(gm, self.options)
+        return plan_work(gm, self.options) or "load"
 
     def _tier_before_lowering(self, spec: Specialization, args: Sequence[Any], lock: str,
                               formats: list[torch.memory_format | None], target: Target,
@@ -229,7 +231,7 @@ class SpecializationCompiler:
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         first = with_hoisting_and_formats(unlowered_copy(gm), None, formats)
         log.info("%s answers from PyTorch ops while its plans are %s in the background",
-                 type(self.model).__name__, "built" if timed else "built and loaded")
+                 type(self.model).__name__, "built" if timed else "loaded")
 
         def build() -> tuple[HoistedParameters | None] | None:  # on the background thread
             with COMPILE_LOCK:  # no progress bar unless asked for: the caller's calls go on

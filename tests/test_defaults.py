@@ -275,13 +275,13 @@ def test_restored_gives_buffers_back_their_values():
     assert all(torch.equal(b, s) for b, s in zip(bn.buffers(), before))
 
 
-@pytest.mark.parametrize("work", ["build", "tune"])
+@pytest.mark.parametrize("work", ["load", "build", "tune"])
 def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypatch, work):
     """Tier 0 (``CompiledModule._tier_before_lowering``): the first calls of a specialization a
     call compiled run the regions' own PyTorch ops while the background thread lowers the graph;
     the first call after that runs the lowered graph, and ``specialize`` waits for it. On the
-    CPU the condition (CUDA inference in a CUDA graph, plans to build, or to build and time at
-    the switch) is forced; the GPU tests are in test_gpu_defaults.py."""
+    CPU the condition (CUDA inference in a CUDA graph; every plan cached, plans to build, or to
+    build and time at the switch) is forced; the GPU tests are in test_gpu_defaults.py."""
     import threading
 
     from fusion_compiler.runtime.tiered import TieredRunner, submit
@@ -313,6 +313,23 @@ def test_a_call_answers_from_the_regions_ops_until_the_graph_is_lowered(monkeypa
         spec = compiled.specialize(y)  # waits for the lowering the call left to the thread
         assert spec is compiled.last and spec.lowered
         assert "fused" not in {r.status for r in spec.regions}
+
+
+def test_a_warm_start_answers_from_tier_0_too(monkeypatch):
+    """With every plan cached (``plan_work`` says ``""``) a call's specialization still answers
+    from tier 0 while the background thread loads the plans: loading and the CUDA graph capture
+    would otherwise come before the first output. Without tier 0 it lowers at once."""
+    import fusion_compiler.specialization as specialization
+    from fusion_compiler.config import CompileOptions, Target
+
+    monkeypatch.setattr(specialization, "plan_work", lambda gm, options: "")
+    compiler = specialization.SpecializationCompiler(nn.Conv2d(3, 8, 3), CompileOptions(),
+                                                     lambda notes, reason: None)
+    target = Target(cuda=True)
+    monkeypatch.setattr(CompileOptions, "tiers_before_lowering", lambda self, t: True)
+    assert compiler._work_before_lowering(None, target) == "load"
+    monkeypatch.setattr(CompileOptions, "tiers_before_lowering", lambda self, t: False)
+    assert compiler._work_before_lowering(None, target) == ""
 
 
 def test_gpu_timing_is_refused_inside_timing_deferred():

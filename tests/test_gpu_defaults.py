@@ -99,6 +99,28 @@ def test_a_first_call_answers_while_plans_build_and_the_switch_times_them(tmp_pa
         assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
 
 
+def test_a_warm_start_answers_from_tier_0_then_runs_the_cached_plans(tmp_path):
+    """A compile whose plans are all in the cache (a warm start) answers its first call from
+    tier 0 while the background thread loads the plans (loading and the CUDA graph capture would
+    otherwise come before the first output); the first call after that runs them, every cuDNN
+    plan from the cache, and every output matches fp64."""
+    model = _reference_net()
+    x = _x(16)
+    with torch.inference_mode():
+        fc.compile(model, cache_dir=tmp_path, glue_backend=None).specialize(x)  # fills the cache
+        warm = fc.compile(model, cache_dir=tmp_path, glue_backend=None)
+        first = warm(x)
+        spec = warm.last
+        assert not spec.lowered and isinstance(spec.run, TieredRunner) and spec.run.tier == 1
+        assert warm.wait_for_background_compiles(600)
+        second = warm(x)
+    assert spec.lowered and spec.cuda_graph == "safe" and spec.notes == []
+    cudnn = [r for r in spec.regions if r.backend == "cudnn"]
+    assert cudnn and all(r.plan_from_cache for r in cudnn)
+    for out in (first, second):
+        assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
+
+
 def test_the_background_glue_compile_goes_through_inductors_fx_graph_cache(tmp_path):
     """Without a shape environment Inductor bypassed its FX graph cache ("No shape env"), and a
     warm process compiled the glue from scratch. Now the graph is looked up, a hit or a miss: the
