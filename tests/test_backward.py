@@ -293,3 +293,26 @@ def test_layout_like_views_size_one_stride_differences_and_copies_only_when_aske
     assert layout_like(g3, w3) is g3
     copied = layout_like(g3, w3, copy=True)
     assert copied.stride() == w3.stride() and torch.equal(copied, g3)
+
+
+def test_region_keys_depend_on_what_a_kernel_computes_not_on_what_came_before():
+    """A kernel's ``run_region`` key is a hash of its class, name and output specs, so the same
+    graph gets the same keys in every process (Inductor's FX graph cache keys a graph by its
+    text); equal ones take the next free integer, and a freed key is free again."""
+    import gc
+
+    class Kernel:
+        def __call__(self, x):
+            return (x.clone(),)
+
+    specs = [((2, 3), (3, 1), torch.float32)]
+    first, second = Kernel(), Kernel()
+    a = register_kernel(first, specs, "region 1")
+    register_kernel(Kernel(), [((4, 3), (3, 1), torch.float32)], "region 2")  # dropped at once
+    b = register_kernel(second, specs, "region 1")
+    assert b == a + 1 and run_region(a, [torch.ones(2, 3)])[0].shape == (2, 3)
+    c = register_kernel(Kernel(), specs, "region 2")
+    assert c not in (a, b) and 0 <= c < 2 ** 56 + 2
+    del first
+    gc.collect()
+    assert register_kernel(Kernel(), specs, "region 1") == a

@@ -42,6 +42,7 @@ class ReferenceBackend(Backend):
               backward: BackwardPlan | None = None) -> Lowered:
         if not (training and self.derived_backward):
             return Lowered(region.graph_module)
-        key = register_kernel(region.graph_module, region.output_specs())
+        key = register_kernel(region.graph_module, region.output_specs(),
+                              f"region {region.region_id}")
         register_backward(key, RegionBackward(region, TorchConvGradients(region.conv)))
         return Lowered(lambda *inputs: tuple(run_region(key, list(inputs))))

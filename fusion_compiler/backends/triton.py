@@ -126,7 +126,7 @@ class TritonBackend(Backend):
         ran: list[ConvKernel] = []
         failures = []
         for config in configs:  # the first launch compiles: a failure drops the candidate
-            kernel = ConvKernel(program, outputs, config)
+            kernel = ConvKernel(program, outputs, config, name=f"region {region.region_id}")
             try:
                 kernel(*inputs)
             except Exception as exc:  # Triton's compile errors have no common base class

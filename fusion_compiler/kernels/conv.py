@@ -271,11 +271,13 @@ class ConvKernel:
         program: the region's :class:`ConvProgram`.
         outputs: ``(shape, dtype)`` of each region output.
         config: the launch configuration (default: :func:`default_config`).
+        name: what tells this kernel apart from the others of its graph (e.g. the region's
+            id), part of its ``run_region`` key.
     """
 
     def __init__(self, program: ConvProgram,
                  outputs: Sequence[tuple[tuple[int, ...], torch.dtype]],
-                 config: TileConfig | None = None):
+                 config: TileConfig | None = None, name: str = ""):
         self.program, self.config = program, config
         self.weight_cache = WeightCache()
         specs = []
@@ -284,7 +286,7 @@ class ConvKernel:
                 memory_format=torch.channels_last)
             specs.append((tuple(shape), tuple(empty.stride()), dtype))
         self.specs = specs
-        self.key = register_kernel(self, specs)
+        self.key = register_kernel(self, specs, f"{name} {config}")
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = inputs[self.program.image_at]

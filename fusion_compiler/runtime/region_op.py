@@ -2,8 +2,12 @@
 
 Going through ``torch.library`` gives every region a fake (meta) implementation, so
 ``torch.compile``, ``torch.export`` and ``FakeTensor`` propagation see output shapes, strides and
-dtypes without running cuDNN. Kernels are registered under an integer key; the registry holds them
-weakly, so a region's kernel lives exactly as long as the compiled module that owns it.
+dtypes without running cuDNN. Kernels are registered under an integer key, a hash of what the kernel
+computes (its class, a name its backend gives, the output specs; the next free integer on a
+collision), not a count of the kernels the process registered before: Inductor's FX graph cache
+keys a glue graph by its text, keys included, so a warm process finds the graph a cold one
+compiled although autotuning built a different number of kernels there. The registry holds
+kernels weakly, so a region's kernel lives exactly as long as the compiled module that owns it.
 
 Autograd: a kernel registered with a backward (:func:`register_backward`, a
 :class:`fusion_compiler.autograd.backward.RegionBackward` for lowered regions) is differentiable.
@@ -16,7 +20,8 @@ nothing read). Calling a kernel compiled for inference while gradients are neede
 from __future__ import annotations
 
 import contextlib
-import itertools
+import hashlib
+import threading
 import weakref
 from typing import Callable, Sequence
 
@@ -30,7 +35,7 @@ __all__ = ["run_region", "register_kernel", "register_backward", "is_traced", "d
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _OUTPUTS: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
 _BACKWARD_ATTR = "_fusion_compiler_backward"
-_KEYS = itertools.count()
+_KEY_LOCK = threading.Lock()  # kernels are registered on the calling and the background thread
 _DRY = ThreadFlag()
 
 
@@ -61,12 +66,20 @@ def is_traced(t: torch.Tensor) -> bool:
 
 
 def register_kernel(kernel: object,
-                    outputs: Sequence[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]) -> int:
+                    outputs: Sequence[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]],
+                    name: str = "") -> int:
     """Register ``kernel`` (callable: tensors -> tuple of tensors) and the ``(shape, stride,
-    dtype)`` of each output it returns; returns the key to pass to :func:`run_region`."""
-    key = next(_KEYS)
-    _KERNELS[key] = kernel
-    _OUTPUTS[key] = list(outputs)
+    dtype)`` of each output it returns; returns the key to pass to :func:`run_region`: a 56-bit
+    hash of the kernel's class name, ``name`` (what tells apart the kernels of one graph, e.g.
+    the region's id) and ``outputs``, or the next integer not in use."""
+    text = repr((type(kernel).__qualname__, name, [(tuple(shape), tuple(stride), str(dtype))
+                                                   for shape, stride, dtype in outputs]))
+    key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+    with _KEY_LOCK:
+        while key in _OUTPUTS:
+            key += 1
+        _KERNELS[key] = kernel
+        _OUTPUTS[key] = list(outputs)
     weakref.finalize(kernel, _OUTPUTS.pop, key, None)
     return key
 

@@ -182,7 +182,7 @@ class CudnnConvGradients:
             op = _GradientOp(self, kind)
             shape = self._out_shape(kind)
             self._ops[kind] = (op, register_kernel(op, [(shape, tuple(nhwc_strides(shape)),
-                                                         self.dtype)]))
+                                                         self.dtype)], label))
             unfused = backward.dgrad_drelu_reason if kind == "dgrad" else ""
             piece = GradientPiece(kind, "cudnn", plan=plan.plan_name,
                                   note=f"relu_backward not fused: {unfused}" if unfused else "")

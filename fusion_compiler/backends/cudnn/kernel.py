@@ -91,7 +91,8 @@ class CudnnKernel:
                                if out_pad is not None and padded_output(out, conv) else None)
         self._converts = any(written != want for _, _, written, want in self.outputs)
         self._pads_outputs = any(p is not None for p in self.padded)
-        self.key = register_kernel(self, [(s, st, dt) for s, st, _, dt in self.outputs])
+        self.key = register_kernel(self, [(s, st, dt) for s, st, _, dt in self.outputs],
+                                   f"region {region.region_id}")
         # what the graph around the kernel can do for it (the layout passes)
         self.nhwc_inputs = frozenset(i for i, prep in enumerate(self.prepare) if prep is to_nhwc)
         self.padded_images = {i: pad[0] for i, node in enumerate(placeholders)
