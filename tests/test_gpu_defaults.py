@@ -123,9 +123,9 @@ def test_a_warm_start_answers_from_tier_0_then_runs_the_cached_plans(tmp_path):
 
 def test_the_background_glue_compile_goes_through_inductors_fx_graph_cache(tmp_path):
     """Without a shape environment Inductor bypassed its FX graph cache ("No shape env"), and a
-    warm process compiled the glue from scratch. Now the graph is looked up, a hit or a miss: the
-    graph names its regions by ``run_region`` keys, which depend on what the process registered
-    before (a new process compiling the same model repeats them: on the H100 it hit the cache)."""
+    warm process compiled the glue from scratch; AOTAutograd bypassed its own cache (its key did
+    not pickle). Now both look the graph up, a hit or a miss (the graph names its regions by
+    ``run_region`` keys, hashes of what each kernel computes, the same in every process)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -134,9 +134,11 @@ def test_the_background_glue_compile_goes_through_inductors_fx_graph_cache(tmp_p
         compiled(_x(16))
         assert compiled.wait_for_background_compiles(600)
         assert compiled.last.run.tier == 2, compiled.last.notes
-    inductor = counters["inductor"]
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
     assert inductor["fxgraph_cache_bypass"] == 0
     assert inductor["fxgraph_cache_hit"] + inductor["fxgraph_cache_miss"] >= 1
+    assert aot["autograd_cache_bypass"] == 0  # AOTAutograd's cache takes the glue graph too
+    assert aot["autograd_cache_hit"] + aot["autograd_cache_miss"] >= 1
 
 
 def test_without_tiering_the_first_call_waits_for_inductor(tmp_path):

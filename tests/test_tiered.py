@@ -1,6 +1,7 @@
 """The tiered runner (first tier until the background compile is done) and the regions' dry run,
 on the CPU: the mechanism without CUDA (tests/test_gpu_defaults.py runs it on the GPU)."""
 
+import shutil
 import threading
 
 import pytest
@@ -256,3 +257,76 @@ def test_the_unlowered_copy_runs_each_regions_ops_and_ignores_later_edits_of_the
     with torch.inference_mode():
         torch.testing.assert_close(copy(x), want, rtol=1e-4, atol=1e-4)
     assert not any(called_region(copy, n) is not None for n in copy.graph.nodes)
+
+
+_AOT_CACHE_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+import fusion_compiler as fc
+from examples.seresnet9_fixup import randomized_se_resnet9_fixup
+from fusion_compiler.ir.region import Region
+from fusion_compiler.runners import inductor_compile
+from fusion_compiler.runtime.tiered import isolated_copy
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+model = randomized_se_resnet9_fixup().eval()
+x = torch.randn(2, 3, 64, 64)
+with torch.inference_mode():
+    gm = fc.compile(model, cache_dir=False).specialize(x).graph_module
+with torch.no_grad():
+    glue = inductor_compile(isolated_copy(gm, opaque=lambda m: isinstance(m, Region)), [x])
+    err = ((glue(x) - gm(x)).norm() / gm(x).norm()).item()
+print(json.dumps({{"aot": dict(counters["aot_autograd"]), "err": err}}))
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="Inductor's CPU code needs a C++ compiler")
+def test_a_second_process_finds_the_glue_in_aotautograds_cache(tmp_path):
+    """The copy of a lowered graph handed to Inductor passes AOTAutograd's cache checks (region
+    wrappers pickle as what they compute, no text annotations, tensors marked as Dynamo marks
+    them), so a second process loads the glue from the cache instead of tracing it again; on
+    the CPU, where the regions run as their PyTorch ops."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _AOT_CACHE_SCRIPT.format(root=str(Path(__file__).resolve().parents[1]))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "Failed to pickle cache key" not in proc.stderr
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert runs[0]["aot"].get("autograd_cache_miss") == 1, runs[0]
+    assert runs[1]["aot"].get("autograd_cache_hit") == 1, runs[1]
+    assert all(run["err"] < 1e-5 for run in runs)
+
+
+def test_an_opaque_region_wrapper_copies_as_a_wrapper_and_pickles_as_a_description():
+    import copy
+    import pickle
+
+    import torch.nn as nn
+
+    import fusion_compiler as fc
+    from fusion_compiler.ir.region import Region
+    from fusion_compiler.runtime.tiered import _Opaque, isolated_copy
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()).eval()
+    with torch.inference_mode():
+        gm = fc.compile(model, cache_dir=False).specialize(torch.randn(1, 3, 8, 8)).graph_module
+    private = isolated_copy(gm, opaque=lambda m: isinstance(m, Region))
+    wrapper = next(m for m in private.children() if isinstance(m, _Opaque))
+    assert copy.deepcopy(wrapper).target is wrapper.target
+    assert copy.copy(wrapper).target is wrapper.target
+    text = pickle.dumps(wrapper)
+    assert b"conv2d" in text  # the region's code
+    with pytest.raises(TypeError, match="does not unpickle"):
+        pickle.loads(text)
+    with pytest.raises(TypeError, match="cannot pickle an opaque Linear"):
+        pickle.dumps(_Opaque(nn.Linear(2, 2)))

@@ -42,7 +42,17 @@ class ReferenceBackend(Backend):
               backward: BackwardPlan | None = None) -> Lowered:
         if not (training and self.derived_backward):
             return Lowered(region.graph_module)
-        key = register_kernel(region.graph_module, region.output_specs(),
-                              f"region {region.region_id}")
-        register_backward(key, RegionBackward(region, TorchConvGradients(region.conv)))
-        return Lowered(lambda *inputs: tuple(run_region(key, list(inputs))))
+        return Lowered(_RegionOps(region).call)
+
+
+class _RegionOps:
+    """A region's own graph module registered as a ``run_region`` kernel with the derived
+    backward; ``key`` is its ``run_region`` key (what a trace of :meth:`call` records)."""
+
+    def __init__(self, region: Region):
+        self.key = register_kernel(region.graph_module, region.output_specs(),
+                                   f"region {region.region_id}")
+        register_backward(self.key, RegionBackward(region, TorchConvGradients(region.conv)))
+
+    def call(self, *inputs):
+        return tuple(run_region(self.key, list(inputs)))

@@ -125,7 +125,12 @@ def drain(timeout: float | None = None) -> bool:
 
 class _Opaque(torch.nn.Module):
     """Calls ``module`` without registering it: its parameters and submodules stay out of
-    ``named_parameters()``/``named_modules()`` of whatever holds this wrapper."""
+    ``named_parameters()``/``named_modules()`` of whatever holds this wrapper.
+
+    Pickles as a description of what a wrapped region computes (:func:`_region_description`),
+    not as its contents: AOTAutograd's cache key pickles every submodule of the graph it is given,
+    and a region's kernel holds cuDNN plans and weak references that do not pickle, so AOTAutograd
+    bypassed its cache for every glue graph. Copies wrap the same module."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
@@ -133,6 +138,31 @@ class _Opaque(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.target(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if not isinstance(self.target, Region):
+            raise TypeError(f"cannot pickle an opaque {type(self.target).__name__}")
+        return (_unpickled_opaque, (_region_description(self.target),))
+
+    def __copy__(self) -> "_Opaque":
+        return _Opaque(self.target)
+
+    def __deepcopy__(self, memo: dict) -> "_Opaque":
+        return _Opaque(self.target)
+
+
+def _region_description(region: Region) -> str:
+    """What a trace of ``region`` produces depends on: its kernel's class and ``run_region`` key
+    (a hash of what the kernel computes, see :mod:`fusion_compiler.runtime.region_op`), the
+    region's code and its outputs' shapes, strides and dtypes."""
+    owner = getattr(region.kernel, "__self__", region.kernel)
+    return repr((type(owner).__qualname__, getattr(owner, "key", None),
+                 region.graph_module.code, region.output_specs()))
+
+
+def _unpickled_opaque(description: str) -> None:
+    """What an unpickled :class:`_Opaque` would be: nothing can run it in another process."""
+    raise TypeError(f"a fused region does not unpickle: {description[:80]}")
 
 
 def _private(module: torch.nn.Module) -> torch.nn.Module:
@@ -165,6 +195,11 @@ def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool],
     ``substitute(module)``, when given and not ``None``, is called instead of ``module``.
     """
     graph = copy_graph(gm.graph)
+    for node in graph.nodes:  # what AOTAutograd's cache asks of a graph (else it bypasses)
+        if node.op == "placeholder" and isinstance(node.type, str):
+            node.type = None  # an annotation kept as text: a string among the code's globals
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            node.meta.setdefault("example_value", node.meta["val"])  # tensors, as Dynamo marks
     root = torch.nn.Module()
     names: dict[tuple[str, str], str] = {}
     for node in graph.nodes:
