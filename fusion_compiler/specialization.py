@@ -195,11 +195,10 @@ class SpecializationCompiler:
         """What a specialization a call compiles would wait for before its first output, if
         anything, when tier 0 may answer meanwhile (:meth:`_tier_before_lowering`): plans to
         build (``"build"``) or to build and time (``"tune"``), see
-        :func:`~fusion_compiler.lowering.plan_work`; ``""`` lowers at once (every plan is in the
-        cache) or ``"load"`` (every plan is cached; tier 0 answers while the background
-        thread deserializes them, see docs/decisions.md, "A warm start answers from tier 0").
-        Without tier 0 (not CUDA inference in a CUDA graph, autocast, or ``tiered`` off)
-        ``""``: lower at once."""
+        :func:`~fusion_compiler.lowering.plan_work`; ``"load"`` when every plan is in the cache
+        (tier 0 answers while the background thread loads them: docs/decisions.md, "A warm start
+        answers from tier 0 too"). Without tier 0 (not CUDA inference in a CUDA graph, autocast,
+        or ``tiered`` off) ``""``: lower at once."""
         if not self.options.tiers_before_lowering(target):
             return ""
         return plan_work(gm, self.options) or "load"
@@ -212,9 +211,10 @@ class SpecializationCompiler:
         (:func:`~fusion_compiler.runtime.tiered.unlowered_copy`, eager, no CUDA graph) while the
         background thread does what lowering can do beside them, with nothing run on the GPU:
 
-        - when lowering times nothing (``timed`` false: each plan follows the choice made at a
-          batch size within a factor of 2, or ``autotune <= 1``), the whole lowering (plans
-          built in worker processes, deserialized) and the post-lowering pipeline;
+        - when lowering times nothing (``timed`` false: every plan is cached, or each follows the
+          choice made at a batch size within a factor of 2, or ``autotune <= 1``), the whole
+          lowering (plans built in worker processes where missing, deserialized) and the
+          post-lowering pipeline;
         - otherwise only the candidate plans' builds in worker processes
           (:func:`~fusion_compiler.lowering.build_plans`): their timing, which must not share
           the GPU with the caller's work, is left to the switch.

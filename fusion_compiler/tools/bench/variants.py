@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -264,6 +265,10 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
             with _status(console, "bench: first call at half the batch"):
                 new_batch_seconds(model, inputs, timed, cache_dir, result)
     if recipe is not None and not train:
+        if sys.flags.dont_write_bytecode and console is not None:
+            console.print("bench: Python writes no bytecode cache here (PYTHONDONTWRITEBYTECODE): "
+                          "each new process compiles the sources it imports, and its start-up "
+                          "times include that")
         with _status(console, "bench: compile times in new processes (cold and warm)"):
             result["compile_s"].update(new_process_compile_seconds(recipe, timed))
     return result
