@@ -92,3 +92,28 @@ def test_tuning_table_gives_the_chosen_plans_tflops():
     assert "TFLOP/s" in table and "2/3" in table and "#1 engB" in table
     assert "cudnn 0.0000 (73.7), PyTorch 0.0000 (49.2)" in table
     assert f"{flops / 2e-6 / 1e9:.1f}" == "73.7" and "73.7" in table
+
+
+def test_new_process_runs_report_their_cache_lookups():
+    """``first_output.py`` prints Inductor's and AOTAutograd's cache lookups (from Dynamo's
+    counters) before its seconds; the compile table leaves them out and a line per run says
+    them."""
+    from torch._dynamo.utils import counters
+
+    from fusion_compiler.tools.bench.first_output import cache_lookups
+
+    counters.clear()
+    counters["inductor"]["fxgraph_cache_hit"] += 1
+    counters["aot_autograd"]["autograd_cache_bypass"] += 1
+    assert cache_lookups() == {"fxgraph": {"hit": 1}, "aot_autograd": {"bypass": 1}}
+    counters.clear()
+    assert cache_lookups() == {}
+    result = {"model": "Net", "inputs": [[2, 3, 8, 8]], "dtype": "float32", "device": "cpu",
+              "gpu": "cpu", "torch": torch.__version__, "train": False, "first": "fusion_compiler",
+              "ms": {"eager": {"median": 1.0, "q1": 1.0, "q3": 1.0}},
+              "compile_s": {"fusion_compiler, warm": 1.0,
+                            "fusion_compiler, warm caches": {"fxgraph": {"hit": 1},
+                                                             "aot_autograd": {"hit": 1}}}}
+    text = format_results([result])
+    assert "fusion_compiler, warm: cache lookups fxgraph 1 hit; aot_autograd 1 hit" in text
+    assert "warm caches" not in text

@@ -88,7 +88,9 @@ def new_process_compile_seconds(recipe: BenchRecipe, fusion_variants: dict[str, 
     of reduce-overhead and ``torch.compile backend=fusion_compiler``, each in a new process:
     cold with empty plan, Inductor and CUDA JIT cache directories, warm with the ones the cold
     run filled. A failure is reported as ``None`` with its message under
-    ``"<label>, <run> error"``.
+    ``"<label>, <run> error"``; Inductor's FX graph cache and AOTAutograd's cache lookups of a
+    run, where it made any, by outcome under ``"<label>, <run> caches"`` (``{"fxgraph": {"hit":
+    1}, ...}``).
 
     The CUDA JIT cache (``CUDA_CACHE_PATH``, by default ``~/.nv/ComputeCache``) holds the
     driver's compiles of cuDNN's runtime-compiled kernels, most of a cold compile's plan building
@@ -112,10 +114,13 @@ def new_process_compile_seconds(recipe: BenchRecipe, fusion_variants: dict[str, 
                 proc = subprocess.run(command, capture_output=True, text=True, timeout=900,
                                       env=env, cwd=os.getcwd())
                 if proc.returncode == 0:  # seconds to the first output [, to the second tier]
-                    first, *tiered = proc.stdout.strip().splitlines()[-1].split()
+                    lines = proc.stdout.strip().splitlines()
+                    first, *tiered = lines[-1].split()
                     out[f"{label}, {run}"] = float(first)
                     if tiered:
                         out[f"{label}, {run}, tiered up"] = float(tiered[0])
+                    if len(lines) > 1 and lines[-2].startswith("caches "):
+                        out[f"{label}, {run} caches"] = json.loads(lines[-2][len("caches "):])
                 else:
                     out[f"{label}, {run}"] = None
                     out[f"{label}, {run} error"] = " ".join(proc.stderr.split())[-300:]

@@ -12,6 +12,8 @@ import is part of the cost), for reduce-overhead before the ``torch.compile`` ca
 stops when the first output is on the host's side of a device synchronization. Prints the
 seconds on the last line, and after them, when a background glue compile was still running
 (``compile(tiered=True)``), the seconds until it was done and the compiled glue switched in.
+Before that line, when Dynamo's counters were loaded, one line ``caches {...}``: the lookups of
+Inductor's FX graph cache and AOTAutograd's cache by outcome (``{"fxgraph": {"hit": 1}, ...}``).
 The plan cache and the Inductor cache are wherever the environment points them
 (``FUSION_COMPILER_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``).
 """
@@ -64,5 +66,25 @@ def main(argv: list[str]) -> list[float]:
     return [first, time.perf_counter() - start]
 
 
+def cache_lookups() -> dict[str, dict[str, int]]:
+    """Inductor's FX graph cache and AOTAutograd's cache lookups so far in this process, by
+    outcome (``hit``, ``miss``, ``bypass``), from Dynamo's counters; empty when nothing loaded
+    them (no ``torch.compile`` or Inductor ran)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return {}
+    found = {}
+    for cache, group, prefix in (("fxgraph", "inductor", "fxgraph_cache_"),
+                                 ("aot_autograd", "aot_autograd", "autograd_cache_")):
+        counts = {outcome: utils.counters[group][prefix + outcome]
+                  for outcome in ("hit", "miss", "bypass")}
+        if any(counts.values()):
+            found[cache] = {k: v for k, v in counts.items() if v}
+    return found
+
+
 if __name__ == "__main__":
-    print(*main(sys.argv[1:]))
+    seconds = main(sys.argv[1:])
+    if lookups := cache_lookups():
+        print("caches", json.dumps(lookups))
+    print(*seconds)

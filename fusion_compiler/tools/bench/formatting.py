@@ -72,7 +72,7 @@ def format_results(results: Sequence[dict]) -> str:
         for r in results:
             comp.add_column(_row_name(r), justify="right")
         keys = list(dict.fromkeys(k for r in results for k in r["compile_s"]
-                                  if not k.endswith(" error")))
+                                  if not k.endswith((" error", " caches"))))
         for k in keys:
             comp.add_row(k, *("-" if r["compile_s"].get(k) is None
                               else f"{r['compile_s'][k]:.1f}" for r in results))
@@ -88,6 +88,12 @@ def format_results(results: Sequence[dict]) -> str:
                     console.print(f"{_row_name(r)}: {gflop:.2f} GFLOP of convolutions per "
                                   f"forward, {gflop / t['median']:.3g} TFLOP/s over the whole "
                                   f"{r['first']} forward")
+            for k, lookups in r["compile_s"].items():
+                if k.endswith(" caches"):
+                    console.print(f"{_row_name(r)}: {k.removesuffix(' caches')}: cache lookups "
+                                  + "; ".join(f"{cache} " + ", ".join(
+                                      f"{n} {outcome}" for outcome, n in counts.items())
+                                      for cache, counts in lookups.items()))
             if r.get("gpu_ops"):
                 console.print(f"{_row_name(r)}: GPU operations per call: " + ", ".join(
                     f"{v} {n:g}" for v, n in r["gpu_ops"].items()))
