@@ -73,7 +73,8 @@ class CompileOptions:
             device (what ``fusion-compiler dump`` shows on any machine); ``None``: the inputs'.
         triton_conv: inference regions whose convolution the Triton implicit-GEMM kernel takes
             (:mod:`fusion_compiler.kernels.conv`) get that kernel too, timed against cuDNN's plan
-            per region, the faster kept (off until measured on a GPU: docs/options.md).
+            per region, the faster kept (off: cuDNN was faster on every region measured,
+            docs/options.md).
 
     Raises (on construction):
         ValueError: a value outside an option's choices or range (the message names the option,

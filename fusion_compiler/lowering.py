@@ -179,15 +179,19 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
     return gm
 
 
+def _asked_in(gm: fx.GraphModule, options: CompileOptions) -> dict[Backend, list[Region]]:
+    """:func:`_asked` for the regions of ``gm`` and the backends of ``options``."""
+    backends = backends_for(options)
+    return _asked({r: _candidates(r, backends) for r in regions_of(gm)})
+
+
 def plan_work(gm: fx.GraphModule, options: CompileOptions) -> str:
     """The most that :func:`lower` of ``gm`` (inference) has to do for one region beyond loading
     cached plans (one of :data:`~fusion_compiler.backends.PLAN_WORK`, asked of every backend
     that would lower each region): ``""`` when every plan is in the plan cache, ``"build"`` when
     some must be built but nothing timed (CPU work in worker processes, which may run beside GPU
     work), ``"tune"`` when candidates must also be timed on the GPU."""
-    backends = backends_for(options)
-    candidates = {r: _candidates(r, backends) for r in regions_of(gm)}
-    work = [backend.plan_work(r) for backend, mine in _asked(candidates).items()
+    work = [backend.plan_work(r) for backend, mine in _asked_in(gm, options).items()
             for r in mine]
     return max(work, key=PLAN_WORK.index, default="")
 
@@ -197,9 +201,7 @@ def build_plans(gm: fx.GraphModule, options: CompileOptions) -> None:
     (:meth:`~fusion_compiler.backends.Backend.prefetch`: plans built in worker processes, CPU
     work, nothing run on the GPU). A later :func:`lower` finds them built and only loads and
     times them."""
-    backends = backends_for(options)
-    candidates = {r: _candidates(r, backends) for r in regions_of(gm)}
-    for backend, mine in _asked(candidates).items():
+    for backend, mine in _asked_in(gm, options).items():
         backend.prefetch(mine)
         backend.wait_for_prefetched()
 

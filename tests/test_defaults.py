@@ -210,7 +210,7 @@ def test_weight_copies_are_remade_in_captures_whose_replays_follow_updates():
     captures redone on parameter changes, made once per compile()'s training capture (forward and
     backward share it), and made at every use in a capture nobody marked (a step captured by
     hand, whose replays follow optimizer updates no host check sees)."""
-    from fusion_compiler.backends.cudnn.plan import WeightCache
+    from fusion_compiler.runtime.weight_cache import WeightCache
     from fusion_compiler.runtime import cuda_graph
 
     made = []

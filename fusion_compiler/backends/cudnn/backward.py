@@ -48,7 +48,8 @@ from ...ir.region import BackwardPlan, Region
 from ...runtime.region_op import is_traced, register_kernel, run_region
 from ..timing import paired_time_ms, sample_tensor
 from .graph import channel_padding, import_cudnn, recipe_dtype, to_nhwc
-from .plan import CudnnPlan, WeightCache
+from ...runtime.weight_cache import WeightCache
+from .plan import CudnnPlan
 from .recipe import CudnnGraph, build_pygraph, nhwc_strides
 
 __all__ = ["conv_grad_recipe", "conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS",

@@ -21,7 +21,8 @@ from ...runtime.region_op import is_traced, register_kernel, run_region
 from ...runtime.streams import MAIN_WORKSPACE, SIDE_WORKSPACE, side_stream
 from .graph import (channel_padding, output_dtype, output_padding, padded_output, region_recipe,
                     to_nhwc)
-from .plan import CudnnPlan, PlanBackend, WeightCache
+from ...runtime.weight_cache import WeightCache
+from .plan import CudnnPlan, PlanBackend
 from .recipe import nhwc_strides
 
 __all__ = ["CudnnKernel"]

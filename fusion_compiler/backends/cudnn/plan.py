@@ -1,7 +1,6 @@
-"""One cuDNN graph made executable (:class:`CudnnPlan`), with the channels_last weight copies its
-callers share (:class:`~fusion_compiler.runtime.weight_cache.WeightCache`, imported here for
-them): the pieces that both the forward kernels (:mod:`.kernel`) and the dgrad/wgrad graphs
-(:mod:`.backward`) use, kept here so neither imports the other.
+"""One cuDNN graph made executable (:class:`CudnnPlan`): the piece that both the forward kernels
+(:mod:`.kernel`) and the dgrad/wgrad graphs (:mod:`.backward`) use, kept here so neither imports
+the other.
 
 A plan needs a backend object for handles, workspaces, the plan cache and candidate building: the
 :class:`~.backend.CudnnBackend` (duck-typed here, see :class:`PlanBackend`).
@@ -19,7 +18,6 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ...ir.errors import UnsupportedError, condense
-from ...runtime.weight_cache import WeightCache
 from ...runtime.plan_cache import PlanCache, StaleEntry
 from ...runtime.streams import MAIN_WORKSPACE
 from ..timing import ensure_timing_allowed, gpu_time_ms
@@ -27,7 +25,7 @@ from .autotune import PlanTiming, fastest, sample_pack
 from .graph import import_cudnn
 from .recipe import build_pygraph, recipe_key
 
-__all__ = ["CudnnPlan", "PlanBackend", "WeightCache", "condense_error"]
+__all__ = ["CudnnPlan", "PlanBackend", "condense_error"]
 
 
 def condense_error(exc: BaseException) -> str:
