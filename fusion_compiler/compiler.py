@@ -5,6 +5,7 @@ what their calls go through)."""
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from typing import Any, Sequence
@@ -70,8 +71,11 @@ class CompiledModule(torch.nn.Module):
         self.specializations: collections.OrderedDict[tuple, Specialization] = \
             collections.OrderedDict()
         self.last: Specialization | None = None
-        self._noted: set[str] = set()  # reasons already logged (each once per module)
-        self._compiler = SpecializationCompiler(model, self.options, self._note)
+        # reasons already logged (each once per module); a function of the set, not a method:
+        # the compiler holding a method of this module would make a reference cycle
+        self._noted: set[str] = set()
+        self._compiler = SpecializationCompiler(model, self.options,
+                                                functools.partial(_note, self._noted))
 
     # ------------------------------------------------------------------ checks
     def _check_inputs(self, args: Sequence[Any]) -> None:
@@ -97,13 +101,6 @@ class CompiledModule(torch.nn.Module):
             return False
         return any(p.requires_grad for p in self._model_params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-
-    def _note(self, notes: list[str], reason: str) -> None:
-        """Record why a default was not taken on the specialization; log it once per module."""
-        notes.append(reason)
-        if reason not in self._noted:
-            self._noted.add(reason)
-            log.info("%s", reason)
 
     # ------------------------------------------------------------------ compile
     def _explained(self, exc: InputError, args: Sequence[Any]) -> Exception:
@@ -242,3 +239,12 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
     if example_inputs is not None:
         compiled.specialize(*example_inputs)
     return compiled
+
+
+def _note(noted: set[str], notes: list[str], reason: str) -> None:
+    """Record why a default was not taken on the specialization (``notes``); log it once per
+    module (``noted``: the reasons it logged)."""
+    notes.append(reason)
+    if reason not in noted:
+        noted.add(reason)
+        log.info("%s", reason)

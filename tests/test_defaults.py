@@ -379,3 +379,25 @@ def test_a_background_lowering_that_needs_timing_is_redone_at_the_switch(monkeyp
         spec = compiled.last
         assert lowered_on == [False, True] and spec.lowered and spec.notes == []
         assert rel_err(compiled(x), want) < 1e-5
+
+
+def test_a_compiled_module_is_freed_without_the_garbage_collector():
+    """No reference cycle keeps a compiled module (and the model, its plans and buffers) alive
+    once its last reference goes: freed when dropped, not at a later collection."""
+    import gc
+    import weakref
+
+    model = randomize_(se_resnet9_fixup(3), seed=4).train()
+    compiled = fc.compile(model, cache_dir=False)
+    x = torch.randn(2, 3, 64, 64)
+    compiled(x).sum().backward()
+    with torch.no_grad():
+        compiled(x)
+    gc.collect()  # what tracing left (torch.fx's frames), not the module
+    gc.disable()
+    try:
+        gone = weakref.ref(compiled)
+        del compiled
+        assert gone() is None
+    finally:
+        gc.enable()
