@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map
 from .config import CompileOptions, Target
 from .ir.region import Region
 from .passes import PassManager, glue
+from .passes.glue import inductor_work
 from .passes.post_lowering.hoist import HoistedParameters
 from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy
 
@@ -133,18 +134,24 @@ class Runners:
                  note: Callable[[list[str], str], None]):
         self.model, self.options, self._note = model, options, note
 
-    def glue_backend(self, target: Target, notes: list[str]) -> str | None:
-        """The ``torch.compile`` backend for a specialization's graph (``None``: eager ops).
+    def glue_backend(self, gm: fx.GraphModule, target: Target, notes: list[str]) -> str | None:
+        """The ``torch.compile`` backend for the lowered graph ``gm`` (``None``: eager ops).
 
         ``"auto"``: Inductor on CUDA when Triton imports (else eager ops, the reason noted),
         except for an inference forward run without a CUDA graph: called from Python, each region
         is then one more dispatch of the ``run_region`` op from Inductor's code, while eager glue
         calls the plans directly, and eager glue was the faster (measurements: docs/decisions.md,
-        "``glue_backend="auto"`` runs eager glue for inference without a CUDA graph").
+        "``glue_backend="auto"`` runs eager glue for inference without a CUDA graph"); and
+        except for an inference graph with nothing for Inductor to compile
+        (:func:`~fusion_compiler.passes.glue.inductor_work`: its glue is this package's kernels
+        and views), whose CUDA graph holds the same kernels either way (docs/decisions.md, "The
+        SE block's tail in the gate's kernel").
         """
         if self.options.glue_backend != "auto":
             return self.options.glue_backend
         if not target.cuda or (not target.training and not self.options.cuda_graph):
+            return None
+        if not target.training and not inductor_work(gm):
             return None
         reason = inductor_reason()
         if reason:
@@ -159,7 +166,7 @@ class Runners:
         on the background thread, :meth:`inductor_tier`), in a CUDA graph captured on ``args``;
         with the glue backend (``None``: eager ops) and the CUDA graph mode (``None``: no
         graph). Appends to ``notes`` why a default was not taken."""
-        glue_backend = self.glue_backend(target, notes)
+        glue_backend = self.glue_backend(gm, target, notes)
         runner_for = functools.partial(with_hoisting_and_formats, hoisted=hoisted,
                                        formats=formats)
         tiered = glue_backend == "inductor" and self.options.tiers_before_lowering(target)
@@ -246,8 +253,6 @@ class Runners:
 
         def build() -> Any:  # on the background thread; no capture may run meanwhile
             with COMPILE_LOCK:
-                # the glue pipeline here too: it imports the SE gate kernel (Triton), seconds a
-                # warm process's first output would wait for on the calling thread
                 PassManager(glue(), propagate=False).run(private)
                 with in_modes(), torch.no_grad():  # an inference graph (no backward traced)
                     compiled = inductor_compile(private, example)

@@ -33,6 +33,8 @@ WIDE = 160
 NO_CUDA = "CUDA is not available on this machine"
 """The reason every region gives on a machine without CUDA (the cuDNN backend's)."""
 
+# this package's own kernels between regions (kernels/se_gate.py): not left to PyTorch
+_GLUE_KERNELS = {"se_gate", "se_scale"}
 # data movement and bookkeeping that is not worth a line in the "left to PyTorch" table
 _QUIET = {"getitem", "getattr", "reshape", "view", "size", "contiguous", "expand", "permute",
           "flatten", "neg", "rsqrt", "join_side_stream.default"}  # the last: runtime.streams
@@ -147,11 +149,19 @@ def pytorch_nodes(gm: fx.GraphModule) -> list[dict]:
         if called_region(gm, node) is not None:
             continue
         name = op_name_of(node, gm)
-        if name in _QUIET and node.name not in reasons:
+        if name in _QUIET and node.name not in reasons or name in _GLUE_KERNELS:
             continue
         reason = reasons.get(node.name, "not part of a convolution chain")
         result.append({"node": node.name, "op": name, "reason": reason})
     return result
+
+
+def glue_kernels(gm: fx.GraphModule) -> dict[str, int]:
+    """This package's kernels between regions in ``gm`` (the squeeze-and-excitation ops of
+    :mod:`fusion_compiler.kernels.se_gate`), by name, with their counts."""
+    return dict(Counter(name for node in gm.graph.nodes
+                        if node.op == "call_function"
+                        and (name := op_name_of(node, gm)) in _GLUE_KERNELS))
 
 
 def format_left(rows: list[dict], title: str) -> str:
@@ -239,6 +249,9 @@ def format_summary(report: dict, title: str = "") -> str:
         lines.append(f"regions:        {count} ({backends or 'none'})")
         for reason, n in s["fallback_reasons"].items():
             lines.append(f"  fallback x{n}: {reason}")
+    if kernels := report.get("glue_kernels"):
+        names = ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items()))
+        lines.append(f"glue kernels:   {names} (this package's, between regions: the SE blocks)")
     left = report["pytorch"]
     lines.append(f"left to PyTorch: {len(report['unfused'])} convolution(s), {len(left)} other "
                  f"op(s) in {len(group_by_reason(left))} group(s) (below)")
@@ -261,12 +274,14 @@ def format_groups(rows: list[dict], title: str, shown: int = 6) -> str:
 def coverage(spec: Any) -> dict:
     """What a specialization covers, JSON-ready: ``inputs``, ``summary`` (:func:`summarize`),
     ``regions`` (each region's :meth:`~fusion_compiler.ir.region.Region.describe`), ``unfused``
-    (convolutions outside every region, with reasons) and ``pytorch`` (other ops left to
-    PyTorch, with reasons)."""
+    (convolutions outside every region, with reasons), ``glue_kernels`` (this package's kernels
+    between regions, :func:`glue_kernels`) and ``pytorch`` (other ops left to PyTorch, with
+    reasons)."""
     gm = spec.graph_module
     return {"inputs": [str(a) for a in spec.signature[0]], "summary": summarize(spec),
             "regions": [r.describe() for r in spec.regions],
-            "unfused": unfused_convolutions(gm), "pytorch": pytorch_nodes(gm)}
+            "unfused": unfused_convolutions(gm), "glue_kernels": glue_kernels(gm),
+            "pytorch": pytorch_nodes(gm)}
 
 
 def format_report(report: dict, title: str = "") -> str:

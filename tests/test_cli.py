@@ -50,8 +50,8 @@ def test_dump_default_is_a_short_summary_first():
     assert "=== " not in proc.stdout  # no graph code unless --stage asks for it
     out = proc.stdout
     assert out.index("12 fused regions") < out.index("ops left to PyTorch, by reason")
-    # grouped: the four SE gates share one row, whatever convolution each follows
-    assert "4: mul x4" in out and "[N,K,1,1]" in out
+    # the four SE blocks' gates and tails are this package's kernels, not ops left to PyTorch
+    assert "glue kernels:   se_scale x4" in header and "ops left to PyTorch, by reason: none" in out
 
 
 def test_dump_text_shows_graphs_and_tables():
@@ -65,7 +65,7 @@ def test_dump_text_shows_graphs_and_tables():
     assert out.index("12 fused regions") < out.index("=== captured graph ===")
     # prologue and reduction fusion are off by default: plain conv chains, the sum left to PyTorch
     assert "conv3x3 > mul > add" in out and "[add]" not in out and "+ sum_hw" not in out
-    assert "reduction fusion is off" in out
+    assert "sum_1 = torch.sum(getitem_19, [2, 3], keepdim = True)" in out  # the SE squeeze
 
 
 def test_dump_reports_bad_arguments():
@@ -122,11 +122,13 @@ def test_bench_cli_on_cpu_times_eager_and_ours(tmp_path):
 
 
 def test_dump_shows_the_regions_concurrent_branches_gives():
-    """``--concurrent-branches``: the three downsample regions are bare convolutions, and the
-    table of ops left to PyTorch says why their residual adds are not in them."""
+    """``--concurrent-branches``: the three downsample regions are bare convolutions; their
+    residual adds, which join the longer branch, go into the SE blocks' kernels."""
     proc = _run("dump", REF, "--input", "8x3x64x64", "--device", "cpu", "--format", "json",
-                "--backend", "reference", "--concurrent-branches")
+                "--backend", "reference", "--concurrent-branches", "--stage", "se_scales")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert sum(r["pattern"] == "conv3x3/s2" for r in report["regions"]) == 3
-    assert sum("joins a longer branch" in row["reason"] for row in report["pytorch"]) == 3
+    assert report["glue_kernels"] == {"se_scale": 4} and report["pytorch"] == []
+    calls = [line for line in report["stages"]["se_scales"].splitlines() if "se_scale(" in line]
+    assert len(calls) == 4 and all("'relu', getitem_" in line for line in calls)  # residuals

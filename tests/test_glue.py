@@ -1,4 +1,5 @@
-"""The glue rewrites for Inductor (``passes/glue/``), on the CPU."""
+"""The glue rewrites for Inductor (``passes/glue/``) and the squeeze-and-excitation rewrites into
+this package's kernels (``passes/post_lowering/se_gate.py``), on the CPU."""
 
 import pytest
 import torch
@@ -7,7 +8,9 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fusion_compiler.passes.glue import MAX_WEIGHT, se_gates, small_linears_as_reductions
+from fusion_compiler.kernels.se_gate import se_gate, se_scale
+from fusion_compiler.passes.glue import MAX_WEIGHT, inductor_work, small_linears_as_reductions
+from fusion_compiler.passes.post_lowering.se_gate import se_gates, se_scales
 
 
 class _SE(nn.Module):
@@ -49,7 +52,7 @@ def test_a_large_linear_stays_a_matmul():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _private_graph(model, x):
+def _private_graph(model, *x):
     """The copy of ``compile(model)``'s graph that the glue rewrites get (normalized ops, regions
     opaque), and the compiled module's output on ``x``."""
     import fusion_compiler as fc
@@ -58,7 +61,7 @@ def _private_graph(model, x):
 
     compiled = fc.compile(model, cache_dir=False, glue_backend=None)
     with torch.inference_mode():
-        want = compiled(x)
+        want = compiled(*x)
     return isolated_copy(compiled.last.graph_module, opaque=lambda m: isinstance(m, Region)), want
 
 
@@ -70,7 +73,7 @@ def test_se_gates_replace_the_reference_networks_four_gates_with_the_same_result
     gm, want = _private_graph(randomize_(se_resnet9_fixup(3)).eval(), x)
     assert se_gates(gm) == 4
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert ops.count(torch.ops.fusion_compiler.se_gate.default) == 4
+    assert ops.count(se_gate) == 4
     assert torch.sigmoid not in ops and torch.relu in ops  # the blocks' own ReLUs stay
     assert not [n for n in gm.graph.nodes if n.op == "call_module"
                 and isinstance(gm.get_submodule(n.target), nn.Linear)]
@@ -119,8 +122,7 @@ def test_se_gates_of_1x1_convolutions_with_silu_as_torchvision_writes_them():
         def forward(self, x):
             return torch.relu(self.se(self.conv(x)))
 
-    from fusion_compiler.passes.glue import se_gate as glue
-    from fusion_compiler.kernels.se_gate import OP
+    from fusion_compiler.passes.post_lowering import se_gate as glue
 
     torch.manual_seed(0)
     x = torch.randn(2, 16, 7, 7)
@@ -130,7 +132,7 @@ def test_se_gates_of_1x1_convolutions_with_silu_as_torchvision_writes_them():
             patch.setattr(glue, "FUSED_SQUEEZE", fused_squeeze)
             assert se_gates(gm) == 1
         assert not [n for n in gm.graph.nodes if n.target is torch.conv2d]
-        gate = next(n for n in gm.graph.nodes if n.target is OP)
+        gate = next(n for n in gm.graph.nodes if n.target is se_gate)
         pooled = gate.args[0].meta["val"].shape[2:] == (1, 1)
         assert pooled == (fused_squeeze < 48 * 7 * 7), act
         with torch.inference_mode():
@@ -138,8 +140,6 @@ def test_se_gates_of_1x1_convolutions_with_silu_as_torchvision_writes_them():
 
 
 def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
-    from fusion_compiler.kernels.se_gate import se_gate
-
     torch.manual_seed(0)
     x = torch.randn(4, 24, 5, 7).contiguous(memory_format=torch.channels_last)
     w1, b1, w2, b2 = torch.randn(6, 24), torch.randn(6), torch.randn(24, 6), torch.randn(24)
@@ -153,3 +153,118 @@ def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
     with pytest.raises(ValueError, match="act must be"):
         se_gate(x, w1, b1, w2, b2, "gelu")
 
+
+
+def _se_scale_want(x, w1, b1, w2, b2, residual=None, relu=False, bias=None):
+    h = torch.relu(x.double().mean((2, 3)) @ w1.double().T + b1.double())
+    y = x.double() * torch.sigmoid(h @ w2.double().T + b2.double())[:, :, None, None]
+    if residual is not None:
+        y = y + residual.double()
+    if relu:
+        y = torch.relu(y)
+    return y if bias is None else y + bias.double()
+
+
+def test_the_se_scale_op_is_the_block_tail_in_fp32_laid_out_as_its_input():
+    torch.manual_seed(0)
+    x = torch.randn(4, 24, 5, 7).contiguous(memory_format=torch.channels_last)
+    w1, b1, w2, b2 = torch.randn(6, 24), torch.randn(6), torch.randn(24, 6), torch.randn(24)
+    residual, bias = torch.randn(4, 24, 5, 7), torch.randn(1)  # the residual NCHW
+    got = se_scale(x, w1, b1, w2, b2, "relu", residual, True, bias)
+    assert got.shape == x.shape and got.stride() == x.stride() and got.dtype == x.dtype
+    want = _se_scale_want(x, w1, b1, w2, b2, residual, True, bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(se_scale(x.contiguous(), w1, b1, w2, b2).double(),
+                               _se_scale_want(x, w1, b1, w2, b2), rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.fusion_compiler.se_scale.default,
+                          (x, w1, b1, w2, None, "silu", residual, False, bias))
+    with pytest.raises(ValueError, match="residual of shape"):
+        se_scale(x, w1, b1, w2, b2, "relu", residual[:, :, :4])
+    with pytest.raises(ValueError, match="one element"):
+        se_scale(x, w1, b1, w2, b2, "relu", None, False, torch.randn(2))
+
+
+def test_traced_graphs_call_the_se_ops():
+    """Graphs call :func:`se_gate` and :func:`se_scale`, plain functions; a trace (AOTAutograd's,
+    under fake tensors) records their ``torch.library`` ops instead of the kernels' bodies."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(2, 8, 3, 3)
+    w1, w2 = torch.randn(2, 8), torch.randn(8, 2)
+
+    def f(x, w1, w2):
+        return se_scale(x, w1, None, w2, None, "relu", x, True, None) + se_gate(
+            x, w1, None, w2, None)[:, :, None, None]
+
+    traced = make_fx(f, tracing_mode="fake")(x, w1, w2)
+    targets = {n.target for n in traced.graph.nodes if n.op == "call_function"}
+    assert {torch.ops.fusion_compiler.se_scale.default,
+            torch.ops.fusion_compiler.se_gate.default} <= targets
+
+
+def test_se_scales_fold_the_reference_networks_block_tails_into_the_gates():
+    """SE-ResNet9: each of the four gates is applied in its own kernel; in the block without a
+    downsample convolution the residual add, the ReLU and the next block's scalar bias come
+    along (the downsample blocks' regions take the scaled value as their epilogue operand)."""
+    from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    gm, want = _private_graph(randomize_(se_resnet9_fixup(3)).eval(), x)
+    assert se_gates(gm) == 4 and se_scales(gm) == 4
+    scales = [n for n in gm.graph.nodes if n.target is se_scale]
+    assert [(n.args[6] is not None, n.args[7], n.args[8] is not None) for n in scales] == [
+        (True, True, True), (False, False, False), (False, False, False), (False, False, False)]
+    assert not [n for n in gm.graph.nodes if n.target in (se_gate, torch.mul, torch.sigmoid)]
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_se_scales_stop_where_a_step_has_another_user():
+    class Tail(_SE):
+        def forward(self, x, r):
+            y = x * torch.sigmoid(self.fc2(torch.relu(self.fc1(x.mean((2, 3))))))[:, :, None,
+                                                                                      None]
+            z = torch.relu(y + r)
+            return z, y  # y is read twice: the add and the ReLU stay graph ops
+
+    torch.manual_seed(0)
+    x, r = torch.randn(3, 32, 4, 4), torch.randn(3, 32, 4, 4)
+    gm, want = _private_graph(Tail(c=32, r=4).eval(), x, r)
+    assert se_gates(gm) == 1 and se_scales(gm) == 1
+    scale = next(n for n in gm.graph.nodes if n.target is se_scale)
+    assert scale.args[6:] == (None, False, None)
+    with torch.inference_mode():
+        for got, expected in zip(gm(x, r), want):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_work_is_none_when_the_glue_is_this_packages_kernels():
+    """The CUDA pipeline's graph of SE-ResNet9 (as ``fusion-compiler dump`` compiles it) leaves
+    Inductor nothing to compile: regions, the SE kernels and views; the BPS encoder's head (a
+    linear layer, layer norm, ReLU) is Inductor's."""
+    from examples.seresnet9_fixup import bps_visual_encoder, randomize_, se_resnet9_fixup
+    from fusion_compiler.tools.dump import specialize_for_dump
+
+    x = torch.randn(2, 3, 64, 64)
+    backbone = specialize_for_dump(randomize_(se_resnet9_fixup(3)).eval(), [x])
+    assert inductor_work(backbone.graph_module) == []
+    encoder = specialize_for_dump(bps_visual_encoder(3).eval(), [x])
+    assert inductor_work(encoder.graph_module)
+
+
+def test_the_inductor_copy_calls_the_kernels_through_their_ops():
+    """AOTAutograd's cache bypasses a graph that calls a function it does not know: the glue
+    pipeline makes the kernels' calls op calls, with the same result."""
+    from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+    from fusion_compiler.passes.glue import kernels_as_library_ops
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64)
+    gm, want = _private_graph(randomize_(se_resnet9_fixup(3)).eval(), x)
+    assert se_gates(gm) == 4 and se_scales(gm) == 4 and kernels_as_library_ops(gm) == 4
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.fusion_compiler.se_scale.default) == 4
+    assert se_scale not in targets
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x), want, rtol=1e-4, atol=1e-5)

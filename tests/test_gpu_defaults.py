@@ -17,7 +17,7 @@ from conftest import lowered_on_gpu, rel_err
 
 import fusion_compiler as fc
 import fusion_compiler.backends.cudnn.kernel as cudnn_kernel
-from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+from examples.seresnet9_fixup import bps_visual_encoder, randomize_, se_resnet9_fixup
 from fusion_compiler.runtime.tiered import TieredRunner
 
 pytestmark = pytest.mark.gpu
@@ -30,6 +30,13 @@ def _fp64(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _reference_net() -> nn.Module:
     return randomize_(se_resnet9_fixup(3), seed=1).cuda().half().eval()
+
+
+def _glue_net() -> nn.Module:
+    """SE-ResNet9 with the BPS encoder's head (a convolution, then a linear layer, layer norm and
+    ReLU): glue Inductor compiles (the backbone's alone is this package's kernels, which leave
+    Inductor nothing to do)."""
+    return randomize_(bps_visual_encoder(3), seed=1).cuda().half().eval()
 
 
 def _x(n: int) -> torch.Tensor:
@@ -53,7 +60,7 @@ def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tm
     output matches fp64. ``autotune=1`` is the one option: with
     timing, a region at N=32 sometimes went to PyTorch on a near tie (paired timing, H100), and
     this test checks the tiers, not the tuning (as the glue tests in test_gpu.py do)."""
-    model = _reference_net()
+    model = _glue_net()
     compiled = fc.compile(model, cache_dir=tmp_path, autotune=1)
     x, half = _x(32), _x(16)
     with torch.inference_mode():
@@ -71,8 +78,9 @@ def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tm
     assert all(lowered_on_gpu(r) for r in spec.regions)
     for out, inp in zip(outs, (x, half, x, half)):
         assert rel_err(out.float().cpu(), _fp64(model, inp)) < 2e-3
-    with torch.no_grad():  # a parameter of the glue (the SE MLP), updated in place
-        model.layer1.se.fc1.bias.add_(0.5)
+    with torch.no_grad():  # parameters of the glue (the SE MLP, the layer norm), updated in place
+        model.backbone.layer1.se.fc1.bias.add_(0.5)
+        model.fc[2].bias.add_(0.5)
     with torch.inference_mode():
         updated = compiled(x)
     assert not torch.equal(updated, outs[2])
@@ -129,7 +137,7 @@ def test_the_background_glue_compile_goes_through_inductors_fx_graph_cache(tmp_p
     from torch._dynamo.utils import counters
 
     counters.clear()
-    compiled = fc.compile(_reference_net(), cache_dir=tmp_path)
+    compiled = fc.compile(_glue_net(), cache_dir=tmp_path)
     with torch.inference_mode():
         compiled(_x(16))
         assert compiled.wait_for_background_compiles(600)
@@ -142,7 +150,7 @@ def test_the_background_glue_compile_goes_through_inductors_fx_graph_cache(tmp_p
 
 
 def test_without_tiering_the_first_call_waits_for_inductor(tmp_path):
-    compiled = fc.compile(_reference_net(), cache_dir=tmp_path, tiered=False)
+    compiled = fc.compile(_glue_net(), cache_dir=tmp_path, tiered=False)
     x = _x(16)
     with torch.inference_mode():
         compiled(x)

@@ -1,24 +1,32 @@
-"""The ``fusion_compiler::se_gate`` custom op: a squeeze-and-excitation gate in one kernel.
+"""The squeeze-and-excitation kernels: ``fusion_compiler::se_gate`` (the gate) and
+``fusion_compiler::se_scale`` (the gate applied, with the block's tail), one Triton program per
+sample each.
 
-Squeeze-and-excitation (Hu et al., "Squeeze-and-Excitation Networks", CVPR 2018, eq. 2-3)
+Squeeze-and-excitation (Hu et al., "Squeeze-and-Excitation Networks", CVPR 2018, eq. 2-4)
 computes, per sample ``n`` and channel ``c``::
 
     s[n, :] = mean over h, w of x[n, :, h, w]                    # squeeze
     g[n, :] = sigmoid(W2 @ act(W1 @ s[n, :] + b1) + b2)          # excitation, act: ReLU or SiLU
+    y[n, c] = g[n, c] * x[n, c]                                  # scale
 
-and the block then multiplies ``x`` by ``g``. Inductor compiles this as three or four kernels (the
-spatial sum, then one reduction per linear layer), since it does not fuse a reduction into the next
-one. Here one Triton program per sample does it all: it streams ``x[n]`` once, keeps ``s`` and the
-hidden layer in registers, and writes ``g[n, :]``. The multiply by ``g`` stays outside, where
-Inductor fuses it with the residual add and ReLU that follow. One program streaming a large sample
-is slow, so for those the pass hands the op the pooled ``[N, C, 1, 1]`` mean, and the program only
-runs the two layers (:mod:`fusion_compiler.passes.glue.se_gate`, ``FUSED_SQUEEZE``). Measurements:
-docs/decisions.md, "The SE gate as one Triton kernel".
+Inductor compiles the gate as three or four kernels (the spatial sum, then one reduction per
+linear layer), since it does not fuse a reduction into the next one. Here one Triton program per
+sample streams ``x[n]`` once, keeps ``s`` and the hidden layer in registers and writes ``g[n, :]``
+(:func:`se_gate`). :func:`se_scale` goes on in the same program: it streams ``x[n]`` a second
+time (from L2: a sample is at most ``FUSED_SQUEEZE`` values where the pass uses it) and writes
+``y``, with what a residual block does next applied on the way (``+ residual``, ReLU, ``+ bias``
+for a one-element bias), so the block's tail is one kernel where eager PyTorch runs six and
+Inductor two. One program streaming a large sample is slow, so for those the pass hands
+:func:`se_gate` the pooled ``[N, C, 1, 1]`` mean and leaves the multiply to the graph
+(:mod:`fusion_compiler.passes.post_lowering.se_gate`). Measurements: docs/decisions.md, "The SE
+gate as one Triton kernel" and "The SE block's tail in the gate's kernel".
 
-On a device other than CUDA, or where Triton does not import, the op runs the same formula as
-torch ops (fp32 accumulation, the result in ``x``'s dtype). Both paths compute in fp32 throughout,
-so they differ from eager PyTorch in fp16 only by eager's fp16 roundings of ``s`` and the hidden
-layer.
+Graphs call :func:`se_gate` and :func:`se_scale`, which run the kernel directly on real tensors
+and go through the ``torch.library`` op (:data:`OP`, :data:`SCALE_OP`) only while their inputs are
+being traced (AOTAutograd, Inductor): an op's first eager call imports Dynamo. On a device other
+than CUDA, or where Triton does not import, both run the same formula as torch ops. Both paths
+compute in fp32 throughout and round once, so they differ from eager PyTorch in fp16 only by
+eager's fp16 roundings of ``s``, the hidden layer, ``g`` and each step of the tail.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["se_gate", "se_gate_reference", "MAX_CHANNELS", "MAX_HIDDEN", "MAX_GATE_WEIGHT", "OP"]
+from ..runtime.region_op import is_traced
+
+__all__ = ["se_gate", "se_scale", "se_gate_reference", "se_scale_reference", "MAX_CHANNELS",
+           "MAX_HIDDEN", "MAX_GATE_WEIGHT", "OP", "SCALE_OP", "LIBRARY_OPS"]
 
 MAX_CHANNELS = 1024
 """Most channels ``C`` the Triton kernel takes (one program holds a ``[R, C]`` weight tile in
@@ -43,8 +54,8 @@ _ACT = {"relu": 0, "silu": 1}
 
 
 def se_gate_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
-                      w2: torch.Tensor, b2: Optional[torch.Tensor], act: str = "relu"
-                      ) -> torch.Tensor:
+                      w2: torch.Tensor, b2: Optional[torch.Tensor], act: str = "relu",
+                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The gate as torch ops in fp32 (see module docstring).
 
     Args:
@@ -52,15 +63,44 @@ def se_gate_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tens
         w1: ``[R, C]``; ``b1``: ``[R]`` or ``None``.
         w2: ``[C, R]``; ``b2``: ``[C]`` or ``None``.
         act: the hidden layer's activation, ``"relu"`` or ``"silu"``.
+        dtype: the result's dtype (``None``: ``x.dtype``).
 
     Returns:
-        ``[N, C]`` contiguous, ``x.dtype``.
+        ``[N, C]`` contiguous.
     """
     s = x.float().mean(dim=(2, 3))
     h = torch.nn.functional.linear(s, w1.float(), None if b1 is None else b1.float())
     h = torch.nn.functional.silu(h) if act == "silu" else torch.relu(h)
     z = torch.nn.functional.linear(h, w2.float(), None if b2 is None else b2.float())
-    return torch.sigmoid(z).to(x.dtype)
+    return torch.sigmoid(z).to(x.dtype if dtype is None else dtype)
+
+
+def se_scale_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
+                       w2: torch.Tensor, b2: Optional[torch.Tensor], act: str = "relu",
+                       residual: Optional[torch.Tensor] = None, relu: bool = False,
+                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y = x * g`` with ``g`` the gate of :func:`se_gate_reference`, then ``+ residual``, ReLU
+    (``relu``), ``+ bias``, in fp32, rounded once to ``x.dtype``.
+
+    Args:
+        x: ``[N, C, H, W]``, any layout, floating point; ``w1``, ``b1``, ``w2``, ``b2``, ``act``
+            as for :func:`se_gate_reference`.
+        residual: ``[N, C, H, W]`` or ``None``.
+        bias: one element, or ``None``.
+
+    Returns:
+        ``[N, C, H, W]`` in ``x``'s dtype and layout (``torch.empty_like``).
+    """
+    y = x.float() * se_gate_reference(x, w1, b1, w2, b2, act, torch.float32)[:, :, None, None]
+    if residual is not None:
+        y = y + residual.float()
+    if relu:
+        y = torch.relu(y)
+    if bias is not None:
+        y = y + bias.float().reshape(())
+    out = torch.empty_like(x)
+    out.copy_(y)
+    return out
 
 
 @functools.cache
@@ -73,9 +113,12 @@ def _triton_kernel() -> Any:
         return None
 
     @triton.jit
-    def se_gate_kernel(x, w1, b1, w2, b2, g, HW, C, R, s_n, s_hw, s_c, inv_hw,
-                       HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, ACT: tl.constexpr,
-                       BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    def se_kernel(x, w1, b1, w2, b2, out, res, bias, HW, C, R, s_n, s_hw, s_c, r_n, r_hw, r_c,
+                  o_n, o_hw, o_c, inv_hw,
+                  HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, ACT: tl.constexpr,
+                  SCALE: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr,
+                  HAS_BIAS: tl.constexpr,
+                  BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
         c_in = c < C
@@ -104,56 +147,188 @@ def _triton_kernel() -> Any:
         if HAS_B2:
             z += tl.load(b2 + c, mask=c_in, other=0.0).to(tl.float32)
         gate = 1.0 / (1.0 + tl.exp(-z))
-        tl.store(g + n * C + c, gate.to(g.dtype.element_ty), mask=c_in)
+        if SCALE:  # y = tail(x * g), x[n] streamed again
+            for start in range(0, HW, BLOCK_HW):
+                hw = start + tl.arange(0, BLOCK_HW)
+                mask = (hw < HW)[:, None] & c_in[None, :]
+                v = tl.load(row + hw[:, None] * s_hw + c[None, :] * s_c, mask=mask,
+                            other=0.0).to(tl.float32) * gate[None, :]
+                if HAS_RES:
+                    v += tl.load(res + n * r_n + hw[:, None] * r_hw + c[None, :] * r_c,
+                                 mask=mask, other=0.0).to(tl.float32)
+                if RELU:
+                    v = tl.maximum(v, 0.0)
+                if HAS_BIAS:
+                    v += tl.load(bias).to(tl.float32)
+                tl.store(out + n * o_n + hw[:, None] * o_hw + c[None, :] * o_c,
+                         v.to(out.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out + n * C + c, gate.to(out.dtype.element_ty), mask=c_in)
 
-    return se_gate_kernel
+    return se_kernel
 
 
 def _pow2(v: int) -> int:
     return 1 << max(0, int(v) - 1).bit_length()
 
 
+def _hw_stride(t: torch.Tensor) -> int | None:
+    """The stride of ``t``'s H and W flattened to one axis (``[N, C, H, W]``), or ``None`` when
+    they do not flatten."""
+    _, _, h, w = t.shape
+    if w == 1:
+        return t.stride(2)
+    if h > 1 and t.stride(2) != w * t.stride(3):
+        return None
+    return t.stride(3)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its H and W flatten to one axis, else a channels_last copy."""
+    return t if _hw_stride(t) is not None else t.contiguous(memory_format=torch.channels_last)
+
+
 def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
-            w2: torch.Tensor, b2: Optional[torch.Tensor], act: str) -> torch.Tensor:
+            w2: torch.Tensor, b2: Optional[torch.Tensor], act: str, scale: bool = False,
+            residual: Optional[torch.Tensor] = None, relu: bool = False,
+            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     n, c, h, w = x.shape
     r = w1.shape[0]
-    if h > 1 and w > 1 and x.stride(2) != w * x.stride(3):  # h and w must flatten to one axis
-        x = x.contiguous(memory_format=torch.channels_last)
+    src = _flat(x)
     w1, w2 = w1.contiguous(), w2.contiguous()
-    g = torch.empty((n, c), dtype=x.dtype, device=x.device)
+    if scale:
+        result = torch.empty_like(x)
+        out = _flat(result)  # written in place, or a channels_last buffer copied back below
+        res = _flat(residual) if residual is not None else src
+        out_strides = (out.stride(0), _hw_stride(out), out.stride(1))
+        res_strides = (res.stride(0), _hw_stride(res), res.stride(1))
+    else:
+        result = out = torch.empty((n, c), dtype=x.dtype, device=x.device)
+        res, out_strides = src, (0, 0, 0)
+        res_strides = out_strides
     block_c, block_r = _pow2(c), _pow2(r)
     # x[n] in chunks of 4096 values: faster than loading up to 16384 at once (and the weights
     # before x); measurements: docs/decisions.md, "The SE gate as one Triton kernel"
     block_hw = max(1, min(_pow2(h * w), 4096 // block_c))
-    kernel[(n,)](x, w1, w1 if b1 is None else b1, w2, w2 if b2 is None else b2, g,
-                 h * w, c, r, x.stride(0), x.stride(3) if w > 1 else x.stride(2), x.stride(1),
-                 1.0 / (h * w), HAS_B1=b1 is not None, HAS_B2=b2 is not None, ACT=_ACT[act],
+    kernel[(n,)](src, w1, w1 if b1 is None else b1, w2, w2 if b2 is None else b2, out, res,
+                 w1 if bias is None else bias, h * w, c, r, src.stride(0), _hw_stride(src),
+                 src.stride(1), *res_strides, *out_strides, 1.0 / (h * w),
+                 HAS_B1=b1 is not None, HAS_B2=b2 is not None, ACT=_ACT[act], SCALE=scale,
+                 HAS_RES=residual is not None, RELU=relu, HAS_BIAS=bias is not None,
                  BLOCK_HW=block_hw, BLOCK_C=block_c, BLOCK_R=block_r,
                  num_warps=4 if block_c * max(block_r, block_hw) <= 8192 else 8)
-    return g
+    if out is not result:
+        result.copy_(out)
+    return result
 
 
-@torch.library.custom_op("fusion_compiler::se_gate", mutates_args=())
-def se_gate(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-            b2: Optional[torch.Tensor], act: str = "relu") -> torch.Tensor:
-    """``sigmoid(W2 @ act(W1 @ mean_hw(x) + b1) + b2)`` per sample, ``act`` ``"relu"`` or
-    ``"silu"`` (else ``ValueError``): ``x`` ``[N, C, H, W]``
-    (any layout whose H and W flatten to one axis, else it is copied to channels_last),
-    ``w1`` ``[R, C]``, ``w2`` ``[C, R]``, biases ``[R]``/``[C]`` or ``None``; returns ``[N, C]``
-    in ``x.dtype``. One Triton program per sample on CUDA (see module docstring), torch ops
-    elsewhere (:func:`se_gate_reference`)."""
+def _check_act(name: str, act: str) -> None:
     if act not in _ACT:
-        raise ValueError(f"se_gate: act must be 'relu' or 'silu', got {act!r}")
+        raise ValueError(f"{name}: act must be 'relu' or 'silu', got {act!r}")
+
+
+def _gate(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+          b2: Optional[torch.Tensor], act: str = "relu") -> torch.Tensor:
+    _check_act("se_gate", act)
     kernel = _triton_kernel() if x.is_cuda else None
     if kernel is None:
         return se_gate_reference(x, w1, b1, w2, b2, act)
     return _launch(kernel, x, w1, b1, w2, b2, act)
 
 
-@se_gate.register_fake
+def _scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+           b2: Optional[torch.Tensor], act: str = "relu",
+           residual: Optional[torch.Tensor] = None, relu: bool = False,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    _check_act("se_scale", act)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"se_scale: residual of shape {tuple(residual.shape)} for x of shape "
+                         f"{tuple(x.shape)}")
+    if bias is not None and bias.numel() != 1:
+        raise ValueError(f"se_scale: bias must have one element, got {bias.numel()}")
+    kernel = _triton_kernel() if x.is_cuda else None
+    if kernel is None:
+        return se_scale_reference(x, w1, b1, w2, b2, act, residual, relu, bias)
+    return _launch(kernel, x, w1, b1, w2, b2, act, True, residual, relu, bias)
+
+
+@torch.library.custom_op("fusion_compiler::se_gate", mutates_args=())
+def _se_gate_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                b2: Optional[torch.Tensor], act: str = "relu") -> torch.Tensor:
+    return _gate(x, w1, b1, w2, b2, act)
+
+
+@_se_gate_op.register_fake
 def _se_gate_fake(x, w1, b1, w2, b2, act="relu"):
     return x.new_empty((x.shape[0], x.shape[1]))
 
 
+@torch.library.custom_op("fusion_compiler::se_scale", mutates_args=())
+def _se_scale_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                 b2: Optional[torch.Tensor], act: str, residual: Optional[torch.Tensor],
+                 relu: bool, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias)
+
+
+@_se_scale_op.register_fake
+def _se_scale_fake(x, w1, b1, w2, b2, act, residual, relu, bias):
+    return torch.empty_like(x)
+
+
 OP = torch.ops.fusion_compiler.se_gate.default
-"""The op overload that graphs call (``call_function`` target)."""
+"""The gate's op overload (what a traced graph calls)."""
+SCALE_OP = torch.ops.fusion_compiler.se_scale.default
+"""The scale's op overload (what a traced graph calls)."""
+
+
+def se_gate(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+            b2: Optional[torch.Tensor], act: str = "relu") -> torch.Tensor:
+    """``sigmoid(W2 @ act(W1 @ mean_hw(x) + b1) + b2)`` per sample (see module docstring).
+
+    Args:
+        x: ``[N, C, H, W]``, any layout (one whose H and W do not flatten to one axis is copied
+            to channels_last first), floating point.
+        w1: ``[R, C]``; ``b1``: ``[R]`` or ``None``; ``w2``: ``[C, R]``; ``b2``: ``[C]`` or
+            ``None``; ``R * C`` at most :data:`MAX_GATE_WEIGHT`, ``C`` at most
+            :data:`MAX_CHANNELS`, ``R`` at most :data:`MAX_HIDDEN` for the Triton kernel.
+        act: ``"relu"`` or ``"silu"``.
+
+    Returns:
+        ``[N, C]`` contiguous, ``x.dtype``. One Triton program per sample on CUDA, torch ops
+        elsewhere (:func:`se_gate_reference`); through :data:`OP` while ``x`` is traced.
+
+    Raises:
+        ValueError: another ``act``.
+    """
+    if is_traced(x):
+        return OP(x, w1, b1, w2, b2, act)
+    return _gate(x, w1, b1, w2, b2, act)
+
+
+def se_scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+             b2: Optional[torch.Tensor], act: str = "relu",
+             residual: Optional[torch.Tensor] = None, relu: bool = False,
+             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x * g`` with ``g`` the gate of :func:`se_gate` broadcast over H and W, then
+    ``+ residual``, ReLU (``relu``), ``+ bias``, rounded once (see module docstring).
+
+    Args:
+        x, w1, b1, w2, b2, act: as for :func:`se_gate`.
+        residual: ``[N, C, H, W]`` (any layout) or ``None``.
+        bias: a tensor of one element (any shape, any floating dtype) or ``None``.
+
+    Returns:
+        ``[N, C, H, W]``, ``x.dtype``, laid out as ``torch.empty_like(x)``. One Triton program
+        per sample on CUDA, torch ops elsewhere (:func:`se_scale_reference`); through
+        :data:`SCALE_OP` while ``x`` is traced.
+
+    Raises:
+        ValueError: another ``act``, a residual of another shape, a bias of several elements.
+    """
+    if is_traced(x):
+        return SCALE_OP(x, w1, b1, w2, b2, act, residual, relu, bias)
+    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias)
+
+
+LIBRARY_OPS = {se_gate: OP, se_scale: SCALE_OP}
+"""Each function graphs call and its op overload (positional arguments in the same order)."""

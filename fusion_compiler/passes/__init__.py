@@ -16,11 +16,14 @@ graph after any pass by its name). In order, with the condition under which each
   get a zero fourth channel), ``channel_padded_images`` (CUDA inference: images a cuDNN region
   zero-pads are padded in the graph), ``channels_last_activations`` (values regions read
   channels_last are converted where they are made), ``nchw_padded_avg_pools`` (CUDA training:
-  padded pools get NCHW inputs, a PyTorch backward bug), ``hoist`` (inference: parameter-only
-  subgraphs computed once per parameter version), ``concurrent_branches`` (with that option:
-  short branches' regions on a second CUDA stream).
-* **glue** (on the copy of the lowered graph that Inductor compiles): ``se_gates`` (an SE gate ->
-  one ``se_gate`` kernel), ``small_linears`` (small linear layers -> reductions).
+  padded pools get NCHW inputs, a PyTorch backward bug), ``se_gates`` and ``se_scales`` (CUDA
+  inference where Triton runs: an SE gate -> one ``se_gate`` kernel, then the multiply by it and
+  the block's tail -> one ``se_scale`` kernel), ``hoist`` (inference: parameter-only subgraphs
+  computed once per parameter version), ``concurrent_branches`` (with that option: short
+  branches' regions on a second CUDA stream).
+* **glue** (on the copy of the lowered graph that Inductor compiles): ``library_ops`` (this
+  package's kernels called through their ``torch.library`` ops), ``small_linears`` (small linear
+  layers -> reductions).
 
 Which passes a specialization runs depends on its :class:`~fusion_compiler.config.Target` and
 the :class:`~fusion_compiler.config.CompileOptions` (:func:`pipelines`); the reasons for each
@@ -42,9 +45,10 @@ from ..kernels.space_to_depth import triton_reason
 from .fusion.fuse import fuse_regions
 from .fusion.space_to_depth_stem import space_to_depth_stems
 from .fusion.verify import verify
-from .glue import se_gates, small_linears_as_reductions
+from .glue import kernels_as_library_ops, small_linears_as_reductions
 from .manager import Pass, PassManager
 from .post_lowering.hoist import hoist_parameters
+from .post_lowering.se_gate import se_gates, se_scales
 from .post_lowering.layout import (channel_padded_images, channels_last_activations,
                                    four_channel_images, nchw_padded_avg_pools)
 from .post_lowering.streams import run_short_branches_beside
@@ -119,6 +123,10 @@ def post_lowering(options: CompileOptions, target: Target) -> list[Pass]:
         passes.append(Pass("nchw_padded_avg_pools", _counted(
             nchw_padded_avg_pools, "padded avg_pool2d inputs made NCHW: PyTorch's channels_last "
             "CUDA backward is wrong with padding (pytorch/pytorch#188344)")))
+    if inference and (target.cuda and not triton_reason() or options.cuda_pipeline):
+        passes += [Pass("se_gates", _counted(se_gates, "SE gates as one se_gate kernel each")),
+                   Pass("se_scales", _counted(se_scales, "SE gates applied (with the block's "
+                                                         "tail) in the gate's kernel"))]
     if inference:
         passes.append(Pass("hoist", hoist_parameters))
     if options.concurrent(target):
@@ -129,7 +137,8 @@ def post_lowering(options: CompileOptions, target: Target) -> list[Pass]:
 
 def glue() -> list[Pass]:
     """The rewrites of the copy of a lowered graph that Inductor compiles."""
-    return [Pass("se_gates", _counted(se_gates, "SE gates as one se_gate kernel each")),
+    return [Pass("library_ops", _counted(kernels_as_library_ops,
+                                         "this package's kernels called through their ops")),
             Pass("small_linears", _counted(small_linears_as_reductions,
                                            "small linear layers as reductions"))]
 
@@ -156,4 +165,7 @@ def pass_names() -> dict[str, list[str]]:
         names[pipeline] = merged
     if "space_to_depth_stem" not in names["fusion"]:  # added only where Triton runs
         names["fusion"].append("space_to_depth_stem")
+    if "se_gates" not in names["post_lowering"]:  # likewise
+        at = names["post_lowering"].index("hoist")
+        names["post_lowering"][at:at] = ["se_gates", "se_scales"]
     return names

@@ -65,7 +65,7 @@ def _conv_reason(conv: fx.Node) -> str | None:
             and tuple(conv.args[4]) == (0, 0) and conv.args[6] == 1 and _se_gate_sized(w):
         return ("a 1x1 convolution of a 1x1 image is a matrix-vector product (a squeeze-and-"
                 "excitation layer): left to the glue, where a whole SE gate becomes one kernel "
-                "(the glue pass se_gates); as cuDNN regions these ran slower (docs/decisions.md)")
+                "(the pass se_gates); as cuDNN regions these ran slower (docs/decisions.md)")
     return None
 
 

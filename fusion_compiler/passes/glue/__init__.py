@@ -1,7 +1,10 @@
-"""The glue pipeline: rewrites of the ops between regions, made on the copy of a lowered graph
-that Inductor compiles (never on the graph that runs eagerly)."""
+"""The glue pipeline: rewrites of the ops between regions made on the copy of a lowered graph
+that Inductor compiles (never on the graph that runs eagerly), and what Inductor would compile
+there (:func:`inductor_work`)."""
 
+from .library_ops import kernels_as_library_ops
 from .linears import MAX_MACS, MAX_WEIGHT, small_linears_as_reductions
-from .se_gate import FUSED_SQUEEZE, se_gates
+from .work import inductor_work
 
-__all__ = ["se_gates", "small_linears_as_reductions", "FUSED_SQUEEZE", "MAX_WEIGHT", "MAX_MACS"]
+__all__ = ["small_linears_as_reductions", "kernels_as_library_ops", "inductor_work", "MAX_WEIGHT",
+           "MAX_MACS"]

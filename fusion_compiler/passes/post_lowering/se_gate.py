@@ -1,19 +1,25 @@
-"""A glue rewrite for Inductor (applied to the copy of a lowered graph that Inductor compiles,
-never to the graph that runs eagerly): a squeeze-and-excitation gate (spatial mean, linear or 1x1
-convolution, ReLU or SiLU, linear or 1x1 convolution, sigmoid) becomes one
-``fusion_compiler::se_gate`` call (:mod:`fusion_compiler.kernels.se_gate`): one Triton kernel
-where Inductor makes three or four."""
+"""Post-lowering rewrites of squeeze-and-excitation blocks into this package's kernels
+(:mod:`fusion_compiler.kernels.se_gate`), for CUDA inference where Triton runs: ``se_gates`` makes
+a gate (spatial mean, linear or 1x1 convolution, ReLU or SiLU, linear or 1x1 convolution,
+sigmoid) one :func:`~fusion_compiler.kernels.se_gate.se_gate` call, one kernel where Inductor
+makes three or four and eager PyTorch six; ``se_scales`` then folds the multiply by the gate and
+the block's tail after it (residual add, ReLU, a one-element bias) into the gate's kernel
+(:func:`~fusion_compiler.kernels.se_gate.se_scale`). They run on the graph that runs, eager glue
+or Inductor's, so a graph whose glue is nothing else needs no Inductor
+(:func:`fusion_compiler.passes.glue.inductor_work`)."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from ...ir.ops import is_call, is_conv, is_hw_sum
-from .linears import graph_value, linear_parts, value_of
+from ..glue.linears import graph_value, linear_parts, value_of
 
-__all__ = ["se_gates", "FUSED_SQUEEZE"]
+__all__ = ["se_gates", "se_scales", "FUSED_SQUEEZE"]
 
 FUSED_SQUEEZE = 16384
 """Most values per sample (``C*H*W``) whose spatial mean the ``se_gate`` kernel computes itself,
@@ -72,7 +78,7 @@ _ACTIVATIONS = {torch.relu: "relu", F.silu: "silu"}
 
 def se_gates(gm: fx.GraphModule) -> int:
     """Rewrite, in place, each squeeze-and-excitation gate
-    ``sigmoid(fc2(act(fc1(mean_hw(x)))))`` into ``fusion_compiler::se_gate(x, W1, b1, W2, b2,
+    ``sigmoid(fc2(act(fc1(mean_hw(x)))))`` into ``se_gate(x, W1, b1, W2, b2,
     act)``: ``fc1``/``fc2`` linear layers (SE-ResNet9) or 1x1 convolutions of the pooled
     ``[N, C, 1, 1]`` value with their bias adds (torchvision's ``SqueezeExcitation``, which the
     fuse pass leaves out of regions), ``act`` ReLU or SiLU. The result is reshaped to the
@@ -87,7 +93,8 @@ def se_gates(gm: fx.GraphModule) -> int:
     :data:`~fusion_compiler.kernels.se_gate.MAX_GATE_WEIGHT` (the kernel holds a weight in
     registers). Other gates (hard sigmoid, other activations) are not matched. Returns how many
     were rewritten."""
-    from ...kernels.se_gate import MAX_CHANNELS, MAX_GATE_WEIGHT, MAX_HIDDEN, OP  # noqa: PLC0415
+    from ...kernels.se_gate import (MAX_CHANNELS, MAX_GATE_WEIGHT,  # noqa: PLC0415
+                                    MAX_HIDDEN, se_gate)
 
     graph = gm.graph
     rewritten = 0
@@ -124,7 +131,8 @@ def se_gates(gm: fx.GraphModule) -> int:
             # a sample of at most FUSED_SQUEEZE values is streamed by the kernel's program; a
             # larger one is pooled by the graph's own reduction (parallel over H, W) first
             source = x if xv[0].numel() <= FUSED_SQUEEZE else mean
-            gate = graph.call_function(OP, (source, w1n, b1n, w2n, b2n, _ACTIVATIONS[act.target]))
+            gate = graph.call_function(se_gate, (source, w1n, b1n, w2n, b2n,
+                                                 _ACTIVATIONS[act.target]))
             if out.dim() != 2:
                 gate.meta = {"val": out.reshape(out.shape[:2])} if "val" in node.meta else {}
                 gate = graph.call_function(torch.reshape, (gate, tuple(out.shape)))
@@ -137,3 +145,96 @@ def se_gates(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return rewritten
+
+
+_EVERY = slice(None, None, None)
+
+
+def _is_gate_view(node: fx.Node, n: int, c: int) -> bool:
+    """Whether ``node`` views a ``[N, C]`` gate as ``[N, C, 1, 1]`` (a reshape, or the
+    indexing ``g[:, :, None, None]``)."""
+    reshape = is_call(node, torch.reshape) or (
+        node.op == "call_method" and node.target in ("view", "reshape")) or (
+        is_call(node, operator.getitem) and node.args[1] == (_EVERY, _EVERY, None, None))
+    val = node.meta.get("val")
+    return reshape and isinstance(val, torch.Tensor) and tuple(val.shape) == (n, c, 1, 1)
+
+
+def _other(node: fx.Node, target: object, one: fx.Node) -> object:
+    """The operand of the two-operand ``target`` call ``node`` that is not ``one`` (``None``
+    when ``node`` is not such a call of ``one``, or has keyword arguments)."""
+    if not is_call(node, target) or len(node.args) != 2 or node.kwargs or one not in node.args:
+        return None
+    a, b = node.args
+    return b if a is one else a
+
+
+def _same_value(node: object, like: torch.Tensor) -> bool:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return (isinstance(val, torch.Tensor) and val.shape == like.shape
+            and val.dtype == like.dtype and val.stride() == like.stride())
+
+
+def se_scales(gm: fx.GraphModule) -> int:
+    """Rewrite, in place, each multiply of a ``[N, C, H, W]`` value ``x`` by its own gate
+    ``se_gate(x, ...)`` reshaped to ``[N, C, 1, 1]`` (what :func:`se_gates` leaves) into
+    ``se_scale(x, ..., residual, relu, bias)``, taking along what follows it when each step's
+    result has no other user: ``+ residual`` (a value of ``x``'s shape, dtype and strides), then
+    ReLU, then ``+ bias`` (a one-element tensor of ``x``'s dtype), in that order. A gate computed
+    from the pooled mean (a sample of more than :data:`FUSED_SQUEEZE` values) is left alone: its
+    kernel would stream large samples in one program each.
+
+    Matched only where every step keeps ``x``'s shape, dtype and strides (the kernel's output is
+    laid out as ``torch.empty_like(x)``) and ``x`` is dense. Returns how many were rewritten."""
+    from ...kernels.se_gate import se_gate, se_scale  # noqa: PLC0415
+
+    graph = gm.graph
+    rewritten = 0
+    for gate in list(graph.nodes):
+        if not is_call(gate, se_gate) or len(gate.users) != 1:
+            continue
+        x = gate.args[0]
+        xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(xv, torch.Tensor) or xv.dim() != 4 or not _dense_layout(xv):
+            continue
+        view = next(iter(gate.users))
+        if not _is_gate_view(view, *xv.shape[:2]) or len(view.users) != 1:
+            continue
+        last = next(iter(view.users))
+        if _other(last, torch.mul, view) is not x or not _same_value(last, xv):
+            continue
+        residual, relu, bias = None, False, None
+        step = _single_user(last)
+        if (r := _other(step, torch.add, last)) is not None and isinstance(r, fx.Node) \
+                and _same_value(r, xv) and _same_value(step, xv):
+            residual, last, step = r, step, _single_user(step)
+        if is_call(step, torch.relu) and len(step.args) == 1 and _same_value(step, xv):
+            relu, last, step = True, step, _single_user(step)
+        b = _other(step, torch.add, last)
+        bv = b.meta.get("val") if isinstance(b, fx.Node) else None
+        if isinstance(bv, torch.Tensor) and bv.numel() == 1 and bv.dtype == xv.dtype \
+                and _same_value(step, xv):
+            bias, last = b, step
+        with graph.inserting_before(last):
+            fused = graph.call_function(se_scale, (x, *gate.args[1:6], residual, relu, bias))
+        fused.meta = dict(last.meta)
+        last.replace_all_uses_with(fused)
+        rewritten += 1
+    if rewritten:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _single_user(node: fx.Node) -> fx.Node | None:
+    """The one node that uses ``node``, if exactly one does (and uses it once)."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    return user if sum(a is node for a in (*user.args, *user.kwargs.values())) == 1 else None
+
+
+def _dense_layout(t: torch.Tensor) -> bool:
+    """Whether ``t`` is laid out densely (``torch.empty_like`` then keeps its strides)."""
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)

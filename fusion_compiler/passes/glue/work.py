@@ -1,0 +1,35 @@
+"""What Inductor would compile in a lowered graph: the glue's arithmetic."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ...ir.region import called_region
+
+__all__ = ["inductor_work"]
+
+_VIEWS = {torch.reshape, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze,
+          torch.transpose, operator.getitem}
+_VIEW_METHODS = {"view", "reshape", "flatten", "permute", "squeeze", "unsqueeze", "transpose",
+                 "size", "dim", "contiguous"}
+
+
+def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of the lowered graph ``gm`` that Inductor would compile: every call but a
+    region's, one of this package's glue kernels
+    (:func:`~fusion_compiler.kernels.se_gate.se_gate`,
+    :func:`~fusion_compiler.kernels.se_gate.se_scale`), an indexing of a region's outputs, a
+    view or a layout change (``reshape``, ``permute``, ``contiguous`` and the like: at most a
+    copy, which Inductor's code would make too). Empty when Inductor would only call, in the same order, the kernels
+    the eager graph calls: then compiling the glue gains nothing in a CUDA graph."""
+    from ...kernels.se_gate import se_gate, se_scale  # noqa: PLC0415
+
+    kernels = {se_gate, se_scale}
+    return [n for n in gm.graph.nodes
+            if n.op in ("call_function", "call_method", "call_module")
+            and called_region(gm, n) is None
+            and not (n.op == "call_function" and (n.target in _VIEWS or n.target in kernels))
+            and not (n.op == "call_method" and n.target in _VIEW_METHODS)]
