@@ -19,7 +19,8 @@ for a one-element bias), so the block's tail is one kernel where eager PyTorch r
 Inductor two. One program streaming a large sample is slow, so for those the pass hands
 :func:`se_gate` the pooled ``[N, C, 1, 1]`` mean and leaves the multiply to the graph
 (:mod:`fusion_compiler.passes.post_lowering.se_gate`). Measurements: docs/decisions.md, "The SE
-gate as one Triton kernel" and "The SE block's tail in the gate's kernel".
+gate as one Triton kernel" and "The SE block's tail in the gate's kernel; no Inductor when
+nothing is left for it".
 
 Graphs call :func:`se_gate` and :func:`se_scale`, which run the kernel directly on real tensors
 and go through the ``torch.library`` op (:data:`OP`, :data:`SCALE_OP`) only while their inputs are

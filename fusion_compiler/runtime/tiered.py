@@ -6,7 +6,8 @@ Inductor, and one whose plans are not cached would wait for their builds: second
 (measurements: docs/decisions.md, "Tiered compilation"). With tiering, a quick tier answers at once
 and one background thread compiles the next: tier 0 runs the regions as their own PyTorch ops
 (:func:`unlowered_copy`) while plans build; tier 1 the lowered regions with the glue as eager
-PyTorch ops, in a CUDA graph, while Inductor compiles the glue; tier 2 the compiled glue. The first
+PyTorch ops, in a CUDA graph, while Inductor compiles the glue; tier 2 the compiled glue (no tier 2
+when the glue leaves Inductor nothing to compile, see ``Runners.glue_backend``). The first
 call after a background compile finished switches tiers (lowering or capturing on the calling
 thread) and frees the tier before. A :class:`TieredRunner` holds two tiers; tier 0's second is
 itself a :class:`TieredRunner` when Inductor compiles the glue. The tiers compute the same function;
