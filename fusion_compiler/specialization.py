@@ -23,6 +23,7 @@ from .config import CompileOptions, Target
 from .ir.errors import TimingDeferred
 from .ir.ops import is_any_conv
 from .ir.region import Region, called_region
+from .kernels import prewarm_triton
 from .lowering import build_plans, lower, plan_work, regions_of
 from .passes import PassManager, fusion, post_lowering, pre_fusion
 from .passes.post_lowering.hoist import HOISTED, HoistedParameters
@@ -98,6 +99,8 @@ class SpecializationCompiler:
         (:meth:`_tier_before_lowering`)."""
         stages: dict[str, str] = {}
         formats: list[torch.memory_format | None] = []
+        if target.cuda:  # Triton's first launch (stem, SE and Inductor kernels) pays it
+            prewarm_triton()
 
         def on_stage(name: str, g: fx.GraphModule) -> None:
             stages[name] = g.code

@@ -330,3 +330,19 @@ def test_an_opaque_region_wrapper_copies_as_a_wrapper_and_pickles_as_a_descripti
         pickle.loads(text)
     with pytest.raises(TypeError, match="cannot pickle an opaque Linear"):
         pickle.dumps(_Opaque(nn.Linear(2, 2)))
+
+
+def test_tritons_cache_key_is_computed_once_on_the_background_thread(monkeypatch):
+    """``kernels.prewarm_triton`` hands Triton's per-process cache key to the background thread,
+    once, so the first kernel launch does not compute it."""
+    cache = pytest.importorskip("triton.runtime.cache")
+    import fusion_compiler.kernels as kernels
+
+    threads = []
+    monkeypatch.setattr(cache, "triton_key", lambda: threads.append(threading.current_thread()),
+                        raising=False)
+    monkeypatch.setattr(kernels, "_prewarm_started", False)
+    kernels.prewarm_triton()
+    kernels.prewarm_triton()
+    assert drain(60)
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()
