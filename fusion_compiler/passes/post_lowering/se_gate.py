@@ -140,11 +140,7 @@ def se_gates(gm: fx.GraphModule) -> int:
         node.replace_all_uses_with(gate)
         graph.erase_node(node)
         rewritten += 1
-    if rewritten:
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
-    return rewritten
+    return _finished(gm, rewritten)
 
 
 _EVERY = slice(None, None, None)
@@ -220,11 +216,7 @@ def se_scales(gm: fx.GraphModule) -> int:
         fused.meta = dict(last.meta)
         last.replace_all_uses_with(fused)
         rewritten += 1
-    if rewritten:
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
-    return rewritten
+    return _finished(gm, rewritten)
 
 
 def _single_user(node: fx.Node) -> fx.Node | None:
@@ -238,3 +230,13 @@ def _single_user(node: fx.Node) -> fx.Node | None:
 def _dense_layout(t: torch.Tensor) -> bool:
     """Whether ``t`` is laid out densely (``torch.empty_like`` then keeps its strides)."""
     return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _finished(gm: fx.GraphModule, rewritten: int) -> int:
+    """``rewritten``, after removing what the rewrites left unused and recompiling ``gm`` (when
+    there were any)."""
+    if rewritten:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten
