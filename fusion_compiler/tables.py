@@ -149,7 +149,7 @@ def pytorch_nodes(gm: fx.GraphModule) -> list[dict]:
         if called_region(gm, node) is not None:
             continue
         name = op_name_of(node, gm)
-        if name in _QUIET and node.name not in reasons or name in _GLUE_KERNELS:
+        if (name in _QUIET and node.name not in reasons) or name in _GLUE_KERNELS:
             continue
         reason = reasons.get(node.name, "not part of a convolution chain")
         result.append({"node": node.name, "op": name, "reason": reason})

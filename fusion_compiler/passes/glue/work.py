@@ -23,8 +23,9 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
     (:func:`~fusion_compiler.kernels.se_gate.se_gate`,
     :func:`~fusion_compiler.kernels.se_gate.se_scale`), an indexing of a region's outputs, a
     view or a layout change (``reshape``, ``permute``, ``contiguous`` and the like: at most a
-    copy, which Inductor's code would make too). Empty when Inductor would only call, in the same order, the kernels
-    the eager graph calls: then compiling the glue gains nothing in a CUDA graph."""
+    copy, which Inductor's code would make too). Empty when Inductor would only call, in the
+    same order, the kernels the eager graph calls: then compiling the glue gains nothing in a
+    CUDA graph."""
     from ...kernels.se_gate import se_gate, se_scale  # noqa: PLC0415
 
     kernels = {se_gate, se_scale}
