@@ -33,8 +33,6 @@ WIDE = 160
 NO_CUDA = "CUDA is not available on this machine"
 """The reason every region gives on a machine without CUDA (the cuDNN backend's)."""
 
-# this package's own kernels between regions (kernels/se_gate.py): not left to PyTorch
-_GLUE_KERNELS = {"se_gate", "se_scale"}
 # data movement and bookkeeping that is not worth a line in the "left to PyTorch" table
 _QUIET = {"getitem", "getattr", "reshape", "view", "size", "contiguous", "expand", "permute",
           "flatten", "neg", "rsqrt", "join_side_stream.default"}  # the last: runtime.streams
@@ -149,19 +147,26 @@ def pytorch_nodes(gm: fx.GraphModule) -> list[dict]:
         if called_region(gm, node) is not None:
             continue
         name = op_name_of(node, gm)
-        if (name in _QUIET and node.name not in reasons) or name in _GLUE_KERNELS:
+        if (name in _QUIET and node.name not in reasons) or _is_glue_kernel(node):
             continue
         reason = reasons.get(node.name, "not part of a convolution chain")
         result.append({"node": node.name, "op": name, "reason": reason})
     return result
 
 
+def _is_glue_kernel(node: fx.Node) -> bool:
+    """Whether ``node`` calls one of this package's kernels between regions (the
+    squeeze-and-excitation kernels of :mod:`fusion_compiler.kernels.se_gate`): not left to
+    PyTorch."""
+    from .kernels.se_gate import LIBRARY_OPS  # noqa: PLC0415
+
+    return node.op == "call_function" and node.target in LIBRARY_OPS
+
+
 def glue_kernels(gm: fx.GraphModule) -> dict[str, int]:
-    """This package's kernels between regions in ``gm`` (the squeeze-and-excitation ops of
-    :mod:`fusion_compiler.kernels.se_gate`), by name, with their counts."""
-    return dict(Counter(name for node in gm.graph.nodes
-                        if node.op == "call_function"
-                        and (name := op_name_of(node, gm)) in _GLUE_KERNELS))
+    """This package's kernels between regions in ``gm``, by name, with their counts."""
+    return dict(Counter(op_name_of(node, gm) for node in gm.graph.nodes
+                        if _is_glue_kernel(node)))
 
 
 def format_left(rows: list[dict], title: str) -> str:

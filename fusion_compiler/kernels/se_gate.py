@@ -332,4 +332,6 @@ def se_scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: 
 
 
 LIBRARY_OPS = {se_gate: OP, se_scale: SCALE_OP}
-"""Each function graphs call and its op overload (positional arguments in the same order)."""
+"""This package's kernels between regions: each function graphs call and its op overload
+(positional arguments in the same order). What the glue pass ``library_ops``, ``inductor_work``
+and the reports' tables know them by."""

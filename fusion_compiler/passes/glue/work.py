@@ -26,11 +26,10 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
     copy, which Inductor's code would make too). Empty when Inductor would only call, in the
     same order, the kernels the eager graph calls: then compiling the glue gains nothing in a
     CUDA graph."""
-    from ...kernels.se_gate import se_gate, se_scale  # noqa: PLC0415
+    from ...kernels.se_gate import LIBRARY_OPS  # noqa: PLC0415  (the kernels graphs call)
 
-    kernels = {se_gate, se_scale}
     return [n for n in gm.graph.nodes
             if n.op in ("call_function", "call_method", "call_module")
             and called_region(gm, n) is None
-            and not (n.op == "call_function" and (n.target in _VIEWS or n.target in kernels))
+            and not (n.op == "call_function" and (n.target in _VIEWS or n.target in LIBRARY_OPS))
             and not (n.op == "call_method" and n.target in _VIEW_METHODS)]
