@@ -119,7 +119,7 @@ class SpecializationCompiler:
         if work:
             spec.lowered = False
             spec.run = self._tier_before_lowering(spec, args, lock, formats, target, on_stage,
-                                                  timed=work == "tune")
+                                                  work)
         else:
             spec.run, spec.glue_backend, spec.cuda_graph = self.runners.for_lowered(
                 gm, spec.notes, args, hoisted, formats, target)
@@ -209,16 +209,16 @@ class SpecializationCompiler:
     def _tier_before_lowering(self, spec: Specialization, args: Sequence[Any], lock: str,
                               formats: list[torch.memory_format | None], target: Target,
                               on_stage: Callable[[str, fx.GraphModule], None],
-                              timed: bool) -> TieredRunner:
+                              work: str) -> TieredRunner:
         """Tier 0: calls of ``spec`` answered by its regions' own PyTorch ops
         (:func:`~fusion_compiler.runtime.tiered.unlowered_copy`, eager, no CUDA graph) while the
         background thread does what lowering can do beside them, with nothing run on the GPU:
 
-        - when lowering times nothing (``timed`` false: every plan is cached, or each follows the
-          choice made at a batch size within a factor of 2, or ``autotune <= 1``), the whole
-          lowering (plans built in worker processes where missing, deserialized) and the
-          post-lowering pipeline;
-        - otherwise only the candidate plans' builds in worker processes
+        - when lowering times nothing (``work`` ``"load"``: every plan is cached; ``"build"``:
+          each follows the choice made at a batch size within a factor of 2, or
+          ``autotune <= 1``), the whole lowering (plans built in worker processes where missing,
+          deserialized) and the post-lowering pipeline;
+        - otherwise (``"tune"``) only the candidate plans' builds in worker processes
           (:func:`~fusion_compiler.lowering.build_plans`): their timing, which must not share
           the GPU with the caller's work, is left to the switch.
 
@@ -233,8 +233,10 @@ class SpecializationCompiler:
         gm = spec.graph_module
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         first = with_hoisting_and_formats(unlowered_copy(gm), None, formats)
+        timed = work == "tune"
         log.info("%s answers from PyTorch ops while its plans are %s in the background",
-                 type(self.model).__name__, "built" if timed else "loaded")
+                 type(self.model).__name__,
+                 {"tune": "built", "build": "built and loaded"}.get(work, "loaded"))
 
         def build() -> tuple[HoistedParameters | None] | None:  # on the background thread
             with COMPILE_LOCK:  # no progress bar unless asked for: the caller's calls go on
