@@ -189,6 +189,32 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if _hw_stride(t) is not None else t.contiguous(memory_format=torch.channels_last)
 
 
+def _launch_config(n: int, values: int, block_hw_max: int, block_c: int, block_r: int,
+                   scale: bool, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_HW, num_warps)`` for ``n`` programs over samples of ``values`` elements.
+
+    ``x[n]`` is streamed in chunks of 4096 values, faster than up to 16384 at once (and the
+    weights before ``x``). For :func:`se_scale` (which streams the sample twice), from per-kernel
+    timings of the SE-ResNet9 shapes: samples of at most 4096 values take chunks of 1024; samples
+    of at most 8192 values take two warps per program when there are at least two programs per
+    SM, and those of at most 4096 eight warps when there are fewer. Measurements:
+    docs/decisions.md, "The SE gate as one Triton kernel"."""
+    chunk = 1024 if scale and values <= 4096 else 4096
+    block_hw = max(1, min(block_hw_max, chunk // block_c))
+    warps = 4 if block_c * max(block_r, block_hw) <= 8192 else 8
+    if scale and values <= 8192:
+        if n >= 2 * _sm_count(device):
+            warps = 2
+        elif values <= 4096:
+            warps = 8
+    return block_hw, warps
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
             w2: torch.Tensor, b2: Optional[torch.Tensor], act: str, scale: bool = False,
             residual: Optional[torch.Tensor] = None, relu: bool = False,
@@ -208,16 +234,14 @@ def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.T
         res, out_strides = src, (0, 0, 0)
         res_strides = out_strides
     block_c, block_r = _pow2(c), _pow2(r)
-    # x[n] in chunks of 4096 values: faster than loading up to 16384 at once (and the weights
-    # before x); measurements: docs/decisions.md, "The SE gate as one Triton kernel"
-    block_hw = max(1, min(_pow2(h * w), 4096 // block_c))
+    block_hw, warps = _launch_config(n, c * h * w, _pow2(h * w), block_c, block_r, scale,
+                                     x.device)
     kernel[(n,)](src, w1, w1 if b1 is None else b1, w2, w2 if b2 is None else b2, out, res,
                  w1 if bias is None else bias, h * w, c, r, src.stride(0), _hw_stride(src),
                  src.stride(1), *res_strides, *out_strides, 1.0 / (h * w),
                  HAS_B1=b1 is not None, HAS_B2=b2 is not None, ACT=_ACT[act], SCALE=scale,
                  HAS_RES=residual is not None, RELU=relu, HAS_BIAS=bias is not None,
-                 BLOCK_HW=block_hw, BLOCK_C=block_c, BLOCK_R=block_r,
-                 num_warps=4 if block_c * max(block_r, block_hw) <= 8192 else 8)
+                 BLOCK_HW=block_hw, BLOCK_C=block_c, BLOCK_R=block_r, num_warps=warps)
     if out is not result:
         result.copy_(out)
     return result
