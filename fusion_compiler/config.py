@@ -75,6 +75,11 @@ class CompileOptions:
             (:mod:`fusion_compiler.kernels.conv`) get that kernel too, timed against cuDNN's plan
             per region, the faster kept (off: cuDNN was faster on every region measured,
             docs/options.md).
+        ddp_overlap: a CUDA-graphed training specialization compiled inside
+            DistributedDataParallel's forward is captured as one forward and backward graph pair
+            per group of DDP's gradient buckets (:mod:`fusion_compiler.runtime.ddp_stages`), so
+            a bucket's all-reduce can start while the earlier stages' backward still runs (off:
+            not measured faster yet, docs/decisions.md).
 
     Raises (on construction):
         ValueError: a value outside an option's choices or range (the message names the option,
@@ -97,6 +102,7 @@ class CompileOptions:
     derived_backward: bool = False
     cuda_pipeline: bool | None = None
     triton_conv: bool = False
+    ddp_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -108,7 +114,7 @@ class CompileOptions:
         if self.cuda_graph is True:
             object.__setattr__(self, "cuda_graph", "auto")
         for name in ("fuse_prologue", "fuse_reduction", "report", "tiered",
-                     "concurrent_branches", "derived_backward", "triton_conv"):
+                     "concurrent_branches", "derived_backward", "triton_conv", "ddp_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("progress", "cuda_pipeline"):

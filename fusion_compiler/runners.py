@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import operator
 from typing import Any, Callable, Sequence
 
@@ -20,10 +21,13 @@ from .ir.region import Region
 from .passes import PassManager, glue
 from .passes.glue import inductor_work
 from .passes.post_lowering.hoist import HoistedParameters
+from .runtime.ddp_stages import ddp_bucket_caps, split_at, stage_boundaries
 from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy
 
-__all__ = ["Runners", "memory_format", "with_hoisting_and_formats", "inductor_reason",
+__all__ = ["Runners", "staged", "memory_format", "with_hoisting_and_formats", "inductor_reason",
            "inductor_compile", "without_custom_op_alias_check", "version_sum"]
+
+log = logging.getLogger("fusion_compiler")
 
 
 def memory_format(t: Any) -> torch.memory_format | None:
@@ -121,6 +125,24 @@ def without_custom_op_alias_check() -> contextlib.AbstractContextManager[Any]:
     return config.patch(check_custom_op_aliasing=False)
 
 
+def _glue_compiled(gm: fx.GraphModule, glue_backend: str) -> Callable[..., Any]:
+    return torch.compile(gm, backend=glue_backend, fullgraph=True, dynamic=False)
+
+
+def staged(gm: fx.GraphModule, starts: list[int], glue_backend: str | None) -> fx.GraphModule:
+    """``gm`` split before the nodes ``starts`` (:func:`~fusion_compiler.runtime.ddp_stages.
+    split_at`), each stage's graph compiled by ``glue_backend`` (``None``: eager ops) inside a
+    :class:`~fusion_compiler.runtime.cuda_graph_training.Stage`."""
+    from .runtime.cuda_graph_training import Stage  # noqa: PLC0415
+
+    parent = split_at(gm, starts)
+    for name, piece in list(parent.named_children()):
+        if name.startswith("submod_"):
+            setattr(parent, name, Stage(piece if glue_backend is None
+                                        else _glue_compiled(piece, glue_backend)))
+    return parent
+
+
 class Runners:
     """Makes the runners of one model's specializations.
 
@@ -170,8 +192,11 @@ class Runners:
         runner_for = functools.partial(with_hoisting_and_formats, hoisted=hoisted,
                                        formats=formats)
         tiered = glue_backend == "inductor" and self.options.tiers_before_lowering(target)
-        call = gm if glue_backend is None or tiered else torch.compile(
-            gm, backend=glue_backend, fullgraph=True, dynamic=False)
+        starts = self.ddp_stages(gm, target)
+        if starts:  # training: never tiered
+            call = staged(gm, starts, glue_backend)
+        else:
+            call = gm if glue_backend is None or tiered else _glue_compiled(gm, glue_backend)
         runner, graphed = runner_for(call), None
         compiles_here = glue_backend is not None and not tiered
         if compiles_here:  # one compile at a time: after the background ones
@@ -188,6 +213,20 @@ class Runners:
         elif tiered:
             runner = self.inductor_tier(runner, gm, runner_for, notes)
         return runner, glue_backend, graphed
+
+    def ddp_stages(self, gm: fx.GraphModule, target: Target) -> list[int]:
+        """Where a CUDA-graphed training step compiled inside DistributedDataParallel's forward
+        is split (``ddp_overlap``; :func:`~fusion_compiler.runtime.ddp_stages.stage_boundaries`
+        for DDP's bucket caps); ``[]``: one pair of graphs."""
+        if not (target.training and target.cuda and self.options.cuda_graph
+                and self.options.ddp_overlap):
+            return []
+        caps = ddp_bucket_caps()
+        starts = stage_boundaries(gm, caps) if caps is not None else []
+        if starts:
+            log.info("training step split into %d stages at DistributedDataParallel's bucket "
+                     "boundaries (first bucket %d bytes, others %d)", len(starts) + 1, *caps)
+        return starts
 
     def graphed(self, run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
                 notes: list[str], training: bool = False

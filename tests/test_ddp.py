@@ -125,3 +125,17 @@ def test_train_ddp_example_runs_each_variant_on_the_cpu(variant, tmp_path):
     got, want = losses(variant), losses("eager")
     assert got == pytest.approx(want, rel=1e-4), (got, want)
     assert got["0"] != pytest.approx(got["1"], rel=1e-2)  # each rank its own observations
+
+
+def test_train_ddp_counts_communication_time_beside_other_streams():
+    """``examples/train_ddp.py --profile``'s summary: the part of each communication kernel's time
+    during which another stream ran a kernel (overlapping spans counted once)."""
+    sys.path.insert(0, str(ROOT))
+    from examples.train_ddp import overlap_ns
+
+    kernels = [("spin_kernel", 2, 100, 400),           # beside compute 150-250 and 300-500
+               ("conv", 1, 150, 250), ("relu", 1, 200, 260), ("conv", 1, 300, 500),
+               ("ncclDevKernel_AllReduce", 2, 600, 700),  # alone
+               ("copy", 2, 650, 680)]                   # same stream: not beside
+    assert overlap_ns(kernels) == (2, 400, 210)
+    assert overlap_ns([("conv", 1, 0, 10)]) == (0, 0, 0)

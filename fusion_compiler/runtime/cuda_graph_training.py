@@ -1,17 +1,24 @@
-"""Replay a training specialization's forward and backward as two CUDA graphs.
+"""Replay a training specialization's forward and backward as CUDA graphs: one pair for the
+whole step, or one pair per :class:`Stage` when the step is split (at DistributedDataParallel's
+bucket boundaries, :mod:`.ddp_stages`).
 
 What :class:`TrainingGraphRunner` keeps of plain autograd:
 
-- **Gradients reach ``.grad`` through autograd.** One ``torch.autograd.Function`` takes the inputs
-  and the parameters that require grad; its backward replays the backward graph and returns the
-  gradients, which autograd's ``AccumulateGrad`` adds into ``.grad`` as for any op, so micro-batch
-  accumulation, ``zero_grad`` in either form and DistributedDataParallel's gradient hooks work
-  unchanged. The returned gradients are fresh copies of the graph's buffers (one
+- **Gradients reach ``.grad`` through autograd.** One ``torch.autograd.Function`` per graph pair
+  takes the pair's inputs and the parameters it reads that require grad; its backward replays the
+  backward graph and returns the gradients, which autograd's ``AccumulateGrad`` adds into ``.grad``
+  as for any op, so micro-batch accumulation, ``zero_grad`` in either form and
+  DistributedDataParallel's gradient hooks work unchanged. With stages, a stage's gradients reach
+  ``.grad`` (and DDP's hooks) when its backward graph ends, before the earlier stages' backward
+  replays. The returned gradients are fresh copies of the graph's buffers (one
   ``torch._foreach_copy_`` into tensors laid out like their parameters), never the buffers
   themselves: ``torch.cuda.make_graphed_callables`` returns its buffers, ``AccumulateGrad`` may
   keep one as ``.grad``, and the next replay then overwrites an accumulated gradient
   (pytorch/pytorch#181723). Inside the graph each gradient is made to the strides of its
-  parameter, so DDP's buckets take them without a layout copy.
+  parameter, so DDP's buckets take them without a layout copy. Between stages, activations and
+  their gradients pass as the graphs' own buffers (no copy): the next stage's forward graph reads
+  the previous one's output buffer, and a stage's backward graph reads the gradient buffer the
+  next stage's backward graph wrote.
 - **Parameters are read in place.** The graphs read parameters and buffers at their addresses, so
   an optimizer's in-place update is seen by the next replay. Replacing a parameter tensor, or
   changing which parameters require grad, captures the graphs again (checked before each forward).
@@ -26,8 +33,9 @@ overwritten by the next replay), and once (``retain_graph`` does not keep them);
 (``create_graph=True``).
 
 Capture is that of :mod:`.cuda_graph` (warm-up on a side stream, then ``torch.cuda.graph`` with
-thread-local error mode); the backward graph shares the forward graph's memory pool (the pattern of
-``torch.cuda.make_graphed_callables``).
+thread-local error mode). All graphs share one memory pool, captured in the order they replay:
+the forward graphs stage by stage, then the backward graphs in reverse (the pattern of
+``torch.cuda.make_graphed_callables`` for several callables).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .tensors import layout_like, restored
 from ..ir.errors import condense
@@ -44,18 +52,41 @@ from .cuda_graph import (CaptureError, _release_rng_capture,
                          parameters_updated_between_replays)
 from .tiered import COMPILE_LOCK
 
-__all__ = ["TrainingGraphRunner"]
+__all__ = ["TrainingGraphRunner", "Stage"]
+
+
+class Stage(torch.nn.Module):
+    """One stage of a training forward split for :class:`TrainingGraphRunner`: ``body`` (tensors
+    in, a tensor or a tuple of tensors out) gets a pair of CUDA graphs of its own.
+
+    Placed in the module tree that the runner's ``fn`` calls (the graph of
+    :func:`~fusion_compiler.runtime.ddp_stages.split_at`, one ``Stage`` per submodule); before a
+    runner takes it, and in warm-up, it calls ``body``.
+    """
+
+    def __init__(self, body: Callable[..., Any]):
+        super().__init__()
+        self.body = body
+        self.runner: TrainingGraphRunner | None = None
+
+    def forward(self, *xs: Any) -> Any:
+        if self.runner is None or self.runner.mode == "eager":
+            return self.body(*xs)
+        return self.runner._stage_call(self, xs)
 
 
 class TrainingGraphRunner:
-    """Capture ``fn``'s forward and backward for inputs like ``example_args`` in two CUDA graphs.
+    """Capture ``fn``'s forward and backward for inputs like ``example_args`` as CUDA graphs.
 
     Args:
         fn: the training forward (tensors in, a pytree of tensors out); it must launch work only
             on the current stream and must not synchronize with the host.
         module: the module through which ``fn`` reads ``parameters`` (``fn`` calls it): warm-up
             and capture swap its parameters for aliases (``torch.func.functional_call``), see
-            :meth:`_aliases`.
+            :meth:`_aliases`. Where it holds :class:`Stage` modules, each stage gets a forward and
+            a backward graph and ``fn``'s own code (which must do no tensor work outside the
+            stages but what autograd can follow, such as ``getitem``) runs at each call;
+            otherwise ``fn`` is one pair of graphs.
         example_args: real CUDA tensors (and other values passed as they are); a tensor's
             ``requires_grad`` says whether its gradient is computed.
         parameters: the parameters ``fn`` reads (those that require grad get gradients).
@@ -77,9 +108,12 @@ class TrainingGraphRunner:
         self.buffers = list(buffers)
         self.static_inputs = [a.detach().clone().requires_grad_(a.requires_grad)
                               if isinstance(a, torch.Tensor) else a for a in example_args]
-        self.fwd_graph: torch.cuda.CUDAGraph | None = None
-        self.bwd_graph: torch.cuda.CUDAGraph | None = None
-        self.generation = 0  # forward replays so far: a backward must belong to the latest
+        self.stages = [m for m in module.modules() if isinstance(m, Stage)]
+        for stage in self.stages:
+            stage.runner = self
+        self.mode = "eager"  # how a Stage call runs: eager (warm-up), capture or replay
+        self.pairs: list[_GraphPair] = []
+        self._capturing: tuple[Any, dict[int, tuple[_GraphPair, int]]] | None = None
         self._capture()
 
     def _token(self) -> tuple:
@@ -89,23 +123,23 @@ class TrainingGraphRunner:
         self.close()
         self.token = self._token()
         self.parameters = [p for p in self.all_parameters if p.requires_grad]
-        wrt = [a for a in self.static_inputs if isinstance(a, torch.Tensor) and a.requires_grad]
-        self.input_grad_count = len(wrt)
+        self.stage_parameters = {id(stage): list({id(p): p for p in stage.parameters()
+                                                  if p.requires_grad}.values())
+                                 for stage in self.stages}  # the real ones: not in capture
         named, aliases = self._aliases()
-        wrt += aliases
+        wrt = [a for a in self.static_inputs if isinstance(a, torch.Tensor) and a.requires_grad]
         try:
             with restored(self.buffers):
-                self._warm_up(named, wrt)
+                self._warm_up(named, wrt + aliases)
                 with parameters_updated_between_replays(), COMPILE_LOCK:
-                    self._capture_graphs(named, wrt)
+                    self._capture_graphs(named, dict(zip(map(id, self.parameters), aliases)))
         except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
             _release_rng_capture(torch.cuda.current_device())
             self.close()
             raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
-
-    def _differentiable(self, out: Any) -> list[torch.Tensor]:
-        return [t for t in tree_flatten(out)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad]
+        finally:
+            self.mode = "eager"
+            self._capturing = None
 
     def _aliases(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """New leaf tensors sharing each parameter's storage, by name in ``module`` (for
@@ -131,58 +165,159 @@ class TrainingGraphRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.enable_grad():
             for _ in range(self.warmup):
-                outs = self._differentiable(self._run(named))
+                outs = _differentiable(tree_flatten(self._run(named))[0])
                 if outs and wrt:
                     torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs],
                                         allow_unused=True)
         torch.cuda.current_stream().wait_stream(side)
 
-    def _capture_graphs(self, named: dict[str, torch.Tensor], wrt: list[torch.Tensor]) -> None:
-        self.fwd_graph = torch.cuda.CUDAGraph()
-        with torch.enable_grad(), torch.cuda.graph(self.fwd_graph,
-                                                   capture_error_mode="thread_local"):
-            out = self._run(named)
-        flat, self.out_spec = tree_flatten(out)
-        diff = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
-        self.diff_positions = [i for i, d in enumerate(diff) if d]
-        outs = [flat[i] for i in self.diff_positions]
-        self.static_grad_outputs = [torch.empty_like(o) for o in outs]
-        self.bwd_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.bwd_graph, pool=self.fwd_graph.pool(),
-                              capture_error_mode="thread_local"):
-            grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs,
-                                        allow_unused=True) if outs and wrt else [None] * len(wrt)
-            n = self.input_grad_count
-            grads = [*grads[:n], *(None if g is None else layout_like(g, p, copy=True)
-                                   for g, p in zip(grads[n:], self.parameters))]
-        self.static_grads = [None if g is None else g.detach() for g in grads]
-        self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+    def _capture_graphs(self, named: dict[str, torch.Tensor],
+                        alias_of: dict[int, torch.Tensor]) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        with torch.enable_grad():
+            if not self.stages:
+                pair = _GraphPair(self.parameters, self.copy_outputs, internal=set())
+                pair.capture_forward(lambda: self._run(named), self.static_inputs, pool)
+                self.pairs.append(pair)
+            else:
+                self.mode = "capture"
+                self._capturing = (pool, {})  # output tensor id -> (pair, position)
+                self._run(named)
+        shared: dict[tuple[int, int], torch.Tensor] = {}  # (pair id, output) -> gradient buffer
+        alias_ids = set(map(id, alias_of.values()))
+        for pair in reversed(self.pairs):
+            pair.alias_ids = alias_ids
+            pair.capture_backward([alias_of[id(p)] for p in pair.parameters], shared, pool)
+
+    def _stage_call(self, stage: Stage, xs: tuple[Any, ...]) -> Any:
+        if self.mode == "capture":
+            pool, produced = self._capturing
+            pair = _GraphPair(self.stage_parameters[id(stage)], copy_outputs=False,
+                              internal={i for i, x in enumerate(xs) if id(x) in produced})
+            pair.sources = [produced.get(id(x)) for x in xs]
+            # each stage's autograd graph starts at its own leaves (the same storage), so its
+            # backward capture cannot run into an earlier stage's
+            leaves = [x.detach().requires_grad_() if i in pair.internal and x.requires_grad
+                      else x for i, x in enumerate(xs)]
+            out = pair.capture_forward(lambda: stage.body(*leaves), leaves, pool)
+            for i, t in enumerate(pair.live_outputs):
+                produced[id(t)] = (pair, i)
+            stage.pair = pair
+            self.pairs.append(pair)
+            return out
+        pair = stage.pair
+        flat = _Replay.apply(pair, len(xs), *xs, *pair.parameters)
+        return tree_unflatten(list(flat), pair.out_spec)
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args: Any) -> Any:
         if self._token() != self.token:
             self._capture()
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        flat = _Replay.apply(self, len(tensors), *tensors, *self.parameters)
-        return tree_unflatten(list(flat), self.out_spec)
+        if not self.stages:
+            pair = self.pairs[0]
+            flat = _Replay.apply(pair, len(args), *args, *pair.parameters)
+            return tree_unflatten(list(flat), pair.out_spec)
+        self.mode = "replay"
+        try:
+            out = self.fn(*args)
+        finally:
+            self.mode = "eager"
+        if not self.copy_outputs:
+            return out
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
 
-    def forward(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
-        """Copy ``inputs`` into the static buffers, replay the forward graph, return the outputs
-        (flattened; copies with ``copy_outputs``)."""
-        statics = [s for s in self.static_inputs if isinstance(s, torch.Tensor)]
-        for static, a in zip(statics, inputs):
-            if a.data_ptr() != static.data_ptr():
+    def close(self) -> None:
+        """Free the graphs and their memory pool."""
+        for pair in self.pairs:
+            pair.close()
+        self.pairs = []
+        for stage in self.stages:
+            stage.pair = None
+
+
+class _GraphPair:
+    """The forward and backward graphs of one stage (or of the whole step), their static buffers
+    and replays.
+
+    ``internal``: positions of inputs that are another pair's outputs; their gradients are returned
+    as this pair's buffers (read in place by the producing pair's backward graph), not copies.
+    ``alias_ids``: the ids of the parameters' aliases (an input that is one has its gradient laid
+    out like it)."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], copy_outputs: bool,
+                 internal: set[int]):
+        self.parameters, self.copy_outputs, self.internal = parameters, copy_outputs, internal
+        self.alias_ids: set[int] = set()
+        self.fwd_graph: torch.cuda.CUDAGraph | None = None
+        self.bwd_graph: torch.cuda.CUDAGraph | None = None
+        self.sources: list[Any] = []
+        self.generation = 0  # forward replays so far: a backward must belong to the latest
+
+    def capture_forward(self, call: Callable[[], Any], inputs: list[Any], pool: Any) -> Any:
+        """Capture ``call()`` reading ``inputs`` (kept as the static inputs); return its output
+        with autograd history (what the backward capture differentiates)."""
+        self.inputs = inputs
+        self.static_inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
+        self.fwd_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd_graph, pool=pool, capture_error_mode="thread_local"):
+            out = call()
+        self.live_outputs, self.out_spec = tree_flatten(out)
+        self.diff_positions = [i for i, t in enumerate(self.live_outputs)
+                               if isinstance(t, torch.Tensor) and t.requires_grad]
+        self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t
+                               for t in self.live_outputs]
+        return out
+
+    def capture_backward(self, aliases: list[torch.Tensor],
+                         shared: dict[tuple[int, int], torch.Tensor], pool: Any) -> None:
+        """Capture the gradients of the diff inputs and of ``aliases`` (this pair's parameters)
+        given gradients of the diff outputs; output gradient buffers come from ``shared`` (a
+        later pair's input gradients, keyed by this pair and output) or are new. Adds this pair's
+        internal input gradients to ``shared``."""
+        outs = [self.live_outputs[i] for i in self.diff_positions]
+        self.static_grad_outputs = [shared.get((id(self), i), None) for i in self.diff_positions]
+        self.static_grad_outputs = [torch.empty_like(o) if g is None else g
+                                    for g, o in zip(self.static_grad_outputs, outs)]
+        positions = [i for i, x in enumerate(self.inputs)
+                     if isinstance(x, torch.Tensor) and x.requires_grad]
+        wrt = [self.inputs[i] for i in positions] + aliases
+        self.bwd_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
+            grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs,
+                                        allow_unused=True) if outs and wrt else [None] * len(wrt)
+            n = len(positions)
+            grads = [*(layout_like(g, self.inputs[i], copy=True)
+                       if g is not None and id(self.inputs[i]) in self.alias_ids else g
+                       for g, i in zip(grads[:n], positions)),
+                     *(None if g is None else layout_like(g, p, copy=True)
+                       for g, p in zip(grads[n:], self.parameters))]
+        self.input_grads = dict(zip(positions, (None if g is None else g.detach()
+                                                for g in grads[:n])))
+        self.param_grads = [None if g is None else g.detach() for g in grads[n:]]
+        for i, g in self.input_grads.items():
+            source = self.sources[i] if i in self.internal else None
+            if g is not None and source is not None:
+                shared.setdefault((id(source[0]), source[1]), g)
+        self.live_outputs, self.inputs = [], []  # the capture's autograd graph is spent
+
+    def forward(self, inputs: Sequence[Any]) -> list[Any]:
+        """Copy ``inputs`` into the static buffers (where they are other tensors), replay the
+        forward graph, return the outputs (flattened; copies with ``copy_outputs``, else
+        aliases of the buffers)."""
+        for static, a in zip(self.static_inputs, inputs):
+            if isinstance(a, torch.Tensor) and a.data_ptr() != static.data_ptr():
                 static.copy_(a)
         self.fwd_graph.replay()
         self.generation += 1
-        if not self.copy_outputs:
-            return list(self.static_outputs)
-        return [t.clone() if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
+        return [(t.clone() if self.copy_outputs else t.detach())
+                if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
 
     def backward(self, generation: int, grad_outputs: Sequence[torch.Tensor | None]
-                 ) -> list[torch.Tensor | None]:
+                 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Replay the backward graph for the forward replay ``generation`` with these output
-        gradients (``None``: zero); return fresh copies of the input and parameter gradients."""
+        gradients (``None``: zero); return the input gradients by position (this pair's
+        buffers for internal inputs, else fresh copies) and fresh copies of the parameter
+        gradients."""
         if generation != self.generation:
             raise RuntimeError(
                 "fusion_compiler: backward of a CUDA-graphed training call after a later call of "
@@ -197,20 +332,29 @@ class TrainingGraphRunner:
             elif g.data_ptr() != static.data_ptr():
                 static.copy_(g)
         self.bwd_graph.replay()
-        present = [g for g in self.static_grads if g is not None]
-        fresh = [torch.empty_like(g) for g in present]
+        copied = [g for i, g in self.input_grads.items()
+                  if g is not None and i not in self.internal]
+        copied += [g for g in self.param_grads if g is not None]
+        fresh = [torch.empty_like(g) for g in copied]
         if fresh:
-            torch._foreach_copy_(fresh, present)
+            torch._foreach_copy_(fresh, copied)
         it = iter(fresh)
-        return [None if g is None else next(it) for g in self.static_grads]
+        inputs = {i: g if g is None or i in self.internal else next(it)
+                  for i, g in self.input_grads.items()}
+        return ([inputs.get(i) for i in range(len(self.static_inputs))],
+                [None if g is None else next(it) for g in self.param_grads])
 
     def close(self) -> None:
-        """Free both graphs and their memory pool."""
         for graph in (self.fwd_graph, self.bwd_graph):
             if graph is not None:
                 graph.reset()
         self.fwd_graph = self.bwd_graph = None
-        self.static_outputs, self.static_grads, self.static_grad_outputs = [], [], []
+        self.static_outputs, self.static_grad_outputs, self.param_grads = [], [], []
+        self.input_grads, self.live_outputs, self.inputs = {}, [], []
+
+
+def _differentiable(flat: list[Any]) -> list[torch.Tensor]:
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 class _Bound(torch.nn.Module):
@@ -225,17 +369,17 @@ class _Bound(torch.nn.Module):
 
 
 class _Replay(torch.autograd.Function):
-    """Autograd's view of one graphed training call: inputs are the call's tensors, then the
-    parameters that require grad; outputs the flattened outputs of the forward."""
+    """Autograd's view of one graph pair's replay: inputs are the pair's inputs, then the
+    parameters it reads that require grad; outputs the flattened outputs of its forward."""
 
     @staticmethod
-    def forward(ctx, runner: TrainingGraphRunner, n_inputs: int, *tensors: torch.Tensor):
-        ctx.runner = runner
+    def forward(ctx, pair: _GraphPair, n_inputs: int, *tensors: Any):
+        ctx.pair = pair
         inputs = tensors[:n_inputs]
-        outs = runner.forward(inputs)
-        ctx.generation = runner.generation
-        ctx.input_requires = [t.requires_grad for t in inputs]
-        diff = set(runner.diff_positions)
+        outs = pair.forward(inputs)
+        ctx.generation = pair.generation
+        ctx.input_requires = [isinstance(t, torch.Tensor) and t.requires_grad for t in inputs]
+        diff = set(pair.diff_positions)
         ctx.mark_non_differentiable(*(t for i, t in enumerate(outs)
                                       if isinstance(t, torch.Tensor) and i not in diff))
         return tuple(outs)
@@ -243,10 +387,8 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grad_outputs: torch.Tensor | None):
-        runner = ctx.runner
-        grads = runner.backward(ctx.generation,
-                                [grad_outputs[i] for i in runner.diff_positions])
-        n = runner.input_grad_count
-        it = iter(grads[:n])
-        input_grads = [next(it) if needs else None for needs in ctx.input_requires]
-        return (None, None, *input_grads, *grads[n:])
+        pair = ctx.pair
+        inputs, params = pair.backward(ctx.generation,
+                                       [grad_outputs[i] for i in pair.diff_positions])
+        input_grads = [g if needs else None for g, needs in zip(inputs, ctx.input_requires)]
+        return (None, None, *input_grads, *params)
