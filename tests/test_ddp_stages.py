@@ -103,7 +103,23 @@ class _Probe(torch.nn.Module):
         return self.linear(x)
 
 
-def test_bucket_caps_are_read_from_the_ddp_module_whose_forward_runs(tmp_path):
+class _Staging(torch.nn.Module):
+    """Asks, inside DDP's forward, where a graphed training step of ``gm`` would be split."""
+
+    def __init__(self, model: torch.nn.Module, gm: fx.GraphModule):
+        super().__init__()
+        self.model, self.gm, self.starts = model, gm, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from fusion_compiler.config import Target
+        from fusion_compiler.runners import Runners
+
+        runners = Runners(self.model, CompileOptions(ddp_overlap=True), lambda notes, why: None)
+        self.starts = runners.ddp_stages(self.gm, Target(cuda=True, training=True))
+        return self.model(x)
+
+
+def test_bucket_caps_are_read_from_the_ddp_module_whose_forward_runs(tmp_path, lowered):
     assert ddp_bucket_caps() is None
     dist.init_process_group("gloo", rank=0, world_size=1,
                             init_method=f"file://{tmp_path / 'store'}")
@@ -114,6 +130,10 @@ def test_bucket_caps_are_read_from_the_ddp_module_whose_forward_runs(tmp_path):
             probe = _Probe()
             DDP(probe, **kwargs)(torch.randn(2, 4))
             assert probe.caps == want
+        model, gm = lowered
+        staging = _Staging(model, gm)
+        DDP(staging, bucket_cap_mb=1)(torch.randn(2, 3, 64, 64))
+        assert staging.starts == stage_boundaries(gm, (1 * MiB, 1 * MiB)) != []
     finally:
         dist.destroy_process_group()
     assert ddp_bucket_caps() is None
