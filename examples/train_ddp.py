@@ -110,16 +110,21 @@ class _Clock:
         return self.start.elapsed_time(self.end)
 
 
-def _slowed_allreduce(delay_us: float, device: torch.device):
+def _slowed_allreduce(delay_us: float):
     """A DDP communication hook: each bucket's average all-reduce after ``delay_us`` of GPU
-    sleep, on one side stream (buckets queue behind each other, as on one slow link)."""
+    sleep, on one side stream (buckets queue behind each other, as on one slow link). The sleep's
+    cycles per µs are timed after a few sleeps that bring the clocks up (a single cold probe gave
+    sleeps of 6 to 59% of the time asked)."""
+    for _ in range(5):
+        torch.cuda._sleep(2_000_000)
     probe = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     probe[0].record()
-    torch.cuda._sleep(1_000_000)
+    for _ in range(10):
+        torch.cuda._sleep(1_000_000)
     probe[1].record()
     probe[1].synchronize()
-    cycles = int(delay_us * 1_000_000 / (probe[0].elapsed_time(probe[1]) * 1000.0))
-    side = torch.cuda.Stream(device)
+    cycles = int(delay_us * 10_000_000 / (probe[0].elapsed_time(probe[1]) * 1000.0))
+    side = torch.cuda.Stream()
 
     def hook(group, bucket):  # unannotated: DDP checks annotations, and these are strings here
         side.wait_stream(torch.cuda.current_stream())
@@ -203,7 +208,7 @@ def main() -> int:
     caps = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
     model = DDP(Agent(encoder).to(args.device, dtype), **caps)
     if args.slow_allreduce_us > 0 and cuda:
-        model.register_comm_hook(None, _slowed_allreduce(args.slow_allreduce_us, torch.device("cuda")))
+        model.register_comm_hook(None, _slowed_allreduce(args.slow_allreduce_us))
     mark = args.variant == "reduce-overhead"
     if mark:
         model = torch.compile(model, mode="reduce-overhead")
