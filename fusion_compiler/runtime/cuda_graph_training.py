@@ -176,7 +176,7 @@ class TrainingGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         with torch.enable_grad():
             if not self.stages:
-                pair = _GraphPair(self.parameters, self.copy_outputs, internal=set())
+                pair = _GraphPair(self.parameters, self.copy_outputs)
                 pair.capture_forward(lambda: self._run(named), self.static_inputs, pool)
                 self.pairs.append(pair)
             else:
@@ -186,15 +186,14 @@ class TrainingGraphRunner:
         shared: dict[tuple[int, int], torch.Tensor] = {}  # (pair id, output) -> gradient buffer
         alias_ids = set(map(id, alias_of.values()))
         for pair in reversed(self.pairs):
-            pair.alias_ids = alias_ids
-            pair.capture_backward([alias_of[id(p)] for p in pair.parameters], shared, pool)
+            pair.capture_backward([alias_of[id(p)] for p in pair.parameters], alias_ids, shared,
+                                  pool)
 
     def _stage_call(self, stage: Stage, xs: tuple[Any, ...]) -> Any:
         if self.mode == "capture":
             pool, produced = self._capturing
             pair = _GraphPair(self.stage_parameters[id(stage)], copy_outputs=False,
-                              internal={i for i, x in enumerate(xs) if id(x) in produced})
-            pair.sources = [produced.get(id(x)) for x in xs]
+                              sources=[produced.get(id(x)) for x in xs])
             # each stage's autograd graph starts at its own leaves (the same storage), so its
             # backward capture cannot run into an earlier stage's
             leaves = [x.detach().requires_grad_() if i in pair.internal and x.requires_grad
@@ -239,18 +238,16 @@ class _GraphPair:
     """The forward and backward graphs of one stage (or of the whole step), their static buffers
     and replays.
 
-    ``internal``: positions of inputs that are another pair's outputs; their gradients are returned
-    as this pair's buffers (read in place by the producing pair's backward graph), not copies.
-    ``alias_ids``: the ids of the parameters' aliases (an input that is one has its gradient laid
-    out like it)."""
+    ``sources``: per input, the ``(pair, output position)`` that made it, or ``None``. Inputs
+    another pair made are *internal*: their gradients are returned as this pair's buffers (read in
+    place by the producing pair's backward graph), not copies."""
 
     def __init__(self, parameters: list[torch.nn.Parameter], copy_outputs: bool,
-                 internal: set[int]):
-        self.parameters, self.copy_outputs, self.internal = parameters, copy_outputs, internal
-        self.alias_ids: set[int] = set()
+                 sources: Sequence[tuple[_GraphPair, int] | None] = ()):
+        self.parameters, self.copy_outputs, self.sources = parameters, copy_outputs, sources
+        self.internal = {i for i, source in enumerate(sources) if source is not None}
         self.fwd_graph: torch.cuda.CUDAGraph | None = None
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
-        self.sources: list[Any] = []
         self.generation = 0  # forward replays so far: a backward must belong to the latest
 
     def capture_forward(self, call: Callable[[], Any], inputs: list[Any], pool: Any) -> Any:
@@ -268,14 +265,15 @@ class _GraphPair:
                                for t in self.live_outputs]
         return out
 
-    def capture_backward(self, aliases: list[torch.Tensor],
+    def capture_backward(self, aliases: list[torch.Tensor], alias_ids: set[int],
                          shared: dict[tuple[int, int], torch.Tensor], pool: Any) -> None:
         """Capture the gradients of the diff inputs and of ``aliases`` (this pair's parameters)
-        given gradients of the diff outputs; output gradient buffers come from ``shared`` (a
-        later pair's input gradients, keyed by this pair and output) or are new. Adds this pair's
-        internal input gradients to ``shared``."""
+        given gradients of the diff outputs; an input that is a parameter's alias (its id in
+        ``alias_ids``) gets its gradient laid out like it. Output gradient buffers come from
+        ``shared`` (a later pair's input gradients, keyed by this pair and output) or are new.
+        Adds this pair's internal input gradients to ``shared``."""
         outs = [self.live_outputs[i] for i in self.diff_positions]
-        self.static_grad_outputs = [shared.get((id(self), i), None) for i in self.diff_positions]
+        self.static_grad_outputs = [shared.get((id(self), i)) for i in self.diff_positions]
         self.static_grad_outputs = [torch.empty_like(o) if g is None else g
                                     for g, o in zip(self.static_grad_outputs, outs)]
         positions = [i for i, x in enumerate(self.inputs)
@@ -287,7 +285,7 @@ class _GraphPair:
                                         allow_unused=True) if outs and wrt else [None] * len(wrt)
             n = len(positions)
             grads = [*(layout_like(g, self.inputs[i], copy=True)
-                       if g is not None and id(self.inputs[i]) in self.alias_ids else g
+                       if g is not None and id(self.inputs[i]) in alias_ids else g
                        for g, i in zip(grads[:n], positions)),
                      *(None if g is None else layout_like(g, p, copy=True)
                        for g, p in zip(grads[n:], self.parameters))]
@@ -295,9 +293,9 @@ class _GraphPair:
                                                 for g in grads[:n])))
         self.param_grads = [None if g is None else g.detach() for g in grads[n:]]
         for i, g in self.input_grads.items():
-            source = self.sources[i] if i in self.internal else None
-            if g is not None and source is not None:
-                shared.setdefault((id(source[0]), source[1]), g)
+            if g is not None and i in self.internal:
+                source, position = self.sources[i]
+                shared.setdefault((id(source), position), g)
         self.live_outputs, self.inputs = [], []  # the capture's autograd graph is spent
 
     def forward(self, inputs: Sequence[Any]) -> list[Any]:

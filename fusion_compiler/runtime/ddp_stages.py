@@ -19,6 +19,7 @@ the cap.
 
 from __future__ import annotations
 
+import bisect
 import operator
 from typing import Any
 
@@ -108,13 +109,8 @@ def split_at(gm: fx.GraphModule, starts: list[int]) -> fx.GraphModule:
     (``torch.fx.passes.split_module``; parameters read by ``get_attr`` are passed in as
     arguments, modules with parameters move into the stage that calls them)."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    stage: dict[fx.Node, int] = {}
-    k = 0
-    for i, node in enumerate(nodes):
-        while k < len(starts) and i >= starts[k]:
-            k += 1
-        stage[node] = k
+    index = {n: i for i, n in enumerate(nodes)}
 
-    def partition(node: fx.Node) -> Any:
-        return stage[node]
-    return split_module(gm, None, partition, keep_original_order=True)
+    def stage(node: fx.Node) -> Any:
+        return bisect.bisect_right(starts, index[node])
+    return split_module(gm, None, stage, keep_original_order=True)
