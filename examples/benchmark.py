@@ -61,6 +61,7 @@ FUSION_VARIANTS = {
     "fusion_compiler cuda_graph=False glue=inductor": {"cuda_graph": False,
                                                       "glue_backend": "inductor"},
     "fusion_compiler triton_conv=True": {"triton_conv": True},
+    "fusion_compiler dense_conv=False": {"dense_conv": False},
 }
 TRAIN_FUSION_VARIANTS = {"fusion_compiler": {}, "fusion_compiler glue=None": {"glue_backend": None},
                          "fusion_compiler cuda_graph=False": {"cuda_graph": False}}

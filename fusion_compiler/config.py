@@ -75,6 +75,10 @@ class CompileOptions:
             (:mod:`fusion_compiler.kernels.conv`) get that kernel too, timed against cuDNN's plan
             per region, the faster kept (off: cuDNN was faster on every region measured,
             docs/options.md).
+        dense_conv: inference regions whose convolution reads an image of no more pixels than
+            its filter (larger than 1x1) has taps also get that convolution as one dense GEMM
+            (:mod:`fusion_compiler.kernels.dense_conv`), timed against cuDNN's plan per region,
+            the faster kept (on: faster than cuDNN on SE-ResNet9's 2x2 layer, docs/options.md).
         ddp_overlap: a CUDA-graphed training specialization compiled inside
             DistributedDataParallel's forward is captured as one forward and backward graph pair
             per group of DDP's gradient buckets (:mod:`fusion_compiler.runtime.ddp_stages`), so
@@ -102,6 +106,7 @@ class CompileOptions:
     derived_backward: bool = False
     cuda_pipeline: bool | None = None
     triton_conv: bool = False
+    dense_conv: bool = True
     ddp_overlap: bool = False
 
     def __post_init__(self) -> None:
@@ -114,7 +119,8 @@ class CompileOptions:
         if self.cuda_graph is True:
             object.__setattr__(self, "cuda_graph", "auto")
         for name in ("fuse_prologue", "fuse_reduction", "report", "tiered",
-                     "concurrent_branches", "derived_backward", "triton_conv", "ddp_overlap"):
+                     "concurrent_branches", "derived_backward", "triton_conv", "dense_conv",
+                     "ddp_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("progress", "cuda_pipeline"):

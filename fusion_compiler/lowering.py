@@ -4,7 +4,9 @@ For each region the registered backends (:mod:`fusion_compiler.backends`, highes
 first; ``backend="reference"``: the reference alone) say whether they take it. The first that does
 lowers it; where several backends besides the reference take a region, each lowers it and their
 kernels are timed against each other on the GPU (CUDA-graph timing on random inputs of the
-region's shapes), the fastest kept and every candidate's time recorded. A backend may still
+region's shapes), the fastest kept and every candidate's time recorded; the choice is stored in the
+plan cache (keyed by the region's ops and shapes, the candidates, the GPU and torch's version), so a
+later compile of the same region times nothing. A backend may still
 decline while lowering (:class:`~fusion_compiler.ir.errors.UnsupportedError`: cuDNN rejected the
 graph, or its kernel timed slower than the region's PyTorch ops); the region then runs on the
 reference backend, its record saying why. ``backend="cudnn"`` logs each fallback as a warning.
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from .autograd.backward import training_region
@@ -30,10 +34,13 @@ from .config import CompileOptions
 from .ir.errors import UnsupportedError, condense
 from .ir.ops import node_device
 from .ir.region import BackwardPlan, Lowering, Region, called_region
+from .runtime.plan_cache import PlanCache, default_cache_dir
 
 __all__ = ["lower", "plan_work", "build_plans", "regions_of"]
 
 log = logging.getLogger("fusion_compiler")
+
+_CHOICE = "backend_choice"  # the plan-cache record of the backend a region's timing chose
 
 
 def regions_of(gm: fx.GraphModule) -> list[Region]:
@@ -76,20 +83,85 @@ def _asked(candidates: dict[Region, tuple[list[Backend], str]]) -> dict[Backend,
     return mine
 
 
-def _fastest(region: Region, lowered: dict[str, Lowered]) -> tuple[str, dict[str, float]]:
+def _choice_header(region: Region, names) -> tuple[dict, int] | None:
+    """The plan-cache header of the choice among the backends ``names`` for ``region``, and the
+    region's batch size: the region's ops (targets and arguments, nodes by position) and input
+    shapes (the batch dimension as ``"N"``) and dtypes, the candidates, the GPU and torch's
+    version; ``None`` off CUDA (nothing is timed there)."""
+    device = node_device(region.conv)
+    if device.type != "cuda":
+        return None
+    batch = region.conv.meta["val"].shape[0]
+    weight = region.conv.args[1]
+    nodes = list(region.graph_module.graph.nodes)
+    at = {node: i for i, node in enumerate(nodes)}
+    ref = lambda a: f"%{at[a]}" if isinstance(a, fx.Node) else repr(a)  # noqa: E731
+
+    def shape(node: fx.Node) -> list:
+        dims = list(node.meta["val"].shape)
+        if node is not weight and dims and dims[0] == batch:
+            dims[0] = "N"
+        return dims
+
+    ops = [[node.op, shape(node), str(node.meta["val"].dtype)] if node.op == "placeholder" else
+           [node.op, str(node.target), repr(fx.node.map_arg(node.args, ref)),
+            repr(fx.node.map_arg(node.kwargs, ref))]
+           for node in nodes]
+    return {"format": 1, "kind": _CHOICE, "region": ops, "candidates": sorted(names),
+            "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}, batch
+
+
+def _cached_choice(cache: PlanCache, region: Region, names) -> dict | None:
+    """The stored choice among ``names`` for ``region`` (``{"winner": name, "ms": {name: ms}}``),
+    made at its batch size or, failing that, at the nearest one within a factor of 2 (then
+    ``ms`` is empty: as cuDNN's plans follow the choice made at such a batch size,
+    docs/decisions.md); ``None`` when there is none."""
+    found = _choice_header(region, names)
+    if found is None:
+        return None
+    header, batch = found
+    record = cache.load_record(header, _CHOICE) or {}
+    choices = record.get("by_batch") if isinstance(record.get("by_batch"), dict) else {}
+    near = sorted((abs(math.log2(int(n) / batch)), int(n)) for n in choices
+                  if n.isdigit() and int(n) > 0 and max(int(n), batch) <= 2 * min(int(n), batch))
+    if not near:
+        return None
+    choice = choices[str(near[0][1])]
+    if not isinstance(choice, dict) or choice.get("winner") not in names:
+        return None
+    return {"winner": choice["winner"],
+            "ms": dict(choice.get("ms") or {}) if near[0][1] == batch else {}}
+
+
+def _store_choice(cache: PlanCache, region: Region, names, choice: dict) -> None:
+    """Add ``choice`` (``{"winner", "ms"}``) at ``region``'s batch size to its stored record."""
+    header, batch = _choice_header(region, names)
+    record = cache.load_record(header, _CHOICE) or {}
+    choices = record.get("by_batch") if isinstance(record.get("by_batch"), dict) else {}
+    cache.store_record(header, _CHOICE, {"by_batch": {**choices, str(batch): choice}})
+
+
+def _fastest(region: Region, lowered: dict[str, Lowered], cache: PlanCache
+             ) -> tuple[str, dict[str, float]]:
     """The backend whose kernel ran ``region`` fastest on random inputs of its shapes (each
-    kernel timed in a CUDA graph, the replays alternating), and every kernel's ms per call. Off
-    CUDA, the first (highest priority) with no times."""
+    kernel timed in a CUDA graph, the replays alternating), and every kernel's ms per call; a
+    choice stored in ``cache`` (:func:`_cached_choice`) is taken without timing, and a new one
+    stored. Off CUDA, the first (highest priority) with no times."""
     if node_device(region.conv).type != "cuda":
         return next(iter(lowered)), {}
+    record = _cached_choice(cache, region, lowered)
+    if record is not None:
+        return record["winner"], record["ms"]
     inputs = sample_inputs(region)
     times = paired_time_ms([lambda k=low.kernel: k(*inputs) for low in lowered.values()])
     timing = dict(zip(lowered, times))
-    return min(timing, key=timing.__getitem__), timing
+    winner = min(timing, key=timing.__getitem__)
+    _store_choice(cache, region, lowered, {"winner": winner, "ms": timing})
+    return winner, timing
 
 
 def _choose(region: Region, taking: list[Backend], reason: str, reference: Backend,
-            training: bool, backward: BackwardPlan | None) -> _Choice:
+            training: bool, backward: BackwardPlan | None, cache: PlanCache) -> _Choice:
     """Lower ``region`` with the backends that take it (``taking``; ``reason``: why the others
     declined), see the module docstring."""
     lowered: dict[str, Lowered] = {}
@@ -110,7 +182,7 @@ def _choose(region: Region, taking: list[Backend], reason: str, reference: Backe
     if len(lowered) == 1:
         name = next(iter(lowered))
         return _Choice(backend_of[name], lowered[name])
-    name, timing = _fastest(region, lowered)
+    name, timing = _fastest(region, lowered, cache)
     chosen = lowered[name]
     return _Choice(backend_of[name], dataclasses.replace(chosen,
                                                          timing={**chosen.timing, **timing}))
@@ -155,8 +227,9 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
 
         bar = tqdm(regions, desc="fusion_compiler: building region plans", unit="region",
                    leave=False)
+    cache = PlanCache(default_cache_dir(options.cache_dir))
     choices = {region: _choose(region, *candidates[region], reference, training,
-                               plans.get(region)) for region in bar}
+                               plans.get(region), cache) for region in bar}
     if training:  # only a derived backward masks: every backend's but PyTorch autograd's
         plans = with_masked_outputs(plans, pairs, lambda consumer: (
             choices[consumer].backend is not reference or options.derived_backward))
@@ -179,10 +252,13 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
     return gm
 
 
-def _asked_in(gm: fx.GraphModule, options: CompileOptions) -> dict[Backend, list[Region]]:
-    """:func:`_asked` for the regions of ``gm`` and the backends of ``options``."""
+def _asked_in(gm: fx.GraphModule, options: CompileOptions
+              ) -> tuple[dict[Backend, list[Region]], dict[Region, list[Backend]]]:
+    """:func:`_asked` for the regions of ``gm`` and the backends of ``options``, and the
+    backends besides the reference taking each region."""
     backends = backends_for(options)
-    return _asked({r: _candidates(r, backends) for r in regions_of(gm)})
+    candidates = {r: _candidates(r, backends) for r in regions_of(gm)}
+    return _asked(candidates), {r: taking for r, (taking, _) in candidates.items()}
 
 
 def plan_work(gm: fx.GraphModule, options: CompileOptions) -> str:
@@ -190,9 +266,15 @@ def plan_work(gm: fx.GraphModule, options: CompileOptions) -> str:
     cached plans (one of :data:`~fusion_compiler.backends.PLAN_WORK`, asked of every backend
     that would lower each region): ``""`` when every plan is in the plan cache, ``"build"`` when
     some must be built but nothing timed (CPU work in worker processes, which may run beside GPU
-    work), ``"tune"`` when candidates must also be timed on the GPU."""
-    work = [backend.plan_work(r) for backend, mine in _asked_in(gm, options).items()
-            for r in mine]
+    work), ``"tune"`` when candidates must also be timed on the GPU (also where several backends
+    take a region and no choice among them is stored)."""
+    asked, taking = _asked_in(gm, options)
+    work = [backend.plan_work(r) for backend, mine in asked.items() for r in mine]
+    cache = PlanCache(default_cache_dir(options.cache_dir))
+    if any(len(names) > 1 and node_device(r.conv).type == "cuda"
+           and _cached_choice(cache, r, [b.name for b in names]) is None
+           for r, names in taking.items()):
+        work.append("tune")
     return max(work, key=PLAN_WORK.index, default="")
 
 
@@ -201,7 +283,7 @@ def build_plans(gm: fx.GraphModule, options: CompileOptions) -> None:
     (:meth:`~fusion_compiler.backends.Backend.prefetch`: plans built in worker processes, CPU
     work, nothing run on the GPU). A later :func:`lower` finds them built and only loads and
     times them."""
-    for backend, mine in _asked_in(gm, options).items():
+    for backend, mine in _asked_in(gm, options)[0].items():
         backend.prefetch(mine)
         backend.wait_for_prefetched()
 

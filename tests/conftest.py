@@ -66,10 +66,12 @@ def patterns(spec) -> list[str]:
 
 
 def lowered_on_gpu(region) -> bool:
-    """Whether a region of a CUDA specialization got a GPU kernel: a cuDNN plan, or the Triton
-    kernel of a SpaceToDepth stem (``runtime/space_to_depth.py``, CUDA inference)."""
+    """Whether a region of a CUDA specialization got a GPU kernel: a cuDNN plan, the dense GEMM
+    of a small image, or the Triton kernel of a SpaceToDepth stem (``runtime/space_to_depth.py``,
+    CUDA inference)."""
     return region.status == "lowered" and (
-        region.backend == "cudnn" or (region.backend == "triton" and region.space_to_depth > 0))
+        region.backend in ("cudnn", "dense")
+        or (region.backend == "triton" and region.space_to_depth > 0))
 
 
 def relowered(region, **changes) -> None:

@@ -79,6 +79,9 @@ def test_reference_network_fp16(channels, batch, fusion):
     else:  # every region autotuned, then timed against its PyTorch ops; the faster one runs
         assert regions[0].backend == "triton" and regions[0].space_to_depth == 4  # the stem
         for r in regions[1:]:
+            if r.backend == "dense":  # layer3's 3x3 convolution of 2x2 images, timed vs cuDNN
+                assert r.timing["dense"] < r.timing["cudnn"], (r.region_id, r.timing)
+                continue
             assert len(r.tuning) >= 2 and min(t.ms for t in r.tuning if t.ms) > 0
             faster = "reference" if r.timing["reference"] < 0.9 * r.timing["cudnn"] else "cudnn"
             assert r.backend == faster, (r.region_id, r.timing)
@@ -168,10 +171,13 @@ def _cache_run(cache: Path) -> dict:
 
 def test_disk_cache_round_trip_in_a_second_process(tmp_path):
     first, _ = _cache_run(tmp_path)
-    # the SpaceToDepth stem (r0) is a Triton kernel, no plan: plan_from_cache None
-    assert first["backends"] == ["triton"] + ["cudnn"] * 11 and not any(first["cached"])
+    # the SpaceToDepth stem (r0) is a Triton kernel, no plan: plan_from_cache None; so is the
+    # dense GEMM that layer3's 2x2 images may get (its choice over cuDNN is cached, not its plan)
+    cudnn = [i for i, b in enumerate(first["backends"]) if b == "cudnn"]
+    assert first["backends"][0] == "triton" and len(cudnn) >= 10 and not any(first["cached"])
     second, _ = _cache_run(tmp_path)
-    assert second["cached"][1:] == [True] * 11
+    assert second["backends"] == first["backends"]
+    assert [second["cached"][i] for i in cudnn] == [True] * len(cudnn)
     assert second["sum"] == first["sum"]
     for entry in tmp_path.glob("*.plan"):  # corrupt every entry: warned about, rebuilt, same result
         entry.write_bytes(b"garbage")

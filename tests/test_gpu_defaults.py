@@ -382,7 +382,7 @@ def test_inductor_glue_makes_region_activations_channels_last_itself(tmp_path):
 @pytest.mark.parametrize("glue", ["inductor", None])
 def test_downsample_convolutions_run_on_a_second_stream_inside_the_graph(tmp_path, glue):
     """SE-ResNet9's three downsample regions run on the side stream (``runtime.streams``), in
-    the same CUDA graph: one replay holds the 11 cuDNN convolutions and the stem's Triton kernel
+    the same CUDA graph: one replay holds the cuDNN convolutions and the stem's Triton kernel
     (``runtime.space_to_depth``), and outputs of successive
     calls on different inputs match fp64 (memory handed between the streams is not reused
     early), as with one stream (the default). Whether the branches overlap in time is for the
@@ -412,7 +412,8 @@ def test_downsample_convolutions_run_on_a_second_stream_inside_the_graph(tmp_pat
     assert not any(r.stream for r in one_stream.last.regions)
     calls = [e for e in prof.events() if e.device_type.name == "CUDA"
              and ("cudnn" in e.name or "xmma" in e.name)]
-    assert len(calls) == 11, [e.name for e in calls]  # the stem is the Triton kernel below
+    cudnn = sum(r.backend == "cudnn" for r in spec.regions)  # r10 may be the dense GEMM
+    assert cudnn >= 10 and len(calls) == cudnn, [e.name for e in calls]  # stem: Triton, below
     assert sum("space_to_depth_conv_kernel" in e.name for e in prof.events()
                if e.device_type.name == "CUDA") == 1
     for out, x in zip(outs, (*xs, *xs)):

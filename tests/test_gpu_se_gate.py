@@ -73,7 +73,7 @@ def test_default_compile_runs_the_se_blocks_in_the_packages_kernels_without_indu
     """SE-ResNet9 depth in fp16: the lowered graph calls the gate kernel for its four gates and
     applies each in the same kernel (``se_scale``), which leaves Inductor nothing to compile: the
     glue runs as eager ops in the CUDA graph, with no Inductor tier. One replay holds 4 SE
-    kernels, the 11 cuDNN convolutions and the stem, and no Inductor kernel; the output stays
+    kernels, the convolutions (cuDNN's; layer3's 2x2 one may be a cuBLAS GEMM) and the stem, and no Inductor kernel; the output stays
     within 1.5x eager fp16's error of an fp64 reference."""
     import copy
 
@@ -109,7 +109,8 @@ def test_default_compile_runs_the_se_blocks_in_the_packages_kernels_without_indu
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     assert names.count("se_kernel") == 4, names
     assert not any(n.startswith("triton_") for n in names), names  # no Inductor kernel
-    assert sum("cudnn" in n or "xmma" in n for n in names) == 11, names
+    cudnn = sum(r.backend == "cudnn" for r in spec.regions)  # r10 may be the dense GEMM
+    assert cudnn >= 10 and sum("cudnn" in n or "xmma" in n for n in names) == cudnn, names
     err = ((got - want).abs().max() / want.abs().max()).item()
     eager_err = ((eager - want).abs().max() / want.abs().max()).item()
     assert err <= 1.5 * eager_err + 1e-4, (err, eager_err)

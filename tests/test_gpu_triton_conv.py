@@ -112,7 +112,8 @@ def test_compile_times_the_kernel_against_cudnn_per_region(tmp_path):
     assert len(regions) == 11
     for region in regions:
         assert {"triton", "cudnn"} <= set(region.timing), (region.region_id, region.timing)
-        fastest = min(("triton", "cudnn"), key=region.timing.__getitem__)
+        taking = {"triton", "cudnn", "dense"} & set(region.timing)  # dense: layer3's 2x2 images
+        fastest = min(taking, key=region.timing.__getitem__)
         assert region.backend == fastest, (region.region_id, region.timing)
     with torch.inference_mode(), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

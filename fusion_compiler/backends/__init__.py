@@ -2,6 +2,7 @@
 
 Registered here, highest priority first: ``triton`` (kernels of this package's own: the
 SpaceToDepth stem, and under ``triton_conv`` an implicit-GEMM convolution; :mod:`.triton`),
+``dense`` (a convolution of a small image as one dense GEMM, :mod:`.dense`),
 ``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the region's PyTorch ops,
 :mod:`.reference`: takes every region, the fallback). A new backend is one
 module plus one :func:`~.registry.register_backend` line below.
@@ -24,6 +25,12 @@ def _cudnn(options: CompileOptions) -> Backend:
     return CudnnBackend.for_options(options)
 
 
+def _dense(options: CompileOptions) -> Backend:
+    from .dense import DenseConvBackend  # noqa: PLC0415
+
+    return DenseConvBackend.for_options(options)
+
+
 def _triton(options: CompileOptions) -> Backend:
     from .triton import TritonBackend  # noqa: PLC0415
 
@@ -32,4 +39,5 @@ def _triton(options: CompileOptions) -> Backend:
 
 register_backend(REFERENCE, ReferenceBackend.for_options, priority=0)
 register_backend("cudnn", _cudnn, priority=10)
+register_backend("dense", _dense, priority=15)
 register_backend("triton", _triton, priority=20)

@@ -12,6 +12,7 @@ import torch
 
 from ..ir.errors import TimingDeferred
 from ..ir.ops import node_device
+from ..runtime.cuda_graph import parameters_guarded
 from ..runtime.tiered import COMPILE_LOCK, ThreadFlag
 
 __all__ = ["PYTORCH_MARGIN", "timing_deferred", "ensure_timing_allowed", "random_tensor",
@@ -44,9 +45,13 @@ def ensure_timing_allowed(what: str = "GPU timing") -> None:
 
 
 def random_tensor(shape, strides, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Values ~ N(0, 0.5²) (finite through a few pointwise ops) laid out with ``strides``."""
+    """Values ~ N(0, 0.5²) (finite through a few pointwise ops) laid out with ``strides``; a
+    normal tensor even under ``torch.inference_mode`` (an inference tensor has no version
+    counter, so what kernels cache per weight version would be made again at every timed
+    call)."""
     size = 1 + sum((d - 1) * s for d, s in zip(shape, strides))
-    return (torch.randn(size, dtype=dtype, device=device) * 0.5).as_strided(shape, strides)
+    with torch.inference_mode(False):
+        return (torch.randn(size, dtype=dtype, device=device) * 0.5).as_strided(shape, strides)
 
 
 def sample_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
@@ -83,10 +88,13 @@ def _captured(run: Callable[[], object], iters: int, stream: torch.cuda.Stream
     """``iters`` calls of ``run`` captured on ``stream`` in a CUDA graph. Captured by hand:
     ``torch.cuda.graph`` also runs ``gc.collect()`` and ``empty_cache()`` on entry, which are
     slow in a compiling process, and autotuning captures about a hundred graphs (measurements:
-    docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin")."""
+    docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin"). Marked
+    :func:`~fusion_compiler.runtime.cuda_graph.parameters_guarded` (the sample inputs never
+    change between replays): what a kernel makes once per weight version (a channels_last or
+    dense copy of the weight) is read by the graph, as in the graphs that run, not timed."""
     graph = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with COMPILE_LOCK, torch.cuda.stream(stream):
+    with COMPILE_LOCK, torch.cuda.stream(stream), parameters_guarded():
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             for _ in range(iters):

@@ -85,7 +85,8 @@ def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]
 def _options(args: argparse.Namespace) -> dict:
     return {"backend": args.backend, "autotune": args.autotune,
             "fuse_prologue": args.fuse_prologue, "fuse_reduction": args.fuse_reduction,
-            "concurrent_branches": args.concurrent_branches, "triton_conv": args.triton_conv}
+            "concurrent_branches": args.concurrent_branches, "triton_conv": args.triton_conv,
+            "dense_conv": not args.no_dense_conv}
 
 
 def _emit(text: str, out: Path | None) -> None:
@@ -193,6 +194,10 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
                    help="time a Triton implicit-GEMM convolution against cuDNN per region in CUDA "
                         "inference, the faster kept (off by default: cuDNN was faster on every "
                         "region measured, docs/options.md)")
+    p.add_argument("--no-dense-conv", action="store_true",
+                   help="do not offer a convolution of a small image as one dense GEMM (on by "
+                        "default: timed against cuDNN per region in CUDA inference, "
+                        "docs/options.md)")
     p.add_argument("--autotune", type=int, default=CompileOptions.autotune,
                    help="cuDNN plans built and timed per region on a GPU (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help=out_help)

@@ -7,7 +7,8 @@ such node into a separate graph and replaces what the rest of the graph reads wi
 the graph module. :meth:`HoistedParameters.refresh`, called before each forward, recomputes them
 only when a source parameter or buffer has changed (its storage or its ``_version`` counter, which
 grows on every in-place update, optimizer steps and ``load_state_dict`` included). Values are
-refreshed in place, so a CUDA graph that captured their addresses keeps reading the right memory.
+refreshed in place, so a CUDA graph that captured their addresses keeps reading the right memory;
+they are normal tensors (not inference tensors), so each refresh grows their version counters.
 
 Only for calls that need no gradient: with autograd the weight transform must stay in the graph.
 """
@@ -47,7 +48,10 @@ class HoistedParameters:
         key = tuple((t.data_ptr(), t._version) for t in self.sources)
         if key == self._key:
             return
-        with torch.no_grad():
+        # normal tensors also under the caller's inference_mode: an in-place refresh then grows
+        # their version counters, which caches of values made from them (a kernel's dense
+        # weight, runtime/weight_cache.py) read; an inference tensor has none
+        with torch.no_grad(), torch.inference_mode(False):
             values = self.graph_module()
             for name, value in zip(self.names, values):
                 current = getattr(self.owner, name, None)

@@ -1,0 +1,250 @@
+"""Convolutions of small images as one dense GEMM (the ``dense`` backend) on the CPU: the dense
+weight against ``conv2d`` in fp64, the folding of the epilogue, which regions the backend takes,
+a compile whose small-image regions run the kernel (its torch ops, with the backend's CUDA check
+lifted) against fp64, and the cached choice among backends. tests/test_gpu_dense_conv.py runs
+it on a GPU against cuDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from examples.seresnet9_fixup import randomized_se_resnet9_fixup
+from fusion_compiler import lowering
+from fusion_compiler.backends.base import Lowered
+from fusion_compiler.backends.dense import DenseConvBackend
+from fusion_compiler.compiler import CompiledModule
+from fusion_compiler.kernels.conv import ConvProgram
+from fusion_compiler.kernels.dense_conv import dense_program, dense_weight, fold_affine
+from fusion_compiler.runtime.plan_cache import PlanCache
+from conftest import rel_err, specialize
+
+ADD, SUB, MUL, DIV, RELU = 1, 2, 3, 4, 5
+
+
+@pytest.mark.parametrize("h, w, r, stride, padding, dilation", [
+    (2, 2, 3, 1, 1, 1),  # SE-ResNet9's layer3 at 64x64 inputs
+    (4, 4, 3, 2, 1, 1),
+    (3, 3, 5, 1, 2, 1),
+    (2, 3, 3, 1, 2, 2),
+    (1, 1, 3, 1, 1, 1),
+])
+def test_dense_weight_is_the_convolution(h, w, r, stride, padding, dilation):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, h, w, dtype=torch.float64)
+    weight = torch.randn(7, 5, r, r, dtype=torch.float64)
+    pair = lambda v: (v, v)  # noqa: E731
+    program = ConvProgram(0, 1, pair(stride), pair(padding), pair(dilation), (), (), (), (0,))
+    dense = dense_weight(weight, (h, w), program).double()
+    want = F.conv2d(x, weight, stride=stride, padding=padding, dilation=dilation)
+    ho, wo = want.shape[2:]
+    got = (x.permute(0, 2, 3, 1).reshape(3, -1) @ dense).view(3, ho, wo, 7).permute(0, 3, 1, 2)
+    assert dense.shape == (h * w * 5, ho * wo * 7)
+    assert rel_err(got, want) < 1e-6  # the weight went through fp32 once
+
+
+def test_fold_affine_applies_the_ops_in_turn():
+    torch.manual_seed(0)
+    v = torch.randn(6, dtype=torch.float64)
+    a, b, c, d = torch.rand(1) + 0.5, torch.randn(6), torch.rand(1) + 0.5, torch.randn(6)
+    scale, shift = fold_affine((MUL, ADD, RELU, DIV, SUB), [a, b, c, d], 6)
+    want = ((v * a + b) / c) - d  # the ReLU code is skipped: the kernel applies it last
+    assert torch.allclose(v * scale.double() + shift.double(), want.double(), atol=1e-6)
+
+
+class _Block(nn.Module):
+    """A 3x3 convolution of a 2x2 image with an epilogue: per-channel scale, a Fixup scalar, a
+    ReLU folded; then a residual add and SiLU left as torch ops, a second output among them."""
+
+    def __init__(self, tail: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(32, 32, 3, padding=1, bias=False)
+        self.scale = nn.Parameter(torch.rand(1, 32, 1, 1) + 0.5)
+        self.bias = nn.Parameter(torch.randn(1))
+        self.tail = tail
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x) * self.scale + self.bias)
+        if not self.tail:
+            return y
+        z = y + x
+        return F.silu(z), z
+
+
+def _compiled(model, x, monkeypatch, **options):
+    monkeypatch.setattr(DenseConvBackend, "devices", ("cuda", "cpu"))
+    compiled = CompiledModule(model, cuda_pipeline=True, **options)
+    with torch.no_grad():
+        return compiled, compiled(x)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_small_image_regions_run_the_dense_gemm(tail, monkeypatch):
+    torch.manual_seed(0)
+    model = _Block(tail).to(torch.bfloat16).eval()
+    x = torch.randn(4, 32, 2, 2, dtype=torch.bfloat16)
+    compiled, got = _compiled(model, x, monkeypatch)
+    region = compiled.last.regions[0]
+    assert region.backend == "dense" and "dense GEMM [128 x 128]" in region.plan, \
+        compiled.report()
+    assert ("2 epilogue ops as PyTorch ops" in region.plan) == tail
+    with torch.no_grad():
+        want = model.double()(x.double())
+    got, want = (got, want) if tail else ((got,), (want,))
+    for g, e in zip(got, want):
+        assert g.dtype == torch.bfloat16 and rel_err(g.double(), e) < 1e-2
+
+
+def test_se_resnet9_layer3_region_takes_the_dense_gemm(monkeypatch):
+    """Of SE-ResNet9's regions at 64x64 inputs only layer3's second convolution (3x3 of a 2x2
+    image) is small; its outputs through the dense GEMM as eager's."""
+    torch.manual_seed(0)
+    model = randomized_se_resnet9_fixup().to(torch.bfloat16).eval()
+    x = torch.randn(2, 3, 64, 64, dtype=torch.bfloat16)
+    compiled, got = _compiled(model, x, monkeypatch)
+    dense = [r for r in compiled.last.regions if r.backend == "dense"]
+    assert [r.pattern for r in dense] == ["conv3x3 > mul > add"], compiled.report()
+    with torch.no_grad():
+        want = model.double()(x.double())
+    assert rel_err(got.double(), want) < 2e-2
+
+
+def test_off_with_the_option_and_without_cuda(monkeypatch):
+    model = _Block(False).to(torch.bfloat16).eval()
+    x = torch.randn(4, 32, 2, 2, dtype=torch.bfloat16)
+    compiled, _ = _compiled(model, x, monkeypatch, dense_conv=False)
+    assert compiled.last.regions[0].backend == "reference"
+    monkeypatch.setattr(DenseConvBackend, "devices", ("cuda",))
+    compiled = CompiledModule(model, cuda_pipeline=True)
+    with torch.no_grad():
+        compiled(x)
+    assert compiled.last.regions[0].backend == "reference"
+
+
+class _ConvValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y, y * 2.0
+
+
+@pytest.mark.parametrize("model, x, why", [
+    (nn.Sequential(nn.Conv2d(16, 16, 3, padding=1)), torch.randn(1, 16, 4, 4), "more pixels"),
+    (_ConvValue(), torch.randn(1, 16, 2, 2), "inside the epilogue folded"),
+])
+def test_regions_the_dense_gemm_does_not_take(model, x, why):
+    spec = specialize(model.to(torch.bfloat16).eval(), x.to(torch.bfloat16))
+    program = dense_program(spec.regions[0], torch.device("cpu"))
+    assert isinstance(program, str) and why in program
+
+
+def test_training_regions_are_declined():
+    spec = specialize(_Block(False).to(torch.bfloat16).eval(), torch.randn(1, 32, 2, 2,
+                                                                            dtype=torch.bfloat16))
+    with pytest.raises(Exception, match="inference only"):
+        DenseConvBackend().lower(spec.regions[0], training=True)
+
+
+@pytest.fixture
+def timings(monkeypatch) -> list:
+    """Lowering's timing faked as on a GPU (cuDNN 0.02 ms, the other 0.01); one entry appended
+    to the returned list per timing."""
+    timed = []
+    monkeypatch.setattr(lowering, "node_device", lambda node: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(lowering, "paired_time_ms", lambda runs: timed.append(1) or [0.02, 0.01])
+    monkeypatch.setattr(lowering, "sample_inputs", lambda region: [])
+    return timed
+
+
+def test_the_choice_among_backends_is_timed_once(tmp_path, timings):
+    """The first compile times the candidates and stores the winner; a later one (another
+    PlanCache on the same directory: another process) takes it untimed."""
+    spec = specialize(_Block(False).to(torch.bfloat16).eval(), torch.randn(1, 32, 2, 2,
+                                                                            dtype=torch.bfloat16))
+    region = spec.regions[0]
+    timed = timings
+    lowered = {"cudnn": Lowered(print), "dense": Lowered(print)}
+    first = lowering._fastest(region, lowered, PlanCache(tmp_path))
+    again = lowering._fastest(region, lowered, PlanCache(tmp_path))
+    assert first == again == ("dense", {"cudnn": 0.02, "dense": 0.01}) and timed == [1]
+    other = lowering._fastest(region, {"cudnn": Lowered(print), "triton": Lowered(print)},
+                              PlanCache(tmp_path))  # other candidates: timed again
+    assert other[0] == "triton" and timed == [1, 1]
+
+
+def test_a_choice_is_followed_at_a_batch_size_within_a_factor_of_2(tmp_path, timings):
+    timed = timings
+    lowered = {"cudnn": Lowered(print), "dense": Lowered(print)}
+    model = _Block(False).to(torch.bfloat16).eval()
+    regions = {n: specialize(model, torch.randn(n, 32, 2, 2, dtype=torch.bfloat16)).regions[0]
+               for n in (4, 8, 9)}
+    assert lowering._fastest(regions[4], lowered, PlanCache(tmp_path))[0] == "dense"
+    assert lowering._fastest(regions[8], lowered, PlanCache(tmp_path)) == ("dense", {})
+    assert timed == [1]
+    lowering._fastest(regions[9], lowered, PlanCache(tmp_path))  # 9 > 2 * 4: timed
+    assert timed == [1, 1]
+
+
+def test_a_weight_made_from_a_view_made_afresh_at_every_call_is_cached():
+    """A graph reshapes a conv bias to ``[1, K, 1, 1]`` at every call: the value made from it is
+    kept while its base is unchanged, and made again after an in-place update of the base."""
+    from fusion_compiler.runtime.weight_cache import WeightCache
+
+    made = []
+    cache = WeightCache(lambda w, b: made.append(1) or (w * 2, b + 1))
+    weight, bias = torch.randn(4, 4), torch.randn(4)
+    for _ in range(3):
+        cache(weight, bias.view(1, 4, 1, 1))
+    assert made == [1]
+    with torch.no_grad():
+        bias.add_(1.0)
+    _, folded = cache(weight, bias.view(1, 4, 1, 1))
+    assert made == [1, 1] and torch.equal(folded, bias.view(1, 4, 1, 1) + 1)
+    cache(weight, bias.view(4, 1, 1, 1))  # another view of the same base: made again
+    assert made == [1, 1, 1]
+
+
+def test_a_conv_bias_is_folded_once(monkeypatch):
+    """A 3x3 convolution with a bias on 2x2 images runs the dense GEMM; its dense weight and
+    bias vector are made once over several calls (the bias operand is a fresh view each call)."""
+    from fusion_compiler.kernels import dense_conv
+
+    made = []
+    real = dense_conv.dense_weight
+    monkeypatch.setattr(dense_conv, "dense_weight", lambda *a: made.append(1) or real(*a))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()).to(torch.bfloat16).eval()
+    x = torch.randn(4, 16, 2, 2, dtype=torch.bfloat16)
+    compiled, _ = _compiled(model, x, monkeypatch)
+    with torch.inference_mode():  # the reshaped bias is hoisted, a normal tensor even here
+        for _ in range(3):
+            got = compiled(x)
+        assert len(made) == 1
+        with torch.no_grad():  # an update: the hoisted bias is refreshed in place, D made again
+            model[0].bias.add_(0.5)
+        got = compiled(x)
+    with torch.no_grad():
+        want = model.double()(x.double())
+    assert compiled.last.regions[0].backend == "dense" and rel_err(got.double(), want) < 1e-2
+    assert len(made) == 2
+
+
+@pytest.mark.parametrize("image, taps, small", [
+    ((2, 2), (3, 3), True), ((3, 3), (3, 3), True), ((4, 4), (3, 3), False),
+    ((1, 1), (1, 1), False),  # a GEMM already: left to cuDNN (SE layers of 1x1 images)
+    ((1, 1), (3, 3), True)])
+def test_small_images(image, taps, small):
+    from types import SimpleNamespace
+
+    from fusion_compiler.kernels.dense_conv import small_image
+
+    value = lambda *shape: SimpleNamespace(meta={"val": torch.empty(shape)})  # noqa: E731
+    region = SimpleNamespace(conv=SimpleNamespace(args=(value(4, 16, *image),
+                                                        value(8, 16, *taps))))
+    assert small_image(region) == small
