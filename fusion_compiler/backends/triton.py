@@ -77,9 +77,15 @@ class TritonBackend(Backend):
         return Support(not reason, f"Triton convolution: {reason}" if reason else "")
 
     def plan_work(self, region: Region) -> str:
-        """``"tune"`` for a convolution region (its kernel is timed against cuDNN's at every
-        compile), ``""`` for a stem region."""
-        return "tune" if self.conv and not region.space_to_depth else ""
+        """``"tune"`` for a convolution region whose tile configuration is not in the plan cache
+        (autotuning times candidates), else ``""`` (a stem region, or a recorded configuration;
+        whether the choice against cuDNN is stored, lowering asks itself)."""
+        if not self.conv or region.space_to_depth:
+            return ""
+        program = conv_program(region, node_device(region.conv))
+        if isinstance(program, str) or node_device(region.conv).type != "cuda":
+            return ""
+        return "" if _cached_config(self.cache, self._header(region, program)) else "tune"
 
     def lower(self, region: Region, training: bool = False,
               backward: BackwardPlan | None = None) -> Lowered:
