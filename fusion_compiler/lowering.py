@@ -170,8 +170,8 @@ def _choose(region: Region, taking: list[Backend], reason: str, reference: Backe
     for backend in taking:
         try:
             lowered[backend.name] = backend.lower(region, training, backward)
-        except UnsupportedError as exc:
-            declined = declined or exc
+        except UnsupportedError as exc:  # the last (lowest-priority, most general) backend's
+            declined = exc  # decline is the one reported: e.g. cuDNN's, not "inference only"
     if not lowered:
         fallback = reference.lower(region, training, backward)
         if declined is not None:

@@ -248,3 +248,26 @@ def test_small_images(image, taps, small):
     region = SimpleNamespace(conv=SimpleNamespace(args=(value(4, 16, *image),
                                                         value(8, 16, *taps))))
     assert small_image(region) == small
+
+
+def test_a_fallback_reports_the_general_backends_reason(monkeypatch):
+    """In training the dense backend declines every region ("inference only"); where the
+    backend after it declines too, the region's reason is that backend's, not the dense one's."""
+    from fusion_compiler.backends.base import Backend, Support
+    from fusion_compiler.backends.reference import ReferenceBackend
+    from fusion_compiler.ir.errors import UnsupportedError
+
+    class Declines(Backend):
+        name = "cudnn"
+
+        def supports(self, region):
+            return Support(True)
+
+        def lower(self, region, training=False, backward=None):
+            raise UnsupportedError("PyTorch's ops were faster", region.region_id)
+
+    spec = specialize(_Block(False).to(torch.bfloat16).eval(), torch.randn(1, 32, 2, 2,
+                                                                            dtype=torch.bfloat16))
+    choice = lowering._choose(spec.regions[0], [DenseConvBackend(), Declines()], "",
+                              ReferenceBackend(), True, None, PlanCache(None))
+    assert choice.backend.name == "reference" and choice.reason == "PyTorch's ops were faster"
