@@ -27,7 +27,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ir.region import Region
-from ..runtime.region_op import in_dry_run, is_traced, register_kernel, run_region
+from ..runtime.region_op import (channels_last_specs, in_dry_run, is_traced, register_kernel,
+                                  run_region)
 from ..runtime.weight_cache import WeightCache
 from . import triton_unavailable
 from .epilogue import BINARY, CODES, binary_operand, epilogue_chain, reference_outputs
@@ -280,13 +281,8 @@ class ConvKernel:
                  config: TileConfig | None = None, name: str = ""):
         self.program, self.config = program, config
         self.weight_cache = WeightCache()
-        specs = []
-        for shape, dtype in outputs:
-            empty = torch.empty(shape, device="meta").contiguous(
-                memory_format=torch.channels_last)
-            specs.append((tuple(shape), tuple(empty.stride()), dtype))
-        self.specs = specs
-        self.key = register_kernel(self, specs, f"{name} {config}")
+        self.specs = channels_last_specs(outputs)
+        self.key = register_kernel(self, self.specs, f"{name} {config}")
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = inputs[self.program.image_at]

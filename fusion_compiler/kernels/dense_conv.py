@@ -31,7 +31,8 @@ from typing import Sequence
 import torch
 
 from ..ir.region import Region
-from ..runtime.region_op import in_dry_run, is_traced, register_kernel, run_region
+from ..runtime.region_op import (channels_last_specs, in_dry_run, is_traced, register_kernel,
+                                  run_region)
 from ..runtime.weight_cache import WeightCache
 from .conv import ConvProgram, conv_program
 from .epilogue import ADD, BINARY, DIV, MUL, RELU, SUB, reference_outputs
@@ -182,12 +183,7 @@ class DenseConvKernel:
         self.program = program
         self.folded_operands = sum(code in BINARY for code in program.conv.ops[:program.folded])
         self.weights = WeightCache(self._prepare)
-        specs = []
-        for shape, dtype in outputs:
-            empty = torch.empty(shape, device="meta").contiguous(
-                memory_format=torch.channels_last)
-            specs.append((tuple(shape), tuple(empty.stride()), dtype))
-        self.key = register_kernel(self, specs, f"{name} dense")
+        self.key = register_kernel(self, channels_last_specs(outputs), f"{name} dense")
 
     def _prepare(self, weight: torch.Tensor, *operands: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ import torch
 from .tiered import ThreadFlag
 
 __all__ = ["run_region", "register_kernel", "register_backward", "is_traced", "dry_run",
-           "in_dry_run"]
+           "in_dry_run", "channels_last_specs"]
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _OUTPUTS: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]] = {}
@@ -63,6 +63,20 @@ def is_traced(t: torch.Tensor) -> bool:
     which a trace on another thread, a background compile, may set.)"""
     return torch.compiler.is_dynamo_compiling() or type(t) not in (torch.Tensor,
                                                                      torch.nn.Parameter)
+
+
+def channels_last_specs(outputs: Sequence[tuple[Sequence[int], torch.dtype]]
+                        ) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    """``(shape, stride, dtype)`` of outputs ``(shape, dtype)`` laid out fully packed
+    channels_last when 4-d (contiguous otherwise): what :func:`register_kernel` takes for a
+    kernel that writes its outputs so."""
+    specs = []
+    for shape, dtype in outputs:
+        empty = torch.empty(tuple(shape), device="meta")
+        if empty.dim() == 4:
+            empty = empty.contiguous(memory_format=torch.channels_last)
+        specs.append((tuple(shape), tuple(empty.stride()), dtype))
+    return specs
 
 
 def register_kernel(kernel: object,
