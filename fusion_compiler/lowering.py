@@ -28,7 +28,8 @@ import torch.fx as fx
 
 from .autograd.backward import training_region
 from .autograd.plan import backward_plans, with_masked_outputs
-from .backends import PLAN_WORK, REFERENCE, Backend, Lowered, backends_for, registered
+from .backends import (PLAN_WORK, REFERENCE, REUSE_BATCH_RATIO, Backend, Lowered, backends_for,
+                       registered)
 from .backends.timing import paired_time_ms, sample_inputs
 from .config import CompileOptions
 from .ir.errors import UnsupportedError, condense
@@ -111,19 +112,21 @@ def _choice_header(region: Region, names) -> tuple[dict, int] | None:
             "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}, batch
 
 
-def _cached_choice(cache: PlanCache, region: Region, names) -> dict | None:
-    """The stored choice among ``names`` for ``region`` (``{"winner": name, "ms": {name: ms}}``),
-    made at its batch size or, failing that, at the nearest one within a factor of 2 (then
-    ``ms`` is empty: as cuDNN's plans follow the choice made at such a batch size,
-    docs/decisions.md); ``None`` when there is none."""
-    found = _choice_header(region, names)
-    if found is None:
-        return None
-    header, batch = found
+def _stored_choices(cache: PlanCache, header: dict) -> dict:
+    """The choices stored under ``header``: ``{batch size (text): {"winner", "ms"}}``."""
     record = cache.load_record(header, _CHOICE) or {}
-    choices = record.get("by_batch") if isinstance(record.get("by_batch"), dict) else {}
+    choices = record.get("by_batch")
+    return choices if isinstance(choices, dict) else {}
+
+
+def _followed(choices: dict, batch: int, names) -> dict | None:
+    """The choice among ``names`` to follow at ``batch`` (``{"winner": name, "ms": {name:
+    ms}}``): the one made at ``batch`` or, failing that, at the nearest batch size within
+    :data:`~fusion_compiler.backends.REUSE_BATCH_RATIO` (then ``ms`` is empty: not timed at this
+    size), as cuDNN's plans follow their engine choice; ``None`` when there is none."""
     near = sorted((abs(math.log2(int(n) / batch)), int(n)) for n in choices
-                  if n.isdigit() and int(n) > 0 and max(int(n), batch) <= 2 * min(int(n), batch))
+                  if n.isdigit() and int(n) > 0
+                  and max(int(n), batch) <= REUSE_BATCH_RATIO * min(int(n), batch))
     if not near:
         return None
     choice = choices[str(near[0][1])]
@@ -133,30 +136,26 @@ def _cached_choice(cache: PlanCache, region: Region, names) -> dict | None:
             "ms": dict(choice.get("ms") or {}) if near[0][1] == batch else {}}
 
 
-def _store_choice(cache: PlanCache, region: Region, names, choice: dict) -> None:
-    """Add ``choice`` (``{"winner", "ms"}``) at ``region``'s batch size to its stored record."""
-    header, batch = _choice_header(region, names)
-    record = cache.load_record(header, _CHOICE) or {}
-    choices = record.get("by_batch") if isinstance(record.get("by_batch"), dict) else {}
-    cache.store_record(header, _CHOICE, {"by_batch": {**choices, str(batch): choice}})
-
-
 def _fastest(region: Region, lowered: dict[str, Lowered], cache: PlanCache
              ) -> tuple[str, dict[str, float]]:
     """The backend whose kernel ran ``region`` fastest on random inputs of its shapes (each
     kernel timed in a CUDA graph, the replays alternating), and every kernel's ms per call; a
-    choice stored in ``cache`` (:func:`_cached_choice`) is taken without timing, and a new one
+    choice stored in ``cache`` (:func:`_followed`) is taken without timing, and a new one
     stored. Off CUDA, the first (highest priority) with no times."""
-    if node_device(region.conv).type != "cuda":
+    found = _choice_header(region, lowered)
+    if found is None:
         return next(iter(lowered)), {}
-    record = _cached_choice(cache, region, lowered)
+    header, batch = found
+    choices = _stored_choices(cache, header)
+    record = _followed(choices, batch, lowered)
     if record is not None:
         return record["winner"], record["ms"]
     inputs = sample_inputs(region)
     times = paired_time_ms([lambda k=low.kernel: k(*inputs) for low in lowered.values()])
     timing = dict(zip(lowered, times))
     winner = min(timing, key=timing.__getitem__)
-    _store_choice(cache, region, lowered, {"winner": winner, "ms": timing})
+    cache.store_record(header, _CHOICE, {"by_batch": {**choices, str(batch): {
+        "winner": winner, "ms": timing}}})
     return winner, timing
 
 
@@ -271,10 +270,13 @@ def plan_work(gm: fx.GraphModule, options: CompileOptions) -> str:
     asked, taking = _asked_in(gm, options)
     work = [backend.plan_work(r) for backend, mine in asked.items() for r in mine]
     cache = PlanCache(default_cache_dir(options.cache_dir))
-    if any(len(names) > 1 and node_device(r.conv).type == "cuda"
-           and _cached_choice(cache, r, [b.name for b in names]) is None
-           for r, names in taking.items()):
-        work.append("tune")
+    for region, backends in taking.items():
+        names = [b.name for b in backends]
+        found = _choice_header(region, names) if len(names) > 1 else None
+        if found is not None and _followed(_stored_choices(cache, found[0]), found[1],
+                                           names) is None:
+            work.append("tune")
+            break
     return max(work, key=PLAN_WORK.index, default="")
 
 

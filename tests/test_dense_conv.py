@@ -16,6 +16,7 @@ from fusion_compiler import lowering
 from fusion_compiler.backends.base import Lowered
 from fusion_compiler.backends.dense import DenseConvBackend
 from fusion_compiler.compiler import CompiledModule
+from fusion_compiler.ir.errors import UnsupportedError
 from fusion_compiler.kernels.conv import ConvProgram
 from fusion_compiler.kernels.dense_conv import dense_program, dense_weight, fold_affine
 from fusion_compiler.runtime.plan_cache import PlanCache
@@ -146,7 +147,7 @@ def test_regions_the_dense_gemm_does_not_take(model, x, why):
 def test_training_regions_are_declined():
     spec = specialize(_Block(False).to(torch.bfloat16).eval(), torch.randn(1, 32, 2, 2,
                                                                             dtype=torch.bfloat16))
-    with pytest.raises(Exception, match="inference only"):
+    with pytest.raises(UnsupportedError, match="inference only"):
         DenseConvBackend().lower(spec.regions[0], training=True)
 
 
@@ -255,7 +256,6 @@ def test_a_fallback_reports_the_general_backends_reason(monkeypatch):
     backend after it declines too, the region's reason is that backend's, not the dense one's."""
     from fusion_compiler.backends.base import Backend, Support
     from fusion_compiler.backends.reference import ReferenceBackend
-    from fusion_compiler.ir.errors import UnsupportedError
 
     class Declines(Backend):
         name = "cudnn"
@@ -271,3 +271,21 @@ def test_a_fallback_reports_the_general_backends_reason(monkeypatch):
     choice = lowering._choose(spec.regions[0], [DenseConvBackend(), Declines()], "",
                               ReferenceBackend(), True, None, PlanCache(None))
     assert choice.backend.name == "reference" and choice.reason == "PyTorch's ops were faster"
+
+
+def test_plan_work_says_tune_until_the_choice_is_stored(tmp_path, timings, monkeypatch):
+    """A region two backends take needs a timing (``"tune"``) until its choice is stored."""
+    from types import SimpleNamespace
+
+    from fusion_compiler.config import CompileOptions
+
+    spec = specialize(_Block(False).to(torch.bfloat16).eval(), torch.randn(1, 32, 2, 2,
+                                                                            dtype=torch.bfloat16))
+    region = spec.regions[0]
+    backends = [SimpleNamespace(name="cudnn"), SimpleNamespace(name="dense")]
+    monkeypatch.setattr(lowering, "_asked_in", lambda gm, options: ({}, {region: backends}))
+    options = CompileOptions(cache_dir=tmp_path)
+    assert lowering.plan_work(spec.graph_module, options) == "tune"
+    lowering._fastest(region, {"cudnn": Lowered(print), "dense": Lowered(print)},
+                      PlanCache(tmp_path))
+    assert lowering.plan_work(spec.graph_module, options) == "" and timings == [1]

@@ -11,11 +11,12 @@ module plus one :func:`~.registry.register_backend` line below.
 from __future__ import annotations
 
 from ..config import CompileOptions
-from .base import PLAN_WORK, Backend, Kernel, Lowered, Support
+from .base import PLAN_WORK, REUSE_BATCH_RATIO, Backend, Kernel, Lowered, Support
 from .reference import ReferenceBackend
 from .registry import REFERENCE, backends_for, register_backend, registered
 
-__all__ = ["Backend", "Kernel", "Lowered", "Support", "PLAN_WORK", "ReferenceBackend",
+__all__ = ["Backend", "Kernel", "Lowered", "Support", "PLAN_WORK", "REUSE_BATCH_RATIO",
+           "ReferenceBackend",
            "register_backend", "registered", "backends_for", "REFERENCE"]
 
 

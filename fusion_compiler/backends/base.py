@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..ir.region import BackwardPlan, Region
 
-__all__ = ["Support", "Backend", "Kernel", "Lowered", "PLAN_WORK"]
+__all__ = ["Support", "Backend", "Kernel", "Lowered", "PLAN_WORK", "REUSE_BATCH_RATIO"]
 
 Kernel = Callable[..., Any]
 """A lowered region: called with the region inputs, returns the tuple of region outputs."""
@@ -22,6 +22,11 @@ Kernel = Callable[..., Any]
 PLAN_WORK = ("", "build", "tune")
 """What lowering a region involves beyond loading cached plans, in increasing order of cost:
 nothing, a build (CPU work, which may run beside GPU work), a build and a timing on the GPU."""
+
+REUSE_BATCH_RATIO = 2.0
+"""A choice timed at batch size N (a cuDNN plan's engine, the backend lowering chose for a region)
+is followed untimed for batch sizes N/2 to 2N; outside, it is timed afresh (what wins at one size
+may lose at a very different one)."""
 
 
 @dataclass(frozen=True)

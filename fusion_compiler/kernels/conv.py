@@ -34,7 +34,7 @@ from . import triton_unavailable
 from .epilogue import BINARY, CODES, binary_operand, epilogue_chain, reference_outputs
 
 __all__ = ["MAX_STEPS", "MAX_OUTPUTS", "ConvProgram", "TileConfig", "conv_program",
-           "conv_reference", "SMS", "default_config", "candidate_configs", "launch",
+           "output_hw", "conv_reference", "SMS", "default_config", "candidate_configs", "launch",
            "triton_kernel", "triton_reason", "ConvKernel"]
 
 MAX_STEPS = 6
@@ -142,7 +142,9 @@ def conv_program(region: Region, device: torch.device) -> ConvProgram | str:
                        dilation, tuple(operands), tuple(kinds), tuple(ops), tuple(outputs))
 
 
-def _out_hw(h: int, w: int, r: int, s: int, program: ConvProgram) -> tuple[int, int]:
+def output_hw(h: int, w: int, r: int, s: int, program: ConvProgram) -> tuple[int, int]:
+    """``(HO, WO)`` of ``program``'s convolution with an ``r`` x ``s`` filter of an ``h`` x ``w``
+    image."""
     (sh, sw), (ph, pw), (dh, dw) = program.stride, program.padding, program.dilation
     return (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (w + 2 * pw - dw * (s - 1) - 1) // sw + 1
 
@@ -226,7 +228,7 @@ def launch(kernels: Any, x: torch.Tensor, weight: torch.Tensor,
         x = x.contiguous(memory_format=torch.channels_last)
     n, c, h, w = x.shape
     k, _, r, s = weight.shape
-    ho, wo = _out_hw(h, w, r, s, program)
+    ho, wo = output_hw(h, w, r, s, program)
     m = n * ho * wo
     config = config or default_config(m, k, c)
     ys = [torch.empty((n, k, ho, wo), dtype=x.dtype, device=x.device,

@@ -34,7 +34,7 @@ from ..ir.region import Region
 from ..runtime.region_op import (channels_last_specs, in_dry_run, is_traced, register_kernel,
                                   run_region)
 from ..runtime.weight_cache import WeightCache
-from .conv import ConvProgram, conv_program
+from .conv import ConvProgram, conv_program, output_hw
 from .epilogue import ADD, BINARY, DIV, MUL, RELU, SUB, reference_outputs
 
 __all__ = ["MAX_DENSE_BYTES", "DenseProgram", "small_image", "dense_program", "folded_ops",
@@ -126,7 +126,7 @@ def dense_weight(weight: torch.Tensor, image: tuple[int, int], program: ConvProg
     k, c, r, s = weight.shape
     h, w = image
     (sh, sw), (ph, pw), (dh, dw) = program.stride, program.padding, program.dilation
-    ho, wo = (h + 2 * ph - dh * (r - 1) - 1) // sh + 1, (w + 2 * pw - dw * (s - 1) - 1) // sw + 1
+    ho, wo = output_hw(h, w, r, s, program)
     taps = weight.detach().float().permute(2, 3, 1, 0)  # [R, S, C, K]
     dense = torch.zeros((h, w, c, ho, wo, k), dtype=torch.float32, device=weight.device)
     for i in range(ho):

@@ -68,6 +68,7 @@ class Stage(torch.nn.Module):
         super().__init__()
         self.body = body
         self.runner: TrainingGraphRunner | None = None
+        self.pair: _GraphPair | None = None  # its graphs, set by the runner's capture
 
     def forward(self, *xs: Any) -> Any:
         if self.runner is None or self.runner.mode == "eager":

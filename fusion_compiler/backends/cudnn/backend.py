@@ -44,7 +44,7 @@ from ...ir.region import BackwardPlan, Region
 from ...runtime.plan_cache import PlanCache, default_cache_dir
 from ...runtime.region_op import register_backward
 from ...runtime.streams import MAIN_WORKSPACE
-from ..base import Backend, Lowered, Support
+from ..base import REUSE_BATCH_RATIO, Backend, Lowered, Support
 from .backward import CudnnConvGradients
 from .graph import graph_json, import_cudnn, output_padding, region_recipe
 from .kernel import CudnnKernel
@@ -58,9 +58,6 @@ __all__ = ["CudnnBackend", "HEURISTICS", "REUSE_BATCH_RATIO"]
 log = logging.getLogger("fusion_compiler")
 HEURISTICS = ("A", "FALLBACK")
 """cuDNN heuristics modes whose ranked plans are candidates, in this order."""
-REUSE_BATCH_RATIO = 2.0
-"""A plan choice made at batch size N is reused for batch sizes N/2 to 2N; outside, the graph is
-tuned afresh (an engine that wins at one size may lose at a very different one)."""
 
 
 class CudnnBackend(Backend):
