@@ -62,6 +62,7 @@ FUSION_VARIANTS = {
                                                       "glue_backend": "inductor"},
     "fusion_compiler triton_conv=True": {"triton_conv": True},
     "fusion_compiler dense_conv=False": {"dense_conv": False},
+    "fusion_compiler horizontal_fusion=False": {"horizontal_fusion": False},
 }
 TRAIN_FUSION_VARIANTS = {"fusion_compiler": {}, "fusion_compiler glue=None": {"glue_backend": None},
                          "fusion_compiler cuda_graph=False": {"cuda_graph": False}}

@@ -79,6 +79,11 @@ class CompileOptions:
             its filter (larger than 1x1) has taps also get that convolution as one dense GEMM
             (:mod:`fusion_compiler.kernels.dense_conv`), timed against cuDNN's plan per region,
             the faster kept (on: faster than cuDNN on SE-ResNet9's 2x2 layer, docs/options.md).
+        horizontal_fusion: in inference on CUDA, convolutions that read the same image with the
+            same geometry (a block's first convolution and its downsample) run as one
+            convolution with their weights concatenated
+            (:mod:`fusion_compiler.passes.pre_fusion.horizontal`; on: faster on SE-ResNet9,
+            docs/options.md).
         ddp_overlap: a CUDA-graphed training specialization compiled inside
             DistributedDataParallel's forward is captured as one forward and backward graph pair
             per group of DDP's gradient buckets (:mod:`fusion_compiler.runtime.ddp_stages`), so
@@ -107,6 +112,7 @@ class CompileOptions:
     cuda_pipeline: bool | None = None
     triton_conv: bool = False
     dense_conv: bool = True
+    horizontal_fusion: bool = True
     ddp_overlap: bool = False
 
     def __post_init__(self) -> None:
@@ -120,7 +126,7 @@ class CompileOptions:
             object.__setattr__(self, "cuda_graph", "auto")
         for name in ("fuse_prologue", "fuse_reduction", "report", "tiered",
                      "concurrent_branches", "derived_backward", "triton_conv", "dense_conv",
-                     "ddp_overlap"):
+                     "horizontal_fusion", "ddp_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("progress", "cuda_pipeline"):

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from .backends.cudnn.autotune import fastest
 from .ir.ops import conv_flops, is_any_conv
-from .ir.region import Region, called_region
+from .ir.region import Region, called_region, channel_view_total
 
 __all__ = ["coverage", "format_report", "format_regions", "format_tuning", "format_gradients",
            "format_summary", "format_left", "format_groups", "regions_table", "summarize",
@@ -147,7 +147,8 @@ def pytorch_nodes(gm: fx.GraphModule) -> list[dict]:
         if called_region(gm, node) is not None:
             continue
         name = op_name_of(node, gm)
-        if (name in _QUIET and node.name not in reasons) or _is_glue_kernel(node):
+        if (name in _QUIET and node.name not in reasons) or _is_glue_kernel(node) \
+                or channel_view_total(node) is not None:  # horizontal fusion's views
             continue
         reason = reasons.get(node.name, "not part of a convolution chain")
         result.append({"node": node.name, "op": name, "reason": reason})

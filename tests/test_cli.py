@@ -23,7 +23,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_dump_json_reference_network():
     pytest.importorskip("cudnn")
     proc = _run("dump", REF, "--input", "128x3x64x64", "--dtype", "float16", "--format", "json",
-                "--fuse-prologue", "--fuse-reduction")
+                "--fuse-prologue", "--fuse-reduction", "--no-horizontal-fusion")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     regions = report["regions"]
@@ -45,17 +45,19 @@ def test_dump_default_is_a_short_summary_first():
     assert len(lines) < 120
     assert lines[0].startswith(f"# {REF} on ")
     header = "\n".join(lines[:8])
-    assert "convolutions:   12 of 12 in fused regions (100% of 19.53 GFLOP)" in header
-    assert "regions:        12" in header and "left to PyTorch: 0 convolution(s)" in header
+    # 12 convolutions, 6 of them merged in pairs (horizontal fusion)
+    assert "convolutions:   9 of 9 in fused regions (100% of 19.53 GFLOP)" in header
+    assert "regions:        9" in header and "left to PyTorch: 0 convolution(s)" in header
     assert "=== " not in proc.stdout  # no graph code unless --stage asks for it
     out = proc.stdout
-    assert out.index("12 fused regions") < out.index("ops left to PyTorch, by reason")
+    assert out.index("9 fused regions") < out.index("ops left to PyTorch, by reason")
     # the four SE blocks' gates and tails are this package's kernels, not ops left to PyTorch
     assert "glue kernels:   se_scale x4" in header and "ops left to PyTorch, by reason: none" in out
 
 
 def test_dump_text_shows_graphs_and_tables():
-    proc = _run("dump", REF, "--input", "2x3x64x64", "--stage", "captured,normalize,fused")
+    proc = _run("dump", REF, "--input", "2x3x64x64", "--stage", "captured,normalize,fused",
+                "--no-horizontal-fusion")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for heading in ("=== captured graph ===", "=== normalize graph ===", "=== fused graph ===",
@@ -85,11 +87,11 @@ def test_dump_dot_has_one_cluster_per_region(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = path.read_text()
     assert text.startswith("digraph fusion_compiler {") and text.rstrip().endswith("}")
-    assert text.count("subgraph cluster_r") == 12
+    assert text.count("subgraph cluster_r") == 9  # 12 convolutions, 6 merged in pairs
     assert text.count("{") == text.count("}")
     declared = set(re.findall(r'^\s*"([^"]+)" \[label=', text, flags=re.M))
     edges = re.findall(r'^\s*"([^"]+)" -> "([^"]+)";', text, flags=re.M)
-    assert len(edges) > 12 and all(a in declared and b in declared for a, b in edges)
+    assert len(edges) > 9 and all(a in declared and b in declared for a, b in edges)
     # the first region's convolution reads the SpaceToDepth output from outside its cluster
     assert any(b.startswith("r0_") and not a.startswith("r0_") for a, b in edges)
 

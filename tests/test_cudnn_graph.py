@@ -10,7 +10,7 @@ import torch.nn as nn
 from conftest import specialize
 
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-from fusion_compiler.backends.cudnn.graph import graph_json, nhwc_strides
+from fusion_compiler.backends.cudnn.graph import graph_json, nhwc_strides, region_recipe
 from fusion_compiler.runtime.plan_cache import PlanCache, StaleEntry, default_cache_dir
 
 pytest.importorskip("cudnn", reason="the cuDNN frontend (nvidia-cudnn-frontend) is not installed")
@@ -19,7 +19,20 @@ pytest.importorskip("cudnn", reason="the cuDNN frontend (nvidia-cudnn-frontend) 
 @pytest.fixture(scope="module")
 def fp16_regions():
     model = randomize_(se_resnet9_fixup(3)).half().eval()
-    return specialize(model, torch.randn(128, 3, 64, 64, dtype=torch.float16)).regions
+    return specialize(model, torch.randn(128, 3, 64, 64, dtype=torch.float16),
+                      horizontal_fusion=False).regions
+
+
+def test_a_channel_view_image_is_declared_with_the_wider_tensors_strides():
+    """With horizontal fusion, layer1's second convolution reads 128 of the merged
+    convolution's 256 output channels in place."""
+    model = randomize_(se_resnet9_fixup(3)).half().eval()
+    regions = specialize(model, torch.randn(128, 3, 64, 64, dtype=torch.float16),
+                         fuse_prologue=False, fuse_reduction=False).regions
+    merged, reader = regions[3], regions[4]
+    assert merged.conv.meta["val"].shape[1] == 256
+    image = region_recipe(reader)["inputs"][0]
+    assert image["dim"] == [128, 128, 8, 8] and image["stride"] == nhwc_strides((128, 256, 8, 8))
 
 
 def _types(graph: dict) -> list[str]:

@@ -79,8 +79,8 @@ def _randomize_bn(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
-def _check(model, x, expected_patterns, tol=1e-5):
-    spec = specialize(model, x)
+def _check(model, x, expected_patterns, tol=1e-5, **options):
+    spec = specialize(model, x, **options)
     assert patterns(spec) == expected_patterns
     with torch.no_grad():
         got, want = spec.run(x), model(x)
@@ -142,9 +142,52 @@ def test_fixup_block_prologue_epilogue_and_squeeze():
     model = randomize_(SEFixupBlock(32, 64, stride=2, reduction=8)).eval()
     spec = _check(model, torch.randn(2, 32, 8, 8),
                   ["[add] conv3x3/s2 > add > relu", "[add] conv3x3 > mul > add + sum_hw",
-                   "[add] conv3x3/s2 > add > relu"])
+                   "[add] conv3x3/s2 > add > relu"], horizontal_fusion=False)
     reasons = spec.graph_module.meta["fusion_reasons"]
     assert any("[N,K,1,1]" in r for r in reasons.values())  # the SE gate stays outside
+
+
+def test_fixup_block_siblings_fuse_horizontally():
+    """The block's first convolution and its downsample (AvgPool + 1x1, rewritten to a 3x3/s2
+    convolution) read the same image: one region, its convolution of 32 + 32 output channels,
+    the first convolution's epilogue moved onto it; the outputs are eager's."""
+    from examples.seresnet9_fixup import SEFixupBlock, randomize_
+
+    model = randomize_(SEFixupBlock(16, 32, stride=2, reduction=8)).eval()
+    spec = _check(model, torch.randn(2, 16, 8, 8),
+                  ["[add] conv3x3/s2 > add > relu > add", "conv3x3 > mul > add + sum_hw"])
+    merged = spec.regions[0]
+    assert merged.conv.meta["val"].shape[1] == 64 and len(merged.output_nodes) == 2
+    views = [n for n in spec.graph_module.graph.nodes if n.target is torch.narrow]
+    assert sorted(n.args[2:] for n in views) == [(0, 32), (32, 32)]
+
+
+def test_siblings_of_other_geometry_or_two_epilogues_stay_apart():
+    class Two(nn.Module):
+        def __init__(self, second_kernel):
+            super().__init__()
+            self.a = nn.Conv2d(8, 16, 3, padding=1, bias=False)
+            self.b = nn.Conv2d(8, 16, second_kernel, padding=second_kernel // 2, bias=False)
+
+        def forward(self, x):
+            return torch.relu(self.a(x)), torch.sigmoid(self.b(x)) if self.b.kernel_size[0] == 3 \
+                else self.b(x)
+
+    class BatchNormed(nn.Module):  # torchvision's bottleneck entry at stride 1
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Conv2d(8, 16, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+            self.b = nn.Sequential(nn.Conv2d(8, 32, 1, bias=False), nn.BatchNorm2d(32))
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    x = torch.randn(2, 8, 6, 6)
+    assert len(_check(Two(1), x, ["conv3x3 > relu", "conv1x1"]).regions) == 2  # geometry
+    assert len(_check(Two(3), x, ["conv3x3 > relu", "conv3x3 > sigmoid"]).regions) == 2  # chains
+    # per-channel epilogues (folded batch norms) the merged region could not take
+    assert patterns(specialize(BatchNormed().eval(), x)) == ["conv1x1 > mul > add > relu",
+                                                             "conv1x1 > mul > add"]
 
 
 class InPlace(nn.Module):

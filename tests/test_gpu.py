@@ -71,10 +71,12 @@ def test_reference_network_fp16(channels, batch, fusion):
     options = FUSE_ALL if fusion == "all" else {"autotune": 8}  # the default path, autotuned
     compiled, out = _run_cudnn(model, torch.randn(batch, channels, 64, 64), **options)
     regions = compiled.last.regions
-    assert len(regions) == 12
+    assert len(regions) == 9  # 12 convolutions; layers 1-3 merge two each (horizontal fusion)
     assert out.is_contiguous()  # NCHW in, NCHW out: the memory format eager returns
     if fusion == "all":  # the Fixup prologues and the SE squeezes lower and run on cuDNN
-        assert sum(r.pattern.startswith("[add]") for r in regions) == 11
+        # layer0's two convolutions and the three merged ones (whose epilogue took the second
+        # convolution's `x + bias` of layers 1-3)
+        assert sum(r.pattern.startswith("[add]") for r in regions) == 5
         assert sum(r.pattern.endswith("+ sum_hw") for r in regions) == 4
     else:  # every region autotuned, then timed against its PyTorch ops; the faster one runs
         assert regions[0].backend == "triton" and regions[0].space_to_depth == 4  # the stem
@@ -174,7 +176,7 @@ def test_disk_cache_round_trip_in_a_second_process(tmp_path):
     # the SpaceToDepth stem (r0) is a Triton kernel, no plan: plan_from_cache None; so is the
     # dense GEMM that layer3's 2x2 images may get (its choice over cuDNN is cached, not its plan)
     cudnn = [i for i, b in enumerate(first["backends"]) if b == "cudnn"]
-    assert first["backends"][0] == "triton" and len(cudnn) >= 10 and not any(first["cached"])
+    assert first["backends"][0] == "triton" and len(cudnn) >= 7 and not any(first["cached"])
     second, _ = _cache_run(tmp_path)
     assert second["backends"] == first["backends"]
     assert [second["cached"][i] for i in cudnn] == [True] * len(cudnn)

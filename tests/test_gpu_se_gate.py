@@ -109,8 +109,9 @@ def test_default_compile_runs_the_se_blocks_in_the_packages_kernels_without_indu
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     assert names.count("se_kernel") == 4, names
     assert not any(n.startswith("triton_") for n in names), names  # no Inductor kernel
-    cudnn = sum(r.backend == "cudnn" for r in spec.regions)  # r10 may be the dense GEMM
-    assert cudnn >= 10 and sum("cudnn" in n or "xmma" in n for n in names) == cudnn, names
+    # 9 regions (12 convolutions, 6 merged in pairs): the stem's, one may be the dense GEMM
+    cudnn = sum(r.backend == "cudnn" for r in spec.regions)
+    assert cudnn >= 7 and sum("cudnn" in n or "xmma" in n for n in names) == cudnn, names
     err = ((got - want).abs().max() / want.abs().max()).item()
     eager_err = ((eager - want).abs().max() / want.abs().max()).item()
     assert err <= 1.5 * eager_err + 1e-4, (err, eager_err)

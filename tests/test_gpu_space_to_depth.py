@@ -58,7 +58,8 @@ def test_kernel_matches_fp64(n, c, h, w, k, dtype, epilogue):
 
 def test_depth_backbone_stem_is_one_triton_kernel_in_the_graph(tmp_path):
     """``compile(model)`` (defaults: CUDA graph; the glue is this package's SE kernels) gives
-    SE-ResNet9-depth's stem the Triton kernel: one replay holds it and the 11 cuDNN convolutions,
+    SE-ResNet9-depth's stem the Triton kernel: one replay holds it and the 8 cuDNN convolutions
+    (11 after the stem, three pairs merged by horizontal fusion),
     and no copy of the image (the SpaceToDepth the graph held before); outputs match fp64."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -78,7 +79,7 @@ def test_depth_backbone_stem_is_one_triton_kernel_in_the_graph(tmp_path):
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     assert sum("space_to_depth_conv_kernel" in n for n in names) == 1, names
     cudnn = sum(r.backend == "cudnn" for r in spec.regions)
-    assert cudnn >= 10 and sum("cudnn" in n or "xmma" in n for n in names) == cudnn, names
+    assert cudnn >= 7 and sum("cudnn" in n or "xmma" in n for n in names) == cudnn, names
     assert not any("permute" in n for n in names), names
     for out, x in zip(outs, (*xs, *xs)):
         with torch.no_grad():

@@ -24,7 +24,8 @@ JOIN = torch.ops.fusion_compiler.join_side_stream.default
 
 
 def _fused(model: nn.Module, x: torch.Tensor, branches: bool):
-    options = CompileOptions(concurrent_branches=branches, cuda_pipeline=True)
+    options = CompileOptions(concurrent_branches=branches, cuda_pipeline=True,
+                             horizontal_fusion=False)
     target = Target(cuda=False)
     return PassManager([*pre_fusion(options, target), *fusion(options, target)], [x]).run(
         capture(model))

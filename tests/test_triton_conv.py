@@ -142,7 +142,8 @@ def test_the_kernel_takes_every_se_resnet9_region():
     SpaceToDepth as a prologue and the stem kernel instead)."""
     torch.manual_seed(0)
     spec = _bf16_specialization(randomized_se_resnet9_fixup(), torch.randn(2, 3, 64, 64),
-                                fuse_prologue=False, fuse_reduction=False)
+                                fuse_prologue=False, fuse_reduction=False,
+                                horizontal_fusion=False)
     programs = [conv_program(r, torch.device("cpu")) for r in spec.regions]
     assert len(programs) == 12 and not [p for p in programs if isinstance(p, str)], programs
     assert {p.ops for p in programs} == {(RELU, ADD), (ADD, RELU, ADD), (MUL, ADD), (ADD, RELU)}

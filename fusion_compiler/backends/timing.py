@@ -12,7 +12,9 @@ import torch
 
 from ..ir.errors import TimingDeferred
 from ..ir.ops import node_device
+from ..ir.region import channel_view_total
 from ..runtime.cuda_graph import parameters_guarded
+from ..runtime.tensors import channel_view_strides
 from ..runtime.tiered import COMPILE_LOCK, ThreadFlag
 
 __all__ = ["PYTORCH_MARGIN", "timing_deferred", "ensure_timing_allowed", "random_tensor",
@@ -70,9 +72,17 @@ def sample_inputs(region) -> list[torch.Tensor]:
     """Random tensors like ``region``'s inputs (shapes, dtypes, device from the placeholders'
     ``meta["val"]``), made by :func:`sample_tensor`: 4-d tensors are channels_last, as activations
     arrive from an upstream cuDNN region at run time (the captured strides are eager's NCHW
-    ones)."""
-    return [sample_tensor(ph.meta["val"].shape, ph.meta["val"].dtype, node_device(ph))
+    ones), and a channel view of a wider tensor is laid out as one."""
+    return [sample_tensor(ph.meta["val"].shape, ph.meta["val"].dtype, node_device(ph),
+                          _view_strides(ph))
             for ph in region.graph_module.graph.find_nodes(op="placeholder")]
+
+
+def _view_strides(ph) -> tuple[int, ...] | None:
+    """A channel view's strides (it arrives so: a horizontally fused convolution's output), or
+    ``None`` for the default layout."""
+    total = channel_view_total(ph)
+    return None if total is None else channel_view_strides(ph.meta["val"].shape, total)
 
 
 def gpu_time_ms(run: Callable[[], object], reps: int = 3, iters: int = 10) -> float:

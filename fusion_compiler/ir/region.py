@@ -23,7 +23,19 @@ import torch.fx as fx
 
 from .ops import BINARY, is_conv, is_hw_sum, op_name
 
-__all__ = ["Region", "Lowering", "BackwardPlan", "Operand", "operand_kind", "called_region"]
+__all__ = ["Region", "Lowering", "BackwardPlan", "Operand", "operand_kind", "called_region",
+           "CHANNEL_VIEW", "channel_view_total"]
+
+#: ``node.meta`` key of a value that is a channel view (``narrow`` along dim 1) of a wider 4-d
+#: tensor, set by :mod:`fusion_compiler.passes.pre_fusion.horizontal`: the wider tensor's channel
+#: count. Region placeholders inherit it from the node they stand for.
+CHANNEL_VIEW = "channel_view"
+
+
+def channel_view_total(node: fx.Node) -> int | None:
+    """The channel count of the tensor ``node`` is a channel view of (:data:`CHANNEL_VIEW`), or
+    ``None`` when it is not marked as one."""
+    return node.meta.get(CHANNEL_VIEW)
 
 
 def operand_kind(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str | None:

@@ -6,7 +6,9 @@ graph after any pass by its name). In order, with the condition under which each
   bias -> add), ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
   ``space_to_depth`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b
   conv or one channels_last copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
-  ``autocast`` (under ``torch.autocast``: its casts made graph ops).
+  ``horizontal_fusion`` (CUDA inference, with that option, on by default, not with
+  ``concurrent_branches``: sibling convolutions of one image -> one convolution and channel views
+  of its output), ``autocast`` (under ``torch.autocast``: its casts made graph ops).
 * **fusion**: ``fuse`` (conv chains -> Region submodules: prologue, epilogue, exit reduction;
   with ``concurrent_branches`` a join of two branches left to the longer one), ``verify`` (SSA,
   beta = 0, one conv per region, no aliasing; raises FusionError), ``space_to_depth_stem`` (CUDA
@@ -54,6 +56,7 @@ from .post_lowering.layout import (channel_padded_images, channels_last_activati
 from .post_lowering.streams import run_short_branches_beside
 from .pre_fusion.autocast import make_autocast_explicit
 from .pre_fusion.fold_bn import fold_batch_norm
+from .pre_fusion.horizontal import horizontal_fusion
 from .pre_fusion.normalize import normalize
 from .pre_fusion.rewrites import avgpool_conv, space_to_depth_conv
 
@@ -79,12 +82,16 @@ def _counted(edit: Callable[[fx.GraphModule], object], what: str) -> Callable[[f
 
 
 def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
-    """Normalization and the exact rewrites; the two rewrites that exist for cuDNN run for CUDA
-    inputs (or ``options.cuda_pipeline``) only, the autocast pass under ``torch.autocast``."""
+    """Normalization and the exact rewrites; the rewrites that exist for cuDNN run for CUDA
+    inputs (or ``options.cuda_pipeline``) only, horizontal fusion in inference, the autocast pass
+    under ``torch.autocast``."""
     cuda = target.cuda or bool(options.cuda_pipeline)
     passes = [Pass("normalize", normalize), Pass("fold_bn", fold_batch_norm)]
     if cuda:
         passes += [Pass("space_to_depth", space_to_depth_conv), Pass("avgpool_conv", avgpool_conv)]
+        # concurrent branches run the siblings apart, on two streams: they stay unmerged
+        if options.horizontal_fusion and not target.training and not options.concurrent_branches:
+            passes.append(Pass("horizontal_fusion", horizontal_fusion))
     if target.autocast is not None:  # casts before fusion, so regions form in the autocast dtype
         passes.append(Pass("autocast", functools.partial(make_autocast_explicit,
                                                          dtype=target.autocast)))

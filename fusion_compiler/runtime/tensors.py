@@ -1,5 +1,5 @@
-"""Tensor utilities the runners share: buffers given back their values after work that must not
-move them, gradients laid out like their parameters."""
+"""Tensor utilities the runners and kernels share: buffers given back their values after work that
+must not move them, gradients laid out like their parameters, channel views of wider tensors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["restored", "layout_like"]
+__all__ = ["restored", "layout_like", "channel_view_strides", "as_channel_view"]
 
 
 @contextlib.contextmanager
@@ -38,3 +38,24 @@ def layout_like(g: torch.Tensor, ref: torch.Tensor, copy: bool = False) -> torch
     if all(a == b or n == 1 for a, b, n in zip(g.stride(), ref.stride(), g.shape)):
         return g.as_strided(ref.shape, ref.stride())
     return torch.empty_like(ref, dtype=g.dtype).copy_(g) if copy else g
+
+
+def channel_view_strides(shape: Sequence[int], total: int) -> tuple[int, ...]:
+    """Strides (elements) of ``[N, C, H, W]`` channels of a fully packed channels_last tensor of
+    ``total >= C`` channels: ``(H*W*total, 1, W*total, total)``."""
+    _, _, h, w = shape
+    return (h * w * total, 1, w * total, total)
+
+
+def as_channel_view(x: torch.Tensor, total: int, alignment: int = 16) -> torch.Tensor:
+    """``x`` ``[N, C, H, W]`` laid out as ``C`` channels of a channels_last tensor of ``total``
+    channels (:func:`channel_view_strides`), its data ``alignment``-byte aligned: ``x`` itself
+    when it already is (a ``narrow`` of a wider channels_last tensor), else a copy into the first
+    channels of a new such tensor. What a kernel planned for that layout reads."""
+    strides = channel_view_strides(x.shape, total)
+    if x.stride() == strides and x.data_ptr() % alignment == 0:
+        return x
+    n, c, h, w = x.shape
+    wide = torch.empty((n, total, h, w), dtype=x.dtype, device=x.device,
+                       memory_format=torch.channels_last)
+    return wide.narrow(1, 0, c).copy_(x)

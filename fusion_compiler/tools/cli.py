@@ -86,7 +86,8 @@ def _options(args: argparse.Namespace) -> dict:
     return {"backend": args.backend, "autotune": args.autotune,
             "fuse_prologue": args.fuse_prologue, "fuse_reduction": args.fuse_reduction,
             "concurrent_branches": args.concurrent_branches, "triton_conv": args.triton_conv,
-            "dense_conv": not args.no_dense_conv}
+            "dense_conv": not args.no_dense_conv,
+            "horizontal_fusion": not args.no_horizontal_fusion}
 
 
 def _emit(text: str, out: Path | None) -> None:
@@ -197,6 +198,10 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--no-dense-conv", action="store_true",
                    help="do not offer a convolution of a small image as one dense GEMM (on by "
                         "default: timed against cuDNN per region in CUDA inference, "
+                        "docs/options.md)")
+    p.add_argument("--no-horizontal-fusion", action="store_true",
+                   help="keep convolutions that read the same image apart (on by default in "
+                        "CUDA inference: one convolution with their weights concatenated, "
                         "docs/options.md)")
     p.add_argument("--autotune", type=int, default=CompileOptions.autotune,
                    help="cuDNN plans built and timed per region on a GPU (default %(default)s)")

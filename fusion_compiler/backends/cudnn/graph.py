@@ -31,10 +31,11 @@ import torch.nn.functional as F
 
 from ...ir.errors import UnsupportedError
 from ...ir.ops import BINARY, is_conv, is_hw_sum
-from ...ir.region import Region
+from ...ir.region import Region, channel_view_total
 from .recipe import CudnnGraph, build_pygraph, nhwc_strides
 
 __all__ = ["CudnnGraph", "region_recipe", "build_graph", "graph_json", "nhwc_strides", "to_nhwc",
+           "image_view_total",
            "recipe_dtype", "import_cudnn", "channel_padding", "output_padding", "padded_output",
            "output_dtype",
            "BATCHED_ROLES"]
@@ -54,6 +55,18 @@ def import_cudnn():
     except Exception as exc:  # ImportError, or OSError from a missing libcudnn
         raise UnsupportedError(f"the cuDNN frontend is not importable: {exc}") from exc
     return cudnn
+
+
+def image_view_total(region: Region, node: fx.Node) -> int | None:
+    """When placeholder ``node`` is the image of ``region``'s convolution and a channel view of a
+    wider tensor (:func:`~fusion_compiler.ir.region.channel_view_total`; a horizontally fused
+    convolution's output) that needs no channel padding: the wider tensor's channel count. The
+    plan then reads the view in place, declared with the wider tensor's channels_last strides."""
+    total = channel_view_total(node)
+    if total is None or node is not region.conv.args[0]:
+        return None
+    pad = channel_padding(region)
+    return None if pad is not None and node.name in pad[1] else total
 
 
 def to_nhwc(t: torch.Tensor) -> torch.Tensor:
@@ -182,7 +195,10 @@ def region_recipe(region: Region) -> dict:
                 dims[1] = channel_pad[0]
             if out_pad is not None and node.name in out_pad[1]:
                 dims[0 if node is conv.args[1] else 1] = out_pad[0]
-            inputs.append({"name": node.name, "dim": dims, "stride": nhwc_strides(dims),
+            strides = nhwc_strides(dims)
+            if (total := image_view_total(region, node)) is not None:  # a channel view
+                strides = nhwc_strides([dims[0], total, *dims[2:]])
+            inputs.append({"name": node.name, "dim": dims, "stride": strides,
                            "dtype": recipe_dtype(val.dtype),
                            "batched": roles[node.name] in BATCHED_ROLES})
         elif node.op == "output":

@@ -1,7 +1,8 @@
 """One region's forward on cuDNN: its execution plan and how its inputs are fed to it.
 
 Layouts: activations and weights are passed to cuDNN channels_last (NHWC); NCHW inputs are
-converted by the kernel, outputs are channels_last. When a convolution's input channel count is
+converted by the kernel, outputs are channels_last. An image that is a channel view of a wider
+channels_last tensor (a horizontally fused convolution's output) is read in place. When a convolution's input channel count is
 not a multiple of 8 (fp16/bf16) or 4 (fp32) the image and weight are zero-padded in channels; when
 its output channel count is not, inference kernels pad the weight's output channels and the
 epilogue's per-channel and full operands, and copy the real channels out of the padded outputs
@@ -10,6 +11,7 @@ epilogue's per-channel and full operands, and copy the real channels out of the 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -19,8 +21,9 @@ from ...ir.ops import node_device
 from ...ir.region import Region
 from ...runtime.region_op import is_traced, register_kernel, run_region
 from ...runtime.streams import MAIN_WORKSPACE, SIDE_WORKSPACE, side_stream
-from .graph import (channel_padding, output_dtype, output_padding, padded_output, region_recipe,
-                    to_nhwc)
+from .graph import (channel_padding, image_view_total, output_dtype, output_padding,
+                    padded_output, region_recipe, to_nhwc)
+from ...runtime.tensors import as_channel_view
 from ...runtime.weight_cache import WeightCache
 from .plan import CudnnPlan, PlanBackend
 from .recipe import nhwc_strides
@@ -75,6 +78,8 @@ class CudnnKernel:
             elif op.role in ("scalar", "channel"):
                 # [1] / [K] / [1,K,1,1] contiguous: the same memory as the declared [1,K,1,1]
                 self.prepare.append(torch.Tensor.contiguous)
+            elif (total := image_view_total(region, node)) is not None:
+                self.prepare.append(functools.partial(as_channel_view, total=total))
             elif op.role == "weight":
                 self.prepare.append(WeightCache())
                 if node is region.conv.args[1]:

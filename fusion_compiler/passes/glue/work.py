@@ -12,7 +12,7 @@ from ...ir.region import called_region
 __all__ = ["inductor_work"]
 
 _VIEWS = {torch.reshape, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze,
-          torch.transpose, operator.getitem}
+          torch.transpose, torch.narrow, operator.getitem}
 _VIEW_METHODS = {"view", "reshape", "flatten", "permute", "squeeze", "unsqueeze", "transpose",
                  "size", "dim", "contiguous"}
 

@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...ir.ops import avg_pool2d_args, is_call
-from ...ir.region import called_region
+from ...ir.region import called_region, channel_view_total
 
 __all__ = ["channels_last_activations", "channel_padded_images", "four_channel_images",
            "nchw_padded_avg_pools", "NHWC_OUTPUT_BACKENDS"]
@@ -151,7 +151,9 @@ def channels_last_activations(gm: fx.GraphModule) -> int:
     """Convert each 4-d value that regions read as a channels_last activation
     (``Region.nhwc_inputs``: cuDNN kernels, and regions left to PyTorch because their ops timed
     faster on channels_last inputs) to channels_last once, right where it is made, unless a region
-    that writes channels_last made it (in place); returns how many values were converted.
+    that writes channels_last made it or it is a channel view of such a region's output (a
+    horizontally fused convolution's; the kernels read it in place) (in place); returns how many
+    values were converted.
 
     Without it, every reading cuDNN region converts the value itself, inside its kernel: a graph
     input or a PyTorch op's NCHW output read by two regions is copied twice (resnet50's max-pool
@@ -164,7 +166,8 @@ def channels_last_activations(gm: fx.GraphModule) -> int:
     converted = 0
     for node in list(gm.graph.nodes):
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dim() != 4 or _made_channels_last(gm, node):
+        if not isinstance(val, torch.Tensor) or val.dim() != 4 or _made_channels_last(gm, node) \
+                or channel_view_total(node) is not None:  # its readers take the view as it is
             continue
         readers = [u for u in node.users if (region := called_region(gm, u)) is not None
                    and any(u.args[i] is node for i in region.nhwc_inputs)]

@@ -171,11 +171,18 @@ def _same_value(node: object, like: torch.Tensor) -> bool:
             and val.dtype == like.dtype and val.stride() == like.stride())
 
 
+def _residual_like(node: fx.Node, like: torch.Tensor) -> bool:
+    """Whether ``node`` can be ``se_scale``'s residual for ``like``: the same shape and dtype,
+    any strides (the kernel reads it with its own; a channel view of a wider tensor is one)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.shape == like.shape and val.dtype == like.dtype
+
+
 def se_scales(gm: fx.GraphModule) -> int:
     """Rewrite, in place, each multiply of a ``[N, C, H, W]`` value ``x`` by its own gate
     ``se_gate(x, ...)`` reshaped to ``[N, C, 1, 1]`` (what :func:`se_gates` leaves) into
     ``se_scale(x, ..., residual, relu, bias)``, taking along what follows it when each step's
-    result has no other user: ``+ residual`` (a value of ``x``'s shape, dtype and strides), then
+    result has no other user: ``+ residual`` (a value of ``x``'s shape and dtype), then
     ReLU, then ``+ bias`` (a one-element tensor of ``x``'s dtype), in that order. A gate computed
     from the pooled mean (a sample of more than :data:`FUSED_SQUEEZE` values) is left alone: its
     kernel would stream large samples in one program each.
@@ -202,7 +209,7 @@ def se_scales(gm: fx.GraphModule) -> int:
         residual, relu, bias = None, False, None
         step = _single_user(last)
         if (r := _other(step, torch.add, last)) is not None and isinstance(r, fx.Node) \
-                and _same_value(r, xv) and _same_value(step, xv):
+                and _residual_like(r, xv) and _same_value(step, xv):
             residual, last, step = r, step, _single_user(step)
         if is_call(step, torch.relu) and len(step.args) == 1 and _same_value(step, xv):
             relu, last, step = True, step, _single_user(step)
