@@ -1,7 +1,7 @@
 """Horizontal fusion on the GPU: SE-ResNet9's three pairs of sibling convolutions run as one cuDNN
-convolution each, the readers of its channel views (cuDNN regions, the dense GEMM, the
-``se_scale`` kernel) read them in place (no copy in a replay), and outputs match fp32 as closely
-as with the option off, through ``compile(model)`` and ``torch.compile``.
+convolution each, the readers of its channel views (cuDNN regions and the ``se_scale`` kernel)
+read them in place (the dense GEMM copies its view: one copy kernel), and outputs match fp32
+within 1.5x of eager's error, through ``compile(model)`` and ``torch.compile``.
 tests/test_fuse_patterns.py covers the rewrite on the CPU."""
 
 from __future__ import annotations
@@ -49,30 +49,36 @@ def test_se_resnet9_reads_the_merged_outputs_in_place(n):
     merged = [r for r in regions if r.pattern.startswith("conv3x3/s2")]
     assert [r.conv.meta["val"].shape[1] for r in merged] == [256, 512, 1024]
     assert all(r.backend == "cudnn" and len(r.output_nodes) == 2 for r in merged)
-    # three convolutions fewer, and no copy of a view: the same other kernels (cuBLAS may split
-    # the dense GEMM of a view, whose weight has more rows, in two kernels)
+    # three convolutions fewer, and one copy more if the dense GEMM takes layer 3's view, the same
+    # other kernels
     conv, gemm = ("cudnn", "xmma"), ("nvjet", "gemm", "cublas", "splitK")
     others = {on: sorted(k for k in names if not any(c in k for c in conv + gemm))
               for on, names in kernels.items()}
-    assert others[True] == others[False], others
-    assert sum(any(c in k for c in conv) for k in kernels[True]) == \
-        sum(any(c in k for c in conv) for k in kernels[False]) - 3, kernels
+    dense = sum(r.backend == "dense" for r in regions)  # cuDNN may win at N=8
+    copies = [k for k in others[True] if "elementwise" in k]
+    assert len(copies) == dense + sum("elementwise" in k for k in others[False]), others
+    assert [k for k in others[True] if "elementwise" not in k] == \
+        [k for k in others[False] if "elementwise" not in k], others
+    gemms = ("cudnn", "xmma", "nvjet")  # cuDNN's convolutions and cuBLAS's GEMMs
+    assert sum(any(c in k for c in gemms) for k in kernels[True]) == \
+        sum(any(c in k for c in gemms) for k in kernels[False]) - 3, kernels
     assert errors[True] < 1.5 * eager and errors[False] < 1.5 * eager, (errors, eager)
 
 
-def test_the_dense_gemm_reads_a_channel_view():
-    """The dense kernel on 512 of 1024 channels of a channels_last tensor, in place, against
-    fp64: the zero rows of the other channels leave the product unchanged."""
+def test_the_dense_gemm_takes_a_channel_view():
+    """The dense kernel on 512 of 1024 channels of a channels_last tensor (it copies them to a
+    packed tensor), against fp64."""
     torch.manual_seed(0)
     n, c, total, k = 16, 512, 1024, 256
     wide = torch.randn(n, total, 2, 2, device="cuda", dtype=torch.half).contiguous(
         memory_format=torch.channels_last)
     weight = (torch.randn(k, c, 3, 3, device="cuda") / (9 * c) ** 0.5).half()
     conv = ConvProgram(0, 1, (1, 1), (1, 1), (1, 1), (), (), (), (0,))
+    kernel = DenseConvKernel(DenseProgram(conv, 0, False, (2, 2, c), (2, 2, k)),
+                             [((n, k, 2, 2), torch.half)])
     for start in (0, c):
         x = wide.narrow(1, start, c)
-        program = DenseProgram(conv, 0, False, (2, 2, c), (2, 2, k), view_channels=total)
-        got = DenseConvKernel(program, [((n, k, 2, 2), torch.half)])(x, weight)[0]
+        got = kernel(x, weight)[0]
         want = conv_reference(x.double(), weight.double(), [], conv)[0]
         assert rel_err(got.double(), want) < 2e-3
 

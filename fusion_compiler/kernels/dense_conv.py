@@ -19,10 +19,11 @@ a bias vector of ``HO*WO*K`` values, cuBLASLt's bias and ReLU epilogues through
 bias are made once per version of the weight and of the folded operands
 (:class:`~fusion_compiler.runtime.weight_cache.WeightCache`).
 
-An image that is a channel view of a wider channels_last tensor of ``T`` channels (a horizontally
-fused convolution's output, :mod:`fusion_compiler.passes.pre_fusion.horizontal`) is read in
-place: a sample's row is then the ``(H*W - 1)*T + C`` values from its first channel to its last,
-and ``D`` gets zero rows for the other tensor's channels between them.
+An image in another layout is copied to a packed channels_last tensor first (``reshape`` of its
+NHWC view): so is a channel view of a wider tensor (a horizontally fused convolution's output,
+:mod:`fusion_compiler.passes.pre_fusion.horizontal`), which timed faster than reading the view in
+place with zero rows in ``D`` for the other channels (measurements: docs/decisions.md,
+"Horizontal fusion of sibling convolutions").
 
 Numerics: the folded scale is rounded into the fp16/bf16 weight (one rounding per weight value),
 and the GEMM's output is rounded once before any op left unfolded.
@@ -35,10 +36,9 @@ from typing import Sequence
 
 import torch
 
-from ..ir.region import Region, channel_view_total
+from ..ir.region import Region
 from ..runtime.region_op import (channels_last_specs, in_dry_run, is_traced, register_kernel,
                                   run_region)
-from ..runtime.tensors import as_channel_view
 from ..runtime.weight_cache import WeightCache
 from .conv import ConvProgram, conv_program, output_hw
 from .epilogue import ADD, BINARY, DIV, MUL, RELU, SUB, reference_outputs
@@ -57,29 +57,19 @@ _SCALAR, _CHANNEL = 0, 1  # ConvProgram.kinds
 class DenseProgram:
     """What :class:`DenseConvKernel` computes for a region: its :class:`ConvProgram`, the
     number of leading epilogue ops folded into the GEMM (``folded``, the ReLU included), whether a
-    ReLU is among them, and the shapes: image ``(H, W, C)``, output ``(HO, WO, K)``;
-    ``view_channels``: the channel count ``T`` of the tensor the image is a channel view of, or
-    ``None`` (module doc)."""
+    ReLU is among them, and the shapes: image ``(H, W, C)``, output ``(HO, WO, K)``."""
 
     conv: ConvProgram
     folded: int
     relu: bool
     image: tuple[int, int, int]
     output: tuple[int, int, int]
-    view_channels: int | None = None
 
     @property
     def dense_shape(self) -> tuple[int, int]:
-        """``D``'s ``[rows, HO*WO*K]``: ``H*W*C`` rows, or ``(H*W - 1)*T + C`` for a view."""
-        ho, wo, k = self.output
-        return self.row_length, ho * wo * k
-
-    @property
-    def row_length(self) -> int:
-        """Values of a sample's row the GEMM reads."""
-        h, w, c = self.image
-        t = self.view_channels
-        return h * w * c if t is None else (h * w - 1) * t + c
+        """``D``'s ``[H*W*C, HO*WO*K]``."""
+        (h, w, c), (ho, wo, k) = self.image, self.output
+        return h * w * c, ho * wo * k
 
 
 def small_image(region: Region) -> bool:
@@ -109,15 +99,13 @@ def dense_program(region: Region, device: torch.device) -> DenseProgram | str:
     x = region.conv.args[0].meta["val"]
     _, c, h, wd = x.shape
     _, k, ho, wo = region.conv.meta["val"].shape
-    total = channel_view_total(region.conv.args[0])
-    rows = h * wd * c if total is None else (h * wd - 1) * total + c
-    size = rows * ho * wo * k * x.element_size()
+    size = h * wd * c * ho * wo * k * x.element_size()
     if size > MAX_DENSE_BYTES:
         return f"the dense weight would take {size >> 20} MiB (at most {MAX_DENSE_BYTES >> 20})"
     folded, relu = folded_ops(program.ops, program.kinds)
     if min(program.outputs) < folded:
         return "a region output is a value inside the epilogue folded into the GEMM"
-    return DenseProgram(program, folded, relu, (h, wd, c), (ho, wo, k), total)
+    return DenseProgram(program, folded, relu, (h, wd, c), (ho, wo, k))
 
 
 def folded_ops(ops: Sequence[int], kinds: Sequence[int]) -> tuple[int, bool]:
@@ -210,11 +198,6 @@ class DenseConvKernel:
         ho, wo, k = program.output
         scale, shift = fold_affine(program.conv.ops[:program.folded], operands, k)
         dense = dense_weight(weight, program.image[:2], program.conv)
-        if program.view_channels is not None:  # zero rows for the wider tensor's channels
-            h, w, c = program.image
-            wide = dense.new_zeros((h * w, program.view_channels, dense.shape[1]))
-            wide[:, :c] = dense.view(h * w, c, -1)
-            dense = wide.view(-1, dense.shape[1])[:program.row_length]
         dense = (dense * scale.to(dense.device).repeat(ho * wo)).to(weight.dtype)
         return dense, shift.to(dense.device).repeat(ho * wo).to(weight.dtype)
 
@@ -228,11 +211,7 @@ class DenseConvKernel:
                                      memory_format=torch.channels_last) for _ in conv.outputs)
         operands = [inputs[o] if isinstance(o, int) else o for o in conv.operands]
         dense, bias = self.weights(inputs[conv.weight_at], *operands[:self.folded_operands])
-        if program.view_channels is None:
-            rows = x.permute(0, 2, 3, 1).reshape(n, -1)  # a view when x is channels_last
-        else:
-            x = as_channel_view(x, program.view_channels)
-            rows = x.as_strided((n, program.row_length), (x.stride(0), 1))
+        rows = x.permute(0, 2, 3, 1).reshape(n, -1)  # a view when x is packed channels_last
         y = (torch._addmm_activation(bias, rows, dense) if program.relu
              else torch.addmm(bias, rows, dense))
         y = y.view(n, ho, wo, k).permute(0, 3, 1, 2)

@@ -27,11 +27,12 @@ The rewrite, for siblings ``c_1 .. c_m`` of image ``x``:
   add of a downsample) may leave the region.
 
 Every value is what the separate convolutions computed (each output channel is its own dot
-product; the chain is pointwise), so the rewrite is exact. It runs in CUDA inference
+product; the chain is pointwise); where a join leaves a region, the value is rounded to the
+I/O type before the join instead of after it. It runs in CUDA inference
 (``compile(horizontal_fusion=True)``, the default); cuDNN regions read a channel view in place
 (:func:`fusion_compiler.ir.region.channel_view_total`).
 
-Siblings merge when: both are ``conv2d`` with ``groups == 1``; same image node, stride, padding,
+Siblings merge when: all are ``conv2d`` with ``groups == 1``; same image node, stride, padding,
 dilation, kernel size, dtype; weights (and biases, all or none) are computed from parameters
 only; every output channel count is a multiple of 8 (a view then starts 16-byte aligned in fp16,
 as cuDNN's vectorized engines need: docs/cudnn.md, "Runtime-fusion support surface (SM 9.0)").
