@@ -7,6 +7,7 @@ backward runs, the ops left to PyTorch with their reasons. Plain text, tables at
 from __future__ import annotations
 
 import io
+import operator
 import re
 from collections import Counter
 from typing import Any, Sequence
@@ -181,10 +182,17 @@ def format_left(rows: list[dict], title: str) -> str:
     return f"{title}:\n" + render(table)
 
 
+def _view_source(view: fx.Node) -> fx.Node:
+    """The region call whose output ``view`` (a horizontal-fusion ``narrow``) reads."""
+    source = view.args[0]
+    return source.args[0] if source.target is operator.getitem else source
+
+
 def summarize(spec: Any) -> dict:
     """Coverage of a specialization: convolutions in regions of all, their share of convolution
     FLOPs (all regions, and those lowered to cuDNN), regions per backend, kinds of fallback
-    reasons with their counts (the region table has each region's whole reason). JSON-ready;
+    reasons with their counts (the region table has each region's whole reason), and how many of
+    the model's convolutions horizontal fusion merged into how many. JSON-ready;
     FLOPs are counted from traced shapes (:func:`conv_flops`)."""
     gm = spec.graph_module
     regions = spec.regions
@@ -193,7 +201,12 @@ def summarize(spec: Any) -> dict:
     total = sum(f or 0 for _, f in region_flops) + sum(conv_flops(n, gm) or 0 for n in unfused)
     cudnn = sum(f or 0 for r, f in region_flops if r.backend == "cudnn")
     fused = sum(f or 0 for _, f in region_flops)
+    views = [n for n in gm.graph.nodes if channel_view_total(n) is not None]
+    merged = len({_view_source(n) for n in views})
     return {
+        # convolutions of the model merged by horizontal fusion count once per merged one
+        "horizontally_fused": len(views),
+        "horizontally_fused_into": merged,
         "convolutions": len(regions) + len(unfused),
         "convolutions_in_regions": len(regions),
         "conv_gflop": total / 1e9,
@@ -249,6 +262,9 @@ def format_summary(report: dict, title: str = "") -> str:
              f"convolutions:   {s['convolutions_in_regions']} of {s['convolutions']} in fused "
              f"regions ({_percent(s['conv_flops_in_regions'])} of {s['conv_gflop']:.2f} "
              f"GFLOP){cudnn}"]
+    if s.get("horizontally_fused"):
+        lines[-1] += (f"; {s['horizontally_fused']} convolutions of the model merged into "
+                      f"{s['horizontally_fused_into']} (horizontal fusion)")
     if no_cuda:
         lines.append(f"regions:        {count}, each run as its own PyTorch ops here ({NO_CUDA})")
     else:

@@ -45,8 +45,8 @@ def test_dump_default_is_a_short_summary_first():
     assert len(lines) < 120
     assert lines[0].startswith(f"# {REF} on ")
     header = "\n".join(lines[:8])
-    # 12 convolutions, 6 of them merged in pairs (horizontal fusion)
-    assert "convolutions:   9 of 9 in fused regions (100% of 19.53 GFLOP)" in header
+    assert "convolutions:   9 of 9 in fused regions (100% of 19.53 GFLOP); 6 convolutions of the " \
+        "model merged into 3 (horizontal fusion)" in header
     assert "regions:        9" in header and "left to PyTorch: 0 convolution(s)" in header
     assert "=== " not in proc.stdout  # no graph code unless --stage asks for it
     out = proc.stdout
