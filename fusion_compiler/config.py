@@ -67,7 +67,8 @@ class CompileOptions:
         max_specializations: input signatures kept; the least recently used is evicted.
         tiered: answer a new specialization's first calls at once while plans and the glue
             compile in the background (CUDA inference in a CUDA graph).
-        concurrent_branches: run a short branch's region on a second CUDA stream.
+        concurrent_branches: run a short branch's region on a second CUDA stream (turns
+            ``horizontal_fusion`` off).
         derived_backward: in training, PyTorch-ops regions also run the derived backward (tests).
         cuda_pipeline: run the pre-fusion and fusion passes a CUDA input gets whatever the inputs'
             device (what ``fusion-compiler dump`` shows on any machine); ``None``: the inputs'.
