@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ...ir.errors import UnsupportedError
 from ...ir.ops import BINARY, is_conv, is_hw_sum
 from ...ir.region import Region, channel_view_total
+from ...runtime.tensors import channel_view_strides
 from .recipe import CudnnGraph, build_pygraph, nhwc_strides
 
 __all__ = ["CudnnGraph", "region_recipe", "build_graph", "graph_json", "nhwc_strides", "to_nhwc",
@@ -196,8 +197,8 @@ def region_recipe(region: Region) -> dict:
             if out_pad is not None and node.name in out_pad[1]:
                 dims[0 if node is conv.args[1] else 1] = out_pad[0]
             strides = nhwc_strides(dims)
-            if (total := image_view_total(region, node)) is not None:  # a channel view
-                strides = nhwc_strides([dims[0], total, *dims[2:]])
+            if (total := image_view_total(region, node)) is not None:  # a channel view, laid
+                strides = list(channel_view_strides(dims, total))  # out as the kernel checks
             inputs.append({"name": node.name, "dim": dims, "stride": strides,
                            "dtype": recipe_dtype(val.dtype),
                            "batched": roles[node.name] in BATCHED_ROLES})

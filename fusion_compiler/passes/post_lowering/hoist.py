@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["HoistedParameters", "hoist_parameter_subgraphs", "hoist_parameters", "HOISTED"]
+__all__ = ["HoistedParameters", "hoist_parameter_subgraphs", "hoist_parameters", "HOISTED",
+           "parameter_only"]
 
 _PREFIX = "_hoisted_"
 HOISTED = "hoisted"
@@ -73,6 +74,17 @@ def _hoistable(node: fx.Node, const: set[fx.Node]) -> bool:
     return bool(inputs) and all(i in const for i in inputs)
 
 
+def parameter_only(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of ``graph`` computed from parameters and buffers alone: ``get_attr`` nodes, and
+    pure calls whose every input is such a node (what :func:`hoist_parameter_subgraphs` moves
+    out of the graph)."""
+    const: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" or _hoistable(node, const):
+            const.add(node)
+    return const
+
+
 def hoist_parameter_subgraphs(gm: fx.GraphModule) -> HoistedParameters | None:
     """Move the nodes of ``gm`` that depend only on parameters/buffers into a separate graph.
 
@@ -82,10 +94,7 @@ def hoist_parameter_subgraphs(gm: fx.GraphModule) -> HoistedParameters | None:
     nothing to hoist or a source is an inference tensor (it has no version counter to guard on).
     """
     graph = gm.graph
-    const: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "get_attr" or _hoistable(node, const):
-            const.add(node)
+    const = parameter_only(graph)
     frontier = [n for n in graph.nodes if n in const and n.op != "get_attr"
                 and isinstance(n.meta.get("val"), torch.Tensor)
                 and any(u not in const for u in n.users)]

@@ -12,8 +12,9 @@ convolution alone leaves most SMs idle, and the merged one takes little more tim
 The rewrite, for siblings ``c_1 .. c_m`` of image ``x``:
 
 * ``y = conv2d(x, cat([w_1 .. w_m]), cat(biases) or None, stride, padding, dilation, 1)``; the
-  concatenation reads parameters only, so in inference it is computed once per parameter version
-  (:mod:`fusion_compiler.passes.post_lowering.hoist`);
+  concatenation reads parameter-only values (as
+  :func:`fusion_compiler.passes.post_lowering.hoist.parameter_only` defines them), so in
+  inference it is computed once per parameter version, not at every call;
 * each ``c_i`` is replaced by ``narrow(y, 1, offset_i, K_i)``, a view;
 * the sibling with a non-empty **epilogue chain** (pointwise ops whose other operand is a scalar,
   and unary activations, each read by the next alone: what a region fuses after a convolution)
@@ -45,6 +46,7 @@ import torch.fx as fx
 
 from ...ir.ops import BINARY, UNARY, is_conv
 from ...ir.region import CHANNEL_VIEW
+from ..post_lowering.hoist import parameter_only
 
 __all__ = ["horizontal_fusion", "CHANNEL_ALIGNMENT"]
 
@@ -56,26 +58,16 @@ def _val(node: object):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _parameter_only(node: object) -> bool:
-    """Whether ``node`` is computed from ``get_attr`` nodes and constants alone."""
-    if not isinstance(node, fx.Node):
-        return True
-    if node.op == "get_attr":
-        return True
-    if node.op != "call_function" and node.op != "call_method":
-        return False
-    return all(_parameter_only(a) for a in node.all_input_nodes)
-
-
-def _signature(conv: fx.Node) -> tuple | None:
-    """What siblings must share, or ``None`` when ``conv`` cannot merge."""
+def _signature(conv: fx.Node, const: set[fx.Node]) -> tuple | None:
+    """What siblings must share, or ``None`` when ``conv`` cannot merge (``const``: the
+    parameter-only nodes, :func:`~fusion_compiler.passes.post_lowering.hoist.parameter_only`)."""
     x, w = _val(conv.args[0]), _val(conv.args[1])
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() != 4:
         return None
-    _, _, bias, stride, padding, dilation, groups = conv.args
-    if groups != 1 or w.shape[0] % CHANNEL_ALIGNMENT or not _parameter_only(conv.args[1]):
+    _, weight, bias, stride, padding, dilation, groups = conv.args
+    if groups != 1 or w.shape[0] % CHANNEL_ALIGNMENT or weight not in const:
         return None
-    if bias is not None and not _parameter_only(bias):
+    if bias is not None and bias not in const:
         return None
     return (tuple(w.shape[1:]), tuple(stride), tuple(padding), tuple(dilation), w.dtype,
             bias is None)
@@ -91,14 +83,14 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _scalar(arg: object) -> bool:
+def _scalar(arg: object, const: set[fx.Node]) -> bool:
     if isinstance(arg, (int, float)):
         return True
     val = _val(arg)
-    return isinstance(val, torch.Tensor) and val.numel() == 1 and _parameter_only(arg)
+    return isinstance(val, torch.Tensor) and val.numel() == 1 and arg in const
 
 
-def _chain(conv: fx.Node) -> list[fx.Node]:
+def _chain(conv: fx.Node, const: set[fx.Node]) -> list[fx.Node]:
     """The epilogue chain after ``conv`` that can move onto the merged output (module doc)."""
     chain, value = [], conv
     while len(value.users) == 1:
@@ -106,7 +98,7 @@ def _chain(conv: fx.Node) -> list[fx.Node]:
         if user.op != "call_function" or (user.target not in BINARY and user.target not in UNARY):
             break
         if user.target in BINARY:
-            if user.args[0] is not value or not _scalar(user.args[1]):
+            if user.args[0] is not value or not _scalar(user.args[1], const):
                 break
         elif user.args[0] is not value or any(isinstance(a, fx.Node) for a in user.args[1:]):
             break
@@ -135,12 +127,13 @@ def _would_fuse(value: fx.Node) -> bool:
     return False
 
 
-def _siblings(gm: fx.GraphModule) -> list[list[fx.Node]]:
+def _siblings(gm: fx.GraphModule, const: set[fx.Node]) -> list[list[fx.Node]]:
     groups = []
     for node in gm.graph.nodes:
         by_signature: dict[tuple, list[fx.Node]] = {}
         for user in node.users:
-            if is_conv(user) and user.args[0] is node and (sig := _signature(user)) is not None:
+            if is_conv(user) and user.args[0] is node \
+                    and (sig := _signature(user, const)) is not None:
                 by_signature.setdefault(sig, []).append(user)
         groups += [convs for convs in by_signature.values() if len(convs) > 1]
     return groups
@@ -150,8 +143,10 @@ def horizontal_fusion(gm: fx.GraphModule) -> fx.GraphModule:
     """Merge sibling convolutions of ``gm`` (in place; see the module doc). Returns ``gm``."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for convs in _siblings(gm):
-        chains = {c: _chain(c) for c in convs}
+    # the merged weight must be parameter-only to be hoisted (computed once per weight version)
+    const = parameter_only(graph)
+    for convs in _siblings(gm, const):
+        chains = {c: _chain(c, const) for c in convs}
         if sum(bool(chain) for chain in chains.values()) > 1 or any(
                 _would_fuse(chain[-1] if chain else c) for c, chain in chains.items()):
             continue
