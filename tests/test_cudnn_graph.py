@@ -232,3 +232,35 @@ def test_regions_known_slow_on_cudnn_stay_on_pytorch_without_timing():
     assert known_slow_on_cudnn(region(nn.Conv2d(3, 64, 7, stride=2, padding=3), 3)) == ""
     assert known_slow_on_cudnn(region(nn.Conv2d(64, 64, 3, padding=1, groups=64), 64)) == ""
     assert known_slow_on_cudnn(region(nn.Conv2d(64, 64, 7, padding=3), 64)) == ""
+
+
+def test_a_workspace_a_cuda_graph_used_is_kept_when_a_larger_one_replaces_it(monkeypatch):
+    """A captured graph's kernels use the workspace's address at every replay: replaced by a
+    larger one (a later compile's plan needs more), it must stay allocated; one no graph used
+    is freed as before. On the CPU with the capture state stood in for."""
+    import gc
+    import weakref
+
+    from fusion_compiler.backends.cudnn.backend import CudnnBackend
+
+    backend = CudnnBackend(cache_dir=False)
+    device = torch.device("cpu", 0)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    plain = weakref.ref(backend.workspace(device, 64))
+    assert backend.workspace(device, 32) is plain()  # large enough: reused
+    backend.workspace(device, 128)
+    gc.collect()
+    assert plain() is None  # no graph used it: freed
+
+    capturing[0] = True
+    captured = weakref.ref(backend.workspace(device, 128))
+    capturing[0] = False
+    larger = backend.workspace(device, 4096)
+    gc.collect()
+    assert captured() is not None and larger is not captured()
+    assert larger.numel() == 4096 and backend.workspace(device, 1024) is larger
+    backend.workspace(device, 8192)  # the replacement no graph used is freed again
+    gc.collect()
+    assert len(backend._retired) == 1

@@ -78,6 +78,8 @@ class CudnnBackend(Backend):
         self.autotune = int(autotune)
         self._handles: dict[int, Any] = {}
         self._workspaces: dict[tuple[int, str], torch.Tensor] = {}
+        self._captured: set[tuple[int, str]] = set()  # workspaces a CUDA graph has used
+        self._retired: list[torch.Tensor] = []  # replaced ones a CUDA graph has used: kept
         # recipe key -> (job, its build)
         self._pending: dict[str, list[tuple[dict, concurrent.futures.Future]]] = {}
         self.choices: dict[str, dict] = {}  # any-batch key -> {"engine", "name", records}
@@ -113,12 +115,24 @@ class CudnnBackend(Backend):
     def workspace(self, device: torch.device, nbytes: int,
                   key: str = MAIN_WORKSPACE) -> torch.Tensor:
         """A workspace of at least ``nbytes`` bytes on ``device`` (uint8), kept and reused; one
-        per ``key`` (regions on the side stream, ``SIDE_WORKSPACE``, may run beside the others)."""
+        per ``key`` (regions on the side stream, ``SIDE_WORKSPACE``, may run beside the others).
+
+        A workspace asked for while the current stream is being captured into a CUDA graph is
+        never freed: when a larger one replaces it, it is kept alive with the backend. The
+        graph's kernels go on using its address at every replay; freed, its memory would go to
+        other tensors, which those kernels would then overwrite (seen as non-finite gradients
+        once a training graph captured before a later compile grew the workspace)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        ws = self._workspaces.get((index, key))
+        slot = (index, key)
+        ws = self._workspaces.get(slot)
         if ws is None or ws.numel() < nbytes:
-            ws = self._workspaces[(index, key)] = torch.empty(
-                max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", index))
+            if ws is not None and slot in self._captured:
+                self._retired.append(ws)
+                self._captured.discard(slot)
+            ws = self._workspaces[slot] = torch.empty(
+                max(nbytes, 1), dtype=torch.uint8, device=torch.device(device.type, index))
+        if torch.cuda.is_current_stream_capturing():
+            self._captured.add(slot)
         return ws
 
     @staticmethod

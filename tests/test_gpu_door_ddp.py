@@ -1,0 +1,77 @@
+"""``torch.compile(DDP(agent), backend="fusion_compiler")`` trains with eager DDP's gradients in a
+new process whose plan cache is warm, not only in the one that filled it.
+
+Dynamo's DDPOptimizer hands over one graph per bucket, compiled and captured one after another.
+A later graph's plans could need a larger cuDNN workspace than an earlier, already captured graph
+had; the workspace used to be replaced and freed, and the earlier graph's kernels then wrote into
+memory handed to other tensors (on two H200s: non-finite gradients from the second step of every
+warm run, the loss scale halving at each step, and a job that hung). One GPU, one NCCL rank in a
+subprocess per run (the process group stays out of the test process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
+
+_WORKER = """
+import copy, json, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+sys.path.insert(0, {root!r})
+import fusion_compiler  # noqa: F401  (registers the backend from a source checkout)
+from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+from examples.train_ddp import Agent
+dist.init_process_group("nccl", rank=0, world_size=1)
+torch.manual_seed(0)
+agent = Agent(randomize_(se_resnet9_fixup(3), seed=1)).cuda().half().train()
+twin = copy.deepcopy(agent)
+x = torch.randn(512, 3, 64, 64, device="cuda", dtype=torch.half)
+door = torch.compile(DDP(agent, bucket_cap_mb=2), backend="fusion_compiler",
+                     options={{"cache_dir": {cache!r}}})
+eager = DDP(twin, bucket_cap_mb=2)
+steps = []
+for step in range(4):  # later replays must see the earlier updates and valid memory
+    for model in (door, eager):
+        model.zero_grad(set_to_none=True)
+        (model(x).float().square().mean() * 1024).backward()
+    errs = sorted(((p.grad.float() - q.grad.float()).norm()
+                   / q.grad.float().norm().clamp_min(1e-30)).item()
+                  for p, q in zip(agent.parameters(), twin.parameters()))
+    finite = all(bool(torch.isfinite(p.grad).all()) for p in agent.parameters())
+    steps.append({{"finite": finite, "median_grad_err": errs[len(errs) // 2]}})
+    with torch.no_grad():
+        for p, q in zip(agent.parameters(), twin.parameters()):
+            p.sub_(q.grad, alpha=1e-5)  # the same update for both copies
+            q.sub_(q.grad, alpha=1e-5)
+print(json.dumps(steps))
+del door, eager
+dist.destroy_process_group()
+"""
+
+
+def _run(tmp_path: Path) -> list[dict]:
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER.format(root=str(ROOT), cache=str(tmp_path / "cache")))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=400, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_door_under_ddp_trains_with_eager_gradients_cold_and_warm(tmp_path):
+    for run in ("cold", "warm"):  # the second process finds every plan in the cache
+        steps = _run(tmp_path)
+        print(run, steps)
+        assert all(s["finite"] for s in steps), (run, steps)
+        assert all(s["median_grad_err"] < 1e-2 for s in steps), (run, steps)
