@@ -86,8 +86,8 @@ def test_stages_hand_their_gradients_to_ddp_as_their_backward_ends(tmp_path):
     assert got["cuda_graph"] == "safe"
     assert got["pairs"] > 2  # 1 MB buckets over 9.4 MB of fp16 weights
     # the last stage's parameters reach DDP after the first backward replay, and so on
-    assert got["arrival"] == list(range(1, got["pairs"] + 1))
-    assert got["median_grad_err"] < 5e-3
+    assert got["arrival"] == list(range(1, got["pairs"] + 1)), got
+    assert got["median_grad_err"] < 5e-3, got
     off = _run(tmp_path, overlap=False)
-    assert off["pairs"] == 1 and off["arrival"] == [1]
-    assert off["median_grad_err"] < 5e-3
+    assert off["pairs"] == 1 and off["arrival"] == [1], off
+    assert off["median_grad_err"] < 5e-3, off
