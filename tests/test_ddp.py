@@ -139,3 +139,42 @@ def test_train_ddp_counts_communication_time_beside_other_streams():
                ("copy", 2, 650, 680)]                   # same stream: not beside
     assert overlap_ns(kernels) == (2, 400, 210)
     assert overlap_ns([("conv", 1, 0, 10)]) == (0, 0, 0)
+
+
+def _chrome_trace(path: Path) -> Path:
+    """A Chrome trace as ``torch.profiler`` writes it: CPU ops, and GPU events (µs) on two
+    streams, one NCCL kernel beside compute for 100 of its 300 µs."""
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 9, "ts": 0, "dur": 900},
+              {"ph": "X", "cat": "kernel", "name": "conv", "tid": 7, "ts": 1000, "dur": 200},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "tid": 7, "ts": 1300,
+               "dur": 50},
+              {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce", "tid": 17,
+               "ts": 1100, "dur": 300},
+              {"ph": "i", "cat": "kernel", "name": "marker", "tid": 7, "ts": 1000}]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_train_ddp_reads_the_overlap_from_the_trace_it_wrote(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from examples.train_ddp import _overlap
+
+    # the conv covers 1100-1200, the copy 1300-1350: 150 of the NCCL kernel's 300 us
+    assert _overlap(_chrome_trace(tmp_path / "t.json")) == (
+        "1 communication kernels, 300 us, of which 150 us beside other streams' kernels")
+
+
+def test_plot_timeline_draws_each_streams_kernels(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from examples.plot_timeline import kernel_spans
+
+    trace = _chrome_trace(tmp_path / "t.json")
+    assert kernel_spans(json.loads(trace.read_text())) == {
+        "7": [(0, 200, "compute"), (300, 50, "copy")], "17": [(100, 300, "comm")]}
+    pytest.importorskip("matplotlib", reason="plotting needs matplotlib (extra 'plot')")
+    out = tmp_path / "timeline.png"
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "plot_timeline.py"),
+                           str(trace), "--labels", "one step", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_size > 1000
