@@ -89,7 +89,7 @@ class CompileOptions:
             DistributedDataParallel's forward is captured as one forward and backward graph pair
             per group of DDP's gradient buckets (:mod:`fusion_compiler.runtime.ddp_stages`), so
             a bucket's all-reduce can start while the earlier stages' backward still runs (off:
-            not measured faster yet, docs/decisions.md).
+            no faster with NVLink, slower where the host paces the stages; docs/decisions.md).
 
     Raises (on construction):
         ValueError: a value outside an option's choices or range (the message names the option,
