@@ -186,8 +186,15 @@ _COMMON = dict(deadline=None, database=None, derandomize=True, print_blob=True,
 @given(cases())
 def test_fuzz_cpu_compiled_matches_eager_and_regions_verify(case):
     specs, shape, dtype_name, channels_last = case
-    run_case(specs, shape, dtype_name, channels_last, "cpu", backend="reference",
-             cuda_graph=False, glue_backend=None)
+    # PyTorch's own convolution without oneDNN: on a CPU with AMX-BF16, oneDNN's bf16
+    # convolution (torch 2.13) gave NaN or wrong values in eager for a case that differed from
+    # run to run of the whole suite (the same on 9c40ab2); run alone the cases were right
+    enabled, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
+    try:
+        run_case(specs, shape, dtype_name, channels_last, "cpu", backend="reference",
+                 cuda_graph=False, glue_backend=None)
+    finally:
+        torch.backends.mkldnn.enabled = enabled
 
 
 _STATS: dict = {"cases": 0, "regions": 0, "cudnn": 0, "fallback": 0, "unfused_convs": 0,
