@@ -172,8 +172,7 @@ def test_plot_timeline_draws_each_streams_kernels(tmp_path):
     trace = _chrome_trace(tmp_path / "t.json")
     assert kernel_spans(json.loads(trace.read_text())) == {
         "7": [(0, 200, "compute"), (300, 50, "copy")], "17": [(100, 300, "comm")]}
-    # looked up, not imported: the drawing runs in a process of its own (imported here,
-    # matplotlib was followed by NaNs in a later test's eager bf16 CPU convolution)
+    # looked up, not imported: the drawing runs in a process of its own
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("plotting needs matplotlib (extra 'plot')")
     out = tmp_path / "timeline.png"
