@@ -143,8 +143,8 @@ def test_train_ddp_counts_communication_time_beside_other_streams():
 
 
 def _chrome_trace(path: Path) -> Path:
-    """A Chrome trace as ``torch.profiler`` writes it: CPU ops, and GPU events (µs) on two
-    streams, one NCCL kernel beside compute for 100 of its 300 µs."""
+    """A Chrome trace as ``torch.profiler`` writes it: a CPU op, and GPU events (µs) on two
+    streams: an NCCL kernel beside another stream's kernel and copy for 150 of its 300 µs."""
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 9, "ts": 0, "dur": 900},
               {"ph": "X", "cat": "kernel", "name": "conv", "tid": 7, "ts": 1000, "dur": 200},
               {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "tid": 7, "ts": 1300,

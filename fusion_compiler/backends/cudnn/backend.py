@@ -120,8 +120,8 @@ class CudnnBackend(Backend):
         A workspace asked for while the current stream is being captured into a CUDA graph is
         never freed: when a larger one replaces it, it is kept alive with the backend. The
         graph's kernels go on using its address at every replay; freed, its memory would go to
-        other tensors, which those kernels would then overwrite (seen as non-finite gradients
-        once a training graph captured before a later compile grew the workspace)."""
+        other tensors, which those kernels would then overwrite (docs/decisions.md, "cuDNN
+        workspaces a CUDA graph used are kept")."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         slot = (index, key)
         ws = self._workspaces.get(slot)
