@@ -20,19 +20,32 @@ from pathlib import Path
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def gpu_events(trace: dict) -> list[dict]:
+    """The GPU events (kernels, copies, fills) of a Chrome trace that ``torch.profiler`` wrote:
+    dicts with ``name``, ``tid`` (the stream), ``ts`` and ``dur`` (µs)."""
+    return [e for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+
+
+def is_communication(name: str) -> bool:
+    """Whether a GPU kernel of this name communicates: NCCL's, or the spin kernel that
+    ``torch.cuda._sleep`` runs (``train_ddp.py --slow-allreduce-us``'s stand-in for a slow
+    link)."""
+    name = name.lower()
+    return "nccl" in name or "spin" in name
+
+
 def kernel_spans(trace: dict) -> dict[str, list[tuple[float, float, str]]]:
     """``{stream: [(start µs, duration µs, kind), ...]}`` of a Chrome trace's GPU events,
-    times from the first of them; ``kind`` is ``"comm"`` (NCCL, spin), ``"copy"`` or
-    ``"compute"``."""
-    events = [e for e in trace["traceEvents"]
-              if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    times from the first of them; ``kind`` is ``"comm"`` (:func:`is_communication`),
+    ``"copy"`` or ``"compute"``."""
+    events = gpu_events(trace)
     if not events:
         return {}
     t0 = min(e["ts"] for e in events)
     streams: dict[str, list[tuple[float, float, str]]] = {}
     for e in events:
-        name = e["name"].lower()
-        kind = ("comm" if "nccl" in name or "spin" in name else
+        kind = ("comm" if is_communication(e["name"]) else
                 "copy" if e.get("cat") != "kernel" else "compute")
         streams.setdefault(str(e["tid"]), []).append((e["ts"] - t0, e["dur"], kind))
     return streams

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fusion_compiler as fc  # noqa: E402
-from examples.plot_timeline import GPU_CATEGORIES  # noqa: E402
+from examples.plot_timeline import gpu_events, is_communication  # noqa: E402
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup  # noqa: E402
 from examples.train_seresnet9 import MasterWeightOptimizer  # noqa: E402
 
@@ -155,8 +155,7 @@ def _overlap(trace: Path) -> str:
     kernel of another stream ran, from the GPU events of a Chrome trace that ``torch.profiler``
     wrote (the profiler's own event list, read in ``on_trace_ready`` of a scheduled profile,
     counted every communication kernel as overlapped)."""
-    events = [e for e in json.loads(trace.read_text())["traceEvents"]
-              if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    events = gpu_events(json.loads(trace.read_text()))
     count, total, beside = overlap_ns([
         (e["name"], e["tid"], round(e["ts"] * 1000), round((e["ts"] + e["dur"]) * 1000))
         for e in events if e["dur"] > 0])
@@ -168,7 +167,7 @@ def overlap_ns(kernels: list[tuple[str, int, int, int]]) -> tuple[int, int, int]
     """``(name, stream, start, end)`` of GPU kernels (ns) -> the number of communication kernels
     (NCCL's; ``spin_kernel``, what ``torch.cuda._sleep`` runs), their total time and the part of
     it during which a kernel of another stream ran."""
-    comm = [k for k in kernels if "nccl" in k[0].lower() or "spin" in k[0].lower()]
+    comm = [k for k in kernels if is_communication(k[0])]
     other = [k for k in kernels if k not in comm]
     total = beside = 0
     for _, stream, start, end in comm:
