@@ -25,7 +25,8 @@ from .runtime.ddp_stages import ddp_bucket_caps, split_at, stage_boundaries
 from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy
 
 __all__ = ["Runners", "staged", "memory_format", "with_hoisting_and_formats", "inductor_reason",
-           "inductor_compile", "without_custom_op_alias_check", "version_sum"]
+           "inductor_compile", "inductor_without_autograd_cache", "without_custom_op_alias_check",
+           "version_sum"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -125,8 +126,33 @@ def without_custom_op_alias_check() -> contextlib.AbstractContextManager[Any]:
     return config.patch(check_custom_op_aliasing=False)
 
 
-def _glue_compiled(gm: fx.GraphModule, glue_backend: str) -> Callable[..., Any]:
-    return torch.compile(gm, backend=glue_backend, fullgraph=True, dynamic=False)
+def inductor_without_autograd_cache(gm: fx.GraphModule, example: Sequence[Any]) -> Any:
+    """A ``torch.compile`` backend: Inductor (``compile_fx``) with AOTAutograd's cache off for
+    this compile, for glue graphs whose regions are differentiated.
+
+    AOTAutograd's cache is keyed by the graph Dynamo hands over, in which each region is
+    ``run_region(key, ...)`` with its forward kernel's key. What the region's backward does is not
+    in that graph: whether each gradient (dgrad, wgrad) runs a cuDNN plan, called by a key of its
+    own, or PyTorch's ops is chosen by timing in each process, and the gradient kernels' keys are
+    this process's. A cache entry another process wrote (a shared Inductor cache directory,
+    another plan cache) would replay that process's backward here: a gradient key this process
+    never registered (``KeyError`` in ``run_region``), or one naming another kernel. Without
+    AOTAutograd's cache each process traces its own backward; Inductor's FX graph cache still
+    serves the forward and backward graphs, whose text holds every key they call (docs/
+    decisions.md, "AOTAutograd's cache off for training glue").
+    """
+    from torch._functorch import config  # noqa: PLC0415
+    from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415
+
+    with config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, list(example))
+
+
+def _glue_compiled(gm: fx.GraphModule, glue_backend: str,
+                   training: bool) -> Callable[..., Any]:
+    backend = (inductor_without_autograd_cache if training and glue_backend == "inductor"
+               else glue_backend)
+    return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
 
 
 def staged(gm: fx.GraphModule, starts: list[int], glue_backend: str | None) -> fx.GraphModule:
@@ -139,7 +165,7 @@ def staged(gm: fx.GraphModule, starts: list[int], glue_backend: str | None) -> f
     for name, piece in list(parent.named_children()):
         if name.startswith("submod_"):
             setattr(parent, name, Stage(piece if glue_backend is None
-                                        else _glue_compiled(piece, glue_backend)))
+                                        else _glue_compiled(piece, glue_backend, True)))
     return parent
 
 
@@ -196,7 +222,8 @@ class Runners:
         if starts:  # training: never tiered
             call = staged(gm, starts, glue_backend)
         else:
-            call = gm if glue_backend is None or tiered else _glue_compiled(gm, glue_backend)
+            call = (gm if glue_backend is None or tiered
+                    else _glue_compiled(gm, glue_backend, target.training))
         runner, graphed = runner_for(call), None
         compiles_here = glue_backend is not None and not tiered
         if compiles_here:  # one compile at a time: after the background ones

@@ -346,3 +346,75 @@ def test_tritons_cache_key_is_computed_once_on_the_background_thread(monkeypatch
     kernels.prewarm_triton()
     assert drain(60)
     assert len(threads) == 1 and threads[0] is not threading.main_thread()
+
+
+_BACKWARD_CHOICE_SCRIPT = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+sys.path.insert(0, {root!r})
+from fusion_compiler.runners import inductor_without_autograd_cache
+choice, backend = sys.argv[1], sys.argv[2]
+
+@torch.library.custom_op("fc_test::region", mutates_args=())
+def region(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+@region.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+@torch.library.custom_op("fc_test::gradient_kernel", mutates_args=())
+def gradient_kernel(g: torch.Tensor) -> torch.Tensor:
+    return 3 * g
+
+@gradient_kernel.register_fake
+def _(g):
+    return torch.empty_like(g)
+
+# what this process chose for the region's backward: PyTorch's ops, or a kernel of its own
+region.register_autograd(lambda ctx, g: 2 * g if choice == "ops"
+                         else torch.ops.fc_test.gradient_kernel(g))
+
+class Glue(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.fc_test.region(x.sin()).cos()
+
+compiled = torch.compile(torch.fx.symbolic_trace(Glue()), fullgraph=True, dynamic=False,
+                         backend="inductor" if backend == "inductor"
+                         else inductor_without_autograd_cache)
+x = torch.randn(4, 8, requires_grad=True)
+compiled(x).sum().backward()
+factor = (x.grad / (-x.sin().sin() * x.cos())).median().item()
+print(json.dumps({{"factor": round(factor, 3), "aot": dict(counters["aot_autograd"])}}))
+"""
+
+
+def test_training_glue_traces_its_own_backward_instead_of_another_processs(tmp_path):
+    """A region's backward (cuDNN's gradient kernels or PyTorch's ops, chosen per process) is
+    not in the graph AOTAutograd's cache is keyed by, so a training glue graph compiled with that
+    cache could replay another process's backward (on two H200s: a gradient kernel's key this
+    process never registered). ``inductor_without_autograd_cache`` compiles without it. On the
+    CPU, with a custom op whose backward is chosen per process; the second process shows that
+    the scenario reaches AOTAutograd's cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _BACKWARD_CHOICE_SCRIPT.format(root=str(Path(__file__).resolve().parents[1]))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+
+    def run(choice: str, backend: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", script, choice, backend],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = run("ops", "inductor")
+    assert first["factor"] == 2.0 and first["aot"].get("autograd_cache_miss") == 1, first
+    cached = run("kernel", "inductor")  # the same graph: the first process's entry is found
+    assert cached["aot"].get("autograd_cache_hit") == 1, cached
+    own = run("kernel", "ours")
+    assert own["factor"] == 3.0, (own, cached)
+    assert not own["aot"].get("autograd_cache_hit"), own
