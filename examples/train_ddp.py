@@ -303,8 +303,8 @@ def main() -> int:
         dist.all_reduce(total)
         rates[v] = total.item() / (world if v == "solo" else 1)  # solo: one GPU's own rate
     if rank == 0:
+        units = ("GPU", "GPUs") if cuda else ("CPU process", "CPU processes")
         for v in variants:
-            units = ("GPU", "GPUs") if cuda else ("CPU process", "CPU processes")
             over = (f"one {units[0]} alone (mean of ranks), no DDP" if v == "solo" else
                     f"{world} {units[world > 1]}")
             versus = (f", {rates[v] / rates['solo']:.2f}x solo" if "solo" in variants
