@@ -72,10 +72,10 @@ class CompileOptions:
         derived_backward: in training, PyTorch-ops regions also run the derived backward (tests).
         cuda_pipeline: run the pre-fusion and fusion passes a CUDA input gets whatever the inputs'
             device (what ``fusion-compiler dump`` shows on any machine); ``None``: the inputs'.
-        triton_conv: inference regions whose convolution the Triton implicit-GEMM kernel takes
+        triton_conv: regions whose convolution the Triton implicit-GEMM kernel takes
             (:mod:`fusion_compiler.kernels.conv`) get that kernel too, timed against cuDNN's plan
-            per region, the faster kept (off: cuDNN was faster on every region measured,
-            docs/options.md).
+            per region, the faster kept; in training it runs the forward, the backward stays the
+            cuDNN backend's (off: cuDNN was faster on every region measured, docs/options.md).
         dense_conv: inference regions whose convolution reads an image of no more pixels than
             its filter (larger than 1x1) has taps also get that convolution as one dense GEMM
             (:mod:`fusion_compiler.kernels.dense_conv`), timed against cuDNN's plan per region,

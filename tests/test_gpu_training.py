@@ -30,8 +30,9 @@ def _l2_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _check_cudnn_gradients(model: nn.Module, x: torch.Tensor, tol: float = 5e-3,
-                           input_grad: bool = True, **options):
-    """fp16 gradients through cuDNN regions against the fp64 gradients of the same model.
+                           input_grad: bool = True, backend: str = "cudnn", **options):
+    """fp16 gradients through cuDNN regions (``backend``: the backend every region must be
+    lowered to) against the fp64 gradients of the same model.
 
     Each gradient's L2 relative error must be at most ``tol`` or 10x eager fp16's own error.
     One-element gradients (the Fixup scalars) get ``SCALAR_TOL``: each is a sum over 10^5-10^6
@@ -59,7 +60,7 @@ def _check_cudnn_gradients(model: nn.Module, x: torch.Tensor, tol: float = 5e-3,
             bound = SCALAR_TOL if w.numel() == 1 else max(tol, 10 * eager_err)
             assert err < bound, f"{name}: L2 error {err:.3g}, eager fp16 {eager_err:.3g}"
     regions = compiled.last.regions
-    assert all(r.backend == "cudnn" for r in regions), [(r.region_id, r.reason) for r in regions]
+    assert all(r.backend == backend for r in regions), [(r.region_id, r.reason) for r in regions]
     return compiled
 
 

@@ -2,11 +2,20 @@
 
 * A region whose prologue is a SpaceToDepth (given it by the fusion pass ``space_to_depth_stem``)
   runs as the SpaceToDepth stem kernel (:mod:`.triton_stem`), by default.
-* With ``triton_conv=True`` any other inference region whose convolution and epilogue
+* With ``triton_conv=True`` any other region whose convolution and epilogue
   :func:`fusion_compiler.kernels.conv.conv_program` takes runs as the implicit-GEMM convolution
   kernel (:class:`~fusion_compiler.kernels.conv.ConvKernel`). cuDNN takes such regions too, so
   lowering times both kernels on the region's shapes and keeps the faster
   (:func:`fusion_compiler.lowering.lower`).
+
+In training the kernel runs the forward of a region from
+:func:`~fusion_compiler.autograd.backward.training_region`: it writes the values the backward
+reads as extra outputs (at most :data:`~fusion_compiler.kernels.conv.MAX_OUTPUTS` in all), as a
+cuDNN plan does. The backward is the one the cuDNN backend gives the region
+(:func:`~fusion_compiler.backends.cudnn.backward.register_cudnn_backward`: dgrad and wgrad as
+cuDNN graphs or PyTorch's ops, whichever was faster), so the choice between the two forwards,
+timed on the forward alone, leaves the backward as it is. Off CUDA (tests) the backward's
+convolution gradients are PyTorch's.
 
 The convolution kernel's tile configuration is autotuned per region shape: each of
 :func:`~fusion_compiler.kernels.conv.candidate_configs` is launched once on sample inputs (a
@@ -28,11 +37,13 @@ import torch
 from ..config import CompileOptions
 from ..ir.errors import UnsupportedError, condense
 from ..ir.ops import node_device
+from ..autograd.backward import RegionBackward, TorchConvGradients
 from ..ir.region import BackwardPlan, Region
 from ..kernels.conv import (ConvKernel, ConvProgram, TileConfig, candidate_configs, conv_program,
                             default_config)
 from ..kernels.conv import triton_reason as _conv_triton_reason
 from ..runtime.plan_cache import PlanCache, default_cache_dir
+from ..runtime.region_op import register_backward
 from .base import Backend, Lowered, Support
 from .timing import paired_time_ms, sample_inputs
 from .triton_stem import SpaceToDepthStemBackend
@@ -51,19 +62,23 @@ class TritonBackend(Backend):
         conv: offer the convolution kernel (``triton_conv``).
         autotune: ``<= 1``: the default configuration, nothing timed.
         cache: where tile configurations are recorded (the plan cache).
+        cache_dir: the ``cache_dir`` option, for the cuDNN backend that builds training
+            regions' gradient plans.
     """
 
     name = "triton"
 
-    def __init__(self, conv: bool, autotune: int = 8, cache: PlanCache | None = None):
+    def __init__(self, conv: bool, autotune: int = 8, cache: PlanCache | None = None,
+                 cache_dir=None):
         self.stem = SpaceToDepthStemBackend()
-        self.conv, self.autotune = conv, autotune
+        self.conv, self.autotune, self.cache_dir = conv, autotune, cache_dir
         self.cache = cache if cache is not None else PlanCache(None)
 
     @classmethod
     def for_options(cls, options: CompileOptions) -> "TritonBackend":
         cache = PlanCache(default_cache_dir(options.cache_dir)) if options.triton_conv else None
-        return cls(conv=options.triton_conv, autotune=options.autotune, cache=cache)
+        return cls(conv=options.triton_conv, autotune=options.autotune, cache=cache,
+                   cache_dir=options.cache_dir)
 
     def supports(self, region: Region) -> Support:
         if region.space_to_depth:
@@ -89,35 +104,49 @@ class TritonBackend(Backend):
 
     def lower(self, region: Region, training: bool = False,
               backward: BackwardPlan | None = None) -> Lowered:
-        """The region's stem kernel or :class:`ConvKernel`.
+        """The region's stem kernel or :class:`ConvKernel`; in training (``region`` from
+        :func:`~fusion_compiler.autograd.backward.training_region`) the kernel runs through
+        ``run_region`` with the backward of :func:`_register_backward`, planned by ``backward``.
 
         Raises:
-            UnsupportedError: in training (the kernels have no backward), the region is not one
-                the kernel takes, or no configuration of the kernel ran on sample inputs of the
-                region's shapes.
+            UnsupportedError: the region is not one the kernel takes (in training also: its
+                forward would write more values than the kernel has outputs), or no
+                configuration of the kernel ran on sample inputs of the region's shapes.
             TimingDeferred: configurations must be timed on a thread where timing is deferred.
         """
         if region.space_to_depth:
             return self.stem.lower(region, training, backward)
-        if training:
-            raise UnsupportedError("the Triton convolution runs inference only", region.region_id)
         program = conv_program(region, node_device(region.conv))
         if isinstance(program, str):
             raise UnsupportedError(f"Triton convolution: {program}", region.region_id)
-        kernel, timing, cached = self._tuned(region, program)
+        kernel, timing, cached = self._tuned(region, program, direct=not training)
         config = kernel.config
+        gradients = self._register_backward(region, kernel, backward) if training else ()
         return Lowered(kernel.call, plan=f"implicit-GEMM convolution + {len(program.ops)} "
                        f"epilogue ops, Triton ({_label(config)})", plan_from_cache=cached,
-                       workspace_bytes=0, timing=timing,
+                       workspace_bytes=0, timing=timing, gradients=gradients,
                        nhwc_inputs=frozenset({program.image_at, *(
                            at for at, kind in zip(program.operands, program.kinds)
                            if kind == 2)}))
 
-    def _tuned(self, region: Region, program: ConvProgram
+    def _register_backward(self, region: Region, kernel: ConvKernel,
+                           backward: BackwardPlan | None) -> tuple:
+        """Register the training region's backward for ``kernel`` (module docstring); how its
+        pieces run (the cuDNN backend's report of them; empty off CUDA)."""
+        if node_device(region.conv).type != "cuda":
+            register_backward(kernel.key, RegionBackward(region, TorchConvGradients(region.conv)))
+            return ()
+        from .cudnn.backend import CudnnBackend  # noqa: PLC0415  (imports cuDNN's frontend lazily)
+        from .cudnn.backward import register_cudnn_backward  # noqa: PLC0415
+
+        return register_cudnn_backward(CudnnBackend.shared(self.cache_dir, self.autotune), region,
+                                       kernel.key, backward, kernel.weight_cache)
+
+    def _tuned(self, region: Region, program: ConvProgram, direct: bool = True
                ) -> tuple[ConvKernel, dict[str, float], bool | None]:
         """The region's kernel with its best configuration, each timed configuration's ms
         (empty when nothing was timed) and whether the configuration came from the plan cache
-        (``None`` off CUDA, where nothing is cached)."""
+        (``None`` off CUDA, where nothing is cached). ``direct``: see :class:`ConvKernel`."""
         conv = region.conv
         n, k, ho, wo = conv.meta["val"].shape
         _, c, r, s = conv.args[1].meta["val"].shape
@@ -132,7 +161,8 @@ class TritonBackend(Backend):
         ran: list[ConvKernel] = []
         failures = []
         for config in configs:  # the first launch compiles: a failure drops the candidate
-            kernel = ConvKernel(program, outputs, config, name=f"region {region.region_id}")
+            kernel = ConvKernel(program, outputs, config, name=f"region {region.region_id}",
+                                direct=direct)
             try:
                 kernel(*inputs)
             except Exception as exc:  # Triton's compile errors have no common base class

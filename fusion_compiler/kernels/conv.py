@@ -276,12 +276,15 @@ class ConvKernel:
         config: the launch configuration (default: :func:`default_config`).
         name: what tells this kernel apart from the others of its graph (e.g. the region's
             id), part of its ``run_region`` key.
+        direct: :meth:`call` launches the kernel straight from Python (inference) unless its
+            inputs are traced; ``False`` (training): always through ``run_region``, whose
+            autograd formula runs the backward registered for :attr:`key`.
     """
 
     def __init__(self, program: ConvProgram,
                  outputs: Sequence[tuple[tuple[int, ...], torch.dtype]],
-                 config: TileConfig | None = None, name: str = ""):
-        self.program, self.config = program, config
+                 config: TileConfig | None = None, name: str = "", direct: bool = True):
+        self.program, self.config, self.direct = program, config, direct
         self.weight_cache = WeightCache()
         self.specs = channels_last_specs(outputs)
         self.key = register_kernel(self, self.specs, f"{name} {config}")
@@ -299,7 +302,8 @@ class ConvKernel:
         return tuple(launch(kernels, x, weight, operands, self.program, self.config))
 
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """What graphs call: the kernel directly, or the ``run_region`` op when traced."""
-        if is_traced(inputs[0]):
-            return tuple(run_region(self.key, list(inputs)))
-        return self(*inputs)
+        """What graphs call: the kernel directly, or the ``run_region`` op when traced or not
+        ``direct``."""
+        if self.direct and not is_traced(inputs[0]):
+            return self(*inputs)
+        return tuple(run_region(self.key, list(inputs)))

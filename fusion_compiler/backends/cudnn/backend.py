@@ -36,16 +36,14 @@ from typing import Any, Sequence
 
 import torch
 
-from ...autograd.backward import RegionBackward
 from ...config import CompileOptions
 from ...ir.errors import UnsupportedError
 from ...ir.ops import node_device
 from ...ir.region import BackwardPlan, Region
 from ...runtime.plan_cache import PlanCache, default_cache_dir
-from ...runtime.region_op import register_backward
 from ...runtime.streams import MAIN_WORKSPACE
 from ..base import REUSE_BATCH_RATIO, Backend, Lowered, Support
-from .backward import CudnnConvGradients
+from .backward import register_cudnn_backward
 from .graph import graph_json, import_cudnn, output_padding, region_recipe
 from .kernel import CudnnKernel
 from .plan import condense_error
@@ -322,13 +320,8 @@ class CudnnBackend(Backend):
                                        nhwc_inputs=nhwc)
         gradients: tuple = ()
         if training:
-            backward = backward or BackwardPlan()
-            image = region.conv_input_placeholder.name
-            skip = frozenset({"dgrad"} if image in backward.no_grad_inputs else ())
-            grads = CudnnConvGradients(self, region, backward, skip,
-                                       weight_cache=kernel.weight_cache)
-            register_backward(kernel.key, RegionBackward(region, grads))
-            gradients = tuple(grads.pieces)
+            gradients = register_cudnn_backward(self, region, kernel.key, backward,
+                                                kernel.weight_cache)
         plan = kernel.plan
         return Lowered(kernel.call, plan=plan.plan_name, plan_from_cache=plan.from_cache,
                        workspace_bytes=plan.workspace_bytes, tuning=tuple(plan.tuning),

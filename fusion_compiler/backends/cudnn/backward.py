@@ -41,11 +41,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...autograd.backward import TorchConvGradients
+from ...autograd.backward import RegionBackward, TorchConvGradients
 from ...ir.ops import node_device
 from ...ir.errors import UnsupportedError, condense
 from ...ir.region import BackwardPlan, Region
-from ...runtime.region_op import is_traced, register_kernel, run_region
+from ...runtime.region_op import is_traced, register_backward, register_kernel, run_region
 from ..timing import paired_time_ms, sample_tensor
 from .graph import channel_padding, import_cudnn, recipe_dtype, to_nhwc
 from ...runtime.weight_cache import WeightCache
@@ -53,6 +53,7 @@ from .plan import CudnnPlan
 from .recipe import CudnnGraph, build_pygraph, nhwc_strides
 
 __all__ = ["conv_grad_recipe", "conv_grad_graph", "CudnnConvGradients", "GradientPiece", "GRADIENT_KINDS",
+           "register_cudnn_backward",
            "GRAPH_INPUTS"]
 
 GRADIENT_KINDS = ("dgrad", "dgrad_drelu", "wgrad")
@@ -251,6 +252,32 @@ class CudnnConvGradients:
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``dw`` (channels_last) from ``x`` and ``dy``; see ``ConvGradients``."""
         return self._run("wgrad", dy, x, w)
+
+
+def register_cudnn_backward(backend, region: Region, key: int, backward: BackwardPlan | None,
+                            weight_cache: WeightCache | None = None) -> tuple[GradientPiece, ...]:
+    """Make ``region``'s backward the backward of the ``run_region`` kernel ``key``: a
+    :class:`~fusion_compiler.autograd.backward.RegionBackward` whose convolution gradients are
+    :class:`CudnnConvGradients` (no dgrad when the convolution's input is in
+    ``backward.no_grad_inputs``). Whichever backend runs the forward (a cuDNN plan, the Triton
+    convolution) calls this, so the backward does not depend on that choice.
+
+    Args:
+        backend: the :class:`~.backend.CudnnBackend` that builds the gradient plans.
+        region: a region from :func:`~fusion_compiler.autograd.backward.training_region`.
+        key: the forward kernel's ``run_region`` key.
+        backward: the region's backward plan (``None``: the default plan).
+        weight_cache: the forward kernel's channels_last weight copy, shared with the dgrad.
+
+    Returns:
+        How each piece (dgrad, wgrad) runs, for the region's report.
+    """
+    backward = backward or BackwardPlan()
+    image = region.conv_input_placeholder.name
+    skip = frozenset({"dgrad"} if image in backward.no_grad_inputs else ())
+    grads = CudnnConvGradients(backend, region, backward, skip, weight_cache=weight_cache)
+    register_backward(key, RegionBackward(region, grads))
+    return tuple(grads.pieces)
 
 
 class _GradientOp:
