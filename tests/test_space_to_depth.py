@@ -1,9 +1,15 @@
 """The SpaceToDepth stems on the CPU: which regions the fusion pass ``space_to_depth_stem`` gives
 the SpaceToDepth, the graph it leaves, the ``triton`` backend's kernel (numerics through the op's
-torch-ops path, with the backend's CUDA check lifted), the op's fake (channels_last) outputs.
-tests/test_gpu_space_to_depth.py runs the Triton kernel."""
+torch-ops path, with the backend's CUDA check lifted), the op's fake (channels_last) outputs, and
+the Triton kernel under Triton's interpreter. tests/test_gpu_space_to_depth.py runs the Triton
+kernel on the GPU."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +26,7 @@ from fusion_compiler.lowering import lower, regions_of
 from fusion_compiler.passes import PassManager, fusion, pre_fusion
 from fusion_compiler.passes.fusion.space_to_depth_stem import space_to_depth_stems
 from fusion_compiler.passes.pre_fusion.rewrites import space_to_depth_source
-from conftest import rel_err
+from conftest import ROOT, rel_err
 
 DT = torch.bfloat16  # the kernel's dtypes are fp16 and bf16; CPU convolutions take bf16
 
@@ -169,3 +175,43 @@ def test_op_reference_and_fake_outputs():
     assert outs[0].stride() == (32 * 4 * 16, 1, 16 * 32, 32)
     with pytest.raises(ValueError, match="at most"):
         space_to_depth_conv(x, w, [], [5] * 5, [0], 4)
+
+
+_INTERPRETED = """
+import json, sys
+import torch
+from fusion_compiler.kernels import space_to_depth as s2d
+from fusion_compiler.kernels.space_to_depth_triton import space_to_depth_conv_kernel
+
+results = {}
+for name, (n, c, h, w, k) in json.loads(sys.argv[1]).items():
+    torch.manual_seed(0)
+    x = torch.randn(n, c, h, w).half()
+    weight = (torch.randn(k, 16 * c, 1, 1) / (16 * c) ** 0.5).half()
+    bias = torch.rand(1, k, 1, 1).half()
+    got = s2d._launch(space_to_depth_conv_kernel, x, weight, [bias], [5, 1], [1, 2], 4)
+    want = s2d.space_to_depth_conv_reference(x.double(), weight.double(), [bias.double()],
+                                             [5, 1], [1, 2], 4)
+    results[name] = [((g.double() - e).abs().max() / e.abs().max()).item()
+                     for g, e in zip(got, want)]
+print(json.dumps(results))
+"""
+
+STEM_CASES = {  # N, C, H, W, K
+    "depth-like: 11 channels, 4 output rows of 16 per program": (2, 11, 16, 64, 16),
+    "RGB-like: 3 channels, 4 output rows of 8 per program": (2, 3, 16, 32, 32),
+    "one channel": (1, 1, 16, 16, 16),
+    "a wide image: one output row per program": (1, 3, 8, 256, 16),
+}
+
+
+def test_interpreted_kernel_matches_fp64():
+    """The Triton kernel under Triton's interpreter, in a new process (``TRITON_INTERPRET`` must
+    be set before Triton is imported): ReLU and bias outputs within fp16 rounding of fp64."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(STEM_CASES)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, errors in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert len(errors) == 2 and max(errors) < 2e-3, (name, errors)
