@@ -198,20 +198,43 @@ print(json.dumps(results))
 """
 
 STEM_CASES = {  # N, C, H, W, K
-    "depth-like: 11 channels, 4 output rows of 16 per program": (2, 11, 16, 64, 16),
-    "RGB-like: 3 channels, 4 output rows of 8 per program": (2, 3, 16, 32, 32),
+    "depth-like: 11 channels in one step (16, 5 masked)": (2, 11, 16, 64, 16),
+    "RGB-like: 3 channels in one step (4, 1 masked)": (2, 3, 16, 32, 32),
     "one channel": (1, 1, 16, 16, 16),
-    "a wide image: one output row per program": (1, 3, 8, 256, 16),
+    "a wide image: 11 channels in steps of 8 (the second ragged)": (1, 11, 8, 512, 16),
 }
 
 
 def test_interpreted_kernel_matches_fp64():
-    """The Triton kernel under Triton's interpreter, in a new process (``TRITON_INTERPRET`` must
-    be set before Triton is imported): ReLU and bias outputs within fp16 rounding of fp64."""
+    """The Triton kernel (every image channel in one step where they fit, in steps of a power of
+    two where not) under Triton's interpreter, in a new process (``TRITON_INTERPRET`` must be set
+    before Triton is imported): ReLU and bias outputs within fp16 rounding of fp64."""
     pytest.importorskip("triton")
+    from fusion_compiler.kernels.space_to_depth import _channels_per_step
+
+    # the programs' rows: 4 output rows of 16 (depth-like), 1 of 128 (the wide image)
+    assert _channels_per_step(11, 16, 64) == 16 and _channels_per_step(11, 4, 512) == 8
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(STEM_CASES)], env=env,
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, errors in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         assert len(errors) == 2 and max(errors) < 2e-3, (name, errors)
+
+
+def test_packed_weight_rows_and_versions():
+    """The kernel's weight: row ``c*16 + tap`` is SpaceToDepth's input channel ``tap*C + c``,
+    rows past ``C`` zero; made once per weight version, again after an in-place update."""
+    from fusion_compiler.kernels.space_to_depth import packed_weight
+
+    weight = torch.randn(8, 16 * 3, 1, 1)
+    packed = packed_weight(weight, 3, 4)
+    assert packed.shape == (4 * 16, 8) and packed.is_contiguous()
+    for c in range(3):
+        for tap in range(16):
+            assert torch.equal(packed[c * 16 + tap], weight[:, tap * 3 + c, 0, 0])
+    assert not packed[3 * 16:].any()
+    assert packed_weight(weight, 3, 4) is packed
+    with torch.no_grad():
+        weight.mul_(2)
+    assert torch.equal(packed_weight(weight, 3, 4)[:16], 2 * packed[:16])

@@ -5,8 +5,9 @@ The SE-ResNet9 stem is ``SpaceToDepth(4)``, a 1x1 convolution on ``16*C`` channe
 next block's bias. cuDNN takes the pair only as a 4x4, stride-4 convolution on the ``C``-channel
 image, which it runs far slower for ``C`` = 3 or 11 than a copy plus a 1x1 convolution (the
 pre-fusion rewrite ``space_to_depth``). Here one Triton program per 4 output rows loads the image
-rows contiguously, rearranges them in registers and multiplies with ``tl.dot``
-(:mod:`.space_to_depth_triton`). The epilogue is computed in fp32 and rounded once per output, as
+rows of all channels contiguously, rearranges them in registers and multiplies once with
+``tl.dot`` by the weight, packed to match once per weight version (:func:`packed_weight`;
+:mod:`.space_to_depth_triton`). The epilogue is computed in fp32 and rounded once per output, as
 cuDNN's fp32 intermediates are; outputs are channels_last, as a cuDNN region's. Measurements:
 ``docs/decisions.md``, "The SpaceToDepth stem as one Triton kernel".
 
@@ -23,9 +24,11 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ir.region import Region
 from ..runtime.region_op import in_dry_run, is_traced
+from ..runtime.weight_cache import WeightCache
 from . import triton_unavailable
 from .epilogue import BINARY, CODES, SILU, binary_operand, epilogue_chain, reference_outputs
 
@@ -43,6 +46,7 @@ MAX_OUTPUTS = 2
 _MAX_CHANNELS = 128  # output channels: the fp32 accumulator is [rows, K] in registers
 _ROWS = 64  # output pixels per program: 4 output rows of 16 on the depth stem; the fastest of
 # 16 to 128 (measurements: docs/decisions.md, "The SpaceToDepth stem as one Triton kernel")
+_TILE = 16384  # most image elements a program loads per step (32 KB of fp16 in registers)
 
 # the epilogue ops the kernel runs: the shared codes but SiLU
 _CODES = {fn: code for fn, code in CODES.items() if code != SILU}
@@ -89,6 +93,38 @@ def _rows_per_program(ho: int, wo: int) -> int:
     return hb
 
 
+def _channels_per_step(c: int, rows: int, w: int) -> int:
+    """Image channels a program loads per step: all ``c`` (rounded up to a power of two) where
+    their ``rows`` x ``w`` tiles hold at most :data:`_TILE` elements, else the most that do (a
+    power of two, at least 1)."""
+    fits = max(1, _TILE // (rows * w))
+    return min(1 << (c - 1).bit_length(), 1 << (fits.bit_length() - 1))
+
+
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight (its base) -> {(C, CG): cache}
+
+
+def _pack(weight: torch.Tensor, c: int, cg: int) -> torch.Tensor:
+    k = weight.shape[0]
+    taps = weight.reshape(k, -1, c).permute(2, 1, 0)  # [C, B*B, K]: (c, dh*B + dw, k)
+    packed = weight.new_zeros((-(-c // cg) * cg, taps.shape[1], k))
+    packed[:c] = taps
+    return packed.reshape(-1, k)
+
+
+def packed_weight(weight: torch.Tensor, c: int, cg: int) -> torch.Tensor:
+    """``weight`` ``[K, B*B*C, 1, 1]`` (SpaceToDepth's channel order ``(dh*B + dw)*C + c``) as the
+    kernel reads it: ``[CP*B*B, K]`` contiguous, row ``(c*B + dh)*B + dw``, ``CP`` = ``c`` rounded
+    up to a multiple of ``cg`` (the channels per step), zero rows past ``c``, so that each step
+    loads its rows as one contiguous tile. Made once per weight version and kept beside the
+    weight (:class:`~fusion_compiler.runtime.weight_cache.WeightCache`)."""
+    base = weight if weight._base is None else weight._base
+    caches = _PACKED.setdefault(base, {})
+    if (c, cg) not in caches:
+        caches[(c, cg)] = WeightCache(functools.partial(_pack, c=c, cg=cg))
+    return caches[(c, cg)](weight)
+
+
 def kernel_reason(x: torch.Tensor, weight: torch.Tensor, block: int) -> str:
     """Why the Triton kernel cannot take these shapes (``""``: it can). ``x`` ``[N, C, H, W]``,
     ``weight`` ``[K, block**2 * C, 1, 1]`` (tensors or their metadata)."""
@@ -128,9 +164,10 @@ def _launch(kernel: Any, x: torch.Tensor, weight: torch.Tensor, operands: Sequen
             strides.append(0)
     stages = [*outputs, *[-1] * (MAX_OUTPUTS - len(outputs))]
     hb = _rows_per_program(ho, wo)
+    cg = _channels_per_step(c, hb * block, w)
     kernel[(n * (ho // hb),)](
-        x, weight, weight.stride(0), weight.stride(1), ys[0], ys[-1], *pointers, *strides,
-        C=c, H=h, W=w, K=k, B=block, HB=hb, OP0=codes[0], OP1=codes[1], OP2=codes[2],
+        x, packed_weight(weight, c, cg), ys[0], ys[-1], *pointers, *strides,
+        C=c, H=h, W=w, K=k, B=block, HB=hb, CG=cg, OP0=codes[0], OP1=codes[1], OP2=codes[2],
         OP3=codes[3], OUT0=stages[0], OUT1=stages[1], num_warps=4)
     return ys
 
