@@ -7,10 +7,10 @@ One program computes ``HB`` output rows of one sample. For each group of ``CG`` 
 flight at once) it loads the ``HB * B`` image rows of each channel contiguously, rearranges them
 in registers into ``[HB * W/B, CG*B*B]`` (pixel, (channel, tap)) and accumulates ``tl.dot`` with
 the matching ``[CG*B*B, K]`` rows of the weight (packed in that order beforehand:
-``space_to_depth.packed_weight``), in fp32. The steps are unrolled (``tl.static_range``): as a
-loop with the accumulator carried, the depth stem's one step ran about 4 µs slower. Then the
-program applies up to four epilogue ops (codes of ``space_to_depth.py``) and stores the requested
-stages as channels_last rows.
+``space_to_depth.packed_weight``; its loads are issued before the image's), in fp32; the steps
+are unrolled (``tl.static_range``). Then the program applies up to four epilogue ops (codes of
+``space_to_depth.py``) and stores the requested stages as channels_last rows. Measurements:
+docs/decisions.md, "The SpaceToDepth stem as one Triton kernel".
 """
 
 import triton
