@@ -34,10 +34,10 @@ import json
 
 import torch
 
+from ..autograd.backward import RegionBackward, TorchConvGradients
 from ..config import CompileOptions
 from ..ir.errors import UnsupportedError, condense
 from ..ir.ops import node_device
-from ..autograd.backward import RegionBackward, TorchConvGradients
 from ..ir.region import BackwardPlan, Region
 from ..kernels.conv import (ConvKernel, ConvProgram, TileConfig, candidate_configs, conv_program,
                             default_config)
