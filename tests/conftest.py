@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -80,6 +83,19 @@ def relowered(region, **changes) -> None:
     import dataclasses
 
     region.lowering = dataclasses.replace(region.lowering, **changes)
+
+
+def run_interpreted(script: str, cases: dict) -> dict:
+    """Run ``script`` (Python source reading ``json.loads(sys.argv[1])`` = ``cases`` and printing
+    one JSON line last) in a new process under Triton's interpreter, and return what it printed.
+    ``TRITON_INTERPRET=1`` must be set before Triton is first imported, which the rest of the
+    test run may have done; skips without Triton."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -6,11 +6,6 @@ kernel on the GPU."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn as nn
@@ -26,7 +21,7 @@ from fusion_compiler.lowering import lower, regions_of
 from fusion_compiler.passes import PassManager, fusion, pre_fusion
 from fusion_compiler.passes.fusion.space_to_depth_stem import space_to_depth_stems
 from fusion_compiler.passes.pre_fusion.rewrites import space_to_depth_source
-from conftest import ROOT, rel_err
+from conftest import rel_err, run_interpreted
 
 DT = torch.bfloat16  # the kernel's dtypes are fp16 and bf16; CPU convolutions take bf16
 
@@ -209,16 +204,11 @@ def test_interpreted_kernel_matches_fp64():
     """The Triton kernel (every image channel in one step where they fit, in steps of a power of
     two where not) under Triton's interpreter, in a new process (``TRITON_INTERPRET`` must be set
     before Triton is imported): ReLU and bias outputs within fp16 rounding of fp64."""
-    pytest.importorskip("triton")
     from fusion_compiler.kernels.space_to_depth import _channels_per_step
 
     # the programs' rows: 4 output rows of 16 (depth-like), 1 of 128 (the wide image)
     assert _channels_per_step(11, 16, 64) == 16 and _channels_per_step(11, 4, 512) == 8
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED, json.dumps(STEM_CASES)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, errors in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    for name, errors in run_interpreted(_INTERPRETED, STEM_CASES).items():
         assert len(errors) == 2 and max(errors) < 2e-3, (name, errors)
 
 

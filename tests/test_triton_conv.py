@@ -7,10 +7,6 @@ compiled kernel."""
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +18,7 @@ from fusion_compiler.backends import triton as triton_backend
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.kernels.conv import (TileConfig, candidate_configs, conv_program,
                                           default_config)
-from conftest import ROOT, rel_err, specialize
+from conftest import rel_err, run_interpreted, specialize
 
 ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU = range(1, 9)
 SCALAR, CHANNEL, FULL = range(3)
@@ -95,12 +91,7 @@ def interpreted() -> dict:
     (``TRITON_INTERPRET=1`` must be set before Triton is first imported, which the rest of the
     test run may have done): per case and output, [shape right, fp16, channels_last, error
     against fp64]."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(_SCRIPT, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
