@@ -5,7 +5,9 @@ what their calls go through)."""
 from __future__ import annotations
 
 import collections
+import copy
 import functools
+import inspect
 import logging
 import time
 from typing import Any, Sequence
@@ -15,6 +17,8 @@ import torch
 from .capture import TensorSpec, capture, input_specs
 from .config import CompileOptions, Target
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
+from .runtime.hooks import call_with_hooks, has_hooks, unsupported_hook
+from .runtime.state import StateGuard
 from .runtime.tensors import restored
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
@@ -63,11 +67,22 @@ class CompiledModule(torch.nn.Module):
                  **kwargs: Any):
         super().__init__()
         self.options = CompileOptions.from_kwargs(options, **kwargs)
+        model = _unwrapped(model)
         self.model = model
-        self._arity = len(capture(model).graph.find_nodes(op="placeholder"))  # fail early
-        # read at every call: the parameter objects stay (``.to()``/``.half()`` change their data)
-        self._model_params = tuple(model.parameters())
-        self._dtype_ref = next((p for p in self._model_params if p.is_floating_point()), None)
+        captured = capture(model)  # fail early
+        self._names = [n.target for n in captured.graph.find_nodes(op="placeholder")]
+        self._arity = len(self._names)
+        # a forward that turns gradients off everywhere (@torch.no_grad(), @inference_mode())
+        self._grad = captured.meta.get("grad", True)
+        self._inference = captured.meta.get("inference", False)
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            self._signature = None
+        self.register_state_dict_post_hook(_model_keys)
+        self.register_load_state_dict_pre_hook(_prefixed_keys)
+        self._guard = StateGuard(model)
+        self._take_state()
         self.specializations: collections.OrderedDict[tuple, Specialization] = \
             collections.OrderedDict()
         self.last: Specialization | None = None
@@ -75,7 +90,41 @@ class CompiledModule(torch.nn.Module):
         # the compiler holding a method of this module would make a reference cycle
         self._noted: set[str] = set()
         self._compiler = SpecializationCompiler(model, self.options,
-                                                functools.partial(_note, self._noted))
+                                                functools.partial(_note, self._noted),
+                                                self._names)
+
+    def __deepcopy__(self, memo: dict) -> "CompiledModule":
+        """A compiled module of a deep copy of the model, with the same options and no
+        specialization yet (compiled graphs and plans are not copied)."""
+        copied = CompiledModule(copy.deepcopy(self.model, memo), self.options)
+        memo[id(self)] = copied
+        return copied
+
+    # ------------------------------------------------------------------ state
+    def _take_state(self) -> None:
+        # plain attributes: a parameter set on a module would be registered as its own
+        params = tuple(self.model.parameters())
+        object.__setattr__(self, "_model_params", params)
+        object.__setattr__(self, "_dtype_ref",
+                           next((p for p in params if p.is_floating_point()), None))
+
+    def _check_state(self) -> None:
+        """Compile again when a parameter, buffer or submodule of the model was replaced since
+        the specializations were made (they read the old ones in place: see
+        :class:`~fusion_compiler.runtime.state.StateGuard`)."""
+        if not self._guard.changed():
+            return
+        what = self._guard.describe()
+        if self.specializations:
+            log.info("%s: %s since it was compiled (load_state_dict(assign=True), .to(), a new "
+                     "tensor set as an attribute): its %d specialization(s) are compiled again",
+                     type(self.model).__name__, what, len(self.specializations))
+        for spec in self.specializations.values():
+            spec.close()
+        self.specializations.clear()
+        object.__setattr__(self, "last", None)
+        self._guard.take()
+        self._take_state()
 
     # ------------------------------------------------------------------ checks
     def _check_inputs(self, args: Sequence[Any]) -> None:
@@ -87,17 +136,35 @@ class CompiledModule(torch.nn.Module):
         if ref is None:
             return
         for i, a in enumerate(args):
-            if not isinstance(a, torch.Tensor):
-                continue
-            if a.device != ref.device:
+            # a 0-d CPU tensor is a scalar every device's ops take (Dynamo passes Python floats
+            # and batch norm's eps so); a dtype eager does not take is found by eager itself
+            # (``_explained``): models take masks, time steps and scalars of other dtypes
+            if isinstance(a, torch.Tensor) and a.device != ref.device and a.dim() > 0:
                 raise InputError(f"input {i} is on {a.device} but the model's parameters are on "
                                  f"{ref.device}; move the input (or the model) first")
-            if a.is_floating_point() and a.dtype != ref.dtype and _autocast_dtype(args) is None:
-                raise InputTypeError(f"input {i} has dtype {a.dtype} but the model's parameters "
-                                     f"are {ref.dtype}; convert the input to {ref.dtype}")
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple:
+        """The arguments of a call as the traced graph takes them: positional, in ``forward``'s
+        order, defaults filled in, as ``forward`` would bind them.
+
+        Raises:
+            InputTypeError: ``forward`` does not take them (Python's own message)."""
+        if self._signature is None:
+            raise InputTypeError(f"{type(self.model).__name__}'s forward takes no keyword "
+                                 f"arguments here; pass its {self._arity} inputs positionally")
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            plural = "" if self._arity == 1 else "s"
+            keywords = f" and {len(kwargs)} keyword argument(s)" if kwargs else ""
+            raise InputTypeError(f"{type(self.model).__name__} takes {self._arity} input{plural} "
+                                 f"({', '.join(self._names)}), got {len(args)}{keywords}: "
+                                 f"{exc}") from None
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self._grad:
             return False
         return any(p.requires_grad for p in self._model_params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -154,15 +221,22 @@ class CompiledModule(torch.nn.Module):
     def _specialize(self, args: Sequence[Any], answer_early: bool) -> Specialization:
         """The specialization for inputs like ``args``, compiled if there is none; with
         ``answer_early`` (a call) it may answer from tier 0 until lowered."""
+        self._check_state()
         self._check_inputs(args)
         grad = self._needs_grad(args)
         requires = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         amp = _autocast_dtype(args)
-        key = (input_specs(args), self.model.training, grad, requires if grad else (), amp)
+        frozen = tuple(p.requires_grad for p in self._model_params) if grad else ()
+        key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
+               frozen)
         spec = self.specializations.get(key)
         if spec is not None:
             self.specializations.move_to_end(key)
             return spec
+        hook = unsupported_hook(self.model)
+        if hook:
+            raise FusionError(f"{type(self.model).__name__} has {hook}: a compiled graph cannot "
+                              "call it; remove the hook, or call the model uncompiled")
         log.info("compiling %s for inputs %s", type(self.model).__name__,
                  ", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec)))
         target = Target(cuda=any(isinstance(a, torch.Tensor) and a.is_cuda for a in args),
@@ -190,14 +264,29 @@ class CompiledModule(torch.nn.Module):
                     return False
         return True
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # traced by torch.compile: trace the model
+            return self.model(*args, **kwargs)
+        try:
+            if has_hooks(self.model):  # the model's own hooks, as calling it runs them
+                return call_with_hooks(self.model, self._call, args, kwargs)
+            return self._call(*args, **kwargs)
+        except InputError as exc:  # raised from here: the caller's frame and this one only
+            raise exc.with_traceback(None)  # noqa: B904  (its cause is set where it is made)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) != self._arity:
+            args = self._bind(args, kwargs)
         try:
             spec = self._specialize(args, answer_early=True)
         except InputError as exc:
             raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
         if spec is not self.last:  # (nn.Module.__setattr__ costs microseconds per call)
             object.__setattr__(self, "last", spec)
-        return spec.run(*args)
+        if self._grad:
+            return spec.run(*args)
+        with torch.inference_mode() if self._inference else torch.no_grad():
+            return spec.run(*args)
 
     def report(self) -> str:
         """What the last specialization is, as text at most 100 columns wide: the summary
@@ -239,6 +328,41 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
     if example_inputs is not None:
         compiled.specialize(*example_inputs)
     return compiled
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped, for a ``torch.compile``'d module; else ``model``."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
+        log.info("compiling the module that torch.compile wrapped (%s)", type(inner).__name__)
+        return inner
+    return model
+
+
+def _model_keys(module: torch.nn.Module, state: dict, prefix: str, metadata: dict) -> None:
+    """A state dict hook: the model's keys without the ``model.`` its compiled module adds, so
+    that ``compiled.state_dict()`` loads into the model it came from (and back)."""
+    inner = prefix + "model."
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner):]] = state.pop(key)
+    meta = getattr(state, "_metadata", None)
+    if meta is not None:
+        for key in [k for k in meta if k == inner[:-1] or k.startswith(inner)]:
+            meta[prefix + key[len(inner):] if key != inner[:-1] else prefix[:-1]] = meta.pop(key)
+
+
+def _prefixed_keys(module: torch.nn.Module, state: dict, prefix: str, *args: Any) -> None:
+    """A load-state-dict pre-hook: keys of the model (as :func:`_model_keys` gives them) are
+    read as the compiled module's own."""
+    inner = prefix + "model."
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + key[len(prefix):]] = state.pop(key)
+    meta = getattr(state, "_metadata", None)
+    if meta is not None:
+        for key in [k for k in meta if (k + ".").startswith(prefix) and not
+                    (k + ".").startswith(inner)]:
+            rest = (key + ".")[len(prefix):-1]
+            meta[inner + rest if rest else inner[:-1]] = meta[key]
 
 
 def _note(noted: set[str], notes: list[str], reason: str) -> None:

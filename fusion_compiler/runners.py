@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,11 +21,11 @@ from .passes import PassManager, glue
 from .passes.glue import inductor_work
 from .passes.post_lowering.hoist import HoistedParameters
 from .runtime.ddp_stages import ddp_bucket_caps, split_at, stage_boundaries
-from .runtime.tiered import COMPILE_LOCK, TieredRunner, drain, isolated_copy
+from .runtime.background import COMPILE_LOCK, drain, on_calling_thread, warn_once
+from .runtime.tiered import TieredRunner, isolated_copy
 
-__all__ = ["Runners", "staged", "memory_format", "with_hoisting_and_formats", "inductor_reason",
-           "inductor_compile", "inductor_without_autograd_cache", "without_custom_op_alias_check",
-           "version_sum"]
+__all__ = ["Runners", "staged", "memory_format", "with_formats", "refreshing", "inductor_reason",
+           "inductor_compile", "inductor_without_autograd_cache", "without_custom_op_alias_check"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -42,17 +41,15 @@ def memory_format(t: Any) -> torch.memory_format | None:
     return None
 
 
-def with_hoisting_and_formats(call: Callable[..., Any], hoisted: HoistedParameters | None,
-                              formats: list[torch.memory_format | None]) -> Callable[..., Any]:
-    """``call`` after refreshing ``hoisted`` (parameter subgraphs computed out of the graph), its
-    outputs in the memory formats eager returned (``formats``: one per output, ``None`` where any
-    format goes)."""
+def with_formats(call: Callable[..., Any],
+                 formats: list[torch.memory_format | None]) -> Callable[..., Any]:
+    """``call`` with its outputs in the memory formats eager returned (``formats``: one per
+    output, ``None`` where any format goes)."""
+    if not any(f is not None for f in formats):
+        return call
+
     def run(*inputs: Any) -> Any:
-        if hoisted is not None:
-            hoisted.refresh()
         out = call(*inputs)
-        if not any(f is not None for f in formats):
-            return out
         flat = iter(formats)
         return tree_map(lambda t: t.contiguous(memory_format=f)
                         if (f := next(flat)) is not None
@@ -60,14 +57,16 @@ def with_hoisting_and_formats(call: Callable[..., Any], hoisted: HoistedParamete
     return run
 
 
-def version_sum(tensors: Sequence[torch.Tensor]) -> int:
-    """The sum of the tensors' version counters (``Tensor._version``): counters only grow, so
-    it changes whenever one of them is modified in place (an optimizer step, ``load_state_dict``),
-    and it is read with one C-level pass per call, not a tuple built in Python."""
-    return sum(map(_VERSION, tensors))
+def refreshing(run: Callable[..., Any], hoisted: HoistedParameters | None) -> Callable[..., Any]:
+    """``run`` after recomputing ``hoisted`` (parameter subgraphs computed apart from the graph):
+    how a graph that is not replayed from a CUDA graph keeps them current."""
+    if hoisted is None:
+        return run
 
-
-_VERSION = operator.attrgetter("_version")
+    def refreshed(*inputs: Any) -> Any:
+        hoisted.refresh()
+        return run(*inputs)
+    return refreshed
 
 
 @functools.cache
@@ -93,6 +92,7 @@ def inductor_compile(gm: fx.GraphModule, example: Sequence[Any]) -> Callable[...
     static shapes (as Dynamo hands them to a backend), so the graph is looked up in and written
     to the cache (``TORCHINDUCTOR_CACHE_DIR``).
     """
+    on_calling_thread("Inductor's compile")
     from torch._guards import TracingContext, tracing  # noqa: PLC0415
     from torch._inductor import compile as compile_inductor  # noqa: PLC0415
     from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
@@ -115,9 +115,8 @@ def without_custom_op_alias_check() -> contextlib.AbstractContextManager[Any]:
     host launches slower than the kernels run and the configs' timings are noise. With the check
     off for that call the check runs at the next call instead (AOTAutograd keeps it pending). A
     no-op on a torch without that option. The option is process-wide (``config.patch`` saves
-    and restores it), so this is used only where no other thread patches it meanwhile: the
-    background compile holds :data:`~fusion_compiler.runtime.tiered.COMPILE_LOCK`, and a glue
-    compile on the calling thread first waits for the background ones (``tiered.drain``).
+    and restores it), so it is patched only on the calling thread (the rule of
+    :mod:`fusion_compiler.runtime.background`).
     """
     from torch._functorch import config  # noqa: PLC0415
 
@@ -150,6 +149,7 @@ def inductor_without_autograd_cache(gm: fx.GraphModule, example: Sequence[Any]) 
 
 def _glue_compiled(gm: fx.GraphModule, glue_backend: str,
                    training: bool) -> Callable[..., Any]:
+    on_calling_thread("torch.compile of the glue")
     backend = (inductor_without_autograd_cache if training and glue_backend == "inductor"
                else glue_backend)
     return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
@@ -215,8 +215,7 @@ class Runners:
         with the glue backend (``None``: eager ops) and the CUDA graph mode (``None``: no
         graph). Appends to ``notes`` why a default was not taken."""
         glue_backend = self.glue_backend(gm, target, notes)
-        runner_for = functools.partial(with_hoisting_and_formats, hoisted=hoisted,
-                                       formats=formats)
+        plain = functools.partial(with_formats, formats=formats)
         tiered = glue_backend == "inductor" and self.options.tiers_before_lowering(target)
         starts = self.ddp_stages(gm, target)
         if starts:  # training: never tiered
@@ -224,21 +223,22 @@ class Runners:
         else:
             call = (gm if glue_backend is None or tiered
                     else _glue_compiled(gm, glue_backend, target.training))
-        runner, graphed = runner_for(call), None
+        runner, graphed = refreshing(plain(call), hoisted), None
         compiles_here = glue_backend is not None and not tiered
-        if compiles_here:  # one compile at a time: after the background ones
+        if compiles_here:  # the compile's first call captures: after the background jobs
             drain()
         if self.options.cuda_graph and target.cuda:
             # the warm-up call compiles (and autotunes) a torch.compile'd glue; the option is
             # process-wide, so it is patched only then, with no background compile running
             with (without_custom_op_alias_check() if compiles_here
                   else contextlib.nullcontext()):
-                runner, graphed = self.graphed(runner, call, args, notes,
-                                               training=target.training)
+                runner, graphed = self.graphed(plain(call), call, args, notes,
+                                               training=target.training, gm=gm,
+                                               hoisted=hoisted)
         if tiered and graphed is None:  # no graph: eager glue is the faster one uncaptured
             glue_backend = None
         elif tiered:
-            runner = self.inductor_tier(runner, gm, runner_for, notes)
+            runner = self.inductor_tier(runner, gm, plain, notes, hoisted)
         return runner, glue_backend, graphed
 
     def ddp_stages(self, gm: fx.GraphModule, target: Target) -> list[int]:
@@ -256,15 +256,19 @@ class Runners:
         return starts
 
     def graphed(self, run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
-                notes: list[str], training: bool = False
+                notes: list[str], training: bool = False, gm: fx.GraphModule | None = None,
+                hoisted: HoistedParameters | None = None
                 ) -> tuple[Callable[..., Any], str | None]:
         """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training
         specialization forward and backward graphs, :mod:`.runtime.cuda_graph_training`), and
-        ``"static"`` or ``"safe"``; or ``(run, None)`` when it cannot be captured (the reason is
-        noted). ``module`` is what ``run`` calls (the graph module, or ``torch.compile``'s
-        wrapper of it)."""
+        ``"static"`` or ``"safe"``; or ``run`` (after refreshing ``hoisted`` at each call) and
+        ``None`` when it cannot be captured (the reason is noted). ``module`` is what ``run``
+        calls (the graph module, or ``torch.compile``'s wrapper of it); an inference graph
+        starts with the derivation prologue of the model's state, ``gm``'s tensors and
+        ``hoisted`` (:mod:`.runtime.derivations`)."""
         from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
         from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
+        from .runtime.derivations import Derivations  # noqa: PLC0415
 
         static = self.options.cuda_graph == "static"
         try:
@@ -272,43 +276,38 @@ class Runners:
                 runner = TrainingGraphRunner(run, module, args, list(self.model.parameters()),
                                              list(self.model.buffers()), copy_outputs=not static)
             else:
-                params = [t for t in (*self.model.parameters(), *self.model.buffers())
-                          if not t.is_inference()]
-                runner = CudaGraphRunner(run, args, guard=functools.partial(version_sum, params),
+                state = [*self.model.parameters(), *self.model.buffers(),
+                         *(gm.parameters() if gm is not None else ()),
+                         *(gm.buffers() if gm is not None else ())]
+                runner = CudaGraphRunner(run, args, derivations=Derivations(state, hoisted),
                                          copy_outputs=not static)
+                for note in runner.derivations.notes:
+                    self._note(notes, note)
         except CaptureError as exc:
             what = "training step" if training else "forward"
             self._note(notes, f"the {what} runs without a CUDA graph: {exc}")
-            return run, None
+            return refreshing(run, hoisted), None
         return runner, "static" if static else "safe"
 
     def inductor_tier(self, first: Any, gm: fx.GraphModule,
-                      runner_for: Callable[[Callable[..., Any]], Callable[..., Any]],
-                      notes: list[str]) -> TieredRunner:
+                      plain: Callable[[Callable[..., Any]], Callable[..., Any]],
+                      notes: list[str], hoisted: HoistedParameters | None) -> TieredRunner:
         """``first`` (the CUDA-graph runner of ``gm`` with eager glue) until ``gm`` compiled by
-        Inductor on the background thread replaces it, in a CUDA graph of its own
-        (:mod:`.runtime.tiered`).
+        Inductor replaces it, in a CUDA graph of its own (:mod:`.runtime.tiered`). The compile
+        traces (AOTAutograd's ``make_fx``) and patches functorch's configuration, process-global
+        state: it runs on the calling thread, at the call after ``first``'s first (the rule of
+        :mod:`.runtime.background`).
 
         The graph goes to Inductor directly (:func:`inductor_compile`: AOTAutograd traces it,
-        each region one ``run_region`` op), not through ``torch.compile``: Dynamo on one thread
-        must not run beside Python on another (torch 2.11 keeps some of its per-call state
-        process-wide, pytorch/pytorch#196637). It compiles an
-        :func:`~fusion_compiler.runtime.tiered.isolated_copy` of ``gm``, which shares tensors with
-        the model (in-place updates reach the compiled code) but no module, rewritten by the glue
-        pipeline (:func:`fusion_compiler.passes.glue`) on the background thread. The compiled
-        graph then runs once on copies of the inputs, on a stream of its own, in the caller's
-        grad and inference modes, with the regions not executed
-        (:func:`~fusion_compiler.runtime.region_op.dry_run`): Triton's autotuning happens there.
-        All of it holds
-        :data:`~fusion_compiler.runtime.tiered.COMPILE_LOCK`: a new specialization's compile on
-        the calling thread waits for it."""
-        from .runtime.region_op import dry_run  # noqa: PLC0415
-
+        each region one ``run_region`` op), not through ``torch.compile``: no Dynamo guards at
+        each call. It compiles an :func:`~fusion_compiler.runtime.tiered.isolated_copy` of
+        ``gm``, which shares tensors with the model (in-place updates reach the compiled code)
+        but no module, rewritten by the glue pipeline (:func:`fusion_compiler.passes.glue`), in
+        the grad and inference modes of the call that made ``first``. The CUDA graph's warm-up
+        runs it first (Triton's autotuning happens there), with AOTAutograd's check of custom
+        ops' aliasing off (:func:`without_custom_op_alias_check`)."""
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
         private = isolated_copy(gm, opaque=lambda m: isinstance(m, Region))
-        device = next(a.device for a in example if isinstance(a, torch.Tensor))
-        ready = torch.cuda.Event()
-        ready.record()
         modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
 
         def in_modes() -> contextlib.ExitStack:
@@ -317,27 +316,21 @@ class Runners:
             stack.enter_context(torch.set_grad_enabled(modes[1]))
             return stack
 
-        def build() -> Any:  # on the background thread; no capture may run meanwhile
+        def finish(_: Any) -> Callable[..., Any]:  # on the calling thread
+            on_calling_thread("Inductor's compile of the glue")
             with COMPILE_LOCK:
                 PassManager(glue(), propagate=False).run(private)
                 with in_modes(), torch.no_grad():  # an inference graph (no backward traced)
                     compiled = inductor_compile(private, example)
-                stream = torch.cuda.Stream(device)
-                stream.wait_event(ready)
-                with in_modes(), torch.cuda.stream(stream), dry_run(), \
-                        without_custom_op_alias_check():
-                    compiled(*example)
-                stream.synchronize()
-            return compiled
-
-        def finish(compiled: Any) -> Callable[..., Any]:  # on the calling thread
-            with in_modes():
-                runner, graphed = self.graphed(runner_for(compiled), compiled, example, notes)
+                with in_modes(), without_custom_op_alias_check():
+                    runner, graphed = self.graphed(plain(compiled), compiled, example, notes,
+                                                   gm=gm, hoisted=hoisted)
             if graphed is None:
                 raise RuntimeError("its CUDA graph could not be captured")
             return runner
 
         def failed(reason: str) -> None:
+            warn_once(f"Inductor's compile of {type(self.model).__name__}'s glue", reason)
             self._note(notes, f"Inductor's glue failed to compile; eager glue kept: {reason}")
 
-        return TieredRunner(first, build, finish, failed)
+        return TieredRunner(first, None, finish, failed)

@@ -27,9 +27,10 @@ from .kernels import prewarm_triton
 from .lowering import build_plans, lower, plan_work, regions_of
 from .passes import PassManager, fusion, post_lowering, pre_fusion
 from .passes.post_lowering.hoist import HOISTED, HoistedParameters
-from .runners import Runners, memory_format, with_hoisting_and_formats
+from .runners import Runners, memory_format, with_formats
 from .runtime.plan_cache import PlanCache, default_cache_dir
-from .runtime.tiered import COMPILE_LOCK, TieredRunner, unlowered_copy
+from .runtime.background import COMPILE_LOCK, warn_once
+from .runtime.tiered import TieredRunner, unlowered_copy
 
 __all__ = ["Specialization", "SpecializationCompiler"]
 
@@ -83,11 +84,13 @@ class SpecializationCompiler:
         model: the model (captured anew for each specialization).
         options: the compile's options.
         note: ``note(notes, reason)`` records why a default was not taken (and logs it once).
+        names: the names of ``forward``'s arguments, in order.
     """
 
     def __init__(self, model: torch.nn.Module, options: CompileOptions,
-                 note: Callable[[list[str], str], None]):
+                 note: Callable[[list[str], str], None], names: Sequence[str] = ()):
         self.model, self.options, self._note = model, options, note
+        self.names = list(names)  # of forward's arguments, in order
         self.runners = Runners(model, options, note)
         self.shape_cache = PlanCache(default_cache_dir(options.cache_dir))  # shapes per input
         self._warned = False  # about a model without convolutions
@@ -128,14 +131,19 @@ class SpecializationCompiler:
         return spec
 
     def _warn_without_convolutions(self, gm: fx.GraphModule) -> None:
-        """Warn (once per model) that a model without a convolution gets nothing fused."""
+        """Warn (once per model) that a model without a convolution gets nothing fused, or (once
+        per cause) that its graph runs as PyTorch ops for the reason ``normalize`` gave."""
+        if gm.meta.get("fusion_off"):
+            warn_once(f"fusing {type(self.model).__name__}", f"{gm.meta['fusion_off']}: its "
+                      "graph runs as PyTorch ops")
         if self._warned or any(is_any_conv(n, gm) or called_region(gm, n) is not None
                                for n in gm.graph.nodes):
             return
         self._warned = True
-        log.warning("%s has no convolution: nothing will be fused (fusion_compiler fuses "
-                    "convolution chains); it runs as its own PyTorch ops",
-                    type(self.model).__name__)
+        # a Dynamo graph without one is common (the tail after a graph break): no warning
+        level = logging.INFO if isinstance(self.model, fx.GraphModule) else logging.WARNING
+        log.log(level, "%s has no convolution: nothing will be fused (fusion_compiler fuses "
+                "convolution chains); it runs as its own PyTorch ops", type(self.model).__name__)
 
     def print_report(self, spec: Specialization, training: bool) -> None:
         from .tables import format_gradients, format_regions  # noqa: PLC0415
@@ -149,7 +157,8 @@ class SpecializationCompiler:
         """The model captured and rewritten by the pre-fusion and fusion pipelines (shapes from
         the shape cache where it has them), and the name of the lock :meth:`_lower` takes."""
         passes = [*pre_fusion(self.options, target), *fusion(self.options, target)]
-        captured = capture(self.model)
+        # an argument passed as None is traced as None (``if mask is not None``)
+        captured = capture(self.model, [n for n, a in zip(self.names, args) if a is None])
         text = self._shapes_text(captured, key, passes)
         shapes_header = PlanCache.header(text, {"kind": "shapes"})
         # Processes sharing the cache directory (DDP ranks) compile this one at a time: the
@@ -232,7 +241,7 @@ class SpecializationCompiler:
         (:meth:`.runners.Runners.for_lowered`, itself tiered when Inductor compiles the glue)."""
         gm = spec.graph_module
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        first = with_hoisting_and_formats(unlowered_copy(gm), None, formats)
+        first = with_formats(unlowered_copy(gm), formats)
         timed = work == "tune"
         log.info("%s answers from PyTorch ops while its plans are %s in the background",
                  type(self.model).__name__,
@@ -262,6 +271,7 @@ class SpecializationCompiler:
             return runner
 
         def failed(reason: str) -> None:
+            warn_once(f"lowering {type(self.model).__name__}'s regions", reason)
             self._note(spec.notes, f"lowering failed; the regions run as PyTorch ops: {reason}")
 
         return TieredRunner(first, build, finish, failed)

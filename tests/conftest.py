@@ -43,9 +43,9 @@ def _background_compiles_end_with_their_test():
     """A test's background glue compiles (``compile(tiered=True)``) end before the next test
     starts, so no test runs beside another's compile."""
     yield
-    from fusion_compiler.runtime import tiered
+    from fusion_compiler.runtime import background
 
-    tiered.drain()
+    background.drain()
 
 
 def specialize(model: torch.nn.Module, *inputs: torch.Tensor, backend: str = "reference",

@@ -192,48 +192,52 @@ def test_a_choice_is_followed_at_a_batch_size_within_a_factor_of_2(tmp_path, tim
     assert timed == [1, 1]
 
 
-def test_a_weight_made_from_a_view_made_afresh_at_every_call_is_cached():
-    """A graph reshapes a conv bias to ``[1, K, 1, 1]`` at every call: the value made from it is
-    kept while its base is unchanged, and made again after an in-place update of the base."""
-    from fusion_compiler.runtime.weight_cache import WeightCache
+def test_a_value_made_from_a_view_made_afresh_at_every_call_is_reused_within_an_epoch():
+    """A graph reshapes a conv bias to ``[1, K, 1, 1]`` at every call: within one derivation
+    epoch (one capture) the value made from it is made once; another view of the base, or a new
+    epoch, makes it again; outside an epoch it is made at every call."""
+    from fusion_compiler.runtime.weight_cache import WeightCache, derivation_epoch
 
     made = []
     cache = WeightCache(lambda w, b: made.append(1) or (w * 2, b + 1))
     weight, bias = torch.randn(4, 4), torch.randn(4)
-    for _ in range(3):
-        cache(weight, bias.view(1, 4, 1, 1))
-    assert made == [1]
-    with torch.no_grad():
-        bias.add_(1.0)
-    _, folded = cache(weight, bias.view(1, 4, 1, 1))
-    assert made == [1, 1] and torch.equal(folded, bias.view(1, 4, 1, 1) + 1)
-    cache(weight, bias.view(4, 1, 1, 1))  # another view of the same base: made again
-    assert made == [1, 1, 1]
+    with derivation_epoch():
+        for _ in range(3):
+            cache(weight, bias.view(1, 4, 1, 1))
+        assert made == [1]
+        cache(weight, bias.view(4, 1, 1, 1))  # another view of the same base: made again
+        assert made == [1, 1]
+    cache(weight, bias.view(1, 4, 1, 1)), cache(weight, bias.view(1, 4, 1, 1))
+    assert made == [1, 1, 1, 1]
 
 
-def test_a_conv_bias_is_folded_once(monkeypatch):
-    """A 3x3 convolution with a bias on 2x2 images runs the dense GEMM; its dense weight and
-    bias vector are made once over several calls (the bias operand is a fresh view each call)."""
-    from fusion_compiler.kernels import dense_conv
+def test_the_dense_weight_follows_every_update_of_the_weight_and_the_folded_bias(monkeypatch):
+    """A 3x3 convolution with a bias on 2x2 images runs the dense GEMM; outside a CUDA graph
+    its dense weight and bias vector are made at each call, so in-place updates, ``.data``
+    writes and a reassigned parameter are all seen. The description of the dense weight that a
+    CUDA graph's derivation program uses computes the same values."""
+    from fusion_compiler.runtime.derive import Expr, evaluate
 
-    made = []
-    real = dense_conv.dense_weight
-    monkeypatch.setattr(dense_conv, "dense_weight", lambda *a: made.append(1) or real(*a))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()).to(torch.bfloat16).eval()
     x = torch.randn(4, 16, 2, 2, dtype=torch.bfloat16)
     compiled, _ = _compiled(model, x, monkeypatch)
-    with torch.inference_mode():  # the reshaped bias is hoisted, a normal tensor even here
-        for _ in range(3):
+    assert compiled.last.regions[0].backend == "dense"
+    updates = [lambda: model[0].bias.add_(0.5), lambda: model[0].weight.data.mul_(-2.0),
+               lambda: setattr(model[0], "bias", nn.Parameter(torch.randn(16).bfloat16()))]
+    for update in updates:
+        with torch.no_grad():
+            update()
             got = compiled(x)
-        assert len(made) == 1
-        with torch.no_grad():  # an update: the hoisted bias is refreshed in place, D made again
-            model[0].bias.add_(0.5)
-        got = compiled(x)
-    with torch.no_grad():
-        want = model.double()(x.double())
-    assert compiled.last.regions[0].backend == "dense" and rel_err(got.double(), want) < 1e-2
-    assert len(made) == 2
+            want = model.double()(x.double())
+            model.to(torch.bfloat16)
+        assert rel_err(got.double(), want) < 1e-2
+    kernel = compiled.last.regions[0].kernel.__self__
+    weight, bias = model[0].weight, model[0].bias.view(1, 16, 1, 1)
+    dense, shift = kernel._prepare(weight, bias)
+    exprs = kernel._describe(Expr.source(0, weight), Expr.source(1, bias))
+    assert torch.equal(evaluate(exprs[0], [weight, bias]).bfloat16(), dense)
+    assert torch.equal(evaluate(exprs[1], [weight, bias]).bfloat16(), shift)
 
 
 @pytest.mark.parametrize("image, taps, small", [

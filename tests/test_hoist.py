@@ -1,4 +1,6 @@
-"""Parameter-only subgraphs are computed once per parameter version (runtime/hoist.py)."""
+"""Parameter-only subgraphs are hoisted out of inference graphs that a CUDA graph replays (and
+of the CUDA pipeline ``dump`` shows), and recomputed before each call that is not replayed, so
+they follow every kind of parameter update (passes/post_lowering/hoist.py)."""
 
 from __future__ import annotations
 
@@ -35,15 +37,20 @@ def test_downsample_weights_are_hoisted_and_follow_parameter_updates(glue_backen
         code = compiled.last.graph_module.code
         assert "expand" not in code and "0.1111" not in code  # no per-call weight rewrite left
         for block in (model.layer1, model.layer2, model.layer3):
-            block.downsample[1].weight.mul_(-0.5)  # an in-place update bumps the version counter
+            block.downsample[1].weight.mul_(-0.5)  # an in-place update
+        assert rel_err(compiled(x), model(x)) < 1e-5
+        for block in (model.layer1, model.layer2, model.layer3):
+            block.downsample[1].weight.data.mul_(3.0)  # one no version counter records
         assert rel_err(compiled(x), model(x)) < 1e-5
 
 
-def test_batch_norm_scale_and_shift_are_hoisted():
+def test_batch_norm_scale_and_shift_are_hoisted_and_follow_every_kind_of_update():
+    """Updates no version counter records (``.data`` writes, running statistics moved by
+    train-mode forwards) are seen as well as in-place ones."""
     torch.manual_seed(0)
     model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
                                         nn.BatchNorm2d(16), nn.ReLU())).eval()
-    compiled = fc.compile(model)
+    compiled = fc.compile(model, cuda_pipeline=True)
     x = torch.randn(2, 8, 6, 6)
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-5
@@ -51,6 +58,23 @@ def test_batch_norm_scale_and_shift_are_hoisted():
         assert "rsqrt" not in compiled.last.graph_module.code
         model[1].running_var.mul_(2.0)
         assert rel_err(compiled(x), model(x)) < 1e-5
+        model[1].weight.data.mul_(-3.0)
+        assert rel_err(compiled(x), model(x)) < 1e-5
+        model.train()
+        for _ in range(3):
+            model(torch.randn(4, 8, 6, 6) * 2 + 1)
+        model.eval()
+        assert rel_err(compiled(x), model(x)) < 1e-5
+
+
+def test_without_a_cuda_graph_nothing_is_hoisted_on_the_cpu():
+    """The eval batch norm's scale and shift stay in the graph, computed at each call."""
+    model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
+                                        nn.BatchNorm2d(16), nn.ReLU())).eval()
+    compiled = fc.compile(model)
+    with torch.no_grad():
+        compiled(torch.randn(2, 8, 6, 6))
+    assert not _hoisted(compiled) and "rsqrt" in compiled.last.graph_module.code
 
 
 def test_nothing_is_hoisted_while_gradients_are_needed():

@@ -212,10 +212,12 @@ def test_interpreted_kernel_matches_fp64():
         assert len(errors) == 2 and max(errors) < 2e-3, (name, errors)
 
 
-def test_packed_weight_rows_and_versions():
+def test_packed_weight_rows_and_its_description():
     """The kernel's weight: row ``c*16 + tap`` is SpaceToDepth's input channel ``tap*C + c``,
-    rows past ``C`` zero; made once per weight version, again after an in-place update."""
-    from fusion_compiler.kernels.space_to_depth import packed_weight
+    rows past ``C`` zero; made at every call outside a derivation scope (an in-place update is
+    seen), and described as a rearrangement for a CUDA graph's derivation program."""
+    from fusion_compiler.kernels.space_to_depth import _pack, packed_weight
+    from fusion_compiler.runtime.derive import Expr, evaluate
 
     weight = torch.randn(8, 16 * 3, 1, 1)
     packed = packed_weight(weight, 3, 4)
@@ -224,7 +226,8 @@ def test_packed_weight_rows_and_versions():
         for tap in range(16):
             assert torch.equal(packed[c * 16 + tap], weight[:, tap * 3 + c, 0, 0])
     assert not packed[3 * 16:].any()
-    assert packed_weight(weight, 3, 4) is packed
     with torch.no_grad():
-        weight.mul_(2)
+        weight.data.mul_(2)
     assert torch.equal(packed_weight(weight, 3, 4)[:16], 2 * packed[:16])
+    described = Expr.rearranged(lambda a: _pack(a, c=3, cg=4), Expr.source(0, weight))
+    assert torch.equal(evaluate(described, [weight]), packed_weight(weight, 3, 4))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fusion_compiler.runtime import region_op
-from fusion_compiler.runtime.tiered import TieredRunner, drain, submit
+from fusion_compiler.runtime.background import drain, submit
+from fusion_compiler.runtime.tiered import TieredRunner
 from conftest import relowered
 
 
@@ -168,7 +169,7 @@ def test_a_compile_waits_for_a_background_compile_whose_trace_sets_fx_globals():
     from torch.fx import traceback as fx_traceback
 
     from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-    from fusion_compiler.runtime.tiered import COMPILE_LOCK
+    from fusion_compiler.runtime.background import COMPILE_LOCK
     from conftest import patterns, specialize
 
     inside, release = threading.Event(), threading.Event()

@@ -13,9 +13,9 @@ import torch
 from ..ir.errors import TimingDeferred
 from ..ir.ops import node_device
 from ..ir.region import channel_view_total
-from ..runtime.cuda_graph import parameters_guarded
 from ..runtime.tensors import channel_view_strides
-from ..runtime.tiered import COMPILE_LOCK, ThreadFlag
+from ..runtime.background import COMPILE_LOCK, ThreadFlag
+from ..runtime.weight_cache import derivation_epoch
 
 __all__ = ["PYTORCH_MARGIN", "timing_deferred", "ensure_timing_allowed", "random_tensor",
            "sample_tensor", "sample_inputs", "gpu_time_ms", "paired_time_ms"]
@@ -98,13 +98,14 @@ def _captured(run: Callable[[], object], iters: int, stream: torch.cuda.Stream
     """``iters`` calls of ``run`` captured on ``stream`` in a CUDA graph. Captured by hand:
     ``torch.cuda.graph`` also runs ``gc.collect()`` and ``empty_cache()`` on entry, which are
     slow in a compiling process, and autotuning captures about a hundred graphs (measurements:
-    docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin"). Marked
-    :func:`~fusion_compiler.runtime.cuda_graph.parameters_guarded` (the sample inputs never
-    change between replays): what a kernel makes once per weight version (a channels_last or
-    dense copy of the weight) is read by the graph, as in the graphs that run, not timed."""
+    docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin"). Called within the
+    :func:`~fusion_compiler.runtime.weight_cache.derivation_epoch` of the warm-up call: what a
+    kernel derives from its weight (a channels_last or dense copy) is read by the graph, as in
+    the graphs that run (whose derivation prologue rewrites it only when the weight changes), not
+    timed."""
     graph = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with COMPILE_LOCK, torch.cuda.stream(stream), parameters_guarded():
+    with COMPILE_LOCK, torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             for _ in range(iters):
@@ -128,14 +129,15 @@ def paired_time_ms(runs: Sequence[Callable[[], object]], reps: int = 3, iters: i
     ensure_timing_allowed()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with derivation_epoch() as epoch:  # held until the graphs are timed
+        with torch.cuda.stream(stream):
+            for run in runs:
+                run()  # warm-up outside capture: first launch loads the kernel
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs = []
         for run in runs:
-            run()  # warm-up outside capture: first launch loads the kernel
-    torch.cuda.current_stream().wait_stream(stream)
-    graphs = []
-    for run in runs:
-        graphs.append(_captured(run, iters, stream))
-        graphs[-1].replay()
+            graphs.append(_captured(run, iters, stream))
+            graphs[-1].replay()
     samples: list[list[float]] = [[] for _ in runs]
     for _ in range(reps):
         for graph, times in zip(graphs, samples):
@@ -145,4 +147,5 @@ def paired_time_ms(runs: Sequence[Callable[[], object]], reps: int = 3, iters: i
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / iters)
+    del epoch
     return [statistics.median(times) for times in samples]

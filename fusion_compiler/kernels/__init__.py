@@ -24,7 +24,7 @@ def triton_unavailable(load: Callable[[], Any]) -> str:
 
 def prewarm_triton() -> None:
     """Start computing, on the package's background thread
-    (:func:`~fusion_compiler.runtime.tiered.submit`), what the first Triton kernel launch of a
+    (:func:`~fusion_compiler.runtime.background.submit`), what the first Triton kernel launch of a
     process computes before it looks anything up: the key of Triton's on-disk kernel cache, a hash
     of Triton's own sources and library, cached for the process (``triton.runtime.cache.
     triton_key``). Most of it is hashing and file reads, which release the GIL, so it runs beside
@@ -36,7 +36,7 @@ def prewarm_triton() -> None:
     if _prewarm_started:
         return
     _prewarm_started = True
-    from ..runtime.tiered import submit  # noqa: PLC0415
+    from ..runtime.background import submit  # noqa: PLC0415
 
     submit(_triton_cache_key)
 

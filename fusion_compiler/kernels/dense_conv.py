@@ -39,6 +39,7 @@ import torch
 from ..ir.region import Region
 from ..runtime.region_op import (channels_last_specs, in_dry_run, is_traced, register_kernel,
                                   run_region)
+from ..runtime.derive import Expr, NotDerivable
 from ..runtime.weight_cache import WeightCache
 from .conv import ConvProgram, conv_program, output_hw
 from .epilogue import ADD, BINARY, DIV, MUL, RELU, SUB, reference_outputs
@@ -128,13 +129,15 @@ def folded_ops(ops: Sequence[int], kinds: Sequence[int]) -> tuple[int, bool]:
 def dense_weight(weight: torch.Tensor, image: tuple[int, int], program: ConvProgram
                  ) -> torch.Tensor:
     """``D`` ``[H*W*C, HO*WO*K]`` (module docstring) for ``weight`` ``[K, C, R, S]`` on an
-    ``image`` of ``(H, W)`` pixels, in fp32 (every entry a weight value or 0: exact)."""
+    ``image`` of ``(H, W)`` pixels, in ``weight``'s dtype (every entry a weight value or 0: a
+    rearrangement, which also describes ``D`` for a derivation, :mod:`fusion_compiler.runtime.
+    derive`)."""
     k, c, r, s = weight.shape
     h, w = image
     (sh, sw), (ph, pw), (dh, dw) = program.stride, program.padding, program.dilation
     ho, wo = output_hw(h, w, r, s, program)
-    taps = weight.detach().float().permute(2, 3, 1, 0)  # [R, S, C, K]
-    dense = torch.zeros((h, w, c, ho, wo, k), dtype=torch.float32, device=weight.device)
+    taps = weight.detach().permute(2, 3, 1, 0)  # [R, S, C, K]
+    dense = weight.new_zeros((h, w, c, ho, wo, k))
     for i in range(ho):
         for j in range(wo):
             for a in range(r):
@@ -188,8 +191,39 @@ class DenseConvKernel:
                  outputs: Sequence[tuple[tuple[int, ...], torch.dtype]], name: str = ""):
         self.program = program
         self.folded_operands = sum(code in BINARY for code in program.conv.ops[:program.folded])
-        self.weights = WeightCache(self._prepare)
+        self.weights = WeightCache(self._prepare, describe=self._describe)
         self.key = register_kernel(self, channels_last_specs(outputs), f"{name} dense")
+
+    def _describe(self, weight: Expr, *operands: Expr) -> tuple[Expr, Expr]:
+        """What :meth:`_prepare` makes, as expressions of its inputs' (a derivation scope
+        recomputes them on the GPU when the weight or a folded operand changes).
+
+        Raises:
+            NotDerivable: the folded ops make the scale or the shift other than a product of
+                at most one operand each (a division, an add before a multiply)."""
+        program = self.program
+        ho, wo, k = program.output
+        scale, shift = Expr.constant(1.0, (k,)), None
+        it = iter(operands)
+        for code in program.conv.ops[:program.folded]:
+            if code not in BINARY:
+                continue
+            v = Expr.rearranged(lambda a: a.reshape(-1).expand(k), next(it))
+            if code == MUL:
+                scale = scale.times(v)
+                if shift is not None:
+                    shift = shift.times(v)
+            elif code in (ADD, SUB) and shift is None:
+                shift = v if code == ADD else v.scaled(-1.0)
+            else:
+                raise NotDerivable("a division or a second add among the folded ops")
+        columns = Expr.rearranged(lambda a: a.repeat(ho * wo), scale)
+        dense = Expr.rearranged(lambda a: dense_weight(a, program.image[:2], program.conv),
+                                weight).times(Expr.rearranged(lambda a: a.expand(
+                                    program.dense_shape), columns))
+        bias = (Expr.constant(0.0, (ho * wo * k,)) if shift is None
+                else Expr.rearranged(lambda a: a.repeat(ho * wo), shift))
+        return dense, bias
 
     def _prepare(self, weight: torch.Tensor, *operands: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,7 +121,7 @@ def packed_weight(weight: torch.Tensor, c: int, cg: int) -> torch.Tensor:
     base = weight if weight._base is None else weight._base
     caches = _PACKED.setdefault(base, {})
     if (c, cg) not in caches:
-        caches[(c, cg)] = WeightCache(functools.partial(_pack, c=c, cg=cg))
+        caches[(c, cg)] = WeightCache(functools.partial(_pack, c=c, cg=cg), rearrangement=True)
     return caches[(c, cg)](weight)
 
 

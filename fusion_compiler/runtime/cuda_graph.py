@@ -36,73 +36,21 @@ runs it without a graph.
 from __future__ import annotations
 
 import contextlib
-import itertools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..ir.errors import condense
-from .tiered import COMPILE_LOCK
+from .derivations import Derivations
+from .background import COMPILE_LOCK
+from .weight_cache import Epoch, derivation_scope
 
-__all__ = ["CudaGraphRunner", "CaptureError", "EVERY_CALL", "parameters_guarded",
-           "parameters_updated_between_replays", "weight_cache_scope"]
+__all__ = ["CudaGraphRunner", "CaptureError"]
 
 
 class CaptureError(RuntimeError):
     """The forward could not be captured in a CUDA graph; the message says why (CUDA's error)."""
-
-
-_EPOCHS = itertools.count(1)
-_UNSET = object()
-_scope: Any = _UNSET
-EVERY_CALL = -1
-"""What :func:`weight_cache_scope` returns in a capture nobody marked: cache nothing."""
-
-
-@contextlib.contextmanager
-def _scoped(value: Any) -> Iterator[Any]:
-    global _scope
-    outer, _scope = _scope, value
-    try:
-        yield value
-    finally:
-        _scope = outer
-
-
-def parameters_updated_between_replays() -> contextlib.AbstractContextManager[int]:
-    """Mark a capture whose replays must see in-place parameter updates (a training step: the
-    optimizer updates parameters between replays, and nothing captures again).
-
-    Work that a kernel caches per parameter version on the host (a channels_last copy of a weight)
-    must then be done inside the graph: while this context is open, :func:`weight_cache_scope`
-    returns a number new to this context, and caches make their value once in it (the forward and
-    backward captures of one step share it).
-    """
-    return _scoped(next(_EPOCHS))
-
-
-def parameters_guarded() -> contextlib.AbstractContextManager[None]:
-    """Mark a capture that is redone whenever a parameter changes (:class:`CudaGraphRunner` with
-    a ``guard`` on the parameters' versions): host-side caches per parameter version stay valid,
-    and their values are read by the graph, not recomputed in it."""
-    return _scoped(None)
-
-
-def weight_cache_scope() -> int | None:
-    """How long a value cached per parameter version (``Tensor._version``) may be reused now.
-
-    ``None``: while the version is unchanged (eager calls, and captures under
-    :func:`parameters_guarded`). A positive number: within the open
-    :func:`parameters_updated_between_replays` context of that number only. :data:`EVERY_CALL`:
-    not at all, in any other CUDA graph capture (a training step a user captures by hand, whose
-    replays follow optimizer updates that no version check on the host can see).
-    """
-    if _scope is not _UNSET:
-        return _scope
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return EVERY_CALL
-    return None
 
 
 def _release_rng_capture(device: int) -> None:
@@ -167,9 +115,11 @@ class CudaGraphRunner:
         fn: the forward to capture; it must only launch work on the current stream.
         example_args: real CUDA tensors (their values are used for the warm-up runs).
         warmup: eager runs before capture.
-        guard: called before each replay; when its value changes (e.g. the parameters' version
-            counters after an optimizer step or ``load_state_dict``) the forward is captured
-            again, so work that the forward caches per parameter version stays right.
+        derivations: what the forward derives from the module's state (hoisted values, kernels'
+            weight copies): warm-up and capture run in its scope, and every graph starts with its
+            prologue, which recomputes the derived tensors whose sources changed since the last
+            replay (:mod:`.derivations`). ``None``: values the kernels derive are made once per
+            capture, in the graph, at every replay.
         copy_outputs: never return a buffer a later call overwrites (the buffers while nothing
             holds the last ones handed out, else copies: see the module docstring).
 
@@ -178,8 +128,8 @@ class CudaGraphRunner:
     """
 
     def __init__(self, fn: Callable[..., Any], example_args: Sequence[Any], warmup: int = 2,
-                 guard: Callable[[], Any] | None = None, copy_outputs: bool = True):
-        self.fn, self.warmup, self.guard = fn, warmup, guard
+                 derivations: Derivations | None = None, copy_outputs: bool = True):
+        self.fn, self.warmup, self.derivations = fn, warmup, derivations
         self.copy_outputs = copy_outputs
         self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_args]
         self.main: _Capture | None = None
@@ -188,6 +138,7 @@ class CudaGraphRunner:
         self._direct: _Capture | None | bool = None
         self._direct_key: tuple | None = None
         self._last_key: tuple | None = None
+        self._epochs: list[Any] = []  # the values each capture derived, kept with its graph
         self._capture()
 
     @property
@@ -202,31 +153,39 @@ class CudaGraphRunner:
 
     def _capture(self) -> None:
         fn = self.fn
-        self.token = self.guard() if self.guard is not None else None
         self._drop_extra_graphs()  # a recapture drops the spare and direct graphs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with COMPILE_LOCK:
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
+            with torch.cuda.stream(side), self._scope():
+                for _ in range(self.warmup):  # the first call records what the forward derives
                     fn(*self.static_inputs)
+                if self.derivations is not None:
+                    self.derivations.build()
+                    self.derivations.prologue()  # its first run derives everything
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
                 # thread_local: CUDA calls of other threads (a DataLoader's pinning thread) do
                 # not invalidate this capture
                 with torch.cuda.graph(graph, capture_error_mode="thread_local"), self._scope():
-                    outputs = fn(*self.static_inputs)
+                    outputs = self._forward(self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
                 _release_rng_capture(torch.cuda.current_device())
                 self.close()
                 raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
         self.main = _Capture(graph, outputs, self.static_inputs, self.copy_outputs)
 
+    def _forward(self, args: Sequence[Any]) -> Any:
+        """What a graph holds: the derivation prologue, then the forward."""
+        if self.derivations is not None:
+            self.derivations.prologue()
+        return self.fn(*args)
+
     def _try_capture(self, args: Sequence[Any], pool: Any) -> _Capture | bool | None:
         """A further capture of the forward on ``args`` (in ``pool``, ``None``: a pool of its
         own); ``None`` when it cannot be made now (a background compile holds
-        :data:`~.tiered.COMPILE_LOCK`: beside one, captures failed; a later call tries again),
+        :data:`~.background.COMPILE_LOCK`: beside one, captures failed; a later call tries again),
         ``False`` when capture failed (no later call tries)."""
         if not COMPILE_LOCK.acquire(blocking=False):
             return None
@@ -234,7 +193,7 @@ class CudaGraphRunner:
         try:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), \
                     self._scope():
-                outputs = self.fn(*args)
+                outputs = self._forward(args)
             return _Capture(graph, outputs, args, self.copy_outputs)
         except Exception:  # noqa: BLE001 - the calls go on without this graph
             _release_rng_capture(torch.cuda.current_device())
@@ -243,9 +202,12 @@ class CudaGraphRunner:
             COMPILE_LOCK.release()
 
     def _scope(self) -> contextlib.AbstractContextManager:
-        """Host caches per parameter version may be read by the graph when a guard recaptures
-        on parameter changes; otherwise their work must be captured."""
-        return parameters_guarded() if self.guard is not None else contextlib.nullcontext()
+        """The derivations' scope; without them, an epoch whose values the graph recomputes at
+        every replay (kept as long as the runner)."""
+        if self.derivations is not None:
+            return derivation_scope(self.derivations)
+        self._epochs.append(Epoch())
+        return derivation_scope(self._epochs[-1])
 
     @staticmethod
     def _key(args: Sequence[Any]) -> tuple:
@@ -254,8 +216,6 @@ class CudaGraphRunner:
                      for a in args)
 
     def __call__(self, *args: Any) -> Any:
-        if self.guard is not None and self.guard() != self.token:
-            self._capture()
         outputs = "safe" if self.copy_outputs else "buffers"
         key = self._key(args)
         if key == self._last_key and self.copy_outputs:  # the caller refilled its tensors
@@ -293,3 +253,4 @@ class CudaGraphRunner:
             self.main.reset()
         self.main = None
         self.static_inputs = []
+        self._epochs = []

@@ -48,9 +48,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .tensors import layout_like, restored
 from ..ir.errors import condense
-from .cuda_graph import (CaptureError, _release_rng_capture,
-                         parameters_updated_between_replays)
-from .tiered import COMPILE_LOCK
+from .cuda_graph import CaptureError, _release_rng_capture
+from .weight_cache import derivation_epoch
+from .background import COMPILE_LOCK
 
 __all__ = ["TrainingGraphRunner", "Stage"]
 
@@ -132,7 +132,7 @@ class TrainingGraphRunner:
         try:
             with restored(self.buffers):
                 self._warm_up(named, wrt + aliases)
-                with parameters_updated_between_replays(), COMPILE_LOCK:
+                with derivation_epoch() as self._epoch, COMPILE_LOCK:  # kept with the graphs
                     self._capture_graphs(named, dict(zip(map(id, self.parameters), aliases)))
         except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
             _release_rng_capture(torch.cuda.current_device())
@@ -231,6 +231,7 @@ class TrainingGraphRunner:
         for pair in self.pairs:
             pair.close()
         self.pairs = []
+        self._epoch = None
         for stage in self.stages:
             stage.pair = None
 

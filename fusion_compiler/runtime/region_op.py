@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .tiered import ThreadFlag
+from .background import ThreadFlag
 
 __all__ = ["run_region", "register_kernel", "register_backward", "is_traced", "dry_run",
            "in_dry_run", "channels_last_specs"]

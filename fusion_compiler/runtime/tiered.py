@@ -1,36 +1,30 @@
-"""Tiered compilation: serve calls from a quick first tier while a faster tier compiles in the
-background.
+"""Tiered compilation: serve calls from a quick first tier while a faster tier is made.
 
 A specialization whose glue is compiled by Inductor would otherwise make its first call wait for
 Inductor, and one whose plans are not cached would wait for their builds: seconds each
-(measurements: docs/decisions.md, "Tiered compilation"). With tiering, a quick tier answers at once
-and one background thread compiles the next: tier 0 runs the regions as their own PyTorch ops
-(:func:`unlowered_copy`) while plans build; tier 1 the lowered regions with the glue as eager
-PyTorch ops, in a CUDA graph, while Inductor compiles the glue; tier 2 the compiled glue (no tier 2
-when the glue leaves Inductor nothing to compile, see ``Runners.glue_backend``). The first
-call after a background compile finished switches tiers (lowering or capturing on the calling
-thread) and frees the tier before. A :class:`TieredRunner` holds two tiers; tier 0's second is
-itself a :class:`TieredRunner` when Inductor compiles the glue. The tiers compute the same function;
-outputs may differ in the last bits (Inductor's fused glue and cuDNN's plans round differently from
-eager ops).
+(measurements: docs/decisions.md, "Tiered compilation"). With tiering, a quick tier answers at
+once: tier 0 runs the regions as their own PyTorch ops (:func:`unlowered_copy`) while the
+background thread builds or loads the plans (:mod:`.background`); tier 1 the lowered regions with
+the glue as eager PyTorch ops, in a CUDA graph; tier 2 the glue compiled by Inductor (no tier 2
+when the glue leaves Inductor nothing to compile, see ``Runners.glue_backend``). Inductor's
+compile traces (AOTAutograd's ``make_fx``), which touches process-global state: it runs on the
+calling thread, at the call after tier 1's first (that call takes the compile's time), never on the
+background thread. A switch (lowering, compiling, capturing on the calling thread) frees the tier
+before. A :class:`TieredRunner` holds two tiers; tier 0's second is itself a :class:`TieredRunner`
+when Inductor compiles the glue. The tiers compute the same function; outputs may differ in the
+last bits (Inductor's fused glue and cuDNN's plans round differently from eager ops).
 
-While the background thread compiles, it holds the GIL in Python's switch-interval slices (5 ms),
-so calls in that window can take longer. Inductor's first run there uses a stream of its own and
-never touches a region's workspace (regions are not executed there, see
-:func:`fusion_compiler.runtime.region_op.dry_run`); tier 0's lowering runs only the hoisted
-parameter-only ops on the GPU (default stream), and no cuDNN plan is timed there (tier 0's plans
-build in worker processes, and their timing waits for the switch). A compile holds
-:data:`COMPILE_LOCK` from start to end, so a new specialization's compile on the calling thread
-waits for it.
+While the background thread works, it holds the GIL in Python's switch-interval slices (5 ms), so
+calls in that window can take longer. Tier 0's lowering on it runs no kernel of a region and times
+nothing (tier 0's plans build in worker processes, and their timing waits for the switch); it
+holds :data:`~.background.COMPILE_LOCK` from start to end, so a new specialization's compile on
+the calling thread waits for it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import copy
-import queue
-import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -40,89 +34,9 @@ import torch.fx as fx
 
 from ..ir.ops import copy_graph
 from ..ir.region import Region
+from .background import submit
 
-__all__ = ["TieredRunner", "COMPILE_LOCK", "ThreadFlag", "submit", "drain", "isolated_copy",
-           "unlowered_copy"]
-
-COMPILE_LOCK = threading.RLock()
-"""Held by a background glue compile from start to end (the job
-:meth:`fusion_compiler.runners.Runners.inductor_tier` hands to :func:`submit`; ``submit`` itself
-takes no lock), and on the calling thread by every compile of a specialization (capture, passes,
-lowering with its autotuning) and every CUDA graph capture of this package, which therefore never
-run beside a background compile. Beside one, with torch 2.11 (docs/decisions.md, "The compile lock
-and no Dynamo on the background thread"):
-
-- a capture failed with "operation not permitted when stream is capturing", although captures
-  use ``capture_error_mode="thread_local"``;
-- the fuse pass failed in ``torch.fx``'s ``fuse_by_partitions`` ("replace_with already has .meta
-  keys"): ``torch.fx.traceback`` keeps its node-metadata state (``should_preserve_node_meta``,
-  ``current_meta``) in module globals, which AOTAutograd's trace on the background thread set,
-  so nodes our passes created on the calling thread were stamped with that trace's metadata.
-"""
-
-
-class ThreadFlag:
-    """A flag per thread, off until a ``with flag.raised():`` block on that thread (a nested
-    block leaves it as the outer one had it); ``bool(flag)`` reads the calling thread's. For
-    what a background compile does differently from the calling thread: regions not executed
-    (:func:`~fusion_compiler.runtime.region_op.dry_run`), no GPU timing
-    (:func:`~fusion_compiler.backends.timing.timing_deferred`)."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def __bool__(self) -> bool:
-        return getattr(self._local, "on", False)
-
-    @contextlib.contextmanager
-    def raised(self):
-        outer = bool(self)
-        self._local.on = True
-        try:
-            yield
-        finally:
-            self._local.on = outer
-
-
-_worker_lock = threading.Lock()
-_queue: "queue.SimpleQueue[tuple[concurrent.futures.Future, Callable[[], Any]]] | None" = None
-
-
-def _work(jobs: "queue.SimpleQueue") -> None:
-    while True:
-        future, fn = jobs.get()
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # handed to whoever waits on the future
-            future.set_exception(exc)
-
-
-def submit(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """Run ``fn()`` on the package's one background compile thread (a daemon: an exiting
-    interpreter does not wait for it); jobs run one at a time, in order of submission. Returns
-    the future of its result."""
-    global _queue
-    with _worker_lock:
-        if _queue is None:
-            _queue = queue.SimpleQueue()
-            threading.Thread(target=_work, args=(_queue,), daemon=True,
-                             name="fusion_compiler-background-compile").start()
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    _queue.put((future, fn))
-    return future
-
-
-def drain(timeout: float | None = None) -> bool:
-    """Block until every job submitted so far has ended (at most ``timeout`` s); returns whether
-    they have. A compile on the calling thread waits for them first: two compiles at once would
-    share Dynamo's and Inductor's process-wide configuration."""
-    if _queue is None:
-        return True
-    done, _ = concurrent.futures.wait([submit(lambda: None)], timeout=timeout)
-    return bool(done)
-
+__all__ = ["TieredRunner", "isolated_copy", "unlowered_copy"]
 
 class _Opaque(torch.nn.Module):
     """Calls ``module`` without registering it: its parameters and submodules stay out of
@@ -241,16 +155,19 @@ def unlowered_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 class TieredRunner:
-    """Calls go to ``first`` until ``build()``, run by :func:`submit` after the first call (or
-    at :meth:`wait`), has finished; the next call then switches to ``finish(build())`` and closes
-    ``first``.
+    """Calls go to ``first`` until ``build()``, run by :func:`~.background.submit` after the first
+    call (or at :meth:`wait`), has finished; the next call then switches to ``finish(build())``
+    and closes ``first``. Without ``build`` (a second tier made only on the calling thread, such
+    as Inductor's compile of the glue, which traces) the switch happens at the call after the
+    first, or at :meth:`wait`.
 
     Args:
         first: the first tier's callable (``close()`` is called on it, if it has one, after the
             switch).
-        build: the background part of the second tier's compile (runs on the background thread).
-        finish: turns ``build``'s result into the second tier's callable, on the calling thread
-            (e.g. captures its CUDA graph).
+        build: the background part of the second tier's compile (runs on the background thread:
+            the rule of :mod:`.background` applies), or ``None``.
+        finish: turns ``build``'s result (``None`` without ``build``) into the second tier's
+            callable, on the calling thread (e.g. captures its CUDA graph).
         on_failure: called with a one-line reason when ``build`` or ``finish`` raised; calls then
             stay on ``first``.
 
@@ -258,7 +175,7 @@ class TieredRunner:
         tier: 1 while calls go to ``first``, 2 after the switch.
     """
 
-    def __init__(self, first: Callable[..., Any], build: Callable[[], Any],
+    def __init__(self, first: Callable[..., Any], build: Callable[[], Any] | None,
                  finish: Callable[[Any], Callable[..., Any]],
                  on_failure: Callable[[str], None]):
         self.run, self.tier = first, 1
@@ -268,10 +185,15 @@ class TieredRunner:
     def _start(self) -> None:
         """Submit the build (once). Deferred to the end of the first call, so the background
         thread does not hold the GIL while the first output is being made."""
-        if self._future is None and self._build is not None:
-            me = weakref.ref(self)  # a runner dropped before its turn costs no compile
-            self._future = submit(lambda: None if (runner := me()) is None or
-                                  runner._build is None else runner._build())
+        if self._future is not None or self._finish is None:
+            return
+        if self._build is None:  # nothing for the background: ready at the next call
+            self._future = concurrent.futures.Future()
+            self._future.set_result(None)
+            return
+        me = weakref.ref(self)  # a runner dropped before its turn costs no compile
+        self._future = submit(lambda: None if (runner := me()) is None or
+                              runner._build is None else runner._build())
 
     def __call__(self, *args: Any) -> Any:
         if self._future is not None and self._future.done():
@@ -285,7 +207,7 @@ class TieredRunner:
     def pending(self) -> bool:
         """Whether the second tier is still to come (not yet switched to, nor failed), or, when
         the second tier is itself a :class:`TieredRunner`, whether its own is."""
-        return self._build is not None or bool(getattr(self.run, "pending", False))
+        return self._finish is not None or bool(getattr(self.run, "pending", False))
 
     def wait(self, timeout: float | None = None, nested: bool = True) -> bool:
         """Block until the background compile ends (at most ``timeout`` s), then switch tiers on

@@ -1,77 +1,118 @@
-"""A channels_last copy of a convolution weight, made once per weight version: what kernels that
-read weights as ``[K, R, S, C]`` rows (cuDNN's execution plans, the Triton convolution) hand them
-instead of converting the weight at every call."""
+"""Values kernels derive from weights (a channels_last copy, a zero-padded or packed copy, a dense
+matrix with a folded scale) and how long one may be reused.
+
+A :class:`WeightCache` belongs to a kernel and makes its value from the tensors it is handed.
+Outside a scope it makes the value at every call: nothing is remembered, so a value can never be
+older than its weight. Within a scope (on this thread):
+
+- :func:`derivation_epoch`: the value is made once per epoch and reused by every call in it: one
+  CUDA-graph capture whose replays recompute it in the graph (a training step: forward and
+  backward share the copy), or a timing graph.
+- a derivation scope (:class:`~fusion_compiler.runtime.derivations.Derivations`, an inference CUDA
+  graph): the scope hands out a persistent tensor that its graph rewrites whenever the weights it
+  is made from change (a content fingerprint, :mod:`fusion_compiler.runtime.derive`).
+"""
 
 from __future__ import annotations
 
-import weakref
-from typing import Callable
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 
-from .cuda_graph import EVERY_CALL, weight_cache_scope
+__all__ = ["WeightCache", "Epoch", "derivation_epoch", "derivation_scope", "current_scope",
+           "cache_key"]
 
-__all__ = ["WeightCache"]
-
-
-class WeightCache:
-    """channels_last copy of a weight, made once per weight version instead of once per call.
-
-    Keyed by the tensor object itself (held weakly; a view by its base and its place in it) and
-    its version counter (``Tensor._version`` grows on every in-place update, optimizer steps
-    included), so an updated parameter is copied again, and a weight computed afresh each call (a
-    rewritten weight in training, an inference tensor) is always converted: a new tensor may
-    reuse a freed one's memory and version number, so storage address and version alone would
-    return a stale copy.
-
-    In a CUDA graph capture whose replays follow optimizer updates (a graphed training step) the
-    copy is made inside the graph, so every replay converts the weight as the optimizer left it:
-    once per step for ``compile()``'s own training graphs (forward and backward share it), at every
-    use in a capture of someone else's (see
-    :func:`~fusion_compiler.runtime.cuda_graph.weight_cache_scope`).
-
-    Args:
-        convert: makes the copy from the weight (default: ``contiguous(channels_last)``, and a
-            weight already channels_last is used as it is); e.g. a zero-padding of its channels.
-            A cache called with more tensors (``cache(weight, *more)``: a value made from
-            several parameters, such as a weight with a folded scale) passes them all to
-            ``convert`` and keeps the value while none of them changes.
-    """
-
-    def __init__(self, convert: Callable[..., object] | None = None):
-        self.convert = convert
-        self.sources: tuple[weakref.ref, ...] = ()
-        self.versions: tuple = ()  # per tensor: version, storage offset, shape, strides
-        self.scope: int | None = None  # weight_cache_scope() when the value was made
-        self.value: object = None
-
-    def __call__(self, t: torch.Tensor, *more: torch.Tensor):
-        convert = self.convert
-        if convert is None:
-            if t.is_contiguous(memory_format=torch.channels_last):
-                return t
-            convert = _channels_last
-        tensors = (t, *more)
-        if any(x.is_inference() for x in tensors):  # made under inference_mode: no version
-            return convert(*tensors)  # counter, a fresh tensor
-        versions = tuple((x._version, x.storage_offset(), x.shape, x.stride()) for x in tensors)
-        if (self.versions == versions and len(self.sources) == len(tensors)
-                and all(ref() is _source(x) for ref, x in zip(self.sources, tensors))):
-            scope = weight_cache_scope()
-            if scope is None or (scope == self.scope and scope != EVERY_CALL):
-                return self.value
-        self.value = convert(*tensors)
-        self.sources = tuple(weakref.ref(_source(x)) for x in tensors)
-        self.versions, self.scope = versions, weight_cache_scope()
-        return self.value
+_local = threading.local()
 
 
-def _source(t: torch.Tensor) -> torch.Tensor:
-    """The tensor a cached value is keyed by: ``t``'s base when ``t`` is a view (a graph reshapes
-    a conv bias to ``[1, K, 1, 1]`` afresh at every call; a view shares its base's version
-    counter, so an in-place update of the base still shows), else ``t``."""
-    return t._base if t._base is not None else t
+def current_scope() -> Any:
+    """The innermost scope open on this thread, or ``None``."""
+    return getattr(_local, "scope", None)
+
+
+@contextlib.contextmanager
+def _scoped(scope: Any) -> Iterator[Any]:
+    outer = current_scope()
+    _local.scope = scope
+    try:
+        yield scope
+    finally:
+        _local.scope = outer
+
+
+class Epoch:
+    """Values made once within one :func:`derivation_epoch`; it holds them (a CUDA graph that
+    captured them keeps the epoch, so their memory outlives the capture)."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, tuple[tuple, Any]] = {}
+
+    def lookup(self, cache: "WeightCache", tensors: tuple[torch.Tensor, ...]) -> Any:
+        key = cache_key(tensors)
+        known = self.values.get(id(cache))
+        if known is not None and known[0] == key:
+            return known[1]
+        value = cache.convert(*tensors)
+        self.values[id(cache)] = (key, value)
+        return value
+
+
+def derivation_epoch() -> contextlib.AbstractContextManager[Epoch]:
+    """Within it, each :class:`WeightCache` makes its value once (per tensors it is handed) and
+    reuses it: for a CUDA-graph capture whose replays must recompute the values in the graph
+    (every use after the first reads the first's), or a timing graph (made before the capture by
+    a warm-up call in the same epoch). Returns the epoch, which holds the values: keep it as
+    long as a graph that reads them."""
+    return _scoped(Epoch())
+
+
+def derivation_scope(scope: Any) -> contextlib.AbstractContextManager[Any]:
+    """Within it, :class:`WeightCache` calls go to ``scope.lookup(cache, tensors)`` (an
+    inference CUDA graph's :class:`~fusion_compiler.runtime.derivations.Derivations`)."""
+    return _scoped(scope)
+
+
+def cache_key(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """What a cached value was made from: each tensor's memory, layout and dtype."""
+    return tuple((x.data_ptr(), tuple(x.shape), x.stride(), x.dtype) for x in tensors)
 
 
 def _channels_last(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last)
+
+
+class WeightCache:
+    """A kernel's value derived from the tensors it is handed (see the module docstring).
+
+    Args:
+        convert: makes the value (default: ``contiguous(channels_last)``; a weight that already
+            is channels_last is used as it is). Called as ``convert(weight, *more)``; it may
+            return a tensor or a tuple of tensors.
+        describe: ``describe(*exprs)`` gives the value as
+            :class:`~fusion_compiler.runtime.derive.Expr` s of the inputs' (what lets a
+            derivation scope recompute it on the GPU); ``None`` with ``rearrangement``: ``convert``
+            itself applied to index arrays; ``None`` otherwise: the scope computes it with
+            ``convert`` at every replay.
+        rearrangement: ``convert`` only moves, copies or zero-fills elements of its one input (no
+            arithmetic, no dtype change).
+    """
+
+    def __init__(self, convert: Callable[..., Any] | None = None,
+                 describe: Callable[..., Any] | None = None, rearrangement: bool = False):
+        self.default = convert is None
+        self.convert = _channels_last if convert is None else convert
+        if describe is None and (rearrangement or self.default):
+            from .derive import Expr  # noqa: PLC0415
+
+            describe = lambda e: Expr.rearranged(self.convert, e)  # noqa: E731
+        self.describe = describe
+
+    def __call__(self, t: torch.Tensor, *more: torch.Tensor) -> Any:
+        if self.default and t.is_contiguous(memory_format=torch.channels_last):
+            return t
+        scope = current_scope()
+        if scope is None:
+            return self.convert(t, *more)
+        return scope.lookup(self, (t, *more))

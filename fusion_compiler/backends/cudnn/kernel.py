@@ -70,7 +70,7 @@ class CudnnKernel:
                 # zero input and/or output channels, made once per weight version
                 self.prepare.append(WeightCache(_weight_padder(
                     pad[0] if node.name in in_pads else None,
-                    out_pad[0] if node.name in out_pads else None)))
+                    out_pad[0] if node.name in out_pads else None), rearrangement=True))
             elif node.name in in_pads:
                 self.prepare.append(_padder(pad[0]))
             elif node.name in out_pads:

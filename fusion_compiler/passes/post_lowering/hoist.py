@@ -1,16 +1,19 @@
-"""Hoisting: compute parameter-only subgraphs once per parameter version, not on every call.
+"""Hoisting: parameter-only subgraphs computed apart from the forward, so that an inference CUDA
+graph recomputes them only when the parameters they read change.
 
 Rewrites leave work in the graph that depends on parameters alone: the AvgPool + 1x1 downsample
 weight ``w * (1/9)`` expanded to 3x3, eval batch norm's ``gamma * rsqrt(var + eps)`` scale and
-shift, per-channel biases reshaped to ``[1,K,1,1]``. :func:`hoist_parameter_subgraphs` moves every
+shift, concatenated weights of merged convolutions. :func:`hoist_parameter_subgraphs` moves every
 such node into a separate graph and replaces what the rest of the graph reads with tensors held by
-the graph module. :meth:`HoistedParameters.refresh`, called before each forward, recomputes them
-only when a source parameter or buffer has changed (its storage or its ``_version`` counter, which
-grows on every in-place update, optimizer steps and ``load_state_dict`` included). Values are
-refreshed in place, so a CUDA graph that captured their addresses keeps reading the right memory;
-they are normal tensors (not inference tensors), so each refresh grows their version counters.
+the graph module. Who runs the graph keeps those tensors current: a CUDA graph through its
+derivation prologue (:class:`fusion_compiler.runtime.derivations.Derivations`: a content
+fingerprint of the parameters, the values rewritten on the GPU when it changes), any other caller
+with :meth:`HoistedParameters.refresh` before each call (which recomputes them all: no host-side
+test of whether a parameter changed is sound, docs/decisions.md, "Derived weights: a content
+fingerprint, not version counters").
 
-Only for calls that need no gradient: with autograd the weight transform must stay in the graph.
+Only for graphed inference on CUDA: with autograd the weight transform must stay in the graph, and
+without a CUDA graph nothing is saved by moving it.
 """
 
 from __future__ import annotations
@@ -42,16 +45,12 @@ class HoistedParameters:
         self.graph_module = graph_module
         self.names = names
         self.sources = sources
-        self._key: tuple | None = None
 
     def refresh(self) -> None:
-        """Recompute the hoisted values if any source changed since the last call."""
-        key = tuple((t.data_ptr(), t._version) for t in self.sources)
-        if key == self._key:
-            return
-        # normal tensors also under the caller's inference_mode: an in-place refresh then grows
-        # their version counters, which caches of values made from them (a kernel's dense
-        # weight, runtime/weight_cache.py) read; an inference tensor has none
+        """Recompute the hoisted values (all of them) into their tensors, in place: a CUDA graph
+        that captured their addresses keeps reading the right memory."""
+        # normal tensors also under the caller's inference_mode (an inference tensor cannot be
+        # updated in place outside it)
         with torch.no_grad(), torch.inference_mode(False):
             values = self.graph_module()
             for name, value in zip(self.names, values):
@@ -64,7 +63,6 @@ class HoistedParameters:
                     self.owner.register_buffer(
                         name, torch.empty_like(value, memory_format=fmt).copy_(value),
                         persistent=False)
-        self._key = key
 
 
 def _hoistable(node: fx.Node, const: set[fx.Node]) -> bool:
@@ -91,7 +89,7 @@ def hoist_parameter_subgraphs(gm: fx.GraphModule) -> HoistedParameters | None:
     ``gm`` is rewritten in place: each hoisted value another node reads becomes a ``get_attr`` of a
     tensor attribute ``_hoisted_<i>`` (computed now, refreshed by
     :meth:`HoistedParameters.refresh`). Returns ``None`` (and leaves ``gm`` alone) when there is
-    nothing to hoist or a source is an inference tensor (it has no version counter to guard on).
+    nothing to hoist.
     """
     graph = gm.graph
     const = parameter_only(graph)
@@ -102,7 +100,7 @@ def hoist_parameter_subgraphs(gm: fx.GraphModule) -> HoistedParameters | None:
         return None
     sources_nodes = [n for n in graph.nodes if n.op == "get_attr" and n in const]
     sources = [_fetch(gm, n.target) for n in sources_nodes]
-    if any(not isinstance(t, torch.Tensor) or t.is_inference() for t in sources):
+    if any(not isinstance(t, torch.Tensor) for t in sources):
         return None
 
     prep = fx.Graph()

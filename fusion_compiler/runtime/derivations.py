@@ -1,0 +1,295 @@
+"""What an inference CUDA graph derives from the module's state, and how the graph keeps it
+current: every replay starts with a prologue that recomputes the derived tensors whose sources
+changed, found by their contents (:mod:`.derive`).
+
+Two kinds of derived tensors:
+
+- the **hoisted values** of the graph (parameter-only subgraphs moved out of the forward,
+  :mod:`fusion_compiler.passes.post_lowering.hoist`): each output is translated node by node into
+  an :class:`~.derive.Expr` (views, permutes, concatenation, padding, expansion, scaling by a
+  constant, products of two tensors, casts); a node outside that algebra, and what depends on it,
+  is *opaque*: computed with PyTorch ops at every replay (small values: a batch norm's folded
+  scale and shift);
+- the **kernels' values** (:class:`~.weight_cache.WeightCache`): recorded at the warm-up call
+  that precedes capture, where each cache called with state tensors gets a persistent tensor of
+  its own, described by applying its conversion to the inputs' expressions.
+
+:class:`Derivations` is the scope (:func:`~.weight_cache.derivation_scope`) under which warm-up
+and capture run, and :meth:`Derivations.prologue` is what the graph runs first. Without Triton
+(or off CUDA) the program recomputes every derived tensor at each replay with PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .derive import Expr, NotDerivable, Program, evaluate
+from .weight_cache import WeightCache, cache_key
+
+__all__ = ["Derivations", "expressions"]
+
+log = logging.getLogger("fusion_compiler")
+
+_REARRANGING_FUNCTIONS = {
+    torch.reshape, torch.permute, torch.cat, torch.concat, torch.stack, torch.flatten,
+    torch.transpose, torch.narrow, torch.squeeze, torch.unsqueeze, torch.t, torch.select,
+    torch.movedim, torch.clone, torch.repeat_interleave, operator.getitem, F.pad,
+}
+_REARRANGING_METHODS = {
+    "reshape", "view", "permute", "expand", "contiguous", "clone", "flatten", "unsqueeze",
+    "squeeze", "transpose", "t", "narrow", "select", "repeat", "movedim", "expand_as", "view_as",
+    "reshape_as",
+}
+_CASTS = {"to", "float", "half", "bfloat16", "type", "detach"}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _apply(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with its :class:`Expr` arguments rearranged array by array."""
+    flat, spec = tree_flatten((args, kwargs))
+    where = [i for i, a in enumerate(flat) if isinstance(a, Expr)]
+
+    def call(*arrays: torch.Tensor) -> Any:
+        values = list(flat)
+        for i, a in zip(where, arrays):
+            values[i] = a
+        a, k = tree_unflatten(values, spec)
+        return fn(*a, **k)
+
+    return Expr.rearranged(call, *[flat[i] for i in where])
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _rule(node: fx.Node, args: tuple, kwargs: dict) -> Expr:
+    """The :class:`Expr` of ``node`` from its arguments' (some :class:`Expr`).
+
+    Raises:
+        NotDerivable: ``node`` is outside the algebra."""
+    target = node.target
+    exprs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Expr)]
+    if not exprs:
+        raise NotDerivable("no tensor argument")
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    if node.op == "call_method" and name in _CASTS or target in (torch.Tensor.to,):
+        return args[0]
+    if target is F.pad and (kwargs.get("mode", "constant") != "constant"
+                            or (kwargs.get("value") or (args[3] if len(args) > 3 else 0))):
+        raise NotDerivable("padding with a value other than zero")
+    if node.op == "call_method" and name in _REARRANGING_METHODS:
+        return _apply(lambda self, *a, **k: getattr(self, name)(*a, **k), args, kwargs)
+    if node.op == "call_function" and target in _REARRANGING_FUNCTIONS:
+        return _apply(target, args, kwargs)
+    binary = {torch.mul: "mul", operator.mul: "mul", torch.div: "div", operator.truediv: "div",
+              torch.neg: "neg", operator.neg: "neg"}.get(target)
+    if node.op == "call_method" and name in ("mul", "div", "neg"):
+        binary = name
+    if binary == "neg":
+        return args[0].scaled(-1.0)
+    if binary in ("mul", "div") and len(args) == 2 and not kwargs:
+        a, b = args
+        if isinstance(a, Expr) and _number(b):
+            return a.scaled(b if binary == "mul" else 1.0 / b)
+        if binary == "mul" and _number(a) and isinstance(b, Expr):
+            return b.scaled(a)
+        if binary == "mul" and isinstance(a, Expr) and isinstance(b, Expr):
+            return a.times(b)
+    raise NotDerivable(f"{node.op} {name or target}")
+
+
+def expressions(graph: fx.Graph, leaf: Callable[[fx.Node], Expr | None]) -> dict[fx.Node, Expr]:
+    """The nodes of ``graph`` (a graph of parameter-only work) that the gather algebra describes,
+    with their :class:`Expr`; ``leaf(node)`` gives a ``get_attr`` node's (``None``: opaque).
+    Nodes missing from the result are opaque."""
+    known: dict[fx.Node, Expr] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            expr = leaf(node)
+            if expr is not None:
+                known[node] = expr
+            continue
+        if node.op not in ("call_function", "call_method"):
+            continue
+        if any(isinstance(a, fx.Node) and a not in known for a in node.all_input_nodes):
+            continue
+        try:
+            args = fx.node.map_arg(node.args, known.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, known.__getitem__)
+            value = _rule(node, args, kwargs)
+        except NotDerivable:
+            continue
+        except Exception:  # noqa: BLE001 - an op the rule misjudged: treat it as opaque
+            continue
+        if isinstance(value, Expr):
+            known[node] = value
+    return known
+
+
+class Derivations:
+    """The derivation scope of one inference CUDA-graph runner (see the module docstring).
+
+    Args:
+        state: the module's parameters and buffers the graph reads (the sources).
+        hoisted: the graph's hoisted values, or ``None``: an object with ``graph_module`` (its
+            code: ``get_attr`` nodes of the state, one output tuple), ``names`` (one per output)
+            and ``owner`` (the module holding the output tensors under those names).
+
+    Attributes:
+        notes: what the prologue computes with PyTorch ops at every replay, and why.
+    """
+
+    def __init__(self, state: Sequence[torch.Tensor], hoisted: Any = None):
+        self.hoisted = hoisted
+        self.notes: list[str] = []
+        self._static = {_storage(t) for t in state if isinstance(t, torch.Tensor)}
+        self._sources: list[torch.Tensor] = []
+        self._slots: dict[int, int] = {}
+        self._derived: dict[int, tuple[torch.Tensor, Expr]] = {}  # storage -> (tensor, expr)
+        self._cached: dict[tuple, Any] = {}  # (cache, inputs) -> value
+        self._fallbacks: list[Callable[[], None]] = []
+        self._opaque: Callable[[], None] | None = None
+        self.program: Program | None = None
+        if hoisted is not None:
+            self._translate(hoisted)
+
+    # ------------------------------------------------------------------ sources
+    def _slot(self, t: torch.Tensor) -> int:
+        key = _storage(t)
+        if key not in self._slots:
+            self._slots[key] = len(self._sources)
+            self._sources.append(t)
+        return self._slots[key]
+
+    def _expr_of(self, x: torch.Tensor) -> Expr | None:
+        """``x``'s elements as an :class:`Expr`: of a derived tensor's expression where ``x``
+        views one, of a source where it views state; ``None`` otherwise."""
+        derived = self._derived.get(_storage(x))
+        if derived is not None:
+            base, expr = derived
+            memory = Expr.rearranged(lambda a: torch.empty_strided(
+                tuple(base.shape), base.stride(), dtype=a.dtype).copy_(a).as_strided(
+                tuple(x.shape), x.stride(), x.storage_offset() - base.storage_offset()), expr)
+            return memory
+        if _storage(x) in self._static and x.dtype in (torch.float16, torch.bfloat16,
+                                                       torch.float32):
+            return Expr.source(self._slot(x), x)
+        return None
+
+    # ------------------------------------------------------------------ hoisted values
+    def _translate(self, hoisted: Any) -> None:
+        gm = hoisted.graph_module
+        graph = gm.graph
+        output = graph.find_nodes(op="output")[0]
+        outs = list(output.args[0])
+        targets = [getattr(hoisted.owner, name) for name in hoisted.names]
+
+        def leaf(node: fx.Node) -> Expr | None:
+            t = operator.attrgetter(node.target)(gm)
+            return self._expr_of(t) if isinstance(t, torch.Tensor) else None
+
+        known = expressions(graph, leaf)
+        opaque_outputs = [(n, t) for n, t in zip(outs, targets) if n not in known]
+        for node, target in zip(outs, targets):
+            if node in known:
+                self._derived[_storage(target)] = (target, known[node])
+        if opaque_outputs:
+            self.notes.append(f"{len(opaque_outputs)} hoisted value(s) computed with PyTorch ops "
+                              "at every replay (outside the gather algebra)")
+            sub = fx.Graph()
+            env: dict[fx.Node, fx.Node] = {}
+            for node in graph.nodes:
+                if node.op != "output":
+                    env[node] = sub.node_copy(node, lambda a: env[a])
+            sub.output(tuple(env[n] for n, _ in opaque_outputs))
+            sub.eliminate_dead_code()
+            compute = fx.GraphModule(gm, sub)
+            buffers = [t for _, t in opaque_outputs]
+
+            def run_opaque() -> None:
+                with torch.no_grad():
+                    for buffer, value in zip(buffers, compute()):
+                        buffer.copy_(value)
+
+            self._opaque = run_opaque
+            for t in buffers:  # what reads them is fingerprinted after they are computed
+                self._static.add(_storage(t))
+
+    # ------------------------------------------------------------------ kernels' values
+    def lookup(self, cache: WeightCache, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """The value of ``cache`` for ``tensors`` (what :class:`WeightCache` calls in this
+        scope): a persistent tensor recorded at its first call (before capture) when every input
+        is state or derived from it; otherwise made now (in a capture: at every replay)."""
+        key = (id(cache), cache_key(tensors))
+        if key in self._cached:
+            return self._cached[key][1]
+        exprs = [self._expr_of(t) for t in tensors]
+        if any(e is None for e in exprs) or _capturing():
+            return cache.convert(*tensors)
+        value = cache.convert(*tensors)
+        outputs = value if isinstance(value, tuple) else (value,)
+        described = None
+        if cache.describe is not None:
+            try:
+                described = cache.describe(*exprs)
+            except NotDerivable:
+                described = None
+        if described is not None:
+            described = described if isinstance(described, tuple) else (described,)
+            for out, expr in zip(outputs, described):
+                self._derived[_storage(out)] = (out, expr)
+        else:
+            self.notes.append(f"a {type(cache.convert).__name__} value recomputed with PyTorch "
+                              "ops at every replay")
+
+            def again(outputs=outputs, cache=cache, tensors=tensors) -> None:
+                fresh = cache.convert(*tensors)
+                for out, new in zip(outputs, fresh if isinstance(fresh, tuple) else (fresh,)):
+                    out.copy_(new)
+
+            self._fallbacks.append(again)
+        self._cached[key] = (cache, value)  # the cache object kept: its id stays unique
+        return value
+
+    # ------------------------------------------------------------------ the prologue
+    def build(self) -> None:
+        """Make the program from what was translated and recorded (after the warm-up call)."""
+        derived = []
+        for target, expr in self._derived.values():
+            try:
+                Program.check(target, expr)
+            except NotDerivable as exc:
+                self.notes.append(f"a derived tensor recomputed at every replay: {exc}")
+                self._fallbacks.append(lambda t=target, e=expr: t.copy_(
+                    evaluate(e, self._sources).to(t.dtype)))
+                continue
+            derived.append((target, expr))
+        program = Program(self._sources, derived)
+        if program.reason:
+            self.notes.append(f"derived tensors recomputed at every replay: {program.reason}")
+        self.program = program
+
+    def prologue(self) -> None:
+        """Bring every derived tensor up to date with the state, on the current stream: opaque
+        values and fallbacks with PyTorch ops, then the program (fingerprint and derivation)."""
+        if self._opaque is not None:
+            self._opaque()
+        for again in self._fallbacks:
+            again()
+        if self.program is not None:
+            self.program.run()

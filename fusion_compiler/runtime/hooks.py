@@ -1,0 +1,84 @@
+"""Module hooks and a compiled graph.
+
+A compiled graph runs its model's code as graph ops: a hook on a submodule would never be called
+(and in a CUDA graph, Python runs only at capture). So the root's hooks run around the compiled
+call as ``nn.Module.__call__`` runs them (:func:`call_with_hooks`), the two reparametrizations
+whose pre-hooks only compute a weight (the legacy ``weight_norm`` and ``spectral_norm``) are
+rewritten into the graph (:mod:`fusion_compiler.passes.pre_fusion.normalize`), and any other
+hook below the root, or a global one, makes the call refuse at once (:func:`unsupported_hook`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.nn.modules import module as module_globals
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
+
+__all__ = ["REPARAMETRIZATIONS", "unsupported_hook", "hook_tables", "has_hooks",
+           "call_with_hooks"]
+
+REPARAMETRIZATIONS = (WeightNorm, SpectralNorm)
+"""Forward pre-hooks the graph computes itself (their weight, from the module's parameters)."""
+
+_KINDS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBALS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+            "_global_backward_hooks")
+_swap = threading.RLock()
+
+
+def _name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def unsupported_hook(module: torch.nn.Module) -> str:
+    """The first hook a compiled graph of ``module`` cannot run, described (``""``: none): a
+    global module hook, or a hook on a submodule other than :data:`REPARAMETRIZATIONS`."""
+    for kind in _GLOBALS:
+        for hook in getattr(module_globals, kind).values():
+            return (f"a global module hook ({kind.strip('_').replace('_', ' ')} {_name(hook)}) "
+                    "would run for every submodule")
+    for path, sub in module.named_modules():
+        if not path:
+            continue
+        for kind in _KINDS:
+            for hook in getattr(sub, kind).values():
+                if kind == "_forward_pre_hooks" and isinstance(hook, REPARAMETRIZATIONS):
+                    continue
+                return (f"{kind.strip('_').replace('_', ' ')[:-1]} {_name(hook)} on submodule "
+                        f"'{path}' ({type(sub).__name__})")
+    return ""
+
+
+def hook_tables(module: torch.nn.Module) -> list[dict]:
+    """The hook tables a compiled graph depends on (the submodules' and the global ones): a hook
+    added to any of them changes its length."""
+    tables = [getattr(module_globals, kind) for kind in _GLOBALS]
+    for path, sub in module.named_modules():
+        if path:
+            tables += [getattr(sub, kind) for kind in _KINDS]
+    return tables
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` itself has a forward, pre-forward or backward hook."""
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def call_with_hooks(module: torch.nn.Module, forward: Callable[..., Any], args: tuple,
+                    kwargs: dict) -> Any:
+    """``forward(*args, **kwargs)`` called as ``module(*args, **kwargs)`` would call
+    ``module.forward``: its pre-hooks first (which may replace the arguments), its forward hooks
+    after (which may replace the output), its backward hooks on the gradients. PyTorch's own
+    ``nn.Module.__call__`` does it, with ``forward`` in place of ``module.forward`` for this one
+    call (an instance attribute, set and removed under a lock)."""
+    with _swap:
+        module.forward = forward
+        try:
+            return module(*args, **kwargs)
+        finally:
+            del module.forward
