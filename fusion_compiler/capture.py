@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from .ir.errors import FusionError
 from .ir.ops import copy_graph
+from .runtime.background import on_calling_thread
 from .runtime.tensors import restored
 
 __all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "encode_meta", "apply_meta"]
@@ -57,11 +58,19 @@ def input_specs(args: Sequence[Any]) -> tuple:
     return tuple(TensorSpec.of(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def capture(model: torch.nn.Module) -> fx.GraphModule:
-    """Trace ``model`` with ``torch.fx.symbolic_trace``; a ``GraphModule`` (a Dynamo graph) is
-    not traced again but copied: a graph module of its own, with a copy of its graph and the same
-    submodules and tensors, so that the passes, which rewrite the graph they get in place, leave
-    the model's graph as it was (each specialization starts from it).
+def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
+    """Trace ``model`` with ``torch.fx``; a ``GraphModule`` (a Dynamo graph) is not traced again
+    but copied: a graph module of its own, with a copy of its graph and the same submodules and
+    tensors, so that the passes, which rewrite the graph they get in place, leave the model's
+    graph as it was (each specialization starts from it).
+
+    ``none``: names of ``forward``'s arguments traced as ``None`` (a call that passes ``None``
+    for an optional input: ``if mask is not None`` takes the branch eager takes). Gradient mode
+    is recorded as eager runs the code: a forward that turns gradients off everywhere (a
+    ``@torch.no_grad()`` or ``@torch.inference_mode()`` forward) sets ``gm.meta["grad"]`` to
+    ``False`` (``gm.meta["inference"]`` too for inference mode); one that turns them off for part
+    of its code gets ``torch._C._set_grad_enabled`` calls where the mode changes, as Dynamo
+    writes them.
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
@@ -77,14 +86,63 @@ def capture(model: torch.nn.Module) -> fx.GraphModule:
             "inside it and wrap the result, DDP(fusion_compiler.compile(model)), so DDP still "
             "all-reduces the gradients (or use torch.compile(DDP(model), "
             "backend='fusion_compiler'))")
+    on_calling_thread("torch.fx tracing")
+    tracer = _ModeRecordingTracer()
     try:
-        return fx.symbolic_trace(model)
+        with torch.enable_grad():
+            graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         raise FusionError(
             f"torch.fx.symbolic_trace failed for {type(model).__name__}: {exc}. "
             "Use torch.compile(model, backend='fusion_compiler') for models with "
             "data-dependent control flow."
         ) from exc
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _mark_grad_modes(gm)
+    return gm
+
+
+class _ModeRecordingTracer(fx.Tracer):
+    """``torch.fx.Tracer`` that records on each node whether gradients (and inference mode) were
+    on when the traced code made it. Buffers are traced like parameters (``get_attr`` nodes):
+    fx's default hands the code the buffer itself, so an in-place update in ``forward``
+    (``self.count.add_(1)``) would run once at trace time and never again."""
+
+    proxy_buffer_attributes = True
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        node.meta["traced_grad"] = torch.is_grad_enabled()
+        node.meta["traced_inference"] = torch.is_inference_mode_enabled()
+        return node
+
+
+def _mark_grad_modes(gm: fx.GraphModule) -> None:
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    modes = [n.meta.get("traced_grad", True) for n in calls]
+    if calls and not any(modes):
+        gm.meta["grad"] = False
+        gm.meta["inference"] = all(n.meta.get("traced_inference", False) for n in calls)
+        return
+    if all(modes):
+        return
+    # a block that turns gradients off: as ``torch.no_grad`` does, the mode before it is read
+    # and restored after it (a call under no_grad then stays without gradients)
+    graph, off, before = gm.graph, False, None
+    for node in calls:
+        want_off = not node.meta.get("traced_grad", True)
+        if want_off != off:
+            with graph.inserting_before(node):
+                if want_off:
+                    before = graph.call_function(torch.is_grad_enabled)
+                    graph.call_function(torch._C._set_grad_enabled, (False,))
+                else:
+                    graph.call_function(torch._C._set_grad_enabled, (before,))
+            off = want_off
+    if off:
+        with graph.inserting_before(graph.find_nodes(op="output")[0]):
+            graph.call_function(torch._C._set_grad_enabled, (before,))
+    gm.recompile()
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],

@@ -133,13 +133,13 @@ class DynamoGraph:
         self._inputs_of = _picker(self._inputs)
         self._bindings: collections.OrderedDict[tuple[int, ...], CompiledModule] = \
             collections.OrderedDict()
-        self._bound: tuple[Any, ...] = ()
+        self._bound: tuple[Any, ...] | None = None  # the state of the last call's binding
         self.compiled_module: CompiledModule | None = None
         _LIVE.add(self)
 
     def __call__(self, *args: Any) -> Any:
         state = self._state_of(args)
-        if len(state) != len(self._bound) or not all(map(operator.is_, state, self._bound)):
+        if self._bound is None or not all(map(operator.is_, state, self._bound)):
             self.compiled_module = self._binding(list(state))
             self._bound = state
         assert self.compiled_module is not None

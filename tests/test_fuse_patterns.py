@@ -8,6 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import patterns, rel_err, specialize
 
+import fusion_compiler as fc
+
 torch.manual_seed(0)
 
 
@@ -217,16 +219,40 @@ def test_inplace_ops_become_ssa():
     assert all(inplace_target(gm, n) is None for n in gm.graph.nodes)
 
 
-def test_inplace_on_graph_input_is_rejected():
-    from fusion_compiler import FusionError
+def test_inplace_on_graph_input_is_written_back():
+    """An in-place op on an input becomes out of place, and its value is copied into the input at
+    the end of the graph, as eager leaves it; a graph with one on a view of another value keeps
+    its in-place ops and forms no region (it runs as PyTorch ops, as eager computes)."""
+    from fusion_compiler.ir.ops import write_back
 
     class Mutates(nn.Module):
         def forward(self, x):
             x.relu_()
-            return x
+            return x * 2
 
-    with pytest.raises(FusionError, match="relu_.*mutates placeholder"):
-        specialize(Mutates(), torch.randn(2, 3, 4, 4))
+    spec = specialize(Mutates(), torch.randn(2, 3, 4, 4))
+    assert [n.target for n in spec.graph_module.graph.nodes if n.op == "call_function"
+            and n.target is write_back]
+    x = torch.randn(2, 3, 4, 4)
+    want_x, want = x.clone().relu_(), x.clone().relu_() * 2
+    got = fc.compile(Mutates())(x)
+    assert torch.equal(got, want) and torch.equal(x, want_x)
+
+    class ViewMutates(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            y[:, :1].relu_()
+            return y * 2
+
+    spec = specialize(ViewMutates(), torch.randn(2, 3, 4, 4))
+    assert not spec.regions and "writes into memory that another value" in \
+        spec.graph_module.meta["fusion_off"]
+    model, x = ViewMutates(), torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(fc.compile(model)(x), model(x))
 
 
 class MultiConsumer(nn.Module):

@@ -84,9 +84,9 @@ def test_gradients_through_reference_backend_match_eager():
 
 def test_wrong_inputs_raise_clear_errors():
     compiled = fc.compile(nn.Conv2d(3, 8, 3))
-    with pytest.raises(TypeError, match="Conv2d takes 1 input, got 2"):
+    with pytest.raises(TypeError, match=r"Conv2d takes 1 input \(input\), got 2"):
         compiled(torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8))
-    with pytest.raises(TypeError, match="dtype torch.float16 but the model's parameters are torch.float32"):
+    with pytest.raises(ValueError, match="cannot take input 0 1x3x8x8:float16@cpu: Input type"):
         compiled(torch.randn(1, 3, 8, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="backend must be one of"):
         fc.compile(nn.Conv2d(3, 8, 3), backend="tensorrt")

@@ -21,6 +21,7 @@ Tensors are NCHW in the graph (the logical layout); backends choose the physical
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any
 
 import torch
@@ -28,6 +29,38 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 CONV = torch.conv2d
+
+
+def write_back(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``target.copy_(value)``: how a graph whose in-place ops were made out of place leaves a
+    graph input or a module buffer it wrote updated, as eager PyTorch does. A side effect: never
+    removed as dead code (``torch.fx`` is told so below)."""
+    return target.copy_(value)
+
+
+fx.node._side_effectful_functions.add(write_back)
+
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                       operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` writes into one of its arguments (``x.relu_()``, ``torch.relu_``,
+    ``x += y``, ``F.relu(x, inplace=True)``): a side effect, even with no reader of its value."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("_")
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", "")
+    return (node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
+            or (name.endswith("_") and not name.startswith("_")))
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """``graph.eliminate_dead_code()`` that keeps in-place writes (:func:`writes_in_place`), which
+    torch.fx would drop when nothing reads their value."""
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_in_place(n))
 BINARY = {torch.add: "add", torch.sub: "sub", torch.mul: "mul", torch.div: "div"}
 COMMUTATIVE = {torch.add, torch.mul}
 UNARY = {torch.relu: "relu", torch.sigmoid: "sigmoid", torch.tanh: "tanh", torch.clamp: "clamp",

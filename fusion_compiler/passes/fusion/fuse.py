@@ -18,6 +18,7 @@ defaults: docs/decisions.md, "``fuse_prologue`` and ``fuse_reduction`` off by de
 * **Reduction** (``reduction=True``; off unless ``compile(fuse_reduction=True)``) -- at most one
   ``sum(x, [2, 3], keepdim=True)`` (the SE squeeze), as an exit.
 * Intermediates that nodes outside the region still read become extra region outputs.
+* A region never spans a change of gradient mode (``meta["grad_zone"]``, set by ``normalize``).
 * A merge is legal only if the graph with every region contracted to one node stays acyclic,
   checked with ``networkx`` on the quotient graph.
 * **Branches** (``branches=True``; ``compile(concurrent_branches=True)`` sets it for CUDA
@@ -40,7 +41,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-from ...ir.ops import BINARY, COMMUTATIVE, UNARY, conv_flops, is_call, is_conv, is_hw_sum
+from ...ir.ops import (BINARY, COMMUTATIVE, UNARY, conv_flops, eliminate_dead_code, is_call,
+                       is_conv, is_hw_sum)
 from ...ir.region import Region, operand_kind
 
 __all__ = ["fuse_regions", "REGION_PREFIX"]
@@ -117,6 +119,8 @@ def _binary_reason(node: fx.Node, chain: fx.Node, allowed: set[str]) -> str | No
 
 def _pointwise_reason(node: fx.Node, chain: fx.Node, allowed: set[str]) -> str | None:
     """Why ``node`` (a user of ``chain``) cannot extend the region, or ``None`` if it can."""
+    if node.meta.get("grad_zone", 0) != chain.meta.get("grad_zone", 0):
+        return "the gradient mode changes between the region and this op (a no_grad block)"
     if is_call(node, *BINARY):
         return _binary_reason(node, chain, allowed)
     if is_call(node, *UNARY):
@@ -219,6 +223,9 @@ def fuse_regions(gm: fx.GraphModule, *, prologue: bool = True,
     graph = gm.graph
     reasons: dict[str, str] = gm.meta.setdefault("fusion_reasons", {})
     convs = [n for n in graph.nodes if is_conv(n)]
+    if gm.meta.get("fusion_off"):  # in-place writes that shared memory: the graph runs as it is
+        reasons.update({conv.name: gm.meta["fusion_off"] for conv in convs})
+        return gm
     heads, members = [], {}
     for conv in convs:
         reason = _conv_reason(conv)
@@ -227,7 +234,7 @@ def fuse_regions(gm: fx.GraphModule, *, prologue: bool = True,
             continue
         heads.append(conv)
         members[conv] = _clone_prologue(graph, conv, set()) if prologue else []
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
 
     quotient = _Quotient(graph)
     flops = {c: conv_flops(c, gm) or 0 for c in graph.nodes if is_conv(c)} if branches else {}

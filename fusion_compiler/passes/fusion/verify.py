@@ -30,7 +30,12 @@ _VIEW_METHODS = {"view", "reshape", "expand", "permute", "transpose", "contiguou
 
 
 def verify(gm: fx.GraphModule) -> fx.GraphModule:
-    """Raise :class:`FusionError` on the first rule violation (see module doc); return ``gm``."""
+    """Raise :class:`FusionError` on the first rule violation (see module doc); return ``gm``.
+    A graph that keeps its in-place ops (``gm.meta["fusion_off"]``, see
+    :func:`~fusion_compiler.passes.pre_fusion.functionalize.functionalize`) has no region and runs
+    as PyTorch ops: nothing to check."""
+    if gm.meta.get("fusion_off"):
+        return gm
     _check_ssa(gm, where="graph")
     for node in gm.graph.nodes:
         if (region := called_region(gm, node)) is not None:

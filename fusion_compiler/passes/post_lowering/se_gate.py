@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...ir.ops import is_call, is_conv, is_hw_sum
+from ...ir.ops import eliminate_dead_code, is_call, is_conv, is_hw_sum
 from ..glue.linears import graph_value, linear_parts, value_of
 
 __all__ = ["se_gates", "se_scales", "FUSED_SQUEEZE"]
@@ -243,7 +243,7 @@ def _finished(gm: fx.GraphModule, rewritten: int) -> int:
     """``rewritten``, after removing what the rewrites left unused and recompiling ``gm`` (when
     there were any)."""
     if rewritten:
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.graph.lint()
         gm.recompile()
     return rewritten

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...ir.ops import BINARY, UNARY, is_conv
+from ...ir.ops import BINARY, UNARY, eliminate_dead_code, is_conv
 from ...ir.region import CHANNEL_VIEW
 from ..post_lowering.hoist import parameter_only
 
@@ -141,6 +141,8 @@ def _siblings(gm: fx.GraphModule, const: set[fx.Node]) -> list[list[fx.Node]]:
 
 def horizontal_fusion(gm: fx.GraphModule) -> fx.GraphModule:
     """Merge sibling convolutions of ``gm`` (in place; see the module doc). Returns ``gm``."""
+    if gm.meta.get("fusion_off"):
+        return gm
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     # the merged weight must be parameter-only to be hoisted (computed once per weight version)
@@ -188,7 +190,7 @@ def horizontal_fusion(gm: fx.GraphModule) -> fx.GraphModule:
                 graph.erase_node(node)
             graph.erase_node(c)
         order = {n: i for i, n in enumerate(graph.nodes)}
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
     return gm

@@ -2,9 +2,9 @@
 
 Rewrites, in this order:
 
-1. **functionalize** -- every in-place op (``relu_``, ``add_``, ``+=``, ``F.relu(inplace=True)``,
-   ``nn.ReLU(inplace=True)``) becomes its out-of-place twin, and every later reader of the mutated
-   value reads the new node instead. Afterwards each value is written once (SSA).
+1. **functionalize** (:mod:`.functionalize`) -- every in-place op becomes its out-of-place
+   twin, and writes into graph inputs and buffers are copied back at the end. Afterwards each
+   value is written once (SSA).
 2. **specialize shapes** -- shape arithmetic (``x.shape``, ``x.size(1)``, ``H // 4``) and integer
    inputs (the ``SymInt`` sizes Dynamo passes to a graph with a dynamic batch) become
    constants: a compiled graph is specialized on its input shapes and integer values anyway.
@@ -23,7 +23,6 @@ Nodes it cannot bring to canonical form are left as they are (they will run in P
 
 from __future__ import annotations
 
-import copy
 import operator
 from typing import Any, Callable
 
@@ -33,16 +32,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
-from ...ir.errors import FusionError
-from ...ir.ops import CONV, HW_DIMS
+from ...ir.ops import CONV, HW_DIMS, eliminate_dead_code
+from .functionalize import functionalize, inplace_target
 
 __all__ = ["normalize", "inplace_target"]
 
-# in-place target -> out-of-place canonical target (call_function and call_method spellings)
-_INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
-                  operator.itruediv: torch.div, torch.relu_: torch.relu, F.relu_: torch.relu}
-# functions whose positional argument at this index is ``inplace``
-_INPLACE_POSITION = {F.relu: 1, F.relu6: 1, F.hardtanh: 3, F.elu: 2, F.leaky_relu: 2, F.silu: 1}
 _METHODS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
             "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "clamp": torch.clamp,
             "clip": torch.clamp}
@@ -56,13 +50,13 @@ _FUNCS = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.
 def normalize(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``gm`` in place into canonical SSA form (see the module docstring) and return it.
 
-    Needs ``node.meta["val"]`` from :func:`fusion_compiler.capture.propagate_shapes`.
-
-    Raises:
-        FusionError: an in-place op mutates a graph input or a parameter (the compiled module
-            could not reproduce that side effect).
+    Needs ``node.meta["val"]`` from :func:`fusion_compiler.capture.propagate_shapes`. A graph
+    whose in-place ops cannot be made out of place (:func:`.functionalize.functionalize`) keeps
+    them and gets ``gm.meta["fusion_off"]``, the reason: no region is formed in it.
     """
-    _functionalize(gm)
+    kept = functionalize(gm)
+    if kept:  # the graph keeps its in-place ops and runs as PyTorch ops
+        gm.meta["fusion_off"] = kept
     _specialize_shapes(gm)
     for node in list(gm.graph.nodes):
         if node.op == "call_module":
@@ -70,60 +64,24 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op in ("call_function", "call_method"):
             _canonicalize_call(gm, node)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
+    _mark_grad_zones(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-# --------------------------------------------------------------------------- functionalize
-
-def inplace_target(gm: fx.GraphModule, node: fx.Node) -> Callable | str | None:
-    """The out-of-place target for an in-place ``node`` (a function, a method name or the module
-    path), or ``None`` if ``node`` does not write into its first argument."""
-    if node.op == "call_function":
-        if node.target in _INPLACE_FUNCS:
-            return _INPLACE_FUNCS[node.target]
-        position = _INPLACE_POSITION.get(node.target)
-        if node.kwargs.get("inplace") is True or (
-                position is not None and len(node.args) > position and node.args[position] is True):
-            return node.target
-    elif node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
-        return node.target[:-1]
-    elif node.op == "call_module":
-        if getattr(gm.get_submodule(node.target), "inplace", False) is True:
-            return node.target
-    return None
-
-
-def _functionalize(gm: fx.GraphModule) -> None:
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in list(gm.graph.nodes):
-        twin = inplace_target(gm, node)
-        if twin is None or not node.args or not isinstance(node.args[0], fx.Node):
-            continue
-        mutated = node.args[0]
-        if mutated.op in ("placeholder", "get_attr"):
-            raise FusionError(
-                f"in-place op {node.target} mutates {mutated.op} '{mutated.target}'; the compiled "
-                "module cannot reproduce that side effect: write it out of place", node.name)
-        if node.op == "call_module":
-            # Run a private out-of-place copy: the user's module is shared and must not change.
-            twin_mod = copy.copy(gm.get_submodule(node.target))
-            twin_mod.inplace = False
-            name = node.target.replace(".", "_") + "_out_of_place"
-            gm.add_submodule(name, twin_mod)
-            node.target = name
-        else:
-            node.target = twin
-            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
-            position = _INPLACE_POSITION.get(twin)
-            if position is not None and len(node.args) > position:
-                node.args = node.args[:position] + (False,) + node.args[position + 1:]
-        # Readers of the mutated value that come after the in-place op read its result instead.
-        for user in list(mutated.users):
-            if user is not node and order[user] > order[node]:
-                user.replace_input_with(mutated, node)
+def _mark_grad_zones(gm: fx.GraphModule) -> None:
+    """``meta["grad_zone"]`` on every node: how many ``torch._C._set_grad_enabled`` calls (a
+    ``torch.no_grad`` block in the code, as Dynamo or the capture writes it) come before it. A
+    region holds nodes of one zone only (:mod:`fusion_compiler.passes.fusion.fuse`): fused across
+    a change of mode, an op would run in the other one (its gradients lost, or computed where
+    eager computes none)."""
+    zone = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            zone += 1
+        node.meta["grad_zone"] = zone
 
 
 # --------------------------------------------------------------------------- shapes
@@ -144,7 +102,7 @@ def _specialize_shapes(gm: fx.GraphModule) -> None:
         for user in list(node.users):
             user.args = map_aggregate(user.args, lambda a: const if a is node else a)
             user.kwargs = map_aggregate(user.kwargs, lambda a: const if a is node else a)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
 
 
 # --------------------------------------------------------------------------- modules
@@ -167,6 +125,23 @@ def _conv_padding(mod: nn.Conv2d) -> tuple[int, int] | None:
     return tuple(pads)
 
 
+def _string_padding(padding: str, weight: tuple[int, ...] | None,
+                    dilation: Any) -> tuple[int, int] | None:
+    """``"valid"`` or ``"same"`` as the padding of each side (``None``: "same" with an even
+    extent, which pads the sides unequally)."""
+    if padding == "valid":
+        return (0, 0)
+    if padding != "same" or weight is None or len(weight) != 4:
+        return None
+    pads = []
+    for k, d in zip(weight[2:], _pair(dilation)):
+        total = d * (k - 1)
+        if total % 2:
+            return None
+        pads.append(total // 2)
+    return tuple(pads)
+
+
 def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
     mod = gm.get_submodule(node.target)
     g = gm.graph
@@ -177,7 +152,9 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
             padding = _conv_padding(mod)
             if mod.padding_mode != "zeros" or padding is None:
                 return
-            w = g.get_attr(f"{node.target}.weight")
+            w = _weight(gm, node.target, mod)
+            if w is None:
+                return
             b = g.get_attr(f"{node.target}.bias") if mod.bias is not None else None
             _replace(gm, node, torch.conv2d,
                      (x, w, b, _pair(mod.stride), padding, _pair(mod.dilation), mod.groups))
@@ -212,6 +189,48 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
                       mod.count_include_pad, mod.divisor_override))
         elif kind is nn.AdaptiveAvgPool2d:
             _replace(gm, node, F.adaptive_avg_pool2d, (x, mod.output_size))
+
+
+class _SpectralNormWeight(nn.Module):
+    """The weight a legacy ``spectral_norm`` pre-hook computes before each forward of ``module``
+    (a power iteration step that updates its ``u`` and ``v`` buffers in place in training mode,
+    as the hook does), as a graph op. Impure: never removed or hoisted."""
+
+    _is_impure = True
+
+    def __init__(self, module: nn.Module, hook: Any):
+        super().__init__()
+        object.__setattr__(self, "target", module)  # not registered: the model owns it
+        self.hook = hook
+
+    def forward(self) -> torch.Tensor:
+        module = self.target
+        return self.hook.compute_weight(module, do_power_iteration=module.training)
+
+
+def _weight(gm: fx.GraphModule, path: str, mod: nn.Module) -> fx.Node | None:
+    """The node computing ``mod.weight`` as ``mod``'s forward sees it: the parameter, or what a
+    legacy ``weight_norm`` / ``spectral_norm`` pre-hook computes from its parameters (the graph
+    does not run hooks); ``None`` when another pre-hook would change it."""
+    from torch.nn.utils.spectral_norm import SpectralNorm  # noqa: PLC0415
+    from torch.nn.utils.weight_norm import WeightNorm  # noqa: PLC0415
+
+    g = gm.graph
+    hooks = [h for h in mod._forward_pre_hooks.values()]
+    if not hooks:
+        return g.get_attr(f"{path}.weight")
+    if len(hooks) != 1 or getattr(hooks[0], "name", None) != "weight":
+        return None
+    hook = hooks[0]
+    if isinstance(hook, WeightNorm):
+        return g.call_function(torch._weight_norm, (g.get_attr(f"{path}.weight_v"),
+                                                     g.get_attr(f"{path}.weight_g"), hook.dim))
+    if isinstance(hook, SpectralNorm):
+        name = path.replace(".", "_") + "_spectral_norm_weight"
+        if not hasattr(gm, name):
+            gm.add_submodule(name, _SpectralNormWeight(mod, hook))
+        return g.call_module(name, ())
+    return None
 
 
 # --------------------------------------------------------------------------- calls
@@ -251,7 +270,11 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
     if target in (torch.conv2d, F.conv2d):
         a = _bind(node, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
                   {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1})
-        if a is None or isinstance(a["padding"], str) or _shape(node) is None:
+        if a is not None and isinstance(a["padding"], str):
+            a["padding"] = _string_padding(a["padding"], _shape(a["weight"]), a["dilation"])
+        if a is None or a["padding"] is None or _shape(node) is None:
+            node.target = F.conv2d  # not the canonical convolution: no region takes it
+            node.op = "call_function"
             return
         with g.inserting_before(node):
             conv = g.call_function(CONV, (a["input"], a["weight"], None, _pair(a["stride"]),

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...ir.ops import CONV, avg_pool2d_args, is_call, is_conv
+from ...ir.ops import CONV, avg_pool2d_args, eliminate_dead_code, is_call, is_conv
 
 __all__ = ["space_to_depth_conv", "avgpool_conv", "space_to_depth_source", "pointwise_conv"]
 
@@ -113,7 +113,7 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
         new.meta.update(conv.meta)
         conv.replace_all_uses_with(new)
         g.erase_node(conv)
-    g.eliminate_dead_code()
+    eliminate_dead_code(g)
     g.lint()
     gm.recompile()
     return gm
@@ -180,7 +180,7 @@ def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
         new.meta.update(conv.meta)
         conv.replace_all_uses_with(new)
         g.erase_node(conv)
-    g.eliminate_dead_code()
+    eliminate_dead_code(g)
     g.lint()
     gm.recompile()
     return gm

@@ -1,0 +1,139 @@
+"""functionalize: in-place ops become out-of-place (SSA), with the writes eager leaves behind
+reproduced.
+
+Every in-place op (``relu_``, ``add_``, ``+=``, ``F.relu(inplace=True)``, ``nn.ReLU(inplace=True)``)
+becomes its out-of-place twin and every later reader of the written value reads the new node. A
+graph input or module buffer written in place gets its last value copied back at the end of the
+graph (:func:`~fusion_compiler.ir.ops.write_back`): the caller sees its tensor, the module its
+buffer (batch norm's ``num_batches_tracked``, a counter), updated as eager leaves them. A write
+into memory another value shares (through a view, or into a value of which a view is read later)
+cannot be made out of place without losing that sharing: the graph is then left as it is, every op
+of it run by PyTorch, and :func:`functionalize` says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...ir.ops import write_back
+
+__all__ = ["functionalize", "inplace_target"]
+
+# in-place target -> out-of-place canonical target (call_function and call_method spellings)
+_INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
+                  operator.itruediv: torch.div, torch.relu_: torch.relu, F.relu_: torch.relu}
+# functions whose positional argument at this index is ``inplace``
+_INPLACE_POSITION = {F.relu: 1, F.relu6: 1, F.hardtanh: 3, F.elu: 2, F.leaky_relu: 2, F.silu: 1}
+
+
+def inplace_target(gm: fx.GraphModule, node: fx.Node) -> Callable | str | None:
+    """The out-of-place target for an in-place ``node`` (a function, a method name or the module
+    path), or ``None`` if ``node`` does not write into its first argument."""
+    if node.op == "call_function":
+        if node.target in _INPLACE_FUNCS:
+            return _INPLACE_FUNCS[node.target]
+        position = _INPLACE_POSITION.get(node.target)
+        if node.kwargs.get("inplace") is True or (
+                position is not None and len(node.args) > position and node.args[position] is True):
+            return node.target
+    elif node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+        return node.target[:-1]
+    elif node.op == "call_module":
+        if getattr(gm.get_submodule(node.target), "inplace", False) is True:
+            return node.target
+    return None
+
+
+_VIEW_METHODS = {"view", "reshape", "expand", "expand_as", "view_as", "reshape_as", "permute",
+                 "transpose", "t", "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
+                 "select", "as_strided", "detach", "split", "chunk", "unbind", "diagonal",
+                 "movedim", "unfold", "__getitem__"}
+_VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze,
+                   torch.permute, torch.transpose, torch.t, torch.narrow, torch.select,
+                   torch.split, torch.chunk, torch.unbind, torch.movedim, torch.diagonal,
+                   torch.detach}
+
+
+def _is_view(node: object) -> bool:
+    """Whether ``node`` may return a view of (memory shared with) its first argument."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    return node.op == "call_function" and node.target in _VIEW_FUNCTIONS
+
+
+def functionalize(gm: fx.GraphModule) -> str:
+    """Rewrite ``gm``'s in-place ops (in place; see the module docstring). Returns ``""``, or why
+    the graph was left as it is: an in-place op writes into memory that another value shares."""
+    shared = _shared_write(gm)
+    if shared:
+        return shared
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    written: dict[fx.Node, fx.Node] = {}  # graph input or buffer -> its last value
+    for node in list(gm.graph.nodes):
+        twin = inplace_target(gm, node)
+        if twin is None or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        mutated = node.args[0]
+        root = written_root(mutated, written)
+        if node.op == "call_module":
+            # Run a private out-of-place copy: the user's module is shared and must not change.
+            twin_mod = copy.copy(gm.get_submodule(node.target))
+            twin_mod.inplace = False
+            name = node.target.replace(".", "_") + "_out_of_place"
+            gm.add_submodule(name, twin_mod)
+            node.target = name
+        else:
+            node.target = twin
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
+            position = _INPLACE_POSITION.get(twin)
+            if position is not None and len(node.args) > position:
+                node.args = node.args[:position] + (False,) + node.args[position + 1:]
+        # Readers of the mutated value that come after the in-place op read its result instead.
+        for user in list(mutated.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(mutated, node)
+        if root.op in ("placeholder", "get_attr"):
+            written[root] = node
+    output = gm.graph.find_nodes(op="output")[0]
+    for root, value in written.items():
+        with gm.graph.inserting_before(output):
+            gm.graph.call_function(write_back, (root, value))
+    return ""
+
+
+def written_root(node: fx.Node, written: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The graph input or buffer whose value ``node`` is, after in-place ops rewritten so far
+    (``written``: root -> its latest value), else ``node``."""
+    for root, value in written.items():
+        if value is node:
+            return root
+    return node
+
+
+def _shared_write(gm: fx.GraphModule) -> str:
+    """Why ``gm``'s in-place ops cannot be made out of place (``""``: they can): the first that
+    writes into a view, or into a value of which a view taken before it is read after it."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator.setitem:
+            return f"an item assignment ({node.name}) writes into a tensor in place"
+        twin = inplace_target(gm, node)
+        if twin is None or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        if node.op == "call_method" and not hasattr(torch.Tensor, twin):
+            return f"in-place op {node.target} ({node.name}) has no out-of-place twin"
+        root = node.args[0]
+        if _is_view(root) or any(
+                _is_view(u) and u is not node and order[u] < order[node]
+                and any(order[r] > order[node] for r in u.users) for u in root.users):
+            return (f"in-place op {node.target} ({node.name}) writes into memory that another "
+                    "value of the graph shares (a view)")
+    return ""
