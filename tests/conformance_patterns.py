@@ -1,0 +1,754 @@
+"""The usage patterns of the conformance suite (:mod:`conformance`): one entry each in
+:data:`PATTERNS`.
+
+Sources: the issue "Trustworthy in a real program" (items 1-4), PyTorch's Dynamo and Inductor test
+suites (``test/dynamo/test_modules.py``, ``test/inductor/test_cudagraph_trees.py``) and the
+issue trackers of ``torch.compile`` and its backends (pytorch/pytorch #104984, #113423, #115750,
+#117265, #117758, #129362, #132986, #149502, #149894, #183313, #194504), each pattern saying which.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import fusion_compiler
+from conformance import Pattern, Session
+from fusion_compiler.ir.errors import FusionError
+
+ISSUE = "issue 45 (trustworthiness)"
+DYNAMO_TESTS = "PyTorch test/dynamo/test_modules.py"
+
+
+# --------------------------------------------------------------------------- models
+
+class ConvBN(nn.Module):
+    """conv (no bias) -> batch norm -> ReLU, conv + bias -> residual -> ReLU, mean, linear."""
+
+    def __init__(self, c: int = 3, k: int = 8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, k, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(k)
+        self.conv2 = nn.Conv2d(k, k, 3, padding=1)
+        self.head = nn.Linear(k, 4)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv1(x)))
+        y = F.relu(self.conv2(y) + y)
+        return self.head(y.mean((2, 3)))
+
+
+def conv_bn() -> nn.Module:
+    """:class:`ConvBN` in eval mode with batch-norm statistics and affine parameters far from
+    their initial values (a fresh one hides folding mistakes)."""
+    m = ConvBN()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(-0.5, 0.5)
+        m.bn.running_var.uniform_(0.5, 2.0)
+        m.bn.weight.uniform_(0.5, 1.5)
+        m.bn.bias.uniform_(-0.3, 0.3)
+    return m.eval()
+
+
+class ConvNet(nn.Module):
+    """Two conv + bias + ReLU layers, no normalization."""
+
+    def __init__(self, c: int = 3, k: int = 8, padding: object = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, k, 3, padding=padding)
+        self.conv2 = nn.Conv2d(k, k, 3, padding=padding)
+
+    def forward(self, x):
+        return F.relu(self.conv2(F.relu(self.conv1(x))))
+
+
+def fixup() -> nn.Module:
+    from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+
+    return randomize_(se_resnet9_fixup(3, base_planes=8)).eval()
+
+
+# --------------------------------------------------------------------------- helpers
+
+def x16(s: Session, n: int = 2, **kw) -> torch.Tensor:
+    return s.x(n, 3, 16, 16, **kw)
+
+
+def infer(s: Session, x: torch.Tensor, name: str = "out") -> None:
+    with torch.no_grad():
+        s.record(name, s(x))
+
+
+def step(s: Session, opt: torch.optim.Optimizer, x: torch.Tensor, zero: bool = True) -> None:
+    """One training step through the door: loss, its gradients, the optimizer's update."""
+    out = s(x)
+    loss = s.record("loss", out.float().square().mean() + out.float().mean())
+    loss.backward()
+    s.record("grads", [p.grad for p in s.model.parameters()])
+    opt.step()
+    if zero:
+        opt.zero_grad()
+
+
+def _fresh(factory):
+    """A model made under a seed of its own (the door's compile may draw random numbers)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        return factory()
+
+
+# --------------------------------------------------------------------------- item 1: state
+
+def optimizer_step(kind: str):
+    def script(s: Session) -> None:
+        x = x16(s)
+        infer(s, x)
+        opt = torch.optim.AdamW(s.model.parameters(), lr=0.05, fused=(kind == "fused") or None,
+                                foreach=(kind == "foreach") or None)
+        if kind == "sgd":
+            opt = torch.optim.SGD(s.model.parameters(), lr=0.1, momentum=0.9)
+        for p in s.model.parameters():
+            p.grad = torch.randn(p.shape, generator=s._generator).to(p)
+        opt.step()
+        infer(s, x, "after step")
+        step(s, opt, x16(s))
+        infer(s, x, "after training step")
+    return script
+
+
+def soft_update_through_data(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    online = _fresh(conv_bn).to(s.device, s.dtype)
+    for _ in range(3):  # the deep-RL target network: tau-weighted average through .data
+        for target, p in zip(s.model.parameters(), online.parameters()):
+            target.data.mul_(0.5).add_(p.data, alpha=0.5)
+        infer(s, x, "after soft update")
+    for target, p in zip(s.model.parameters(), online.parameters()):
+        target.data.copy_(p.data)  # the hard update
+    infer(s, x, "after hard update")
+
+
+def inplace_under_no_grad(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    with torch.no_grad():
+        for p in s.model.parameters():
+            p.mul_(0.9).add_(0.01)
+    infer(s, x, "after in-place update")
+
+
+def bn_stats_moved_eagerly(s: Session) -> None:
+    """Running statistics updated by train-mode forwards of the module itself (not the door)."""
+    x = x16(s)
+    infer(s, x)
+    s.model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            s.model(x16(s, 4, scale=2.0) + 1.0)
+    s.model.eval()
+    infer(s, x, "after statistics moved")
+
+
+def bn_stats_moved_through_the_door(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    s.model.train()
+    for _ in range(3):
+        infer(s, x16(s, 4, scale=2.0) + 1.0, "train-mode forward")
+    s.record("running_mean", s.model.bn.running_mean)
+    s.model.eval()
+    infer(s, x, "after statistics moved")
+
+
+def load_state_dict(assign: bool):
+    def script(s: Session) -> None:
+        x = x16(s)
+        infer(s, x)
+        other = _fresh(conv_bn).to(s.device, s.dtype)
+        s.model.load_state_dict(other.state_dict(), assign=assign)
+        infer(s, x, "after load")
+        with torch.no_grad():
+            other.conv2.weight.mul_(2.0)  # with assign, the module now holds other's tensors
+        infer(s, x, "after the loaded tensors changed")
+    return script
+
+
+def parameter_reassigned(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    s.model.conv2.weight = nn.Parameter(s.x(*s.model.conv2.weight.shape, scale=0.2))
+    infer(s, x, "after a new parameter")
+
+
+def buffer_reassigned(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    s.model.bn.running_mean = s.x(8, scale=0.3)
+    infer(s, x, "after a new buffer")
+
+
+def to_dtype(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    wide = torch.float64 if s.device.type == "cpu" else torch.float32
+    s.model.to(wide)
+    infer(s, x.to(wide), "after .to(dtype)")
+
+
+def to_channels_last(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    s.model.to(memory_format=torch.channels_last)
+    infer(s, x.contiguous(memory_format=torch.channels_last), "after .to(channels_last)")
+    infer(s, x, "NCHW input")
+
+
+# --------------------------------------------------------------------------- item 2: training
+
+def bn_training_step(s: Session) -> None:
+    s.model.train()
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    for _ in range(2):
+        step(s, opt, x16(s, 4))
+    s.record("running_var", s.model.bn.running_var)
+    s.record("batches", s.model.bn.num_batches_tracked)
+
+
+def train_eval_switching(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    x = x16(s)
+    for _ in range(2):
+        s.model.train()
+        step(s, opt, x16(s, 4))
+        s.model.eval()
+        infer(s, x, "eval")
+
+
+def frozen_parameters(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    s.model.conv1.requires_grad_(False)
+    step(s, opt, x16(s))
+    s.model.conv1.requires_grad_(True)
+    step(s, opt, x16(s))
+
+
+def gradient_accumulation(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s), zero=False)
+    step(s, opt, x16(s), zero=False)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                                   nn.Conv2d(8, 8, 3, padding=1))
+
+    def forward(self, x):
+        y = F.relu(self.stem(x))
+        return F.relu(checkpoint(self.block, y, use_reentrant=False) + y)
+
+
+def checkpointed(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    step(s, opt, x16(s))
+
+
+def eval_mode_finetune(s: Session) -> None:
+    """Fine-tuning with batch norm frozen in eval mode: gradients through the folded scale."""
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    step(s, opt, x16(s))
+
+
+class CumulativeBN(ConvBN):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(8, momentum=None)
+
+
+def cumulative_bn_training(s: Session) -> None:
+    s.model.train()
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    for _ in range(3):
+        step(s, opt, x16(s, 4))
+
+
+# --------------------------------------------------------------------------- item 3: graphs
+
+class FunctionalConv(nn.Module):
+    """No parameters: the weights arrive as inputs."""
+
+    def forward(self, x, w, b):
+        return F.relu(F.conv2d(x, w, b, padding=1))
+
+
+def weights_as_inputs(s: Session) -> None:
+    w, b = s.x(8, 3, 3, 3, scale=0.3), s.x(8, scale=0.1)
+    with torch.no_grad():
+        s.record("out", s(x16(s), w, b))
+        s.record("new weights", s(x16(s), s.x(8, 3, 3, 3), b))
+
+
+def dynamic_batch(s: Session) -> None:
+    for n in (2, 3, 5, 2):
+        infer(s, x16(s, n), f"batch {n}")
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x, scale: float):
+        return F.relu(self.conv(x)) * scale
+
+
+def python_float_changes(s: Session) -> None:
+    x = x16(s)
+    for scale in (0.5, 1.5, 2.5):
+        with torch.no_grad():
+            s.record(f"scale {scale}", s(x, scale))
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x, mask, step):
+        y = self.conv(x) * mask.unsqueeze(1).to(x.dtype)
+        return y + step.to(x.dtype).view(-1, 1, 1, 1)
+
+
+def other_dtype_inputs(s: Session) -> None:
+    x = x16(s)
+    mask = torch.arange(2 * 16 * 16, device=s.device).view(2, 16, 16) % 3 == 0
+    with torch.no_grad():
+        s.record("out", s(x, mask, torch.tensor([3, 4], device=s.device)))
+        s.record("out 2", s(x, ~mask, torch.tensor([5, 1], device=s.device)))
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        x.mul_(2.0)
+        return F.relu(self.conv(x))
+
+
+def inplace_on_input(s: Session) -> None:
+    for _ in range(2):
+        x = x16(s)
+        with torch.no_grad():
+            s.record("out", s(x))
+        s.record("input after the call", x)
+
+
+def compiled_again(s: Session) -> None:
+    """``torch.compile`` of what a door returned."""
+    outer = torch.compile(s.run, backend="fusion_compiler") if s.door != "eager" else s.run
+    x = x16(s)
+    with torch.no_grad():
+        s.record("out", outer(x))
+        s.record("out 2", outer(x16(s)))
+
+
+class GraphBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.conv1(x))
+        torch._dynamo.graph_break()
+        return F.relu(self.conv2(y)) * 2.0
+
+
+def graph_break(s: Session) -> None:
+    infer(s, x16(s))
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+
+
+# --------------------------------------------------------------------------- item 4: the module
+
+def root_hooks(s: Session) -> None:
+    calls = []
+    s.model.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+    s.model.register_forward_hook(lambda m, args, out: calls.append(1) or out + 1.0)
+    infer(s, x16(s))
+    infer(s, x16(s), "again")
+    s.record("hook calls", len(calls))
+
+
+def submodule_hook(s: Session) -> None:
+    seen = []
+    s.model.conv2.register_forward_hook(lambda m, args, out: seen.append(out.shape) or None)
+    infer(s, x16(s))
+    s.record("hook calls", len(seen))
+
+
+def weight_norm_legacy(s: Session) -> None:
+    torch.nn.utils.weight_norm(s.model.conv2)
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    step(s, opt, x16(s))
+    s.model.eval()
+    infer(s, x16(s))
+
+
+def spectral_norm_legacy(s: Session) -> None:
+    torch.nn.utils.spectral_norm(s.model.conv2)
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    s.model.eval()
+    infer(s, x16(s))
+
+
+def parametrized_weight_norm(s: Session) -> None:
+    torch.nn.utils.parametrizations.weight_norm(s.model.conv2)
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    infer(s, x16(s))
+
+
+class Optional_(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x, mask=None, scale: float = 2.0):
+        y = F.relu(self.conv(x))
+        if mask is not None:
+            y = y * mask
+        return y * scale
+
+
+def keyword_arguments(s: Session) -> None:
+    x, mask = x16(s), s.x(2, 8, 16, 16)
+    with torch.no_grad():
+        s.record("defaults", s(x))
+        s.record("keyword", s(x, mask=mask))
+        s.record("both", s(x, scale=0.5, mask=mask))
+        s.record("positional", s(x, mask, 3.0))
+
+
+def none_for_optional(s: Session) -> None:
+    x = x16(s)
+    with torch.no_grad():
+        s.record("none", s(x, None))
+        s.record("mask", s(x, s.x(2, 8, 16, 16)))
+        s.record("none again", s(x, None))
+
+
+def deepcopy_after_a_call(s: Session) -> None:
+    infer(s, x16(s))
+    twin = copy.deepcopy(s.run)
+    with torch.no_grad():
+        for p in s.model.parameters():
+            p.mul_(2.0)  # the original changes, the copy does not
+    x = x16(s)
+    with torch.no_grad():
+        s.record("copy", twin(x))
+        s.record("original", s(x))
+
+
+def state_dict_round_trip(s: Session) -> None:
+    infer(s, x16(s))
+    state = s.run.state_dict()
+    s.record("keys", sorted(state))
+    fresh = _fresh(conv_bn).to(s.device, s.dtype)
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        s.record("a model loaded from it", fresh(x16(s)))
+    s.run.load_state_dict(_fresh(conv_bn).to(s.device, s.dtype).state_dict())
+    infer(s, x16(s), "after loading into the compiled module")
+
+
+class NoGradForward(ConvBN):
+    @torch.no_grad()
+    def forward(self, x):
+        return super().forward(x)
+
+
+def no_grad_forward(s: Session) -> None:
+    s.record("out", s(x16(s)))  # grad mode on, parameters requiring grad: no grad still
+
+
+class NoGradBlock(ConvBN):
+    def forward(self, x):
+        with torch.no_grad():
+            frozen = F.relu(self.bn(self.conv1(x)))
+        y = F.relu(self.conv2(frozen) + frozen)
+        return self.head(y.mean((2, 3)))
+
+
+def no_grad_block(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    step(s, opt, x16(s))
+
+
+def autocast_dtypes(s: Session) -> None:
+    low = torch.bfloat16 if s.device.type == "cpu" else torch.float16
+    with torch.autocast(s.device.type, dtype=low), torch.no_grad():
+        s.record("out", s(x16(s)))
+        s.record("out 2", s(x16(s)))
+
+
+# --------------------------------------------------------------------------- more patterns
+
+class TwoOutputs(ConvNet):
+    def forward(self, x):
+        a = F.relu(self.conv1(x))
+        b = self.conv2(a)
+        return a, {"b": b, "sum": b.sum((2, 3))}
+
+
+def several_outputs(s: Session) -> None:
+    infer(s, x16(s))
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    a, rest = s(x16(s))
+    loss = s.record("loss", a.square().mean() + rest["b"].mean() + rest["sum"].mean())
+    loss.backward()
+    s.record("grads", [p.grad for p in s.model.parameters()])
+    opt.step()
+
+
+class ViewOut(ConvNet):
+    def forward(self, x):
+        y = self.conv2(F.relu(self.conv1(x)))
+        return y, y[:, :2], y.flatten(1)
+
+
+def views_of_an_output(s: Session) -> None:
+    infer(s, x16(s))
+    infer(s, x16(s), "again")
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.block = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.stem(x))
+        return F.relu(self.block(F.relu(self.block(y))))
+
+
+def tied_module(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    infer(s, x16(s))
+
+
+def zero_grad_keeps_tensors(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s), zero=False)
+    opt.zero_grad(set_to_none=False)
+    step(s, opt, x16(s), zero=False)
+
+
+def input_gradient(s: Session) -> None:
+    x = x16(s, requires_grad=True)
+    out = s(x)
+    s.record("out", out)
+    out.square().mean().backward()
+    s.record("input grad", x.grad)
+
+
+def frozen_model_input_gradient(s: Session) -> None:
+    s.model.requires_grad_(False)
+    input_gradient(s)
+
+
+def non_contiguous_input(s: Session) -> None:
+    big = s.x(2, 6, 16, 20)
+    infer(s, big[:, ::2, :, 2:18])
+    infer(s, x16(s).transpose(2, 3), "transposed")
+
+
+def channels_last_input(s: Session) -> None:
+    infer(s, x16(s).contiguous(memory_format=torch.channels_last))
+    infer(s, x16(s), "NCHW")
+
+
+def inference_mode_call(s: Session) -> None:
+    with torch.inference_mode():
+        s.record("out", s(x16(s)))
+    infer(s, x16(s), "then no_grad")
+
+
+def ema_with_foreach(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    online = _fresh(conv_bn).to(s.device, s.dtype)
+    with torch.no_grad():
+        torch._foreach_lerp_(list(s.model.parameters()), list(online.parameters()), 0.3)
+    infer(s, x, "after EMA")
+
+
+class Counting(ConvNet):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return super().forward(x)
+
+
+def buffer_written_in_forward(s: Session) -> None:
+    for _ in range(3):
+        infer(s, x16(s))
+    s.record("calls", s.model.calls)
+
+
+def grad_scaler_step(s: Session) -> None:
+    low = torch.bfloat16 if s.device.type == "cpu" else torch.float16
+    scaler = torch.amp.GradScaler(s.device.type)
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    for _ in range(2):
+        with torch.autocast(s.device.type, dtype=low):
+            out = s(x16(s))
+        loss = s.record("loss", out.float().square().mean())
+        scaler.scale(loss).backward()
+        s.record("grads", [p.grad for p in s.model.parameters()])
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def clip_then_step(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    out = s(x16(s))
+    out.float().square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(s.model.parameters(), 0.01)
+    s.record("clipped", [p.grad for p in s.model.parameters()])
+    opt.step()
+    infer(s, x16(s))
+
+
+class Norms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 8)
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x):
+        y = F.relu(self.gn(self.conv(x)))
+        return self.ln(y.mean((2, 3)))
+
+
+def norms_in_the_glue(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    infer(s, x16(s))
+
+
+def reference_network(s: Session) -> None:
+    x = s.x(2, 3, 64, 64)
+    infer(s, x)
+    opt = torch.optim.AdamW(s.model.parameters(), lr=0.01, fused=True)
+    for p in s.model.parameters():
+        p.grad = torch.randn(p.shape, generator=s._generator).to(p) * 0.1
+    opt.step()
+    infer(s, x, "after a fused AdamW step")
+    for p in s.model.parameters():
+        p.data.mul_(0.9)
+    infer(s, x, "after a .data write")
+
+
+# --------------------------------------------------------------------------- the registry
+
+PATTERNS: list[Pattern] = [
+    Pattern("adamw_fused_step", conv_bn, optimizer_step("fused"), f"{ISSUE}, item 1"),
+    Pattern("adamw_foreach_step", conv_bn, optimizer_step("foreach"), f"{ISSUE}, item 1"),
+    Pattern("sgd_momentum_step", conv_bn, optimizer_step("sgd"), f"{ISSUE}, item 1"),
+    Pattern("soft_update_through_data", conv_bn, soft_update_through_data,
+            f"{ISSUE}, item 1; pytorch/pytorch #183313"),
+    Pattern("inplace_write_under_no_grad", conv_bn, inplace_under_no_grad, f"{ISSUE}, item 1"),
+    Pattern("bn_statistics_moved_eagerly", conv_bn, bn_stats_moved_eagerly,
+            f"{ISSUE}, item 1; pytorch/pytorch #104984"),
+    Pattern("bn_statistics_moved_through_the_door", conv_bn, bn_stats_moved_through_the_door,
+            f"{ISSUE}, item 1"),
+    Pattern("load_state_dict", conv_bn, load_state_dict(False),
+            f"{ISSUE}, item 1; pytorch/pytorch #104984"),
+    Pattern("load_state_dict_assign", conv_bn, load_state_dict(True),
+            f"{ISSUE}, item 1; pytorch/pytorch #129362"),
+    Pattern("parameter_reassigned", conv_bn, parameter_reassigned, f"{ISSUE}, item 1"),
+    Pattern("buffer_reassigned", conv_bn, buffer_reassigned, f"{ISSUE}, item 1"),
+    Pattern("to_dtype_after_compile", conv_bn, to_dtype, f"{ISSUE}, item 1"),
+    Pattern("to_channels_last_after_compile", conv_bn, to_channels_last, f"{ISSUE}, item 1"),
+    Pattern("bn_training_step", lambda: ConvBN(), bn_training_step, f"{ISSUE}, item 2"),
+    Pattern("train_eval_switching", lambda: ConvBN(), train_eval_switching,
+            f"{ISSUE}, item 2; pytorch/pytorch #132986"),
+    Pattern("frozen_parameters", conv_bn, frozen_parameters, f"{ISSUE}, item 2"),
+    Pattern("gradient_accumulation", conv_bn, gradient_accumulation, f"{ISSUE}, item 2"),
+    Pattern("activation_checkpointing", Checkpointed, checkpointed, f"{ISSUE}, item 2"),
+    Pattern("eval_mode_finetuning", conv_bn, eval_mode_finetune, DYNAMO_TESTS),
+    Pattern("bn_momentum_none_training", CumulativeBN, cumulative_bn_training,
+            "pytorch/pytorch #194504"),
+    Pattern("weights_as_inputs", FunctionalConv, weights_as_inputs, f"{ISSUE}, item 3"),
+    Pattern("dynamic_batch_sizes", conv_bn, dynamic_batch, f"{ISSUE}, item 3", dynamic=True),
+    Pattern("python_float_changes", Scaled, python_float_changes, f"{ISSUE}, item 3"),
+    Pattern("mask_and_step_inputs", Masked, other_dtype_inputs, f"{ISSUE}, item 3"),
+    Pattern("inplace_write_to_input", WritesItsInput, inplace_on_input, f"{ISSUE}, item 3"),
+    Pattern("padding_same_and_valid", lambda: nn.Sequential(
+        ConvNet(padding="same"), nn.Conv2d(8, 8, 3, padding="valid")), dynamic_batch,
+        f"{ISSUE}, item 3"),
+    Pattern("compiled_module_compiled_again", conv_bn, compiled_again, f"{ISSUE}, item 3"),
+    Pattern("graph_break_in_forward", GraphBreak, graph_break, f"{ISSUE}, item 3"),
+    Pattern("root_hooks", conv_bn, root_hooks,
+            f"{ISSUE}, item 4; pytorch/pytorch #91665, #117758"),
+    Pattern("submodule_hook", conv_bn, submodule_hook,
+            f"{ISSUE}, item 4; pytorch/pytorch #149502", refused={"compile": FusionError}),
+    Pattern("weight_norm_legacy", ConvNet, weight_norm_legacy, f"{ISSUE}, item 4"),
+    Pattern("spectral_norm_legacy", ConvNet, spectral_norm_legacy, f"{ISSUE}, item 4"),
+    Pattern("weight_norm_parametrization", ConvNet, parametrized_weight_norm, DYNAMO_TESTS),
+    Pattern("keyword_arguments_and_defaults", Optional_, keyword_arguments, f"{ISSUE}, item 4"),
+    Pattern("none_for_an_optional_input", Optional_, none_for_optional, f"{ISSUE}, item 4"),
+    Pattern("deepcopy_after_a_call", conv_bn, deepcopy_after_a_call, f"{ISSUE}, item 4"),
+    # compile() only: torch.compile's own wrapper prefixes the keys (pytorch/pytorch #149894)
+    Pattern("state_dict_round_trip", conv_bn, state_dict_round_trip,
+            f"{ISSUE}, item 4; pytorch/pytorch #113423, #149894", doors=("compile",)),
+    Pattern("no_grad_forward", NoGradForward, no_grad_forward, f"{ISSUE}, item 4"),
+    Pattern("no_grad_block_in_forward", lambda: NoGradBlock().eval(), no_grad_block,
+            DYNAMO_TESTS),
+    Pattern("autocast_output_dtypes", conv_bn, autocast_dtypes, f"{ISSUE}, item 4",
+            tolerance=5e-2),
+    Pattern("tuple_and_dict_outputs", TwoOutputs, several_outputs, DYNAMO_TESTS),
+    Pattern("views_of_an_output", ViewOut, views_of_an_output,
+            "PyTorch test/inductor/test_cudagraph_trees.py"),
+    Pattern("module_called_twice", Tied, tied_module, DYNAMO_TESTS),
+    Pattern("zero_grad_keeps_tensors", conv_bn, zero_grad_keeps_tensors, DYNAMO_TESTS),
+    Pattern("input_gradient", conv_bn, input_gradient, DYNAMO_TESTS),
+    Pattern("frozen_model_input_gradient", conv_bn, frozen_model_input_gradient, DYNAMO_TESTS),
+    Pattern("non_contiguous_inputs", conv_bn, non_contiguous_input,
+            "PyTorch test/inductor/test_cudagraph_trees.py"),
+    Pattern("channels_last_input", conv_bn, channels_last_input, DYNAMO_TESTS),
+    Pattern("inference_mode_call", conv_bn, inference_mode_call, DYNAMO_TESTS),
+    Pattern("ema_with_foreach_lerp", conv_bn, ema_with_foreach, f"{ISSUE}, item 1"),
+    Pattern("buffer_written_in_forward", Counting, buffer_written_in_forward, DYNAMO_TESTS),
+    Pattern("grad_scaler_step", conv_bn, grad_scaler_step, "issue 46 (mixed precision)",
+            tolerance=5e-2),
+    Pattern("clip_grad_norm_then_step", conv_bn, clip_then_step, DYNAMO_TESTS),
+    Pattern("group_and_layer_norm_glue", Norms, norms_in_the_glue, DYNAMO_TESTS),
+    Pattern("se_resnet9_fixup_updates", fixup, reference_network, f"{ISSUE}, item 1"),
+]
+
+assert len({p.name for p in PATTERNS}) == len(PATTERNS)

@@ -1,0 +1,47 @@
+"""The conformance suite on the GPU: every usage pattern of :mod:`conformance_patterns` through both
+doors against eager PyTorch in fp16, with the defaults (cuDNN plans, CUDA graphs, derivation
+prologues, tiers). Each pattern runs twice per door: its calls answered as they come (the first
+tiers while plans build), and each call made after the background compiles ended (the last
+tier), where the compile door's regions must run on GPU kernels (the fast path, not PyTorch
+ops). The CPU half: test_conformance.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from conformance import check, run
+from conformance_patterns import PATTERNS
+from conftest import lowered_on_gpu
+
+pytestmark = pytest.mark.gpu
+FP16_TOLERANCE = 3e-2
+"""Relative error allowed per value: fp16 rounds at 2**-11, and the compiled graph rounds in other
+places than eager does (fused epilogues, folded batch norm), through training steps too."""
+
+
+@functools.cache
+def _eager(name: str) -> list:
+    pattern = next(p for p in PATTERNS if p.name == name)
+    return run(pattern, "eager", torch.device("cuda"), torch.float16).records
+
+
+@pytest.mark.parametrize("settle", [False, True], ids=["first_calls", "last_tier"])
+@pytest.mark.parametrize("pattern, door", [(p, d) for p in PATTERNS for d in p.doors],
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_pattern_through_the_door_matches_eager_on_the_gpu(pattern, door, settle, tmp_path):
+    options = {"cache_dir": str(tmp_path)}
+    refused = pattern.refused.get(door)
+    if refused is not None:
+        with pytest.raises(refused):
+            run(pattern, door, torch.device("cuda"), torch.float16, options, settle)
+        return
+    session = run(pattern, door, torch.device("cuda"), torch.float16, options, settle)
+    check(_eager(pattern.name), session.records, max(pattern.tolerance, FP16_TOLERANCE),
+          f"{pattern.name} via {door}: ")
+    compiled = session.run
+    if settle and door == "compile" and getattr(compiled, "last", None) is not None:
+        regions = compiled.last.regions
+        assert not regions or any(lowered_on_gpu(r) for r in regions), compiled.report()
