@@ -90,6 +90,12 @@ class CompileOptions:
             per group of DDP's gradient buckets (:mod:`fusion_compiler.runtime.ddp_stages`), so
             a bucket's all-reduce can start while the earlier stages' backward still runs (off:
             no faster with NVLink, slower where the host paces the stages; docs/decisions.md).
+        freezing: inference CUDA graphs treat the parameters and buffers as constants: what they
+            derive from them (folded batch norms, re-laid-out or packed weights) is made when the
+            graph is captured and never checked again, so an in-place update (an optimizer step,
+            ``load_state_dict``) is not seen; a replaced tensor still recompiles (off: each replay
+            checks the contents and rewrites what changed, :mod:`fusion_compiler.runtime.derive`;
+            the name is Inductor's for the same opt-in).
 
     Raises (on construction):
         ValueError: a value outside an option's choices or range (the message names the option,
@@ -115,6 +121,7 @@ class CompileOptions:
     dense_conv: bool = True
     horizontal_fusion: bool = True
     ddp_overlap: bool = False
+    freezing: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -127,7 +134,7 @@ class CompileOptions:
             object.__setattr__(self, "cuda_graph", "auto")
         for name in ("fuse_prologue", "fuse_reduction", "report", "tiered",
                      "concurrent_branches", "derived_backward", "triton_conv", "dense_conv",
-                     "horizontal_fusion", "ddp_overlap"):
+                     "horizontal_fusion", "ddp_overlap", "freezing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("progress", "cuda_pipeline"):

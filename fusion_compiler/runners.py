@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from .config import CompileOptions, Target
+from .ir.ops import written_inputs
 from .ir.region import Region
 from .passes import PassManager, glue
 from .passes.glue import inductor_work
@@ -155,6 +156,30 @@ def _glue_compiled(gm: fx.GraphModule, glue_backend: str,
     return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
 
 
+def _not_capturable(args: Sequence[Any], written: list[int], training: bool) -> str:
+    """Why a graph of these inputs cannot be replayed from a CUDA graph (``""``: it can): a CPU
+    tensor among them (a Python float Dynamo passes as a 0-d tensor; a graph would replay the
+    value it was captured with), or, in training, an input the graph writes in place."""
+    if any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args):
+        return "an input is a CPU tensor (a replay would repeat the value captured)"
+    if training and written:
+        return "the step writes into an input in place"
+    return ""
+
+
+def _read_beside_regions(gm: fx.GraphModule | None,
+                         hoisted: HoistedParameters | None) -> list[str]:
+    """The hoisted values of ``gm`` that an op other than a region reads (a region's kernel says
+    when it reads one, :func:`fusion_compiler.runtime.weight_cache.note_reads`; other ops do
+    not, so the derivation prologue makes these before the forward)."""
+    if gm is None or hoisted is None:
+        return []
+    names = set(hoisted.names)
+    return [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in names
+            and any(u.op != "call_module" or not isinstance(gm.get_submodule(u.target), Region)
+                    for u in n.users)]
+
+
 def staged(gm: fx.GraphModule, starts: list[int], glue_backend: str | None) -> fx.GraphModule:
     """``gm`` split before the nodes ``starts`` (:func:`~fusion_compiler.runtime.ddp_stages.
     split_at`), each stage's graph compiled by ``glue_backend`` (``None``: eager ops) inside a
@@ -271,6 +296,12 @@ class Runners:
         from .runtime.derivations import Derivations  # noqa: PLC0415
 
         static = self.options.cuda_graph == "static"
+        written = written_inputs(gm) if gm is not None else []
+        why = _not_capturable(args, written, training)
+        if why:
+            self._note(notes, f"the {'training step' if training else 'forward'} runs without a "
+                              f"CUDA graph: {why}")
+            return refreshing(run, hoisted), None
         try:
             if training:
                 runner = TrainingGraphRunner(run, module, args, list(self.model.parameters()),
@@ -279,8 +310,11 @@ class Runners:
                 state = [*self.model.parameters(), *self.model.buffers(),
                          *(gm.parameters() if gm is not None else ()),
                          *(gm.buffers() if gm is not None else ())]
-                runner = CudaGraphRunner(run, args, derivations=Derivations(state, hoisted),
-                                         copy_outputs=not static)
+                derivations = Derivations(state, hoisted, _read_beside_regions(gm, hoisted),
+                                          frozen=self.options.freezing)
+                runner = CudaGraphRunner(run, args, derivations=derivations,
+                                         copy_outputs=not static,
+                                         buffers=list(self.model.buffers()), written=written)
                 for note in runner.derivations.notes:
                     self._note(notes, note)
         except CaptureError as exc:

@@ -37,6 +37,8 @@ class Pattern:
         dynamic: ``torch.compile(dynamic=True)`` in the Dynamo door.
         tolerance: relative error allowed per value on the CPU (``max |a - e| / max |e|``).
         doors: the doors the pattern is about.
+        gpu_dtype: the model's dtype in the GPU suite (fp16 unless the pattern needs fp32
+            weights: mixed precision, whose gradient scaler refuses fp16 gradients).
     """
 
     name: str
@@ -47,6 +49,7 @@ class Pattern:
     dynamic: bool = False
     tolerance: float = 1e-4
     doors: tuple[str, ...] = DOORS
+    gpu_dtype: torch.dtype = torch.float16
 
 
 class Session:
@@ -151,6 +154,8 @@ def _same(want: Any, got: Any, tolerance: float, where: str) -> None:
             assert torch.equal(g.cpu(), w.cpu()), f"{where}: values differ"
             return
         w64, g64 = w.double().cpu(), g.double().cpu()
+        assert torch.equal(w64.isnan(), g64.isnan()), f"{where}: NaN where eager has none"
+        w64, g64 = w64.nan_to_num(0.0, 0.0, 0.0), g64.nan_to_num(0.0, 0.0, 0.0)
         scale = w64.abs().max().item() if w64.numel() else 0.0
         err = (g64 - w64).abs().max().item() if w64.numel() else 0.0
         assert err <= tolerance * max(scale, 1e-6) or err <= 1e-6, \

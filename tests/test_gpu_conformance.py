@@ -25,20 +25,26 @@ places than eager does (fused epilogues, folded batch norm), through training st
 @functools.cache
 def _eager(name: str) -> list:
     pattern = next(p for p in PATTERNS if p.name == name)
-    return run(pattern, "eager", torch.device("cuda"), torch.float16).records
+    return run(pattern, "eager", torch.device("cuda"), pattern.gpu_dtype).records
+
+
+@pytest.fixture(scope="module")
+def plan_cache(tmp_path_factory) -> str:
+    """One plan cache for the module: the patterns share their models' shapes."""
+    return str(tmp_path_factory.mktemp("plans"))
 
 
 @pytest.mark.parametrize("settle", [False, True], ids=["first_calls", "last_tier"])
 @pytest.mark.parametrize("pattern, door", [(p, d) for p in PATTERNS for d in p.doors],
                          ids=lambda v: v if isinstance(v, str) else v.name)
-def test_pattern_through_the_door_matches_eager_on_the_gpu(pattern, door, settle, tmp_path):
-    options = {"cache_dir": str(tmp_path)}
+def test_pattern_through_the_door_matches_eager_on_the_gpu(pattern, door, settle, plan_cache):
+    options = {"cache_dir": plan_cache}
     refused = pattern.refused.get(door)
     if refused is not None:
         with pytest.raises(refused):
-            run(pattern, door, torch.device("cuda"), torch.float16, options, settle)
+            run(pattern, door, torch.device("cuda"), pattern.gpu_dtype, options, settle)
         return
-    session = run(pattern, door, torch.device("cuda"), torch.float16, options, settle)
+    session = run(pattern, door, torch.device("cuda"), pattern.gpu_dtype, options, settle)
     check(_eager(pattern.name), session.records, max(pattern.tolerance, FP16_TOLERANCE),
           f"{pattern.name} via {door}: ")
     compiled = session.run

@@ -40,6 +40,13 @@ def write_back(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 fx.node._side_effectful_functions.add(write_back)
 
+def written_inputs(gm: fx.GraphModule) -> list[int]:
+    """Positions of ``gm``'s inputs it writes in place (:func:`write_back` into a placeholder)."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return [placeholders.index(n.args[0]) for n in gm.graph.find_nodes(
+        op="call_function", target=write_back) if n.args[0] in placeholders]
+
+
 _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
                        operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
                        operator.ior, operator.ixor, operator.ilshift, operator.irshift}

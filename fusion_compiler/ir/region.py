@@ -24,6 +24,7 @@ import torch.fx as fx
 from .ops import BINARY, is_conv, is_hw_sum, op_name
 
 __all__ = ["Region", "Lowering", "BackwardPlan", "Operand", "operand_kind", "called_region",
+           "set_read_hook",
            "CHANNEL_VIEW", "channel_view_total"]
 
 #: ``node.meta`` key of a value that is a channel view (``narrow`` along dim 1) of a wider 4-d
@@ -145,6 +146,17 @@ def _planned(name: str, doc: str) -> property:
                                          name), doc=doc)
 
 
+_read_hook: Callable[[tuple], None] | None = None
+
+
+def set_read_hook(hook: Callable[[tuple], None] | None) -> None:
+    """Call ``hook(inputs)`` before every region runs (the runtime's, which orders a CUDA graph's
+    derivation before the first region that reads a derived weight:
+    :func:`fusion_compiler.runtime.weight_cache.note_reads`)."""
+    global _read_hook
+    _read_hook = hook
+
+
 class Region(torch.nn.Module):
     """A fused region (see module docstring).
 
@@ -212,6 +224,11 @@ class Region(torch.nn.Module):
         return "side" if getattr(owner, "beside", False) else ""
 
     def forward(self, *inputs: torch.Tensor):
+        # not while Dynamo traces: the hook reads thread state Dynamo would guard on (and
+        # recompile inside a CUDA graph capture); a compiled graph's regions run as the
+        # ``run_region`` op, whose implementation calls the hook
+        if _read_hook is not None and not torch.compiler.is_dynamo_compiling():
+            _read_hook(inputs)
         return self.kernel(*inputs)
 
     # ------------------------------------------------------------------ structure

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK
+from .tensors import restored
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -51,6 +52,21 @@ __all__ = ["CudaGraphRunner", "CaptureError"]
 
 class CaptureError(RuntimeError):
     """The forward could not be captured in a CUDA graph; the message says why (CUDA's error)."""
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """The stream graphs are captured on, one per device, of the highest priority: its kernels
+    become graph nodes of that priority (torch instantiates graphs with node priorities), which
+    the GPU schedules before those of the derivation running beside the forward on a stream of
+    the default priority (:meth:`.derivations.Derivations.prologue`)."""
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(
+            device, priority=torch.cuda.Stream.priority_range()[1])
+    return _CAPTURE_STREAMS[device]
 
 
 def _release_rng_capture(device: int) -> None:
@@ -122,14 +138,20 @@ class CudaGraphRunner:
             capture, in the graph, at every replay.
         copy_outputs: never return a buffer a later call overwrites (the buffers while nothing
             holds the last ones handed out, else copies: see the module docstring).
+        buffers: the module's buffers: what the warm-up calls update in them (a train-mode batch
+            norm's statistics) is undone, so that calls update them as eager calls do.
+        written: positions of inputs the forward writes in place: after a replay that read the
+            input buffers, they are copied into the caller's tensors.
 
     Raises:
         CaptureError: the forward cannot be captured (the graph is discarded).
     """
 
     def __init__(self, fn: Callable[..., Any], example_args: Sequence[Any], warmup: int = 2,
-                 derivations: Derivations | None = None, copy_outputs: bool = True):
+                 derivations: Derivations | None = None, copy_outputs: bool = True,
+                 buffers: Sequence[torch.Tensor] = (), written: Sequence[int] = ()):
         self.fn, self.warmup, self.derivations = fn, warmup, derivations
+        self.buffers, self.written = list(buffers), list(written)
         self.copy_outputs = copy_outputs
         self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_args]
         self.main: _Capture | None = None
@@ -156,7 +178,7 @@ class CudaGraphRunner:
         self._drop_extra_graphs()  # a recapture drops the spare and direct graphs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with COMPILE_LOCK:
+        with COMPILE_LOCK, restored(self.buffers):  # warm-ups leave no update behind
             with torch.cuda.stream(side), self._scope():
                 for _ in range(self.warmup):  # the first call records what the forward derives
                     fn(*self.static_inputs)
@@ -168,7 +190,8 @@ class CudaGraphRunner:
             try:
                 # thread_local: CUDA calls of other threads (a DataLoader's pinning thread) do
                 # not invalidate this capture
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"), self._scope():
+                with torch.cuda.graph(graph, stream=_capture_stream(),
+                                      capture_error_mode="thread_local"), self._scope():
                     outputs = self._forward(self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
                 _release_rng_capture(torch.cuda.current_device())
@@ -177,10 +200,15 @@ class CudaGraphRunner:
         self.main = _Capture(graph, outputs, self.static_inputs, self.copy_outputs)
 
     def _forward(self, args: Sequence[Any]) -> Any:
-        """What a graph holds: the derivation prologue, then the forward."""
-        if self.derivations is not None:
-            self.derivations.prologue()
-        return self.fn(*args)
+        """What a graph holds: the derivation prologue, then the forward (which waits for the
+        prologue's side stream where it first reads what it derives, and at its end)."""
+        if self.derivations is None:
+            return self.fn(*args)
+        self.derivations.prologue()
+        try:
+            return self.fn(*args)
+        finally:
+            self.derivations.finish()
 
     def _try_capture(self, args: Sequence[Any], pool: Any) -> _Capture | bool | None:
         """A further capture of the forward on ``args`` (in ``pool``, ``None``: a pool of its
@@ -191,8 +219,8 @@ class CudaGraphRunner:
             return None
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), \
-                    self._scope():
+            with torch.cuda.graph(graph, pool=pool, stream=_capture_stream(),
+                                  capture_error_mode="thread_local"), self._scope():
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args, self.copy_outputs)
         except Exception:  # noqa: BLE001 - the calls go on without this graph
@@ -229,14 +257,21 @@ class CudaGraphRunner:
             if isinstance(static, torch.Tensor):
                 static.copy_(a)
         if not self.main.held():
-            return self.main.replay(outputs)
+            return self._written_back(args, self.main.replay(outputs))
         # a buffer handed out (or a view of one) is still held: the spare graph, whose outputs
         # never leave the runner
         if self._spare is None:
             self._spare = self._try_capture(self.static_inputs, self.main.graph.pool())
         if not self._spare:
             return self.fn(*args)
-        return self._spare.replay("copies")
+        return self._written_back(args, self._spare.replay("copies"))
+
+    def _written_back(self, args: Sequence[Any], outputs: Any) -> Any:
+        """``outputs``, after copying what the replay wrote into input buffers to the caller's
+        inputs (eager writes into them)."""
+        for i in self.written:
+            args[i].copy_(self.static_inputs[i])
+        return outputs
 
     def _drop_extra_graphs(self) -> None:
         for extra in (self._spare, self._direct):

@@ -362,7 +362,10 @@ class _Bound(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, fn: Callable[..., Any]):
         super().__init__()
-        self.module, self.fn = module, fn
+        self.module = module
+        # not registered: ``fn`` may be ``module`` itself (or a torch.compile wrapper of it), and
+        # registered twice its parameters would have two names, only one of them swapped
+        object.__setattr__(self, "fn", fn)
 
     def forward(self, *args: Any) -> Any:
         return self.fn(*args)

@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .derive import Expr, NotDerivable, Program, evaluate
+from .derive import Expr, NotDerivable, Program, evaluator
 from .weight_cache import WeightCache, cache_key
 
 __all__ = ["Derivations", "expressions"]
@@ -149,14 +149,26 @@ class Derivations:
         hoisted: the graph's hoisted values, or ``None``: an object with ``graph_module`` (its
             code: ``get_attr`` nodes of the state, one output tuple), ``names`` (one per output)
             and ``owner`` (the module holding the output tensors under those names).
+        unguarded: names of hoisted values read by ops other than regions (made before the
+            forward, not beside it).
+        frozen: the state is constant (option ``freezing``): the derived tensors are made before
+            the capture and graphs hold no prologue.
 
     Attributes:
         notes: what the prologue computes with PyTorch ops at every replay, and why.
     """
 
-    def __init__(self, state: Sequence[torch.Tensor], hoisted: Any = None):
-        self.hoisted = hoisted
+    def __init__(self, state: Sequence[torch.Tensor], hoisted: Any = None,
+                 unguarded: Sequence[str] = (), frozen: bool = False):
+        self.hoisted, self.frozen = hoisted, frozen
         self.notes: list[str] = []
+        self._order: dict[int, None] = {}  # derived tensors' storages, in order of first use
+        self._early: set[int] = set(  # read by ops that do not tell: ready before the forward
+            _storage(getattr(hoisted.owner, name)) for name in unguarded)
+        self._late: set[int] = set()
+        self._ready: torch.cuda.Event | None = None  # the side stream's derivation, captured
+        self._joined: set[int] = set()  # streams that waited for it
+        self.early: Program | None = None
         self._static = {_storage(t) for t in state if isinstance(t, torch.Tensor)}
         self._sources: list[torch.Tensor] = []
         self._slots: dict[int, int] = {}
@@ -237,9 +249,12 @@ class Derivations:
         is state or derived from it; otherwise made now (in a capture: at every replay)."""
         key = (id(cache), cache_key(tensors))
         if key in self._cached:
-            return self._cached[key][1]
+            value = self._cached[key][1]
+            self.reads(value if isinstance(value, tuple) else (value,))
+            return value
         exprs = [self._expr_of(t) for t in tensors]
         if any(e is None for e in exprs) or _capturing():
+            self.reads(tensors)
             return cache.convert(*tensors)
         value = cache.convert(*tensors)
         outputs = value if isinstance(value, tuple) else (value,)
@@ -264,32 +279,101 @@ class Derivations:
 
             self._fallbacks.append(again)
         self._cached[key] = (cache, value)  # the cache object kept: its id stays unique
+        self.reads(outputs)
         return value
+
+    def reads(self, tensors: Sequence[Any]) -> None:
+        """A kernel is about to read ``tensors`` (what region kernels and :meth:`lookup` call):
+        at the warm-up call, the order derived tensors are first used in; in a capture, the
+        current stream waits for the side stream's derivation before its first read of one."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage(t)
+            if key not in self._derived:
+                continue
+            if self._ready is None:
+                self._order.setdefault(key)
+            elif key in self._late:
+                self.join()
+                return
 
     # ------------------------------------------------------------------ the prologue
     def build(self) -> None:
-        """Make the program from what was translated and recorded (after the warm-up call)."""
-        derived = []
-        for target, expr in self._derived.values():
+        """Make the programs from what was translated and recorded (after the warm-up call): the
+        derived tensors first used early (up to :data:`EARLY_ELEMENTS`) or read by ops that do not
+        tell (:meth:`reads`) are recomputed at every replay, before the forward, by one kernel;
+        the others by the fingerprint and derivation kernels on a side stream, which the forward
+        waits for at its first read of one of them."""
+        order = [*self._order, *(k for k in self._derived if k not in self._order)]
+        early, late, size = [], [], 0
+        for key in order:
+            target, expr = self._derived[key]
             try:
                 Program.check(target, expr)
             except NotDerivable as exc:
                 self.notes.append(f"a derived tensor recomputed at every replay: {exc}")
-                self._fallbacks.append(lambda t=target, e=expr: t.copy_(
-                    evaluate(e, self._sources).to(t.dtype)))
+                self._fallbacks.append(_copier(target, evaluator(expr, self._sources)))
                 continue
-            derived.append((target, expr))
-        program = Program(self._sources, derived)
-        if program.reason:
-            self.notes.append(f"derived tensors recomputed at every replay: {program.reason}")
-        self.program = program
+            size += target.numel()
+            first = key in self._early or key not in self._order or size <= EARLY_ELEMENTS
+            (early if first else late).append((target, expr))
+        self.early = Program(self._sources, early, conditional=False) if early else None
+        self.program = Program(self._sources, late)
+        self._late = {_storage(t) for t, _ in late}
+        if self.program.reason:
+            self.notes.append(f"derived tensors recomputed at every replay: "
+                              f"{self.program.reason}")
 
     def prologue(self) -> None:
-        """Bring every derived tensor up to date with the state, on the current stream: opaque
-        values and fallbacks with PyTorch ops, then the program (fingerprint and derivation)."""
+        """Bring the derived tensors up to date with the state: opaque values, fallbacks and the
+        early program on the current stream; the fingerprinted program after them, on a side
+        stream when capturing (:meth:`reads` and :meth:`join` wait for it), else in turn."""
+        if self.frozen and _capturing():  # constants: derived once, before the capture
+            return
         if self._opaque is not None:
             self._opaque()
         for again in self._fallbacks:
             again()
-        if self.program is not None:
+        if self.early is not None:
+            self.early.run()
+        if self.program is None:
+            return
+        if not _capturing() or self.program.reason or not self.program.derived:
             self.program.run()
+            return
+        main = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.program.run()
+        self._ready, self._joined = torch.cuda.Event(), set()
+        self._ready.record(side)
+        self._side = side  # kept until the capture ends
+
+    def finish(self) -> None:
+        """The end of a capture's forward: join the side stream, forget the capture's event."""
+        self.join()
+        self._ready = self._side = None
+
+    def join(self) -> None:
+        """The current stream waits for the side stream's derivation (once per stream and
+        capture); a capture calls it at its end too, which must join every stream it forked."""
+        stream = torch.cuda.current_stream()
+        if self._ready is not None and stream.cuda_stream not in self._joined:
+            stream.wait_event(self._ready)
+            self._joined.add(stream.cuda_stream)
+
+
+EARLY_ELEMENTS = 1 << 17
+"""Elements of derived tensors, in order of first use, recomputed at every replay by one kernel
+before the forward (SE-ResNet9's stem and first block: 77k) rather than fingerprinted beside it:
+the forward's first kernels read them at once (measurements: docs/decisions.md, "Derived weights:
+a content fingerprint, not version counters")."""
+
+
+def _copier(target: torch.Tensor, value: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    def copy() -> None:
+        with torch.no_grad():
+            target.copy_(value().to(target.dtype))
+    return copy

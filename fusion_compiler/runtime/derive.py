@@ -32,10 +32,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["Expr", "Program", "NotDerivable", "derive_reason"]
+__all__ = ["Expr", "Program", "NotDerivable", "derive_reason", "evaluator", "evaluate"]
 
-_WORDS = 4096  # words per fingerprint program (one load each: many programs in flight)
-_CHUNK = 4096  # elements per derivation program
+_WORDS = 2048  # words per fingerprint program (one load each: many programs in flight)
+_CHUNK = 8192  # elements per row of a fingerprinted derivation (most rows just check their sums)
+_ALWAYS_CHUNK = 1024  # elements per row of a derivation without fingerprint (one step each)
 _BLOCK = 1024  # elements per step of a derivation program
 _CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
@@ -171,6 +172,8 @@ class Program:
         derived: ``(tensor, expr)`` pairs: a dense tensor (no gaps or overlaps, any dimension
             order) of fp16, bf16 or fp32 that :meth:`run` rewrites, and its :class:`Expr` over
             the sources' slots.
+        conditional: fingerprint the sources and rewrite only what changed; ``False``: rewrite
+            everything at every run, one kernel and no fingerprint (cheaper for small tensors).
 
     Attributes:
         reason: why the kernels do not run (``""``: they do); :meth:`run` then recomputes every
@@ -182,9 +185,10 @@ class Program:
     """
 
     def __init__(self, sources: Sequence[torch.Tensor],
-                 derived: Sequence[tuple[torch.Tensor, Expr]]):
+                 derived: Sequence[tuple[torch.Tensor, Expr]], conditional: bool = True):
         self.sources = list(sources)
         self.derived = list(derived)
+        self.conditional = conditional
         for t in self.sources:
             if t.dtype not in _CODES:
                 raise NotDerivable(f"a source of dtype {t.dtype}")
@@ -195,6 +199,8 @@ class Program:
         self.bytes_read = 0
         if self.derived and not self.reason:
             self._build(device)
+        elif self.derived:
+            self._torch = [(dst, evaluator(expr, self.sources)) for dst, expr in self.derived]
 
     @staticmethod
     def check(target: torch.Tensor, expr: Expr) -> None:
@@ -209,7 +215,7 @@ class Program:
     # ------------------------------------------------------------------ tables
     def _build(self, device: torch.device) -> None:
         rows = []
-        for slot, t in enumerate(self.sources):
+        for slot, t in enumerate(self.sources if self.conditional else ()):
             word, words = _words(t)
             self.bytes_read += word * words
             address = t.untyped_storage().data_ptr()
@@ -230,8 +236,9 @@ class Program:
         # no sum of real contents is stored yet: the first run derives everything
         self._stored = torch.full((slots,), 0x5A5A5A5A5A5A5A5, dtype=torch.int64, device=device)
         self._counter = torch.zeros(1, dtype=torch.int32, device=device)
-        for dst, expr in self.derived:  # the chunks without a source (zeros) are written once
-            dst.copy_(evaluate(expr, self.sources).to(dst.dtype))
+        with torch.no_grad():  # the chunks without a source (zeros) are written once
+            for dst, expr in self.derived:
+                dst.copy_(evaluate(expr, self.sources).to(dst.dtype))
         self._slots_block = max(16, 1 << (min(slots, 1024) - 1).bit_length())
 
     def _rows(self, dst: torch.Tensor, expr: Expr, index: list[torch.Tensor],
@@ -248,8 +255,9 @@ class Program:
         cuts = [0, *(torch.nonzero(key[1:] != key[:-1]).flatten() + 1).tolist(), dst.numel()]
         rows = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
-            for first in range(lo, hi, _CHUNK):
-                last = min(hi, first + _CHUNK)
+            step = _CHUNK if self.conditional else _ALWAYS_CHUNK
+            for first in range(lo, hi, step):
+                last = min(hi, first + step)
                 part = scale[first:last]
                 if bool((part == part[0]).all()):
                     scale_at, value = -1, float(part[0])
@@ -278,22 +286,29 @@ class Program:
         return rows
 
     # ------------------------------------------------------------------ running
-    def run(self) -> None:
+    def run(self, programs: int | None = None) -> None:
         """Rewrite the derived tensors whose sources changed since the last run (at the first
         run, all of them), on the current stream, without a host synchronization; with
-        :attr:`reason` set, recompute all of them with PyTorch ops."""
+        :attr:`reason` set, recompute all of them with PyTorch ops. ``programs``: launch at most
+        that many programs per kernel (each then loops over several chunks), so that work on
+        other streams keeps most of the GPU; ``None``: one per chunk, the quickest alone."""
         if not self.derived:
             return
         if self.reason:
-            for dst, expr in self.derived:
-                dst.copy_(evaluate(expr, self.sources).to(dst.dtype))
+            with torch.no_grad():
+                for dst, value in self._torch:
+                    dst.copy_(value().to(dst.dtype))
             return
         kernels = _kernels()
-        kernels.fingerprint_kernel[(self._fingerprint.shape[0],)](
-            self._fingerprint, self._sums, BLOCK=_WORDS, num_warps=8)
-        kernels.derive_kernel[(self._table.shape[0],)](
+        if self.conditional:
+            rows = self._fingerprint.shape[0]
+            kernels.fingerprint_kernel[(min(rows, programs or rows),)](
+                self._fingerprint, self._sums, rows, BLOCK=_WORDS)
+        rows = self._table.shape[0]
+        kernels.derive_kernel[(min(rows, programs or rows),)](
             self._table, self._index, self._scales, self._sums, self._stored, self._counter,
-            self._table.shape[0], self._sums.numel(), BLOCK=_BLOCK, SLOTS=self._slots_block)
+            rows, self._sums.numel(), BLOCK=_BLOCK, SLOTS=self._slots_block,
+            ALWAYS=not self.conditional)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -307,21 +322,35 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def evaluate(expr: Expr, sources: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``expr``'s value computed with PyTorch ops (fp32, on the sources' device): what the
-    kernels compute, for a run without them and for tests."""
+def evaluator(expr: Expr, sources: Sequence[torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A function computing ``expr``'s value with PyTorch ops (fp32, on the sources' device), its
+    index arrays moved to the device once: only device work at each call (capturable in a CUDA
+    graph). What the kernels compute, for a run without them."""
     device = sources[0].device if sources else torch.device("cpu")
-    value = expr.scale.to(device, torch.float32)
-    flat = [torch.as_strided(s, (s.untyped_storage().nbytes() // s.element_size(),), (1,), 0)
-            for s in sources]
+    scale = expr.scale.to(device, torch.float32)
+    zero = (expr.scale == 0).to(device)
+    factors = []
     for slots, index in expr.factors:
         present = slots != 0
-        if not bool(present.any()):
-            continue
-        gathered = torch.ones(expr.shape, dtype=torch.float32, device=device)
-        for slot in torch.unique(slots[present]).tolist():
-            where = slots == slot
-            picked = flat[slot - 1].float()[torch.where(where, index, 0).to(device)]
-            gathered = torch.where(where.to(device), picked, gathered)
-        value = value * gathered
-    return torch.where(expr.scale.to(device) == 0, torch.zeros((), device=device), value)
+        if bool(present.any()):
+            factors.append([(slot - 1, (slots == slot).to(device),
+                             torch.where(slots == slot, index, 0).to(device))
+                            for slot in torch.unique(slots[present]).tolist()])
+
+    def run() -> torch.Tensor:
+        value = scale
+        for picks in factors:
+            gathered = torch.ones(expr.shape, dtype=torch.float32, device=device)
+            for slot, where, index in picks:
+                src = sources[slot]
+                flat = torch.as_strided(src, (src.untyped_storage().nbytes() // src.element_size(),),
+                                        (1,), 0)
+                gathered = torch.where(where, flat.float()[index], gathered)
+            value = value * gathered
+        return torch.where(zero, torch.zeros((), device=device), value)
+    return run
+
+
+def evaluate(expr: Expr, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``expr``'s value computed with PyTorch ops (:func:`evaluator`), for tests and set-up."""
+    return evaluator(expr, sources)()

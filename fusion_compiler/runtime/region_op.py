@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from .background import ThreadFlag
+from .weight_cache import note_reads
 
 __all__ = ["run_region", "register_kernel", "register_backward", "is_traced", "dry_run",
            "in_dry_run", "channels_last_specs"]
@@ -116,6 +117,7 @@ def run_region(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if _DRY:
         return _run_region_fake(key, inputs)
     kernel: Callable = _KERNELS[key]
+    note_reads(inputs)
     return list(kernel(*inputs))
 
 

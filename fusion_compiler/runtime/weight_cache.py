@@ -21,8 +21,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..ir import region
+
 __all__ = ["WeightCache", "Epoch", "derivation_epoch", "derivation_scope", "current_scope",
-           "cache_key"]
+           "note_reads", "cache_key"]
 
 _local = threading.local()
 
@@ -72,6 +74,19 @@ def derivation_scope(scope: Any) -> contextlib.AbstractContextManager[Any]:
     """Within it, :class:`WeightCache` calls go to ``scope.lookup(cache, tensors)`` (an
     inference CUDA graph's :class:`~fusion_compiler.runtime.derivations.Derivations`)."""
     return _scoped(scope)
+
+
+def note_reads(tensors: Any) -> None:
+    """A kernel is about to read ``tensors``: the scope (a derivation scope) may need to order
+    work before it (:meth:`~fusion_compiler.runtime.derivations.Derivations.reads`). Installed
+    as :mod:`fusion_compiler.ir.region`'s read hook, so every region's inputs are noted."""
+    scope = current_scope()
+    reads = getattr(scope, "reads", None)
+    if reads is not None:
+        reads(tensors)
+
+
+region.set_read_hook(note_reads)
 
 
 def cache_key(tensors: tuple[torch.Tensor, ...]) -> tuple:
