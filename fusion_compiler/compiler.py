@@ -54,13 +54,15 @@ class CompiledModule(torch.nn.Module):
         TypeError, ValueError: an unknown or invalid option.
 
     Raises (on call):
-        InputTypeError: (a ``TypeError``) wrong number of inputs, or a floating input whose dtype
-            differs from the model's parameters (expected and actual dtypes are in the message).
+        InputTypeError: (a ``TypeError``) a wrong number of inputs, or keyword arguments
+            ``forward`` does not take (Python's own message).
         InputError: (a ``ValueError``) an input on another device than the model's parameters,
-            or of a shape the model does not take (the message names the input, its shape, the
-            model's own error for it and the shapes earlier calls took). Input errors are raised
-            from the call, without the compiler's frames or chained errors.
-        FusionError: the graph breaks the cuDNN graph rules.
+            or of a shape or dtype the model does not take (the message names the input, its
+            shape, the model's own error for it and the shapes earlier calls took). Input errors
+            are raised from the call, without the compiler's frames or chained errors.
+        FusionError: the graph breaks the cuDNN graph rules, or a hook below the root (or a
+            global module hook) would not be called by the compiled graph (the message names
+            it; the root's own hooks run as ``nn.Module.__call__`` runs them).
     """
 
     def __init__(self, model: torch.nn.Module, options: CompileOptions | None = None,

@@ -219,6 +219,19 @@ def test_inplace_ops_become_ssa():
     assert all(inplace_target(gm, n) is None for n in gm.graph.nodes)
 
 
+@pytest.mark.parametrize("reparametrize", [nn.utils.weight_norm,
+                                           nn.utils.parametrizations.weight_norm])
+def test_weight_norm_becomes_its_formula(reparametrize):
+    """``torch._weight_norm`` (what both weight norms call) is replaced by ATen's formula, whose
+    backward Inductor compiles for fp16 (the fused op's backward raised there)."""
+    model = nn.Sequential(reparametrize(nn.Conv2d(8, 16, 3, padding=1)), nn.ReLU()).eval()
+    x = torch.randn(2, 8, 6, 6)
+    code = specialize(model, x).stages["normalize"]
+    assert "torch._weight_norm" not in code and "torch.norm_except_dim" in code
+    with torch.no_grad():
+        assert rel_err(fc.compile(model)(x), model(x)) < 1e-5
+
+
 def test_inplace_on_graph_input_is_written_back():
     """An in-place op on an input becomes out of place, and its value is copied into the input at
     the end of the graph, as eager leaves it; a graph with one on a view of another value keeps

@@ -16,7 +16,7 @@ Rewrites, in this order:
    ``add(., b.reshape(1,K,1,1))``; operators and methods (``x + y``, ``x.mul(y)``) ->
    ``torch.add``/``torch.mul``/...; ``relu6``/``hardtanh``/``clamp`` -> ``torch.clamp``;
    ``mean``/``adaptive_avg_pool2d(., 1)`` over H, W ->
-   ``sum(x, [2, 3], keepdim=True) * (1 / (H*W))``.
+   ``sum(x, [2, 3], keepdim=True) * (1 / (H*W))``; ``torch._weight_norm`` -> its formula.
 
 Nodes it cannot bring to canonical form are left as they are (they will run in PyTorch).
 """
@@ -148,7 +148,7 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
     x = node.args[0] if node.args else None
     kind = type(mod)
     with g.inserting_before(node):
-        if kind is nn.Conv2d:
+        if kind is nn.Conv2d or (kind.__bases__ == (nn.Conv2d,) and _is_parametrized(mod)):
             padding = _conv_padding(mod)
             if mod.padding_mode != "zeros" or padding is None:
                 return
@@ -210,13 +210,22 @@ class _SpectralNormWeight(nn.Module):
 
 def _weight(gm: fx.GraphModule, path: str, mod: nn.Module) -> fx.Node | None:
     """The node computing ``mod.weight`` as ``mod``'s forward sees it: the parameter, or what a
-    legacy ``weight_norm`` / ``spectral_norm`` pre-hook computes from its parameters (the graph
-    does not run hooks); ``None`` when another pre-hook would change it."""
+    legacy ``weight_norm`` / ``spectral_norm`` pre-hook or a ``parametrizations.weight_norm``
+    computes from its parameters (the graph runs neither hooks nor parametrizations); ``None``
+    when another pre-hook or parametrization would change it."""
     from torch.nn.utils.spectral_norm import SpectralNorm  # noqa: PLC0415
     from torch.nn.utils.weight_norm import WeightNorm  # noqa: PLC0415
 
     g = gm.graph
     hooks = [h for h in mod._forward_pre_hooks.values()]
+    if _is_parametrized(mod):  # torch.nn.utils.parametrize: weight_norm's alone is taken
+        chain = (mod.parametrizations["weight"] if list(mod.parametrizations) == ["weight"]
+                 else None)
+        if hooks or chain is None or len(chain) != 1 or type(chain[0]).__name__ != "_WeightNorm":
+            return None
+        base = f"{path}.parametrizations.weight"  # original0: g, original1: v
+        return g.call_function(torch._weight_norm, (g.get_attr(f"{base}.original1"),
+                                                     g.get_attr(f"{base}.original0"), chain[0].dim))
     if not hooks:
         return g.get_attr(f"{path}.weight")
     if len(hooks) != 1 or getattr(hooks[0], "name", None) != "weight":
@@ -234,6 +243,12 @@ def _weight(gm: fx.GraphModule, path: str, mod: nn.Module) -> fx.Node | None:
 
 
 # --------------------------------------------------------------------------- calls
+
+def _is_parametrized(mod: nn.Module) -> bool:
+    from torch.nn.utils import parametrize  # noqa: PLC0415
+
+    return parametrize.is_parametrized(mod)
+
 
 def _bind(node: fx.Node, names: list[str], defaults: dict[str, Any]) -> dict[str, Any] | None:
     """Positional + keyword arguments of ``node`` by name; ``None`` if unknown keywords appear."""
@@ -310,10 +325,28 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
         if a is None or "dtype" in node.kwargs or not _is_hw(a["dim"], len(_shape(a["input"]) or ())):
             return
         _hw_reduction(gm, node, a["input"], mean=target in ("mean", torch.mean), keepdim=a["keepdim"])
+    elif target is torch._weight_norm and len(node.args) == 3 and not node.kwargs:
+        _weight_norm_formula(gm, node)
     elif target is F.adaptive_avg_pool2d:
         size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
         if size in (1, (1, 1), [1, 1]) and len(_shape(node.args[0]) or ()) == 4:
             _hw_reduction(gm, node, node.args[0], mean=True, keepdim=True)
+
+
+def _weight_norm_formula(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``torch._weight_norm(v, g, dim)`` -> ``v * (g / torch.norm_except_dim(v, 2, dim))``, the
+    formula ATen's ``_weight_norm`` computes where it does not call its fused CUDA kernel
+    (``aten/src/ATen/native/WeightNorm.cpp``). On CUDA fp16 the fused kernel's backward takes
+    fp32 norms, and the training graph Inductor compiles hands it fp16 ones (torch 2.11: "expected
+    scalar type Float but found Half"; docs/decisions.md, "Weight norm as its formula")."""
+    v, g_, dim = node.args
+    g = gm.graph
+    with g.inserting_before(node):
+        norm = g.call_function(torch.norm_except_dim, (v, 2, dim))
+        out = g.call_function(torch.mul, (v, g.call_function(torch.div, (g_, norm))))
+    out.meta.update(node.meta)
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
 
 
 def _hw_reduction(gm: fx.GraphModule, node: fx.Node, x: fx.Node, mean: bool, keepdim: bool) -> None:
