@@ -40,6 +40,7 @@ def write_back(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 fx.node._side_effectful_functions.add(write_back)
 
+
 def written_inputs(gm: fx.GraphModule) -> list[int]:
     """Positions of ``gm``'s inputs it writes in place (:func:`write_back` into a placeholder)."""
     placeholders = gm.graph.find_nodes(op="placeholder")
@@ -68,6 +69,8 @@ def eliminate_dead_code(graph: fx.Graph) -> None:
     """``graph.eliminate_dead_code()`` that keeps in-place writes (:func:`writes_in_place`), which
     torch.fx would drop when nothing reads their value."""
     graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_in_place(n))
+
+
 BINARY = {torch.add: "add", torch.sub: "sub", torch.mul: "mul", torch.div: "div"}
 COMMUTATIVE = {torch.add, torch.mul}
 UNARY = {torch.relu: "relu", torch.sigmoid: "sigmoid", torch.tanh: "tanh", torch.clamp: "clamp",

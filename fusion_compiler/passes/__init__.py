@@ -21,8 +21,8 @@ graph after any pass by its name). In order, with the condition under which each
   padded pools get NCHW inputs, a PyTorch backward bug), ``se_gates`` and ``se_scales`` (CUDA
   inference where Triton runs: an SE gate -> one ``se_gate`` kernel, then the multiply by it and
   the block's tail -> one ``se_scale`` kernel), ``hoist`` (CUDA inference in a CUDA graph:
-  parameter-only subgraphs recomputed when the parameters change), ``concurrent_branches`` (with that option: short
-  branches' regions on a second CUDA stream).
+  parameter-only subgraphs recomputed when the parameters change), ``concurrent_branches`` (with
+  that option: short branches' regions on a second CUDA stream).
 * **glue** (on the copy of the lowered graph that Inductor compiles): ``library_ops`` (this
   package's kernels called through their ``torch.library`` ops), ``small_linears`` (small linear
   layers -> reductions).
@@ -135,7 +135,7 @@ def post_lowering(options: CompileOptions, target: Target) -> list[Pass]:
                    Pass("se_scales", _counted(se_scales, "SE gates applied (with the block's "
                                                          "tail) in the gate's kernel"))]
     # kept current by the graph's derivation prologue (or recomputed before each ungraphed call)
-    if options.graphed_inference(target) or inference and options.cuda_pipeline:
+    if options.graphed_inference(target) or (inference and options.cuda_pipeline):
         passes.append(Pass("hoist", hoist_parameters))
     if options.concurrent(target):
         passes.append(Pass("concurrent_branches", _counted(

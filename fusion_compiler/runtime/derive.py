@@ -286,12 +286,10 @@ class Program:
         return rows
 
     # ------------------------------------------------------------------ running
-    def run(self, programs: int | None = None) -> None:
+    def run(self) -> None:
         """Rewrite the derived tensors whose sources changed since the last run (at the first
-        run, all of them), on the current stream, without a host synchronization; with
-        :attr:`reason` set, recompute all of them with PyTorch ops. ``programs``: launch at most
-        that many programs per kernel (each then loops over several chunks), so that work on
-        other streams keeps most of the GPU; ``None``: one per chunk, the quickest alone."""
+        run, all of them), on the current stream, without a host synchronization, one program
+        per chunk; with :attr:`reason` set, recompute all of them with PyTorch ops."""
         if not self.derived:
             return
         if self.reason:
@@ -302,10 +300,9 @@ class Program:
         kernels = _kernels()
         if self.conditional:
             rows = self._fingerprint.shape[0]
-            kernels.fingerprint_kernel[(min(rows, programs or rows),)](
-                self._fingerprint, self._sums, rows, BLOCK=_WORDS)
+            kernels.fingerprint_kernel[(rows,)](self._fingerprint, self._sums, rows, BLOCK=_WORDS)
         rows = self._table.shape[0]
-        kernels.derive_kernel[(min(rows, programs or rows),)](
+        kernels.derive_kernel[(rows,)](
             self._table, self._index, self._scales, self._sums, self._stored, self._counter,
             rows, self._sums.numel(), BLOCK=_BLOCK, SLOTS=self._slots_block,
             ALWAYS=not self.conditional)

@@ -40,8 +40,7 @@ def _mix(w, pos):
 def fingerprint_kernel(table, sums, rows, BLOCK: tl.constexpr):
     # table: int64 [rows, 5]: address, words in the chunk (at most BLOCK), slot, index of the
     # chunk's first word in its source, bytes per word (4, 2 or 1). Program p takes rows p,
-    # p + programs, ...: as many programs as rows (the most in flight), or fewer (a narrow
-    # launch beside other work, which it leaves most of the GPU to)
+    # p + programs, ... (launched with one program per row, the most in flight)
     for r in tl.range(tl.program_id(0), rows, tl.num_programs(0)):
         row = table + r * 5
         address = tl.load(row)

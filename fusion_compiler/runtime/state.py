@@ -30,8 +30,7 @@ class StateGuard:
     """Holds what ``module``'s tree, parameters and buffers were when last :meth:`taken`.
 
     :meth:`changed` costs one dictionary lookup, one identity test and one address read per
-    tensor and one lookup per submodule (about 10 µs on a 2-core CPU for SE-ResNet9's 48 tensors
-    and 40 submodules).
+    tensor and one lookup per submodule (measured: docs/options.md, "The cost of current state").
     """
 
     def __init__(self, module: torch.nn.Module):
