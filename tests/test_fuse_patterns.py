@@ -432,3 +432,24 @@ PATTERNS = {  # name -> (model factory, input shape): every pattern, for the num
     "conv_relu_chain": (_conv_relu_chain, (8, 8, 6, 6)),
     "avgpool_between_convs": (_avgpool_between_convs, (8, 8, 8, 8)),
 }
+
+
+def test_dead_code_elimination_keeps_unread_in_place_writes():
+    """An in-place write whose value nothing reads is a side effect: ``F.relu(x, True)`` (inplace
+    by position, as a Dynamo graph may hold it) and ``x.add_(1)`` stay; an unread out-of-place
+    op goes."""
+    from fusion_compiler.ir.ops import eliminate_dead_code
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(F.relu, (x, True))
+    graph.call_method("add_", (x, 1))
+    graph.call_function(torch.sigmoid, (x,))
+    graph.output(x)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    eliminate_dead_code(gm.graph)
+    gm.recompile()
+    kept = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    assert kept == [F.relu, "add_"], kept
+    x = torch.randn(4)
+    assert torch.equal(gm(x.clone()), (x.relu() + 1))

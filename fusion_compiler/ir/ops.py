@@ -53,6 +53,17 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itr
                        operator.ior, operator.ixor, operator.ilshift, operator.irshift}
 
 
+INPLACE_POSITION = {F.relu: 1, F.relu6: 1, F.hardtanh: 3, F.elu: 2, F.leaky_relu: 2, F.silu: 1}
+"""Functions whose positional argument at this index is ``inplace``."""
+
+
+def inplace_flag(node: fx.Node) -> bool:
+    """Whether ``node`` calls a function with ``inplace=True`` (by keyword or by position)."""
+    position = INPLACE_POSITION.get(node.target)
+    return node.kwargs.get("inplace") is True or (
+        position is not None and len(node.args) > position and node.args[position] is True)
+
+
 def writes_in_place(node: fx.Node) -> bool:
     """Whether ``node`` writes into one of its arguments (``x.relu_()``, ``torch.relu_``,
     ``x += y``, ``F.relu(x, inplace=True)``): a side effect, even with no reader of its value."""
@@ -61,7 +72,7 @@ def writes_in_place(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     name = getattr(node.target, "__name__", "")
-    return (node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
+    return (node.target in _IN_PLACE_OPERATORS or inplace_flag(node)
             or (name.endswith("_") and not name.startswith("_")))
 
 

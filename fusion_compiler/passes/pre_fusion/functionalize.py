@@ -21,15 +21,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...ir.ops import write_back
+from ...ir.ops import INPLACE_POSITION, inplace_flag, write_back
 
 __all__ = ["functionalize", "inplace_target"]
 
 # in-place target -> out-of-place canonical target (call_function and call_method spellings)
 _INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
                   operator.itruediv: torch.div, torch.relu_: torch.relu, F.relu_: torch.relu}
-# functions whose positional argument at this index is ``inplace``
-_INPLACE_POSITION = {F.relu: 1, F.relu6: 1, F.hardtanh: 3, F.elu: 2, F.leaky_relu: 2, F.silu: 1}
 
 
 def inplace_target(gm: fx.GraphModule, node: fx.Node) -> Callable | str | None:
@@ -38,9 +36,7 @@ def inplace_target(gm: fx.GraphModule, node: fx.Node) -> Callable | str | None:
     if node.op == "call_function":
         if node.target in _INPLACE_FUNCS:
             return _INPLACE_FUNCS[node.target]
-        position = _INPLACE_POSITION.get(node.target)
-        if node.kwargs.get("inplace") is True or (
-                position is not None and len(node.args) > position and node.args[position] is True):
+        if inplace_flag(node):
             return node.target
     elif node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
         return node.target[:-1]
@@ -93,7 +89,7 @@ def functionalize(gm: fx.GraphModule) -> str:
         else:
             node.target = twin
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
-            position = _INPLACE_POSITION.get(twin)
+            position = INPLACE_POSITION.get(twin)
             if position is not None and len(node.args) > position:
                 node.args = node.args[:position] + (False,) + node.args[position + 1:]
         # Readers of the mutated value that come after the in-place op read its result instead.
