@@ -257,8 +257,11 @@ class CompiledModule(torch.nn.Module):
         """Block until every specialization's background compile (option ``tiered``,
         docs/options.md) has ended, at most ``timeout`` seconds in all, and switch those
         specializations to their last tier now. Returns ``False`` if the timeout passed first.
-        Benchmarks call it before timing the steady state."""
+        Benchmarks call it before timing the steady state. Specializations the model's state
+        no longer matches (a parameter replaced since, :meth:`_check_state`) are dropped first,
+        not finished."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._check_state()
         for spec in list(self.specializations.values()):
             if isinstance(spec.run, TieredRunner):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -677,6 +677,18 @@ def reference_network(s: Session) -> None:
     infer(s, x, "after a .data write")
 
 
+def random_numbers_after_calls(s: Session) -> None:
+    """The user's random numbers after compiled calls are the uncompiled program's: a compile
+    (autotuning's sample inputs, a background job) draws nothing from the default generators."""
+    torch.manual_seed(5)
+    infer(s, x16(s))
+    s.record("drawn after a call", torch.rand(8, device=s.device))
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    s.model.train()
+    step(s, opt, x16(s))
+    s.record("drawn after a training step", torch.rand(8, device=s.device))
+
+
 # --------------------------------------------------------------------------- the registry
 
 PATTERNS: list[Pattern] = [
@@ -753,6 +765,8 @@ PATTERNS: list[Pattern] = [
     Pattern("clip_grad_norm_then_step", conv_bn, clip_then_step, DYNAMO_TESTS),
     Pattern("group_and_layer_norm_glue", Norms, norms_in_the_glue, DYNAMO_TESTS),
     Pattern("se_resnet9_fixup_updates", fixup, reference_network, f"{ISSUE}, item 1"),
+    Pattern("random_numbers_after_calls", conv_bn, random_numbers_after_calls,
+            f"{ISSUE}, item 5"),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)

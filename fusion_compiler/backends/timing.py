@@ -50,10 +50,15 @@ def random_tensor(shape, strides, dtype: torch.dtype, device: torch.device) -> t
     """Values ~ N(0, 0.5²) (finite through a few pointwise ops) laid out with ``strides``; a
     normal tensor even under ``torch.inference_mode`` (an inference tensor has no version
     counter, so what kernels cache per weight version would be made again at every timed
-    call)."""
+    call). Drawn from a generator of its own, seeded the same each time: the process's default
+    generator is the user's, and a compile that drew from it (on any thread) would change the
+    random numbers the user's program draws next (its dropout masks, a parametrization's
+    initial vectors) from what the uncompiled program draws."""
     size = 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+    generator = torch.Generator(device=device).manual_seed(0)
     with torch.inference_mode(False):
-        return (torch.randn(size, dtype=dtype, device=device) * 0.5).as_strided(shape, strides)
+        values = torch.randn(size, dtype=dtype, device=device, generator=generator)
+        return (values * 0.5).as_strided(shape, strides)
 
 
 def sample_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device,

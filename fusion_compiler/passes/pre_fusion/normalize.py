@@ -10,8 +10,9 @@ Rewrites, in this order:
    constants: a compiled graph is specialized on its input shapes and integer values anyway.
 3. **modules to functions** -- ``nn.Conv2d``,
    ``nn.ReLU``/``ReLU6``/``Hardtanh``/``Sigmoid``/``Tanh``, ``nn.BatchNorm2d``, ``nn.AvgPool2d``,
-   ``nn.AdaptiveAvgPool2d(1)`` and ``nn.Identity`` become function calls; other modules stay as
-   ``call_module``.
+   ``nn.AdaptiveAvgPool2d(1)`` and ``nn.Identity`` become function calls (a train-mode
+   ``BatchNorm2d(momentum=None)`` :func:`.batch_norm.cumulative_batch_norm`); other modules stay
+   as ``call_module``.
 4. **canonical calls** -- ``conv2d(x, w, b)`` -> ``conv2d(x, w, None)`` +
    ``add(., b.reshape(1,K,1,1))``; operators and methods (``x + y``, ``x.mul(y)``) ->
    ``torch.add``/``torch.mul``/...; ``relu6``/``hardtanh``/``clamp`` -> ``torch.clamp``;
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
 from ...ir.ops import CONV, HW_DIMS, eliminate_dead_code
+from .batch_norm import cumulative_batch_norm
 from .functionalize import functionalize, inplace_target
 
 __all__ = ["normalize", "inplace_target"]
@@ -178,6 +180,10 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
                 return g.get_attr(f"{node.target}.{name}") if getattr(mod, name) is not None else None
             training = mod.training or mod.running_mean is None
             if mod.training and mod.track_running_stats:
+                if mod.momentum is None:  # its factor is read from a tensor as a float
+                    _replace(gm, node, cumulative_batch_norm,
+                             (x, attr("running_mean"), attr("running_var"), attr("weight"),
+                              attr("bias"), attr("num_batches_tracked"), mod.eps))
                 return  # the module also updates num_batches_tracked: leave it to PyTorch
             momentum = 0.0 if mod.momentum is None else mod.momentum
             _replace(gm, node, F.batch_norm,
