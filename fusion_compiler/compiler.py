@@ -315,7 +315,8 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         options: a :class:`~fusion_compiler.config.CompileOptions`; ``kwargs`` (its field names:
             ``backend``, ``cuda_graph``, ``cache_dir``, ``autotune``, ``fuse_prologue``,
             ``fuse_reduction``, ``report``, ``progress``, ``glue_backend``,
-            ``max_specializations``, ``tiered``, ``concurrent_branches``) replace its fields.
+            ``max_specializations``, ``tiered``, ``freezing``, ``passes`` (your own graph
+            passes), ...) replace its fields.
             Every option, its default and what it does: ``docs/options.md``.
 
     The defaults on CUDA: every convolution chain a cuDNN region (the SpaceToDepth stem a Triton

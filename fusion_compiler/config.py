@@ -13,11 +13,12 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["CompileOptions", "Target", "BACKENDS", "CUDA_GRAPH_MODES", "DYNAMO_MODES"]
+__all__ = ["CompileOptions", "Target", "BACKENDS", "CUDA_GRAPH_MODES", "DYNAMO_MODES",
+           "CUSTOM_PASS_PIPELINES"]
 
 BACKENDS = ("auto", "cudnn", "reference")
 """Values of :attr:`CompileOptions.backend`."""
@@ -25,6 +26,8 @@ CUDA_GRAPH_MODES = ("auto", "static", True, False)
 """Values of :attr:`CompileOptions.cuda_graph` (``True`` is ``"auto"``)."""
 DYNAMO_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """Values of ``torch.compile``'s ``mode`` the backend takes (:meth:`CompileOptions.for_dynamo`)."""
+CUSTOM_PASS_PIPELINES = ("pre_fusion", "post_lowering")
+"""The pipelines a user's own graph passes may join (:attr:`CompileOptions.passes`)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,13 @@ class CompileOptions:
             ``load_state_dict``) is not seen; a replaced tensor still recompiles (off: each replay
             checks the contents and rewrites what changed, :mod:`fusion_compiler.runtime.derive`;
             the name is Inductor's for the same opt-in).
+        passes: the user's own graph passes, by pipeline: ``{"pre_fusion": [fn, ...],
+            "post_lowering": [fn, ...]}`` (a single callable for a list of one). Each
+            ``fn(gm: torch.fx.GraphModule)`` rewrites the graph (in place, returning ``None``, or
+            returning the graph to go on with); a pipeline's passes run in order after its own
+            passes (``post_lowering``: before ``hoist``). Kept as a tuple of
+            ``(pipeline, (fn, ...))`` pairs. What each pipeline's graph looks like:
+            docs/options.md, "passes".
 
     Raises (on construction):
         ValueError: a value outside an option's choices or range (the message names the option,
@@ -122,6 +132,7 @@ class CompileOptions:
     horizontal_fusion: bool = True
     ddp_overlap: bool = False
     freezing: bool = False
+    passes: Any = ()
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -147,6 +158,7 @@ class CompileOptions:
                 raise TypeError(f"{name} must be an int, got {value!r}")
             if value < low:
                 raise ValueError(f"{name} must be at least {low}, got {value}")
+        object.__setattr__(self, "passes", _custom_passes(self.passes))
         if self.glue_backend is not None and not isinstance(self.glue_backend, str):
             raise TypeError(f"glue_backend must be a torch.compile backend name or None, got "
                             f"{self.glue_backend!r}")
@@ -210,6 +222,10 @@ class CompileOptions:
         base = cls(cuda_graph=False) if mode == "max-autotune-no-cudagraphs" else cls()
         return cls.from_kwargs(base, **dict(options or {}))
 
+    def custom_passes(self, pipeline: str) -> tuple[Callable[..., Any], ...]:
+        """The user's passes for ``pipeline`` (:attr:`passes`), in order."""
+        return dict(self.passes).get(pipeline, ())
+
     # ------------------------------------------------------------------ derived decisions
     def graphed_inference(self, target: Target) -> bool:
         """Whether a specialization is CUDA inference in a CUDA graph: what tiering and
@@ -225,3 +241,33 @@ class CompileOptions:
         """Whether a call may answer from tier 0 while the plans build (``tiered``, CUDA
         inference in a CUDA graph, no autocast)."""
         return self.tiered and target.autocast is None and self.graphed_inference(target)
+
+
+def _custom_passes(value: Any) -> tuple[tuple[str, tuple[Callable[..., Any], ...]], ...]:
+    """:attr:`CompileOptions.passes` as ``((pipeline, (fn, ...)), ...)``.
+
+    Raises:
+        ValueError: a pipeline not in :data:`CUSTOM_PASS_PIPELINES`.
+        TypeError: not a mapping (or such pairs), or a pass that is not callable.
+    """
+    if value is None:
+        return ()
+    try:
+        items = list(value.items() if isinstance(value, Mapping) else value)
+        pairs = [(pipeline, fns) for pipeline, fns in items]
+    except (TypeError, ValueError):
+        raise TypeError("passes must map a pipeline name to a list of graph passes, e.g. "
+                        f"{{'pre_fusion': [my_pass]}}, got {value!r}") from None
+    result = []
+    for pipeline, fns in pairs:
+        if pipeline not in CUSTOM_PASS_PIPELINES:
+            raise ValueError(f"passes: unknown pipeline {pipeline!r} (user passes join one of "
+                             f"{', '.join(CUSTOM_PASS_PIPELINES)})")
+        fns = (fns,) if callable(fns) else tuple(fns)
+        for fn in fns:
+            if not callable(fn):
+                raise TypeError(f"passes[{pipeline!r}]: {fn!r} is not callable (a pass is "
+                                "fn(gm: torch.fx.GraphModule) -> GraphModule or None)")
+        if fns:
+            result.append((pipeline, fns))
+    return tuple(result)

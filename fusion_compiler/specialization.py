@@ -166,11 +166,13 @@ class SpecializationCompiler:
         # The lock ignores the device index (each rank has its own GPU); the shapes do not
         # (their recorded devices say where plans run).
         lock = PlanCache.header(re.sub(r"\bcuda:\d+", "cuda", text), {"kind": "compile"})
+        # shapes after a user's pass depend on its code, which the cache header does not hold
+        cached = not self.options.custom_passes("pre_fusion")
         with self.shape_cache.lock(lock, f"compile {type(self.model).__name__}"):
-            known = self.shape_cache.load_record(shapes_header, "shapes")
+            known = self.shape_cache.load_record(shapes_header, "shapes") if cached else None
             manager = PassManager(passes, args, on_stage=on_stage, known_shapes=known)
             gm = manager.run(captured)
-            if manager.recorded:
+            if manager.recorded and cached:
                 self.shape_cache.store_record(shapes_header, "shapes",
                                               {**(known or {}), **manager.recorded})
         return gm, lock
@@ -227,9 +229,10 @@ class SpecializationCompiler:
           each follows the choice made at a batch size within a factor of 2, or
           ``autotune <= 1``), the whole lowering (plans built in worker processes where missing,
           deserialized) and the post-lowering pipeline;
-        - otherwise (``"tune"``) only the candidate plans' builds in worker processes
-          (:func:`~fusion_compiler.lowering.build_plans`): their timing, which must not share
-          the GPU with the caller's work, is left to the switch.
+        - otherwise (``"tune"``, or when the user gave post-lowering passes, their code not
+          being for the background thread) only the candidate plans' builds in worker
+          processes (:func:`~fusion_compiler.lowering.build_plans`): the rest (timing, which
+          must not share the GPU with the caller's work) is left to the switch.
 
         The background lowering runs under
         :func:`~fusion_compiler.backends.timing.timing_deferred`: should it need a timing after
@@ -242,7 +245,9 @@ class SpecializationCompiler:
         gm = spec.graph_module
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         first = with_formats(unlowered_copy(gm), formats)
-        timed = work == "tune"
+        # a user's post-lowering pass is code of theirs: it runs on the calling thread (the rule
+        # of runtime.background), so the background thread only builds plans then
+        timed = work == "tune" or bool(self.options.custom_passes("post_lowering"))
         log.info("%s answers from PyTorch ops while its plans are %s in the background",
                  type(self.model).__name__,
                  {"tune": "built", "build": "built and loaded"}.get(work, "loaded"))

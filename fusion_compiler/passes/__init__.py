@@ -8,7 +8,8 @@ graph after any pass by its name). In order, with the condition under which each
   conv or one channels_last copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
   ``horizontal_fusion`` (CUDA inference, with that option, on by default, not with
   ``concurrent_branches``: sibling convolutions of one image -> one convolution and channel views
-  of its output), ``autocast`` (under ``torch.autocast``: its casts made graph ops).
+  of its output), ``autocast`` (under ``torch.autocast``: its casts made graph ops), then the
+  user's own passes (option ``passes``, :func:`custom_passes`).
 * **fusion**: ``fuse`` (conv chains -> Region submodules: prologue, epilogue, exit reduction;
   with ``concurrent_branches`` a join of two branches left to the longer one), ``verify`` (SSA,
   beta = 0, one conv per region, no aliasing; raises FusionError), ``space_to_depth_stem`` (CUDA
@@ -20,7 +21,8 @@ graph after any pass by its name). In order, with the condition under which each
   channels_last are converted where they are made), ``nchw_padded_avg_pools`` (CUDA training:
   padded pools get NCHW inputs, a PyTorch backward bug), ``se_gates`` and ``se_scales`` (CUDA
   inference where Triton runs: an SE gate -> one ``se_gate`` kernel, then the multiply by it and
-  the block's tail -> one ``se_scale`` kernel), ``hoist`` (CUDA inference in a CUDA graph:
+  the block's tail -> one ``se_scale`` kernel), the user's own passes (option ``passes``),
+  ``hoist`` (CUDA inference in a CUDA graph:
   parameter-only subgraphs recomputed when the parameters change), ``concurrent_branches`` (with
   that option: short branches' regions on a second CUDA stream).
 * **glue** (on the copy of the lowered graph that Inductor compiles): ``library_ops`` (this
@@ -43,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from ..config import CompileOptions, Target
+from ..ir.errors import FusionError
 from ..kernels.space_to_depth import triton_reason
 from .fusion.fuse import fuse_regions
 from .fusion.space_to_depth_stem import space_to_depth_stems
@@ -61,7 +64,7 @@ from .pre_fusion.normalize import normalize
 from .pre_fusion.rewrites import avgpool_conv, space_to_depth_conv
 
 __all__ = ["Pass", "PassManager", "PIPELINES", "pipelines", "pass_names", "pre_fusion",
-           "fusion", "post_lowering", "glue", "normalize", "fold_batch_norm",
+           "fusion", "post_lowering", "glue", "custom_passes", "normalize", "fold_batch_norm",
            "space_to_depth_conv", "avgpool_conv", "fuse_regions", "verify"]
 
 log = logging.getLogger("fusion_compiler")
@@ -95,7 +98,7 @@ def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
     if target.autocast is not None:  # casts before fusion, so regions form in the autocast dtype
         passes.append(Pass("autocast", functools.partial(make_autocast_explicit,
                                                          dtype=target.autocast)))
-    return passes
+    return passes + custom_passes(options, "pre_fusion")
 
 
 def fusion(options: CompileOptions, target: Target) -> list[Pass]:
@@ -134,6 +137,7 @@ def post_lowering(options: CompileOptions, target: Target) -> list[Pass]:
         passes += [Pass("se_gates", _counted(se_gates, "SE gates as one se_gate kernel each")),
                    Pass("se_scales", _counted(se_scales, "SE gates applied (with the block's "
                                                          "tail) in the gate's kernel"))]
+    passes += custom_passes(options, "post_lowering")
     # kept current by the graph's derivation prologue (or recomputed before each ungraphed call)
     if options.graphed_inference(target) or (inference and options.cuda_pipeline):
         passes.append(Pass("hoist", hoist_parameters))
@@ -141,6 +145,35 @@ def post_lowering(options: CompileOptions, target: Target) -> list[Pass]:
         passes.append(Pass("concurrent_branches", _counted(
             run_short_branches_beside, "regions on a second stream, beside a longer branch")))
     return passes
+
+
+def custom_passes(options: CompileOptions, pipeline: str) -> list[Pass]:
+    """The user's passes for ``pipeline`` (option ``passes``), each named ``user:<its name>``
+    in the stage list.
+
+    Raises (when a pass runs):
+        FusionError: the pass raised, or returned something other than a ``GraphModule`` or
+            ``None`` (the message names the pass and the pipeline).
+    """
+    return [Pass(f"user:{getattr(fn, '__name__', type(fn).__name__)}",
+                 functools.partial(_run_custom, fn, pipeline))
+            for fn in options.custom_passes(pipeline)]
+
+
+def _run_custom(fn: Callable[[fx.GraphModule], object], pipeline: str,
+                gm: fx.GraphModule) -> fx.GraphModule:
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        result = fn(gm)
+    except Exception as exc:
+        raise FusionError(f"the {pipeline} pass {name} (option passes) raised "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if result is None:
+        return gm
+    if not isinstance(result, fx.GraphModule):
+        raise FusionError(f"the {pipeline} pass {name} (option passes) returned "
+                          f"{type(result).__name__}; a pass returns the GraphModule or None")
+    return result
 
 
 def glue() -> list[Pass]:
