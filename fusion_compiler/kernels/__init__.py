@@ -3,22 +3,57 @@ implementation on CUDA and a PyTorch one elsewhere."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["triton_unavailable", "prewarm_triton"]
+from ..ir.errors import condense
+
+__all__ = ["triton_unavailable", "triton_import_error", "load_kernel", "prewarm_triton"]
 
 _prewarm_started = False
 
 
+@functools.cache
+def triton_import_error() -> str:
+    """Why Triton does not import here, as one line (``""``: it imports): the one test of it
+    that the kernel loaders (:func:`load_kernel`), the backends and passes (through
+    :func:`triton_unavailable`) and the glue's Inductor check consult."""
+    try:
+        import triton  # noqa: F401, PLC0415
+        import triton.language  # noqa: F401, PLC0415
+    except Exception as exc:  # ImportError, or a broken install
+        return condense(f"{type(exc).__name__}: {exc}", limit=200)
+    return ""
+
+
+def load_kernel(what: str, load: Callable[[], Any]) -> Any:
+    """``load()`` (it imports Triton and returns a kernel or kernel module), or ``None`` when
+    Triton does not import or ``load()`` raises. Where CUDA is available that is one WARNING
+    per kernel naming it and the error (the calls then run the kernel's PyTorch reference):
+    a fallback is never silent. Callers cache the result."""
+    reason = triton_import_error()
+    if not reason:
+        try:
+            return load()
+        except Exception as exc:  # a kernel that does not compile, a broken install
+            reason = condense(f"{type(exc).__name__}: {exc}", limit=200)
+    if torch.cuda.is_available():
+        from ..runtime.background import warn_once  # noqa: PLC0415
+
+        warn_once(f"loading the Triton kernel {what}", f"{reason}; its calls run PyTorch ops")
+    return None
+
+
 def triton_unavailable(load: Callable[[], Any]) -> str:
     """Why a Triton kernel cannot run here (``""``: it can): CUDA must be available and
-    ``load()``, which imports the kernel's module, must not return ``None``."""
+    ``load()``, which loads the kernel (:func:`load_kernel`), must not return ``None``."""
     if not torch.cuda.is_available():
         return "CUDA is not available on this machine"
     if load() is None:
-        return "Triton does not import"
+        error = triton_import_error()
+        return f"Triton does not import ({error})" if error else "the Triton kernel did not load"
     return ""
 
 

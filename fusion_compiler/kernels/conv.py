@@ -30,7 +30,7 @@ from ..ir.region import Region
 from ..runtime.region_op import (channels_last_specs, in_dry_run, is_traced, register_kernel,
                                   run_region)
 from ..runtime.weight_cache import WeightCache
-from . import triton_unavailable
+from . import load_kernel, triton_unavailable
 from .epilogue import BINARY, CODES, binary_operand, epilogue_chain, reference_outputs
 
 __all__ = ["MAX_STEPS", "MAX_OUTPUTS", "ConvProgram", "TileConfig", "conv_program",
@@ -204,11 +204,11 @@ def triton_kernel() -> Any:
     """The Triton kernels (the module :mod:`.conv_triton`: ``conv_nhwc_kernel`` and, for
     split-K, ``conv_epilogue_kernel``), compiled per configuration on first use; ``None`` when
     Triton does not import."""
-    try:
+    def load() -> Any:
         from . import conv_triton  # noqa: PLC0415  (imports triton)
-    except Exception:  # ImportError, or a broken install
-        return None
-    return conv_triton
+        return conv_triton
+
+    return load_kernel("conv_nhwc", load)
 
 
 def triton_reason() -> str:

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from ..runtime.region_op import is_traced
+from . import load_kernel
 
 __all__ = ["se_gate", "se_scale", "se_gate_reference", "se_scale_reference", "MAX_CHANNELS",
            "MAX_HIDDEN", "MAX_GATE_WEIGHT", "OP", "SCALE_OP", "LIBRARY_OPS"]
@@ -106,12 +107,14 @@ def se_scale_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Ten
 
 @functools.cache
 def _triton_kernel() -> Any:
-    """The Triton kernel, compiled on first use; ``None`` when Triton does not import."""
-    try:
-        import triton  # noqa: F401, PLC0415
-        import triton.language as tl  # noqa: PLC0415
-    except Exception:  # ImportError, or a broken install
-        return None
+    """The Triton kernel, compiled on first use; ``None`` when Triton does not import (one
+    WARNING on a machine with CUDA, :func:`~fusion_compiler.kernels.load_kernel`)."""
+    return load_kernel("se_gate", _define_kernel)
+
+
+def _define_kernel() -> Any:
+    import triton  # noqa: PLC0415
+    import triton.language as tl  # noqa: PLC0415
 
     @triton.jit
     def se_kernel(x, w1, b1, w2, b2, out, res, bias, HW, C, R, s_n, s_hw, s_c, r_n, r_hw, r_c,

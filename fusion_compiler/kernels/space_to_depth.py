@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..ir.region import Region
 from ..runtime.region_op import in_dry_run, is_traced
 from ..runtime.weight_cache import WeightCache
-from . import triton_unavailable
+from . import load_kernel, triton_unavailable
 from .epilogue import BINARY, CODES, SILU, binary_operand, epilogue_chain, reference_outputs
 
 __all__ = ["space_to_depth_conv", "space_to_depth_conv_reference", "kernel_reason",
@@ -72,11 +72,11 @@ def space_to_depth_conv_reference(x: torch.Tensor, weight: torch.Tensor,
 def _triton_kernel() -> Any:
     """The Triton kernel (:mod:`.space_to_depth_triton`), compiled on first use; ``None`` when
     Triton does not import."""
-    try:
+    def load() -> Any:
         from . import space_to_depth_triton  # noqa: PLC0415  (imports triton)
-    except Exception:  # ImportError, or a broken install
-        return None
-    return space_to_depth_triton.space_to_depth_conv_kernel
+        return space_to_depth_triton.space_to_depth_conv_kernel
+
+    return load_kernel("space_to_depth_conv", load)
 
 
 def triton_reason() -> str:

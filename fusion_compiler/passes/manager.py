@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from ..capture import apply_meta, encode_meta, propagate_shapes
-from ..ir.errors import InputShapeError
+from ..ir.errors import InputShapeError, condense
 
 __all__ = ["Pass", "PassManager", "REAL_PROPAGATION_BUDGET_S"]
 
@@ -80,7 +80,11 @@ class PassManager:
             try:
                 propagate_shapes(gm, self.example_inputs, real=True)
             except Exception as exc:  # an op that cannot run here: meta functions still can
-                log.debug("shape propagation on the inputs failed (%s); using meta tensors", exc)
+                # the graph ran before this pass and not after it: most likely the pass's bug
+                level = logging.DEBUG if stage == "captured" else logging.WARNING
+                log.log(level, "the graph after pass %s does not run on the example inputs "
+                        "(%s: %s); shapes come from meta tensors from here on", stage,
+                        type(exc).__name__, condense(str(exc), limit=200))
                 self.real = False
                 propagate_shapes(gm, self.example_inputs)
             # the first run also pays lazy initialization (cuDNN and cuBLAS handles, CPU

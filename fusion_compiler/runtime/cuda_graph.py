@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..ir.errors import condense
 from .derivations import Derivations
-from .background import COMPILE_LOCK
+from .background import COMPILE_LOCK, warn_once
 from .tensors import restored
 from .weight_cache import Epoch, derivation_scope
 
@@ -223,8 +223,11 @@ class CudaGraphRunner:
                                   capture_error_mode="thread_local"), self._scope():
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args, self.copy_outputs)
-        except Exception:  # noqa: BLE001 - the calls go on without this graph
+        except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
             _release_rng_capture(torch.cuda.current_device())
+            warn_once("capturing a further CUDA graph (the direct or the spare one)",
+                      condense(f"{type(exc).__name__}: {exc}", limit=200) + "; the calls it "
+                      "would serve copy their inputs into the main graph, or run without one")
             return False
         finally:
             COMPILE_LOCK.release()

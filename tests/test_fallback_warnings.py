@@ -1,0 +1,57 @@
+"""No silent fallback: a Triton kernel that cannot load on a machine with CUDA, and a pass after
+which the graph no longer runs, each say so in one WARNING."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import fusion_compiler
+from fusion_compiler.kernels import load_kernel, triton_unavailable
+
+
+def test_a_kernel_that_cannot_load_is_one_warning_where_cuda_is(caplog, monkeypatch):
+    def broken() -> None:
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("fusion_compiler.kernels.triton_import_error", lambda: "")
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        assert load_kernel("test_kernel", broken) is None
+        assert load_kernel("test_kernel", broken) is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1, messages
+    assert "test_kernel" in messages[0] and "PTX assembly failed" in messages[0]
+    assert triton_unavailable(lambda: None) == "the Triton kernel did not load"
+
+
+def test_without_cuda_a_kernel_that_cannot_load_is_no_warning(caplog, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        assert load_kernel("test_kernel_cpu", lambda: 1 / 0) is None
+    assert not caplog.records
+
+
+def _fails_on_real_tensors(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "meta":
+        raise RuntimeError("this op runs on meta tensors only")
+    return x
+
+
+def test_a_pass_after_which_the_graph_does_not_run_is_a_warning(caplog):
+    def breaks_the_graph(gm: fx.GraphModule) -> None:
+        relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
+        relu.target = _fails_on_real_tensors
+
+    compiled = fusion_compiler.compile(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()),
+                                       passes={"pre_fusion": breaks_the_graph})
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        try:
+            compiled(torch.randn(1, 3, 8, 8))
+        except RuntimeError:
+            pass  # the call runs the broken op: what matters is that the compile said so
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "after pass user:breaks_the_graph does not run" in text, text
