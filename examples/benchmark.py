@@ -56,7 +56,6 @@ FUSION_VARIANTS = {
     "fusion_compiler": {},
     "fusion_compiler cuda_graph=static": {"cuda_graph": "static"},
     "fusion_compiler glue=None": {"glue_backend": None},
-    "fusion_compiler concurrent_branches=True": {"concurrent_branches": True},
     "fusion_compiler cuda_graph=False": {"cuda_graph": False},  # glue "auto": eager ops
     "fusion_compiler cuda_graph=False glue=inductor": {"cuda_graph": False,
                                                       "glue_backend": "inductor"},

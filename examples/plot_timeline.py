@@ -2,10 +2,10 @@
 communication kernels (NCCL's, and the spin kernel of ``train_ddp.py --slow-allreduce-us``) ran
 beside the backward's kernels.
 
-    python examples/train_ddp.py --variant fusion_compiler,overlap ... --profile trace/
+    python examples/train_ddp.py --variant fusion_compiler,door ... --profile trace/
                                     # (under torchrun) a trace per variant and rank
-    python examples/plot_timeline.py trace/fusion_compiler_rank0.json trace/overlap_rank0.json \\
-        --labels "one graph pair" "ddp_overlap" --out timeline.png
+    python examples/plot_timeline.py trace/fusion_compiler_rank0.json trace/door_rank0.json \\
+        --labels "compile(model)" "torch.compile door" --out timeline.png
 
 Each input is a Chrome trace written by ``torch.profiler`` (``export_chrome_trace``). Needs
 matplotlib (``pip install -e ".[plot]"``).

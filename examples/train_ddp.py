@@ -11,15 +11,15 @@ weights with fp32 masters and dynamic loss scaling (``MasterWeightOptimizer``).
                                                                       #   run: gloo, fp32, SGD
     torchrun --nproc-per-node 2 examples/train_ddp.py --variant fusion_compiler,door,solo \
         --rounds 5                                   # variants timed in turn, one process a rank
-    torchrun --nproc-per-node 1 examples/train_ddp.py --variant overlap --bucket-cap-mb 1 \
-        --slow-allreduce-us 400 --profile trace/     # a slowed all-reduce, overlapped
+    torchrun --nproc-per-node 2 examples/train_ddp.py --variant fusion_compiler,door \
+        --bucket-cap-mb 1 --slow-allreduce-us 400 --profile trace/  # a slowed all-reduce
 
 Per rank and variant it prints the median step time (forward, backward with the all-reduce,
 optimizer step; CUDA events over ``--steps`` steps after ``--warmup``) and the loss, and rank 0
 the samples per second of the whole job. Variants: ``fusion_compiler`` (default) wraps the
 compiled encoder, ``DDP(Agent(fusion_compiler.compile(encoder)))``, and the ranks share the plan
-cache directory, so one rank tunes and the others load its plans; ``overlap`` is the same with
-``fusion_compiler.compile(encoder, ddp_overlap=True)``; ``eager`` is ``DDP(Agent(encoder))``;
+cache directory, so one rank tunes and the others load its plans; ``eager`` is
+``DDP(Agent(encoder))``;
 ``reduce-overhead`` is ``torch.compile(DDP(Agent(encoder)), mode="reduce-overhead")`` (each step
 marked with ``torch.compiler.cudagraph_mark_step_begin``); ``door`` is
 ``torch.compile(DDP(Agent(encoder)), backend="fusion_compiler")`` (Dynamo splits the graph at
@@ -34,12 +34,12 @@ weights, and timed in turn, ``--steps`` steps each, ``--rounds`` times: a slow s
 then hits every variant, where separate processes differed by up to 15% on one machine. Each
 variant trains on the same batch for the same number of steps, so their losses should agree.
 
-What overlapping the all-reduce with the backward buys (``fusion_compiler.compile``'s
-``ddp_overlap``, off by default; the ``overlap`` variant turns it on): ``--bucket-cap-mb`` sets
-DDP's bucket cap, and ``--slow-allreduce-us D`` registers a DDP communication hook that delays
-each bucket's all-reduce by ``D`` µs of GPU time on a stream of its own (``torch.cuda._sleep``),
-the way a slower interconnect would: without overlap every delay comes after the backward, with
-it they run beside the rest of the backward. ``--profile DIR`` records one more step of each
+What overlapping the all-reduce with the backward buys: ``--bucket-cap-mb`` sets DDP's bucket
+cap, and ``--slow-allreduce-us D`` registers a DDP communication hook that delays each bucket's
+all-reduce by ``D`` µs of GPU time on a stream of its own (``torch.cuda._sleep``), the way a
+slower interconnect would: where the whole backward is one CUDA graph (``fusion_compiler``) every
+delay comes after it; in eager and in the door (one graph per bucket group) they can run beside
+the rest of the backward. ``--profile DIR`` records one more step of each
 variant in the profiler, after two unrecorded ones (a Chrome trace per variant and rank in
 ``DIR``), and prints how much of the communication kernels' time (NCCL's, and the hook's sleep)
 ran beside the other streams' kernels.
@@ -72,7 +72,7 @@ from examples.seresnet9_fixup import randomize_, se_resnet9_fixup  # noqa: E402
 from examples.train_seresnet9 import MasterWeightOptimizer  # noqa: E402
 
 
-VARIANTS = ("fusion_compiler", "overlap", "door", "eager", "reduce-overhead", "solo")
+VARIANTS = ("fusion_compiler", "door", "eager", "reduce-overhead", "solo")
 
 
 class Agent(nn.Module):
@@ -199,8 +199,8 @@ def _build(variant: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
     cuda = args.device == "cuda"
     torch.manual_seed(0)  # the same initial weights on every rank and in every variant
     encoder = randomize_(se_resnet9_fixup(3)).to(args.device, dtype).train()
-    if variant in ("fusion_compiler", "overlap", "solo"):
-        encoder = fc.compile(encoder, ddp_overlap=variant == "overlap")
+    if variant in ("fusion_compiler", "solo"):
+        encoder = fc.compile(encoder)
     model = Agent(encoder).to(args.device, dtype)
     if variant != "solo":
         caps = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}

@@ -70,8 +70,6 @@ class CompileOptions:
         max_specializations: input signatures kept; the least recently used is evicted.
         tiered: answer a new specialization's first calls at once while plans and the glue
             compile in the background (CUDA inference in a CUDA graph).
-        concurrent_branches: run a short branch's region on a second CUDA stream (turns
-            ``horizontal_fusion`` off).
         derived_backward: in training, PyTorch-ops regions also run the derived backward (tests).
         cuda_pipeline: run the pre-fusion and fusion passes a CUDA input gets whatever the inputs'
             device (what ``fusion-compiler dump`` shows on any machine); ``None``: the inputs'.
@@ -88,11 +86,6 @@ class CompileOptions:
             convolution with their weights concatenated
             (:mod:`fusion_compiler.passes.pre_fusion.horizontal`; on: faster on SE-ResNet9,
             docs/options.md).
-        ddp_overlap: a CUDA-graphed training specialization compiled inside
-            DistributedDataParallel's forward is captured as one forward and backward graph pair
-            per group of DDP's gradient buckets (:mod:`fusion_compiler.runtime.ddp_stages`), so
-            a bucket's all-reduce can start while the earlier stages' backward still runs (off:
-            no faster with NVLink, slower where the host paces the stages; docs/decisions.md).
         freezing: inference CUDA graphs treat the parameters and buffers as constants: what they
             derive from them (folded batch norms, re-laid-out or packed weights) is made when the
             graph is captured and never checked again, so an in-place update (an optimizer step,
@@ -124,13 +117,11 @@ class CompileOptions:
     glue_backend: str | None = "auto"
     max_specializations: int = 16
     tiered: bool = True
-    concurrent_branches: bool = False
     derived_backward: bool = False
     cuda_pipeline: bool | None = None
     triton_conv: bool = False
     dense_conv: bool = True
     horizontal_fusion: bool = True
-    ddp_overlap: bool = False
     freezing: bool = False
     passes: Any = ()
 
@@ -144,8 +135,8 @@ class CompileOptions:
         if self.cuda_graph is True:
             object.__setattr__(self, "cuda_graph", "auto")
         for name in ("fuse_prologue", "fuse_reduction", "report", "tiered",
-                     "concurrent_branches", "derived_backward", "triton_conv", "dense_conv",
-                     "horizontal_fusion", "ddp_overlap", "freezing"):
+                     "derived_backward", "triton_conv", "dense_conv",
+                     "horizontal_fusion", "freezing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("progress", "cuda_pipeline"):
@@ -228,14 +219,9 @@ class CompileOptions:
 
     # ------------------------------------------------------------------ derived decisions
     def graphed_inference(self, target: Target) -> bool:
-        """Whether a specialization is CUDA inference in a CUDA graph: what tiering and
-        concurrent branches apply to."""
+        """Whether a specialization is CUDA inference in a CUDA graph: what tiering and the
+        derivation prologue apply to."""
         return target.cuda and not target.training and bool(self.cuda_graph)
-
-    def concurrent(self, target: Target) -> bool:
-        """Whether short branches run on a second stream (``concurrent_branches``, for CUDA
-        inference in a CUDA graph)."""
-        return self.concurrent_branches and self.graphed_inference(target)
 
     def tiers_before_lowering(self, target: Target) -> bool:
         """Whether a call may answer from tier 0 while the plans build (``tiered``, CUDA

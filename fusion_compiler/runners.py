@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -18,17 +17,15 @@ from torch.utils._pytree import tree_map
 from .config import CompileOptions, Target
 from .ir.ops import written_inputs
 from .ir.region import Region
+from .kernels import triton_import_error
 from .passes import PassManager, glue
 from .passes.glue import inductor_work
 from .passes.post_lowering.hoist import HoistedParameters
-from .runtime.ddp_stages import ddp_bucket_caps, split_at, stage_boundaries
 from .runtime.background import COMPILE_LOCK, drain, on_calling_thread, warn_once
 from .runtime.tiered import TieredRunner, isolated_copy
 
-__all__ = ["Runners", "staged", "memory_format", "with_formats", "refreshing", "inductor_reason",
+__all__ = ["Runners", "memory_format", "with_formats", "refreshing", "inductor_reason",
            "inductor_compile", "inductor_without_autograd_cache", "without_custom_op_alias_check"]
-
-log = logging.getLogger("fusion_compiler")
 
 
 def memory_format(t: Any) -> torch.memory_format | None:
@@ -74,10 +71,9 @@ def refreshing(run: Callable[..., Any], hoisted: HoistedParameters | None) -> Ca
 def inductor_reason() -> str:
     """Why Inductor cannot compile CUDA glue here (``""``: it can): Triton must import and the GPU
     must have compute capability 7.0 or newer (what Inductor's Triton backend needs)."""
-    try:
-        import triton  # noqa: F401, PLC0415
-    except Exception as exc:  # ImportError, or a broken install
-        return f"Triton does not import ({type(exc).__name__}: {exc})"
+    error = triton_import_error()
+    if error:
+        return f"Triton does not import ({error})"
     major, minor = torch.cuda.get_device_capability()
     if major < 7:
         return f"the GPU has compute capability {major}.{minor}; Inductor's Triton kernels need 7.0"
@@ -180,20 +176,6 @@ def _read_beside_regions(gm: fx.GraphModule | None,
                     for u in n.users)]
 
 
-def staged(gm: fx.GraphModule, starts: list[int], glue_backend: str | None) -> fx.GraphModule:
-    """``gm`` split before the nodes ``starts`` (:func:`~fusion_compiler.runtime.ddp_stages.
-    split_at`), each stage's graph compiled by ``glue_backend`` (``None``: eager ops) inside a
-    :class:`~fusion_compiler.runtime.cuda_graph_training.Stage`."""
-    from .runtime.cuda_graph_training import Stage  # noqa: PLC0415
-
-    parent = split_at(gm, starts)
-    for name, piece in list(parent.named_children()):
-        if name.startswith("submod_"):
-            setattr(parent, name, Stage(piece if glue_backend is None
-                                        else _glue_compiled(piece, glue_backend, True)))
-    return parent
-
-
 class Runners:
     """Makes the runners of one model's specializations.
 
@@ -242,12 +224,8 @@ class Runners:
         glue_backend = self.glue_backend(gm, target, notes)
         plain = functools.partial(with_formats, formats=formats)
         tiered = glue_backend == "inductor" and self.options.tiers_before_lowering(target)
-        starts = self.ddp_stages(gm, target)
-        if starts:  # training: never tiered
-            call = staged(gm, starts, glue_backend)
-        else:
-            call = (gm if glue_backend is None or tiered
-                    else _glue_compiled(gm, glue_backend, target.training))
+        call = (gm if glue_backend is None or tiered
+                else _glue_compiled(gm, glue_backend, target.training))
         runner, graphed = refreshing(plain(call), hoisted), None
         compiles_here = glue_backend is not None and not tiered
         if compiles_here:  # the compile's first call captures: after the background jobs
@@ -265,20 +243,6 @@ class Runners:
         elif tiered:
             runner = self.inductor_tier(runner, gm, plain, notes, hoisted)
         return runner, glue_backend, graphed
-
-    def ddp_stages(self, gm: fx.GraphModule, target: Target) -> list[int]:
-        """Where a CUDA-graphed training step compiled inside DistributedDataParallel's forward
-        is split (``ddp_overlap``; :func:`~fusion_compiler.runtime.ddp_stages.stage_boundaries`
-        for DDP's bucket caps); ``[]``: one pair of graphs."""
-        if not (target.training and target.cuda and self.options.cuda_graph
-                and self.options.ddp_overlap):
-            return []
-        caps = ddp_bucket_caps()
-        starts = stage_boundaries(gm, caps) if caps is not None else []
-        if starts:
-            log.info("training step split into %d stages at DistributedDataParallel's bucket "
-                     "boundaries (first bucket %d bytes, others %d)", len(starts) + 1, *caps)
-        return starts
 
     def graphed(self, run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
                 notes: list[str], training: bool = False, gm: fx.GraphModule | None = None,

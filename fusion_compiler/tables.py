@@ -36,7 +36,7 @@ NO_CUDA = "CUDA is not available on this machine"
 
 # data movement and bookkeeping that is not worth a line in the "left to PyTorch" table
 _QUIET = {"getitem", "getattr", "reshape", "view", "size", "contiguous", "expand", "permute",
-          "flatten", "neg", "rsqrt", "join_side_stream.default"}  # the last: runtime.streams
+          "flatten", "neg", "rsqrt"}
 
 
 
@@ -63,9 +63,8 @@ def regions_table(rows: list[dict]) -> str:
         table.add_column(col, overflow="fold")
     for r in rows:
         ws = "" if r["workspace_bytes"] is None else f"{r['workspace_bytes']} B"
-        side = "; on the side stream" if r.get("stream") == "side" else ""
         add_row(table, r["id"], r["pattern"], ", ".join(r["nodes"]), r["backend"], r["status"],
-                 (r["reason"] or r["plan"]) + side, ws)
+                 r["reason"] or r["plan"], ws)
     return render(table)
 
 

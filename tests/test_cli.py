@@ -121,16 +121,3 @@ def test_bench_cli_on_cpu_times_eager_and_ours(tmp_path):
     # CUDA graphs need CUDA)
     assert result["compile_s"]["fusion_compiler, cold"] > 0
     assert result["compile_s"]["fusion_compiler, warm"] > 0
-
-
-def test_dump_shows_the_regions_concurrent_branches_gives():
-    """``--concurrent-branches``: the three downsample regions are bare convolutions; their
-    residual adds, which join the longer branch, go into the SE blocks' kernels."""
-    proc = _run("dump", REF, "--input", "8x3x64x64", "--device", "cpu", "--format", "json",
-                "--backend", "reference", "--concurrent-branches", "--stage", "se_scales")
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert sum(r["pattern"] == "conv3x3/s2" for r in report["regions"]) == 3
-    assert report["glue_kernels"] == {"se_scale": 4} and report["pytorch"] == []
-    calls = [line for line in report["stages"]["se_scales"].splitlines() if "se_scale(" in line]
-    assert len(calls) == 4 and all("'relu', getitem_" in line for line in calls)  # residuals

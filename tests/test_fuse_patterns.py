@@ -162,9 +162,8 @@ def test_fixup_block_siblings_fuse_horizontally():
     assert merged.conv.meta["val"].shape[1] == 64 and len(merged.output_nodes) == 2
     views = [n for n in spec.graph_module.graph.nodes if n.target is torch.narrow]
     assert sorted(n.args[2:] for n in views) == [(0, 32), (32, 32)]
-    # off with concurrent_branches (it runs the two apart) and with the option
-    for options in ({"concurrent_branches": True}, {"horizontal_fusion": False}):
-        assert len(specialize(model, torch.randn(2, 16, 8, 8), **options).regions) == 3
+    # off with the option
+    assert len(specialize(model, torch.randn(2, 16, 8, 8), horizontal_fusion=False).regions) == 3
 
 
 def test_siblings_of_other_geometry_or_two_epilogues_stay_apart():

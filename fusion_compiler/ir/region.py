@@ -216,13 +216,6 @@ class Region(torch.nn.Module):
         kernel = (self.lowering or _UNLOWERED).kernel
         return self.graph_module if kernel is None else kernel
 
-    @property
-    def stream(self) -> str:
-        """``"side"`` when the kernel runs on the side stream (its ``beside`` flag, set by the
-        post-lowering pass ``concurrent_branches``), else ``""``."""
-        owner = getattr(self.kernel, "__self__", self.kernel)
-        return "side" if getattr(owner, "beside", False) else ""
-
     def forward(self, *inputs: torch.Tensor):
         # not while Dynamo traces: the hook reads thread state Dynamo would guard on (and
         # recompile inside a CUDA graph capture); a compiled graph's regions run as the
@@ -300,7 +293,7 @@ class Region(torch.nn.Module):
     def describe(self) -> dict:
         """A JSON-ready summary: id, pattern, absorbed nodes, operands, outputs, backend, status,
         reason, execution plan and workspace (bytes), the candidate backends' times (ms), the
-        stream, the cuDNN graph JSON and how each backward piece runs."""
+        cuDNN graph JSON and how each backward piece runs."""
         return {
             "id": self.region_id,
             "pattern": self.pattern,
@@ -315,7 +308,6 @@ class Region(torch.nn.Module):
             "plan_from_cache": self.plan_from_cache,
             "workspace_bytes": self.workspace_bytes,
             "timing_ms": dict(self.timing),
-            "stream": self.stream,
             "cudnn_graph": self.cudnn_graph,
             "gradients": [dict(vars(p)) for p in self.gradients],
         }

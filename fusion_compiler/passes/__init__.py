@@ -6,12 +6,11 @@ graph after any pass by its name). In order, with the condition under which each
   bias -> add), ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
   ``space_to_depth`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b
   conv or one channels_last copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
-  ``horizontal_fusion`` (CUDA inference, with that option, on by default, not with
-  ``concurrent_branches``: sibling convolutions of one image -> one convolution and channel views
-  of its output), ``autocast`` (under ``torch.autocast``: its casts made graph ops), then the
+  ``horizontal_fusion`` (CUDA inference, with that option, on by default: sibling convolutions
+  of one image -> one convolution and channel views of its output), ``autocast`` (under ``torch.autocast``: its casts made graph ops), then the
   user's own passes (option ``passes``, :func:`custom_passes`).
-* **fusion**: ``fuse`` (conv chains -> Region submodules: prologue, epilogue, exit reduction;
-  with ``concurrent_branches`` a join of two branches left to the longer one), ``verify`` (SSA,
+* **fusion**: ``fuse`` (conv chains -> Region submodules: prologue, epilogue, exit reduction),
+  ``verify`` (SSA,
   beta = 0, one conv per region, no aliasing; raises FusionError), ``space_to_depth_stem`` (CUDA
   inference where Triton runs: a stem region takes its SpaceToDepth as prologue, for the
   ``triton`` backend).
@@ -23,8 +22,7 @@ graph after any pass by its name). In order, with the condition under which each
   inference where Triton runs: an SE gate -> one ``se_gate`` kernel, then the multiply by it and
   the block's tail -> one ``se_scale`` kernel), the user's own passes (option ``passes``),
   ``hoist`` (CUDA inference in a CUDA graph:
-  parameter-only subgraphs recomputed when the parameters change), ``concurrent_branches`` (with
-  that option: short branches' regions on a second CUDA stream).
+  parameter-only subgraphs recomputed when the parameters change).
 * **glue** (on the copy of the lowered graph that Inductor compiles): ``library_ops`` (this
   package's kernels called through their ``torch.library`` ops), ``small_linears`` (small linear
   layers -> reductions).
@@ -56,7 +54,6 @@ from .post_lowering.hoist import hoist_parameters
 from .post_lowering.se_gate import se_gates, se_scales
 from .post_lowering.layout import (channel_padded_images, channels_last_activations,
                                    four_channel_images, nchw_padded_avg_pools)
-from .post_lowering.streams import run_short_branches_beside
 from .pre_fusion.autocast import make_autocast_explicit
 from .pre_fusion.fold_bn import fold_batch_norm
 from .pre_fusion.horizontal import horizontal_fusion
@@ -92,8 +89,7 @@ def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
     passes = [Pass("normalize", normalize), Pass("fold_bn", fold_batch_norm)]
     if cuda:
         passes += [Pass("space_to_depth", space_to_depth_conv), Pass("avgpool_conv", avgpool_conv)]
-        # concurrent branches run the siblings apart, on two streams: they stay unmerged
-        if options.horizontal_fusion and not target.training and not options.concurrent_branches:
+        if options.horizontal_fusion and not target.training:
             passes.append(Pass("horizontal_fusion", horizontal_fusion))
     if target.autocast is not None:  # casts before fusion, so regions form in the autocast dtype
         passes.append(Pass("autocast", functools.partial(make_autocast_explicit,
@@ -102,14 +98,10 @@ def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
 
 
 def fusion(options: CompileOptions, target: Target) -> list[Pass]:
-    """The fuse pass (``fuse_prologue``, ``fuse_reduction``; the branch rule with
-    ``concurrent_branches`` in CUDA inference in a CUDA graph, or ``options.cuda_pipeline``),
-    verify, and in CUDA inference where Triton runs the SpaceToDepth stems."""
-    branches = options.concurrent_branches and not target.training and (
-        options.concurrent(target) or bool(options.cuda_pipeline))
+    """The fuse pass (``fuse_prologue``, ``fuse_reduction``), verify, and in CUDA inference where
+    Triton runs the SpaceToDepth stems."""
     passes = [Pass("fuse", functools.partial(fuse_regions, prologue=options.fuse_prologue,
-                                             reduction=options.fuse_reduction,
-                                             branches=branches)),
+                                             reduction=options.fuse_reduction)),
               Pass("verify", verify)]
     if target.cuda and not target.training and options.backend != "reference" \
             and not triton_reason():
@@ -141,9 +133,6 @@ def post_lowering(options: CompileOptions, target: Target) -> list[Pass]:
     # kept current by the graph's derivation prologue (or recomputed before each ungraphed call)
     if options.graphed_inference(target) or (inference and options.cuda_pipeline):
         passes.append(Pass("hoist", hoist_parameters))
-    if options.concurrent(target):
-        passes.append(Pass("concurrent_branches", _counted(
-            run_short_branches_beside, "regions on a second stream, beside a longer branch")))
     return passes
 
 
@@ -192,7 +181,7 @@ def pipelines(options: CompileOptions, target: Target) -> dict[str, list[Pass]]:
 
 def pass_names() -> dict[str, list[str]]:
     """The name of every pass any pipeline may run, by pipeline, in order."""
-    everything = CompileOptions(concurrent_branches=True)
+    everything = CompileOptions()
     inference = pipelines(everything, Target(cuda=True))
     training = pipelines(everything, Target(cuda=True, training=True, autocast=torch.float16))
     names: dict[str, list[str]] = {}

@@ -1,6 +1,4 @@
-"""Replay a training specialization's forward and backward as CUDA graphs: one pair for the
-whole step, or one pair per :class:`Stage` when the step is split (at DistributedDataParallel's
-bucket boundaries, :mod:`.ddp_stages`).
+"""Replay a training specialization's forward and backward as a pair of CUDA graphs.
 
 What :class:`TrainingGraphRunner` keeps of plain autograd:
 
@@ -8,17 +6,12 @@ What :class:`TrainingGraphRunner` keeps of plain autograd:
   takes the pair's inputs and the parameters it reads that require grad; its backward replays the
   backward graph and returns the gradients, which autograd's ``AccumulateGrad`` adds into ``.grad``
   as for any op, so micro-batch accumulation, ``zero_grad`` in either form and
-  DistributedDataParallel's gradient hooks work unchanged. With stages, a stage's gradients reach
-  ``.grad`` (and DDP's hooks) when its backward graph ends, before the earlier stages' backward
-  replays. The returned gradients are fresh copies of the graph's buffers (one
+  DistributedDataParallel's gradient hooks work unchanged. The returned gradients are fresh copies of the graph's buffers (one
   ``torch._foreach_copy_`` into tensors laid out like their parameters), never the buffers
   themselves: ``torch.cuda.make_graphed_callables`` returns its buffers, ``AccumulateGrad`` may
   keep one as ``.grad``, and the next replay then overwrites an accumulated gradient
   (pytorch/pytorch#181723). Inside the graph each gradient is made to the strides of its
-  parameter, so DDP's buckets take them without a layout copy. Between stages, activations and
-  their gradients pass as the graphs' own buffers (no copy): the next stage's forward graph reads
-  the previous one's output buffer, and a stage's backward graph reads the gradient buffer the
-  next stage's backward graph wrote.
+  parameter, so DDP's buckets take them without a layout copy.
 - **Parameters are read in place.** The graphs read parameters and buffers at their addresses, so
   an optimizer's in-place update is seen by the next replay. Replacing a parameter tensor, or
   changing which parameters require grad, captures the graphs again (checked before each forward).
@@ -33,9 +26,8 @@ overwritten by the next replay), and once (``retain_graph`` does not keep them);
 (``create_graph=True``).
 
 Capture is that of :mod:`.cuda_graph` (warm-up on a side stream, then ``torch.cuda.graph`` with
-thread-local error mode). All graphs share one memory pool, captured in the order they replay:
-the forward graphs stage by stage, then the backward graphs in reverse (the pattern of
-``torch.cuda.make_graphed_callables`` for several callables).
+thread-local error mode). The two graphs share one memory pool, captured in the order they
+replay (the pattern of ``torch.cuda.make_graphed_callables``).
 """
 
 from __future__ import annotations
@@ -44,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .tensors import layout_like, restored
 from ..ir.errors import condense
@@ -52,28 +44,7 @@ from .cuda_graph import CaptureError, _release_rng_capture
 from .weight_cache import derivation_epoch
 from .background import COMPILE_LOCK
 
-__all__ = ["TrainingGraphRunner", "Stage"]
-
-
-class Stage(torch.nn.Module):
-    """One stage of a training forward split for :class:`TrainingGraphRunner`: ``body`` (tensors
-    in, a tensor or a tuple of tensors out) gets a pair of CUDA graphs of its own.
-
-    Placed in the module tree that the runner's ``fn`` calls (the graph of
-    :func:`~fusion_compiler.runtime.ddp_stages.split_at`, one ``Stage`` per submodule); before a
-    runner takes it, and in warm-up, it calls ``body``.
-    """
-
-    def __init__(self, body: Callable[..., Any]):
-        super().__init__()
-        self.body = body
-        self.runner: TrainingGraphRunner | None = None
-        self.pair: _GraphPair | None = None  # its graphs, set by the runner's capture
-
-    def forward(self, *xs: Any) -> Any:
-        if self.runner is None or self.runner.mode == "eager":
-            return self.body(*xs)
-        return self.runner._stage_call(self, xs)
+__all__ = ["TrainingGraphRunner"]
 
 
 class TrainingGraphRunner:
@@ -84,10 +55,7 @@ class TrainingGraphRunner:
             on the current stream and must not synchronize with the host.
         module: the module through which ``fn`` reads ``parameters`` (``fn`` calls it): warm-up
             and capture swap its parameters for aliases (``torch.func.functional_call``), see
-            :meth:`_aliases`. Where it holds :class:`Stage` modules, each stage gets a forward and
-            a backward graph and ``fn``'s own code (which must do no tensor work outside the
-            stages but what autograd can follow, such as ``getitem``) runs at each call;
-            otherwise ``fn`` is one pair of graphs.
+            :meth:`_aliases`.
         example_args: real CUDA tensors (and other values passed as they are); a tensor's
             ``requires_grad`` says whether its gradient is computed.
         parameters: the parameters ``fn`` reads (those that require grad get gradients).
@@ -109,12 +77,7 @@ class TrainingGraphRunner:
         self.buffers = list(buffers)
         self.static_inputs = [a.detach().clone().requires_grad_(a.requires_grad)
                               if isinstance(a, torch.Tensor) else a for a in example_args]
-        self.stages = [m for m in module.modules() if isinstance(m, Stage)]
-        for stage in self.stages:
-            stage.runner = self
-        self.mode = "eager"  # how a Stage call runs: eager (warm-up), capture or replay
-        self.pairs: list[_GraphPair] = []
-        self._capturing: tuple[Any, dict[int, tuple[_GraphPair, int]]] | None = None
+        self.pair: _GraphPair | None = None
         self._capture()
 
     def _token(self) -> tuple:
@@ -124,9 +87,6 @@ class TrainingGraphRunner:
         self.close()
         self.token = self._token()
         self.parameters = [p for p in self.all_parameters if p.requires_grad]
-        self.stage_parameters = {id(stage): list({id(p): p for p in stage.parameters()
-                                                  if p.requires_grad}.values())
-                                 for stage in self.stages}  # the real ones: not in capture
         named, aliases = self._aliases()
         wrt = [a for a in self.static_inputs if isinstance(a, torch.Tensor) and a.requires_grad]
         try:
@@ -138,9 +98,6 @@ class TrainingGraphRunner:
             _release_rng_capture(torch.cuda.current_device())
             self.close()
             raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
-        finally:
-            self.mode = "eager"
-            self._capturing = None
 
     def _aliases(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """New leaf tensors sharing each parameter's storage, by name in ``module`` (for
@@ -175,79 +132,33 @@ class TrainingGraphRunner:
     def _capture_graphs(self, named: dict[str, torch.Tensor],
                         alias_of: dict[int, torch.Tensor]) -> None:
         pool = torch.cuda.graph_pool_handle()
+        self.pair = pair = _GraphPair(self.parameters, self.copy_outputs)  # closed if it fails
         with torch.enable_grad():
-            if not self.stages:
-                pair = _GraphPair(self.parameters, self.copy_outputs)
-                pair.capture_forward(lambda: self._run(named), self.static_inputs, pool)
-                self.pairs.append(pair)
-            else:
-                self.mode = "capture"
-                self._capturing = (pool, {})  # output tensor id -> (pair, position)
-                self._run(named)
-        shared: dict[tuple[int, int], torch.Tensor] = {}  # (pair id, output) -> gradient buffer
-        alias_ids = set(map(id, alias_of.values()))
-        for pair in reversed(self.pairs):
-            pair.capture_backward([alias_of[id(p)] for p in pair.parameters], alias_ids, shared,
-                                  pool)
-
-    def _stage_call(self, stage: Stage, xs: tuple[Any, ...]) -> Any:
-        if self.mode == "capture":
-            pool, produced = self._capturing
-            pair = _GraphPair(self.stage_parameters[id(stage)], copy_outputs=False,
-                              sources=[produced.get(id(x)) for x in xs])
-            # each stage's autograd graph starts at its own leaves (the same storage), so its
-            # backward capture cannot run into an earlier stage's
-            leaves = [x.detach().requires_grad_() if i in pair.internal and x.requires_grad
-                      else x for i, x in enumerate(xs)]
-            out = pair.capture_forward(lambda: stage.body(*leaves), leaves, pool)
-            for i, t in enumerate(pair.live_outputs):
-                produced[id(t)] = (pair, i)
-            stage.pair = pair
-            self.pairs.append(pair)
-            return out
-        pair = stage.pair
-        flat = _Replay.apply(pair, len(xs), *xs, *pair.parameters)
-        return tree_unflatten(list(flat), pair.out_spec)
+            pair.capture_forward(lambda: self._run(named), self.static_inputs, pool)
+        pair.capture_backward([alias_of[id(p)] for p in pair.parameters],
+                              set(map(id, alias_of.values())), pool)
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args: Any) -> Any:
         if self._token() != self.token:
             self._capture()
-        if not self.stages:
-            pair = self.pairs[0]
-            flat = _Replay.apply(pair, len(args), *args, *pair.parameters)
-            return tree_unflatten(list(flat), pair.out_spec)
-        self.mode = "replay"
-        try:
-            out = self.fn(*args)
-        finally:
-            self.mode = "eager"
-        if not self.copy_outputs:
-            return out
-        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+        pair = self.pair
+        flat = _Replay.apply(pair, len(args), *args, *pair.parameters)
+        return tree_unflatten(list(flat), pair.out_spec)
 
     def close(self) -> None:
         """Free the graphs and their memory pool."""
-        for pair in self.pairs:
-            pair.close()
-        self.pairs = []
+        if self.pair is not None:
+            self.pair.close()
+        self.pair = None
         self._epoch = None
-        for stage in self.stages:
-            stage.pair = None
 
 
 class _GraphPair:
-    """The forward and backward graphs of one stage (or of the whole step), their static buffers
-    and replays.
+    """The forward and backward graphs of the step, their static buffers and replays."""
 
-    ``sources``: per input, the ``(pair, output position)`` that made it, or ``None``. Inputs
-    another pair made are *internal*: their gradients are returned as this pair's buffers (read in
-    place by the producing pair's backward graph), not copies."""
-
-    def __init__(self, parameters: list[torch.nn.Parameter], copy_outputs: bool,
-                 sources: Sequence[tuple[_GraphPair, int] | None] = ()):
-        self.parameters, self.copy_outputs, self.sources = parameters, copy_outputs, sources
-        self.internal = {i for i, source in enumerate(sources) if source is not None}
+    def __init__(self, parameters: list[torch.nn.Parameter], copy_outputs: bool):
+        self.parameters, self.copy_outputs = parameters, copy_outputs
         self.fwd_graph: torch.cuda.CUDAGraph | None = None
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
         self.generation = 0  # forward replays so far: a backward must belong to the latest
@@ -268,16 +179,12 @@ class _GraphPair:
         return out
 
     def capture_backward(self, aliases: list[torch.Tensor], alias_ids: set[int],
-                         shared: dict[tuple[int, int], torch.Tensor], pool: Any) -> None:
+                         pool: Any) -> None:
         """Capture the gradients of the diff inputs and of ``aliases`` (this pair's parameters)
         given gradients of the diff outputs; an input that is a parameter's alias (its id in
-        ``alias_ids``) gets its gradient laid out like it. Output gradient buffers come from
-        ``shared`` (a later pair's input gradients, keyed by this pair and output) or are new.
-        Adds this pair's internal input gradients to ``shared``."""
+        ``alias_ids``) gets its gradient laid out like it."""
         outs = [self.live_outputs[i] for i in self.diff_positions]
-        self.static_grad_outputs = [shared.get((id(self), i)) for i in self.diff_positions]
-        self.static_grad_outputs = [torch.empty_like(o) if g is None else g
-                                    for g, o in zip(self.static_grad_outputs, outs)]
+        self.static_grad_outputs = [torch.empty_like(o) for o in outs]
         positions = [i for i, x in enumerate(self.inputs)
                      if isinstance(x, torch.Tensor) and x.requires_grad]
         wrt = [self.inputs[i] for i in positions] + aliases
@@ -294,10 +201,6 @@ class _GraphPair:
         self.input_grads = dict(zip(positions, (None if g is None else g.detach()
                                                 for g in grads[:n])))
         self.param_grads = [None if g is None else g.detach() for g in grads[n:]]
-        for i, g in self.input_grads.items():
-            if g is not None and i in self.internal:
-                source, position = self.sources[i]
-                shared.setdefault((id(source), position), g)
         self.live_outputs, self.inputs = [], []  # the capture's autograd graph is spent
 
     def forward(self, inputs: Sequence[Any]) -> list[Any]:
@@ -315,9 +218,8 @@ class _GraphPair:
     def backward(self, generation: int, grad_outputs: Sequence[torch.Tensor | None]
                  ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Replay the backward graph for the forward replay ``generation`` with these output
-        gradients (``None``: zero); return the input gradients by position (this pair's
-        buffers for internal inputs, else fresh copies) and fresh copies of the parameter
-        gradients."""
+        gradients (``None``: zero); return fresh copies of the input gradients (by position)
+        and of the parameter gradients."""
         if generation != self.generation:
             raise RuntimeError(
                 "fusion_compiler: backward of a CUDA-graphed training call after a later call of "
@@ -332,15 +234,13 @@ class _GraphPair:
             elif g.data_ptr() != static.data_ptr():
                 static.copy_(g)
         self.bwd_graph.replay()
-        copied = [g for i, g in self.input_grads.items()
-                  if g is not None and i not in self.internal]
+        copied = [g for g in self.input_grads.values() if g is not None]
         copied += [g for g in self.param_grads if g is not None]
         fresh = [torch.empty_like(g) for g in copied]
         if fresh:
             torch._foreach_copy_(fresh, copied)
         it = iter(fresh)
-        inputs = {i: g if g is None or i in self.internal else next(it)
-                  for i, g in self.input_grads.items()}
+        inputs = {i: None if g is None else next(it) for i, g in self.input_grads.items()}
         return ([inputs.get(i) for i in range(len(self.static_inputs))],
                 [None if g is None else next(it) for g in self.param_grads])
 

@@ -276,10 +276,8 @@ def _check_regions(compiled: CompiledModule, inputs: Sequence[Any], train: bool,
 
 
 def _own_args(region: Region, args: tuple) -> tuple:
-    """``args`` as the region's own ops take them: without the inputs past the region's own (they
-    only order a side-stream region before this one,
-    :mod:`fusion_compiler.passes.post_lowering.streams`), and an image the graph zero-padded for its
-    cuDNN kernel (``Region.padded_images``) narrowed back to the channels of the region's
+    """``args`` as the region's own ops take them: an image the graph zero-padded for its cuDNN
+    kernel (``Region.padded_images``) narrowed back to the channels of the region's
     placeholder."""
     placeholders = list(region.graph_module.graph.find_nodes(op="placeholder"))
     args = args[:len(placeholders)]

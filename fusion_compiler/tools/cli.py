@@ -85,7 +85,7 @@ def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]
 def _options(args: argparse.Namespace) -> dict:
     return {"backend": args.backend, "autotune": args.autotune,
             "fuse_prologue": args.fuse_prologue, "fuse_reduction": args.fuse_reduction,
-            "concurrent_branches": args.concurrent_branches, "triton_conv": args.triton_conv,
+            "triton_conv": args.triton_conv,
             "dense_conv": not args.no_dense_conv,
             "horizontal_fusion": not args.no_horizontal_fusion}
 
@@ -187,10 +187,6 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--fuse-reduction", action="store_true",
                    help="fuse the H, W sum after a conv into its region (off by default: "
                         "slower, docs/decisions.md)")
-    p.add_argument("--concurrent-branches", action="store_true",
-                   help="leave the join of two branches out of the shorter branch's region, "
-                        "which then runs on a second CUDA stream in CUDA inference (off by "
-                        "default: faster on some networks, slower on others, docs/decisions.md)")
     p.add_argument("--triton-conv", action="store_true",
                    help="time a Triton implicit-GEMM convolution against cuDNN per region in CUDA "
                         "inference, the faster kept (off by default: cuDNN was faster on every "

@@ -25,8 +25,7 @@ def specialize_for_dump(model: torch.nn.Module, inputs: Sequence[Any], **options
 
     ``options`` are :func:`fusion_compiler.compile`'s, made what a dump needs by
     :meth:`~fusion_compiler.config.CompileOptions.for_dump`: no CUDA graph and no glue backend
-    (both only change how the graph is called, not its regions; so no region is scheduled on a
-    side stream, but with ``concurrent_branches`` the regions are those it gets), and the
+    (both only change how the graph is called, not its regions), and the
     passes ``compile()`` runs for CUDA inputs whatever the inputs' device, so a machine without
     a GPU shows the graphs a GPU gets. The glue pipeline, which runs on the copy of the graph
     Inductor compiles, is run on a copy here so that its stages can be shown too.

@@ -41,7 +41,6 @@ from ...ir.errors import UnsupportedError
 from ...ir.ops import node_device
 from ...ir.region import BackwardPlan, Region
 from ...runtime.plan_cache import PlanCache, default_cache_dir
-from ...runtime.streams import MAIN_WORKSPACE
 from ..base import REUSE_BATCH_RATIO, Backend, Lowered, Support
 from .backward import register_cudnn_backward
 from .graph import graph_json, import_cudnn, output_padding, region_recipe
@@ -75,8 +74,8 @@ class CudnnBackend(Backend):
         self.cache = PlanCache(default_cache_dir(cache_dir))
         self.autotune = int(autotune)
         self._handles: dict[int, Any] = {}
-        self._workspaces: dict[tuple[int, str], torch.Tensor] = {}
-        self._captured: set[tuple[int, str]] = set()  # workspaces a CUDA graph has used
+        self._workspaces: dict[int, torch.Tensor] = {}  # by device index
+        self._captured: set[int] = set()  # devices whose workspace a CUDA graph has used
         self._retired: list[torch.Tensor] = []  # replaced ones a CUDA graph has used: kept
         # recipe key -> (job, its build)
         self._pending: dict[str, list[tuple[dict, concurrent.futures.Future]]] = {}
@@ -110,10 +109,9 @@ class CudnnBackend(Backend):
         cudnn.set_stream(handle=h, stream=torch._C._cuda_getCurrentRawStream(index))
         return h
 
-    def workspace(self, device: torch.device, nbytes: int,
-                  key: str = MAIN_WORKSPACE) -> torch.Tensor:
-        """A workspace of at least ``nbytes`` bytes on ``device`` (uint8), kept and reused; one
-        per ``key`` (regions on the side stream, ``SIDE_WORKSPACE``, may run beside the others).
+    def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """A workspace of at least ``nbytes`` bytes on ``device`` (uint8), kept and reused: the
+        regions of a device run one after another on its current stream, and share it.
 
         A workspace asked for while the current stream is being captured into a CUDA graph is
         never freed: when a larger one replaces it, it is kept alive with the backend. The
@@ -121,7 +119,7 @@ class CudnnBackend(Backend):
         other tensors, which those kernels would then overwrite (docs/decisions.md, "cuDNN
         workspaces a CUDA graph used are kept")."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        slot = (index, key)
+        slot = index
         ws = self._workspaces.get(slot)
         if ws is None or ws.numel() < nbytes:
             if ws is not None and slot in self._captured:

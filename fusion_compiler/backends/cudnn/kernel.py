@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from ...ir.ops import node_device
 from ...ir.region import Region
 from ...runtime.region_op import is_traced, register_kernel, run_region
-from ...runtime.streams import MAIN_WORKSPACE, SIDE_WORKSPACE, side_stream
 from .graph import (channel_padding, image_view_total, output_dtype, output_padding,
                     padded_output, region_recipe, to_nhwc)
 from ...runtime.tensors import as_channel_view
@@ -38,12 +37,6 @@ class CudnnKernel:
     are being traced; else through the ``fusion_compiler::run_region`` custom op (training,
     tracing), which costs more host time per call (measurements: docs/decisions.md,
     "``glue_backend="auto"`` runs eager glue for inference without a CUDA graph").
-
-    ``beside`` (set by
-    :func:`~fusion_compiler.passes.post_lowering.streams.run_short_branches_beside`, with
-    :meth:`run_beside`): each call runs on the device's side stream, after the current stream's
-    work issued so far, on a workspace of its own. Inputs past the region's own are ignored
-    (that pass hands some kernels a side-stream region's outputs, to order the two).
     """
 
     def __init__(self, backend: PlanBackend, region: Region, direct: bool = False):
@@ -63,8 +56,6 @@ class CudnnKernel:
         self.prepare: list[Callable[[torch.Tensor], torch.Tensor]] = []
         # the convolution weight's channels_last copy, shared with the dgrad (one copy per step)
         self.weight_cache: WeightCache | None = None
-        self.beside = False
-        self.workspace = MAIN_WORKSPACE
         for node, op in zip(placeholders, region.operands()):
             if node is conv.args[1] and (node.name in in_pads or node.name in out_pads):
                 # zero input and/or output channels, made once per weight version
@@ -105,21 +96,11 @@ class CudnnKernel:
                               if node.name in in_pads and node is not conv.args[1]}
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.beside:  # forks: the side stream waits for what was issued so far
-            side = side_stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                return self._call(inputs)
-        return self._call(inputs)
-
-    def _call(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        inputs = inputs[:len(self.prepare)]
         if self._pads_outputs:
             return self._padded_call(inputs)
         outs = tuple(torch.empty_strided(shape, stride, dtype=written, device=self.device)
                      for shape, stride, written, _ in self.outputs)
-        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs,
-                          workspace=self.workspace)
+        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs)
         if not self._converts:
             return outs
         return tuple(out if out.dtype == want else out.to(want)
@@ -133,8 +114,7 @@ class CudnnKernel:
             size = shape if padded is None else padded[0]
             outs.append(torch.empty_strided(size, nhwc_strides(size), dtype=written,
                                             device=self.device))
-        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs,
-                          workspace=self.workspace)
+        self.plan.execute([prep(x) for prep, x in zip(self.prepare, inputs)], outs)
         result = []
         for out, (shape, stride, _, want), padded in zip(outs, self.outputs, self.padded):
             if padded is not None:
@@ -142,13 +122,6 @@ class CudnnKernel:
                                           device=self.device).copy_(out[:, :padded[1]])
             result.append(out if out.dtype == want else out.to(want))
         return tuple(result)
-
-    def run_beside(self) -> None:
-        """Run on the side stream from now on (see the class doc); makes the stream and grows its
-        workspace now, not in a CUDA graph capture."""
-        self.beside, self.workspace = True, SIDE_WORKSPACE
-        side_stream(self.device)
-        self.backend.workspace(self.device, self.plan.workspace_bytes, SIDE_WORKSPACE)
 
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What graphs call: the plan directly for inference, else the ``run_region`` op."""

@@ -19,7 +19,6 @@ import torch
 
 from ...ir.errors import UnsupportedError, condense
 from ...runtime.plan_cache import PlanCache, StaleEntry
-from ...runtime.streams import MAIN_WORKSPACE
 from ..timing import ensure_timing_allowed, gpu_time_ms
 from .autotune import PlanTiming, fastest, sample_pack
 from .graph import import_cudnn
@@ -41,8 +40,7 @@ class PlanBackend(Protocol):
 
     def handle(self, device: torch.device) -> Any: ...
 
-    def workspace(self, device: torch.device, nbytes: int,
-                  key: str = MAIN_WORKSPACE) -> torch.Tensor: ...
+    def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor: ...
 
     def header(self, key: str, device: torch.device) -> dict: ...
 
@@ -245,16 +243,15 @@ class CudnnPlan:
             self.backend.remember_choice(self.recipe, self.device, {**choice, record_name: record})
         return cudnn_ms, pytorch_ms
 
-    def execute(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                workspace: str = MAIN_WORKSPACE) -> None:
+    def execute(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Run the plan: ``inputs``/``outputs`` in the graph's input/output order, laid out as
         declared (fully packed NHWC for 4-d tensors), on the current torch stream, with the
-        backend's workspace of key ``workspace`` (:mod:`fusion_compiler.runtime.streams`).
+        backend's workspace of the device.
 
         The operands go to the frontend as a list with their UIDs fixed at construction
         (``execute(..., tensor_uids=...)``, cuDNN frontend 1.32: it caches the operands'
         metadata by UID instead of reading a dict each call); older frontends get the dict."""
-        ws = self.backend.workspace(self.device, self.workspace_bytes, workspace)
+        ws = self.backend.workspace(self.device, self.workspace_bytes)
         handle = self.backend.handle(self.device)
         if self._ordered:
             self.graph.execute([*inputs, *outputs, *self._constant_values], ws, handle=handle,

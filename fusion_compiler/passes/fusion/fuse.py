@@ -21,14 +21,6 @@ defaults: docs/decisions.md, "``fuse_prologue`` and ``fuse_reduction`` off by de
 * A region never spans a change of gradient mode (``meta["grad_zone"]``, set by ``normalize``).
 * A merge is legal only if the graph with every region contracted to one node stays acyclic,
   checked with ``networkx`` on the quotient graph.
-* **Branches** (``branches=True``; ``compile(concurrent_branches=True)`` sets it for CUDA
-  inference in a CUDA graph):
-  a binary op that joins two branches (a residual add of a downsample convolution and the block's
-  main path) is not fused into the region of the branch with fewer convolution FLOPs since the
-  fork. Fused there, that convolution would wait for the longer branch; left to the longer
-  branch's region (torchvision's bottleneck: its last convolution) or to the glue (SE-ResNet9:
-  the SE gate's multiply ends the main path), the shorter branch's region can run beside the
-  longer one on a second CUDA stream (:mod:`fusion_compiler.passes.post_lowering.streams`).
 
 Declined nodes get a reason in ``gm.meta["fusion_reasons"]`` (node name -> text), which the
 dump reports for everything left to PyTorch.
@@ -41,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-from ...ir.ops import (BINARY, COMMUTATIVE, UNARY, conv_flops, eliminate_dead_code, is_call,
+from ...ir.ops import (BINARY, COMMUTATIVE, UNARY, eliminate_dead_code, is_call,
                        is_conv, is_hw_sum)
 from ...ir.region import Region, operand_kind
 
@@ -153,16 +145,6 @@ class _Quotient:
         merged = nx.contracted_nodes(self.g, a, b, self_loops=False, copy=True)
         return nx.is_directed_acyclic_graph(merged)
 
-    def branch_flops(self, node: fx.Node, other: fx.Node,
-                     flops: dict[fx.Node, int]) -> tuple[int, int]:
-        """Convolution FLOPs that ``node``'s value depends on and ``other``'s does not, and
-        the converse: the work of each branch since they forked."""
-        a, b = self.rep(node), self.rep(other)
-        mine = nx.ancestors(self.g, a) | {a}
-        theirs = nx.ancestors(self.g, b) | {b}
-        return (sum(flops.get(n, 0) for n in mine - theirs),
-                sum(flops.get(n, 0) for n in theirs - mine))
-
     def merge(self, head: fx.Node, node: fx.Node) -> None:
         a, b = self.rep(head), self.rep(node)
         if a is b:
@@ -193,23 +175,8 @@ def _clone_prologue(graph: fx.Graph, conv: fx.Node, claimed: set[fx.Node]) -> li
     return list(clones.values())
 
 
-def _branch_reason(quotient: _Quotient, conv: fx.Node, node: fx.Node, chain: fx.Node,
-                   flops: dict[fx.Node, int]) -> str | None:
-    """Why binary ``node`` (a user of ``chain``, in ``conv``'s region) joins a longer branch
-    than ``conv``'s (see the module doc, "Branches"), or ``None``."""
-    other, _ = _other_operand(node, chain)
-    if not isinstance(other, fx.Node):
-        return None
-    mine, theirs = quotient.branch_flops(conv, other, flops)
-    if not 0 < mine < theirs:  # mine == 0: ``other`` depends on ``conv``, nothing runs beside
-        return None
-    return (f"joins a longer branch ({theirs / 1e9:.3g} GFLOP of convolutions since the fork, "
-            f"this one {mine / 1e9:.3g}): left out of the region so its convolution can run "
-            f"beside that branch on a second stream (concurrent_branches)")
-
-
 def fuse_regions(gm: fx.GraphModule, *, prologue: bool = True,
-                 reduction: bool = True, branches: bool = False) -> fx.GraphModule:
+                 reduction: bool = True) -> fx.GraphModule:
     """Contract every convolution chain of ``gm`` into a ``Region`` submodule (see module doc).
 
     Region modules are named ``region_<i>``; their ids ``r0``, ``r1``, ... follow the order in
@@ -218,7 +185,6 @@ def fuse_regions(gm: fx.GraphModule, *, prologue: bool = True,
     Args:
         prologue: fuse pointwise ops on the conv input (else they stay PyTorch ops).
         reduction: fuse the H, W sum as an exit reduction (else it stays a PyTorch op).
-        branches: leave a join of two branches out of the shorter branch's region.
     """
     graph = gm.graph
     reasons: dict[str, str] = gm.meta.setdefault("fusion_reasons", {})
@@ -237,7 +203,6 @@ def fuse_regions(gm: fx.GraphModule, *, prologue: bool = True,
     eliminate_dead_code(graph)
 
     quotient = _Quotient(graph)
-    flops = {c: conv_flops(c, gm) or 0 for c in graph.nodes if is_conv(c)} if branches else {}
     claimed: dict[fx.Node, fx.Node] = {}
     for conv in heads:
         for node in members[conv]:
@@ -257,8 +222,6 @@ def fuse_regions(gm: fx.GraphModule, *, prologue: bool = True,
                            "a region has at most one reduction" if has_reduction else None)
                 else:
                     why = _pointwise_reason(user, chain, _EPILOGUE_KINDS)
-                    if why is None and branches and is_call(user, *BINARY):
-                        why = _branch_reason(quotient, conv, user, chain, flops)
                     if why is None and nxt is not None:
                         why = f"the region already continues through {nxt.name}"
                 if why is None and not quotient.can_merge(conv, user):

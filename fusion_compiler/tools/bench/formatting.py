@@ -17,8 +17,8 @@ __all__ = ["format_time_split", "format_results", "plot", "write", "add_argument
 def format_time_split(results: Sequence[dict]) -> str:
     """Where the time of each profiled variant goes, per call: GPU time by kernel category (ms,
     kernel count) and the gaps (median wall time less the kernels' time: launches, waits), or
-    the overlap when the kernels' time is the larger (kernels on two streams at once,
-    ``compile(concurrent_branches=True)``); then, a line each, every category's slowest kernel
+    the overlap when the kernels' time is the larger (kernels on two streams at once: the
+    derivation prologue's side stream); then, a line each, every category's slowest kernel
     (mean us per launch)."""
     lines = []
     for r in results:
