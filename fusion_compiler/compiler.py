@@ -297,12 +297,16 @@ class CompiledModule(torch.nn.Module):
         """What the last specialization is, as text at most 100 columns wide: the summary
         ``fusion-compiler dump`` prints (convolutions and their FLOPs in regions, regions per
         backend, why regions fell back), the region table (pattern, backend, plan or reason) and
-        the ops left to PyTorch, grouped by reason."""
+        the ops left to PyTorch, grouped by reason; for a training specialization also how each
+        region's backward runs (dgrad and wgrad, each on cuDNN or PyTorch, with times)."""
         if self.last is None:
             return "not compiled yet: call the module once (or pass example_inputs)"
-        from .tables import coverage, format_report  # noqa: PLC0415
+        from .tables import coverage, format_gradients, format_report  # noqa: PLC0415
 
-        return format_report(coverage(self.last), type(self.model).__name__)
+        text = format_report(coverage(self.last), type(self.model).__name__)
+        if self.last.training:
+            text += "\n" + format_gradients(self.last.regions)
+        return text
 
 
 def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None, *,
@@ -314,7 +318,7 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         example_inputs: compile for these inputs now (else on the first call).
         options: a :class:`~fusion_compiler.config.CompileOptions`; ``kwargs`` (its field names:
             ``backend``, ``cuda_graph``, ``cache_dir``, ``autotune``, ``fuse_prologue``,
-            ``fuse_reduction``, ``report``, ``progress``, ``glue_backend``,
+            ``fuse_reduction``, ``progress``, ``glue_backend``,
             ``max_specializations``, ``tiered``, ``freezing``, ``passes`` (your own graph
             passes), ...) replace its fields.
             Every option, its default and what it does: ``docs/options.md``.

@@ -62,7 +62,6 @@ class CompileOptions:
         autotune: cuDNN execution plans built and timed per region (``<= 1``: heuristics' first).
         fuse_prologue: fuse pointwise ops on a convolution's input into its region.
         fuse_reduction: fuse the H, W sum after a convolution into its region.
-        report: print the region table after each compilation.
         progress: a progress bar while plans build (``None``: only on a terminal).
         glue_backend: the ``torch.compile`` backend of the ops between regions (``"auto"``:
             Inductor on CUDA when Triton imports, eager ops for inference without a CUDA graph;
@@ -70,9 +69,6 @@ class CompileOptions:
         max_specializations: input signatures kept; the least recently used is evicted.
         tiered: answer a new specialization's first calls at once while plans and the glue
             compile in the background (CUDA inference in a CUDA graph).
-        derived_backward: in training, PyTorch-ops regions also run the derived backward (tests).
-        cuda_pipeline: run the pre-fusion and fusion passes a CUDA input gets whatever the inputs'
-            device (what ``fusion-compiler dump`` shows on any machine); ``None``: the inputs'.
         triton_conv: regions whose convolution the Triton implicit-GEMM kernel takes
             (:mod:`fusion_compiler.kernels.conv`) get that kernel too, timed against cuDNN's plan
             per region, the faster kept; in training it runs the forward, the backward stays the
@@ -112,13 +108,12 @@ class CompileOptions:
     autotune: int = 8
     fuse_prologue: bool = False
     fuse_reduction: bool = False
-    report: bool = False
     progress: bool | None = None
     glue_backend: str | None = "auto"
     max_specializations: int = 16
     tiered: bool = True
-    derived_backward: bool = False
-    cuda_pipeline: bool | None = None
+    _derived_backward: bool = False
+    _cuda_pipeline: bool | None = None
     triton_conv: bool = False
     dense_conv: bool = True
     horizontal_fusion: bool = True
@@ -134,12 +129,12 @@ class CompileOptions:
                              f"{self.cuda_graph!r}")
         if self.cuda_graph is True:
             object.__setattr__(self, "cuda_graph", "auto")
-        for name in ("fuse_prologue", "fuse_reduction", "report", "tiered",
-                     "derived_backward", "triton_conv", "dense_conv",
+        for name in ("fuse_prologue", "fuse_reduction", "tiered",
+                     "_derived_backward", "triton_conv", "dense_conv",
                      "horizontal_fusion", "freezing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("progress", "cuda_pipeline"):
+        for name in ("progress", "_cuda_pipeline"):
             if getattr(self, name) not in (None, True, False):
                 raise TypeError(f"{name} must be None, True or False, got "
                                 f"{getattr(self, name)!r}")
@@ -170,7 +165,7 @@ class CompileOptions:
         base = options if options is not None else cls()
         if not isinstance(base, CompileOptions):
             raise TypeError(f"options must be a CompileOptions, got {type(base).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
+        names = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
         for key in kwargs:
             if key not in names:
                 near = difflib.get_close_matches(key, names, n=1)
@@ -184,14 +179,46 @@ class CompileOptions:
         return self.from_kwargs(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as keyword arguments of :func:`fusion_compiler.compile`."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The options as keyword arguments of :func:`fusion_compiler.compile` (the internal
+        settings, :meth:`internal`, are not among them)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not f.name.startswith("_")}
+
+    def internal(self, *, cuda_pipeline: bool | None = None,
+                 derived_backward: bool | None = None) -> "CompileOptions":
+        """A copy with the package's internal settings changed (``None``: kept), which no door
+        takes from a user: for this package's tools and tests.
+
+        Args:
+            cuda_pipeline: run the passes a CUDA input gets whatever the inputs' device (what
+                ``fusion-compiler dump`` shows on any machine); ``None`` as the setting, the
+                inputs' device decides.
+            derived_backward: in training, regions on PyTorch ops also run through the
+                ``run_region`` op with the backward derived from their graph (the path cuDNN
+                regions take), so it can be checked without a GPU.
+        """
+        changes: dict[str, Any] = {}
+        if cuda_pipeline is not None:
+            changes["_cuda_pipeline"] = cuda_pipeline
+        if derived_backward is not None:
+            changes["_derived_backward"] = derived_backward
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @property
+    def cuda_pipeline(self) -> bool | None:
+        """The internal setting of :meth:`internal`."""
+        return self._cuda_pipeline
+
+    @property
+    def derived_backward(self) -> bool:
+        """The internal setting of :meth:`internal`."""
+        return self._derived_backward
 
     def for_dump(self) -> "CompileOptions":
         """What ``fusion-compiler dump`` compiles with: no CUDA graph and no glue backend (both
         change how the graph is called, not its regions) and the CUDA pass pipeline on any
         machine, so a machine without a GPU shows the graphs a GPU gets."""
-        return self.replace(cuda_graph=False, glue_backend=None, cuda_pipeline=True)
+        return self.replace(cuda_graph=False, glue_backend=None).internal(cuda_pipeline=True)
 
     @classmethod
     def for_dynamo(cls, options: Mapping[str, Any] | None,

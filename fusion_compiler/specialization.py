@@ -47,7 +47,8 @@ class Specialization:
     (``"static"``, ``"safe"``) or not (``None``), and ``notes`` why a default was not taken (no
     Triton, capture impossible). ``lowered`` is ``False`` while a specialization a call compiled
     answers from tier 0 (its regions as PyTorch ops): its regions have no kernel yet, and
-    ``glue_backend`` and ``cuda_graph`` are not decided.
+    ``glue_backend`` and ``cuda_graph`` are not decided. ``training``: its calls need gradients
+    (it has a backward).
     """
 
     signature: tuple
@@ -58,6 +59,7 @@ class Specialization:
     cuda_graph: str | None = None
     notes: list[str] = field(default_factory=list)
     lowered: bool = True
+    training: bool = False
 
     @property
     def regions(self) -> list[Region]:
@@ -118,7 +120,7 @@ class SpecializationCompiler:
             work = self._work_before_lowering(gm, target) if answer_early else ""
             if not work:
                 hoisted = self._lower(gm, lock, target, requires, on_stage)
-        spec = Specialization(key, gm, _closed, stages)
+        spec = Specialization(key, gm, _closed, stages, training=target.training)
         if work:
             spec.lowered = False
             spec.run = self._tier_before_lowering(spec, args, lock, formats, target, on_stage,
@@ -126,8 +128,6 @@ class SpecializationCompiler:
         else:
             spec.run, spec.glue_backend, spec.cuda_graph = self.runners.for_lowered(
                 gm, spec.notes, args, hoisted, formats, target)
-            if self.options.report:
-                self.print_report(spec, target.training)
         return spec
 
     def _warn_without_convolutions(self, gm: fx.GraphModule) -> None:
@@ -144,13 +144,6 @@ class SpecializationCompiler:
         level = logging.INFO if isinstance(self.model, fx.GraphModule) else logging.WARNING
         log.log(level, "%s has no convolution: nothing will be fused (fusion_compiler fuses "
                 "convolution chains); it runs as its own PyTorch ops", type(self.model).__name__)
-
-    def print_report(self, spec: Specialization, training: bool) -> None:
-        from .tables import format_gradients, format_regions  # noqa: PLC0415
-
-        print(format_regions(spec.regions))
-        if training:
-            print(format_gradients(spec.regions))
 
     def _passes(self, key: tuple, args: Sequence[Any], target: Target,
                 on_stage: Callable[[str, fx.GraphModule], None]) -> tuple[fx.GraphModule, str]:
@@ -271,8 +264,6 @@ class SpecializationCompiler:
             spec.lowered = True
             runner, spec.glue_backend, spec.cuda_graph = self.runners.for_lowered(
                 gm, spec.notes, example, lowered[0], formats, target)
-            if self.options.report:
-                self.print_report(spec, False)
             return runner
 
         def failed(reason: str) -> None:

@@ -1,7 +1,7 @@
-"""What a compiled module reports (``CompiledModule.report()``, ``compile(report=True)``) and the
-tools reuse: the coverage summary (convolutions and FLOPs in regions, regions per backend), the
-region table (pattern, backend, plan or reason), what autotuning measured, how a training region's
-backward runs, the ops left to PyTorch with their reasons. Plain text, tables at most
+"""What a compiled module reports (``CompiledModule.report()``) and the tools reuse: the coverage
+summary (convolutions and FLOPs in regions, regions per backend), the region table (pattern,
+backend, plan or reason), what autotuning measured, how a training region's backward runs, the
+ops left to PyTorch with their reasons. Plain text, tables at most
 :data:`WIDTH` columns wide, their cells wrapped."""
 
 from __future__ import annotations

@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusion_compiler.config import CompileOptions
+
+CUDA_PIPELINE = CompileOptions().internal(cuda_pipeline=True)
+"""The passes a CUDA input gets, for CPU inputs too (what ``fusion-compiler dump`` shows)."""
+DERIVED_BACKWARD = CompileOptions().internal(derived_backward=True)
+"""Regions on PyTorch ops also run the backward derived from their graph (as cuDNN regions do)."""
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `examples` is a folder of the repository, not of the package
     sys.path.insert(0, str(ROOT))
@@ -59,9 +66,9 @@ def specialize(model: torch.nn.Module, *inputs: torch.Tensor, backend: str = "re
     """
     from fusion_compiler.compiler import CompiledModule
 
-    options = {**FUSE_ALL, "cuda_pipeline": True, **options}
+    options = {**FUSE_ALL, **options}
     with torch.no_grad():
-        return CompiledModule(model, backend=backend, **options).specialize(*inputs)
+        return CompiledModule(model, CUDA_PIPELINE, backend=backend, **options).specialize(*inputs)
 
 
 def patterns(spec) -> list[str]:

@@ -16,6 +16,7 @@ from fusion_compiler.capture import capture
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.config import Target
 from fusion_compiler.runtime.background import submit, warn_once
+from conftest import CUDA_PIPELINE
 
 
 def test_tracing_on_the_background_thread_is_refused():
@@ -37,7 +38,7 @@ def test_lowering_on_the_background_thread_leaves_a_compiled_function_alone():
     """What tier 0's background job runs (lowering, the post-lowering passes) beside a loop of
     a ``torch.compile``'d function on the calling thread: no call raises."""
     model = randomize_(se_resnet9_fixup(3)).eval()
-    compiled = CompiledModule(model, cuda_pipeline=True)
+    compiled = CompiledModule(model, options=CUDA_PIPELINE)
     x = torch.randn(2, 3, 64, 64)
     target = Target(cuda=False)
     builder = compiled._compiler

@@ -1,7 +1,7 @@
 """The derived backward of fused regions (``fusion_compiler.backward``), checked on the CPU.
 
 Regions run through the ``run_region`` custom op with ``RegionBackward`` and PyTorch's conv
-gradients (``derived_backward=True``): the path cuDNN regions take, with dgrad/wgrad swapped for
+gradients (``options=DERIVED_BACKWARD``): the path cuDNN regions take, with dgrad/wgrad swapped for
 PyTorch's. Gradients are compared in float64 against eager autograd.
 """
 
@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import FUSE_ALL, gradients, rel_err
+from conftest import DERIVED_BACKWARD, FUSE_ALL, gradients, rel_err
 
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from fusion_compiler.autograd.backward import (RegionBackward, TorchConvGradients, folded_scale,
@@ -23,7 +23,7 @@ from test_fuse_patterns import PATTERNS
 
 
 def _compare(model: nn.Module, x: torch.Tensor, **options) -> CompiledModule:
-    compiled = CompiledModule(model, backend="reference", derived_backward=True, **options)
+    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD, **options)
     got = gradients(model, compiled, x)
     want = gradients(model, model, x)
     assert set(got) == set(want)
@@ -86,7 +86,7 @@ def test_dgrad_applies_the_producing_relu_backward_once():
 
 def test_dgrad_drelu_reasons_on_the_reference_network():
     model = randomize_(se_resnet9_fixup(3), seed=1).double().train()
-    compiled = CompiledModule(model, backend="reference", derived_backward=True)
+    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD)
     compiled(torch.randn(2, 3, 64, 64, dtype=torch.float64)).sum().backward()
     reasons = {r.region_id: r.dgrad_drelu_reason for r in compiled.last.regions}
     assert not any(r.dgrad_drelu for r in compiled.last.regions)
@@ -102,7 +102,7 @@ def test_backward_frees_what_the_forward_saved_without_the_cyclic_gc():
     import weakref
 
     model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
-    compiled = CompiledModule(model, backend="reference", derived_backward=True)
+    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD)
     x = torch.randn(2, 8, 6, 6)
     compiled(x).square().mean().backward()  # compile outside the measured step
     gc.collect()
@@ -219,7 +219,7 @@ def test_inference_kernel_refuses_backward():
 
 def test_network_input_without_grad_is_marked_for_no_dgrad():
     model = randomize_(se_resnet9_fixup(3), seed=1).double()
-    compiled = CompiledModule(model, backend="reference", derived_backward=True)
+    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD)
     x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
     compiled(x).sum().backward()
     stem = compiled.last.regions[0]
@@ -247,7 +247,7 @@ def test_autocast_training_forms_the_same_regions_and_tracks_eager():
             out.float().square().mean().backward()
         return out, torch.cat([p.grad.double().flatten() for p in model.parameters()])
 
-    compiled = CompiledModule(model, derived_backward=True)
+    compiled = CompiledModule(model, options=DERIVED_BACKWARD)
     out, got = whole_gradient(compiled)
     _, eager = whole_gradient(model)
     assert type(out) is torch.Tensor  # no fake tensor leaks from compile-time propagation
@@ -255,6 +255,7 @@ def test_autocast_training_forms_the_same_regions_and_tracks_eager():
     assert l2(got) < max(5e-3, 2 * l2(eager))
     spec = compiled.last
     assert "autocast" in spec.stages
+    assert spec.training and "backward per region (dgrad, wgrad)" in compiled.report()
     assert [r.pattern for r in spec.regions][:3] == [
         "conv1x1 > relu > add", "conv3x3 > add > relu > add", "conv3x3 > mul > add"]
     assert all(r.conv.args[1].meta["val"].dtype == torch.bfloat16 for r in spec.regions)
@@ -268,7 +269,7 @@ def test_kernels_and_their_backward_die_with_the_compiled_module():
     from fusion_compiler.runtime import region_op
 
     model = randomize_(se_resnet9_fixup(3, base_planes=16), seed=1)
-    compiled = CompiledModule(model, backend="reference", derived_backward=True)
+    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD)
     gc.collect()
     before = len(region_op._KERNELS)
     compiled(torch.randn(1, 3, 64, 64)).sum().backward()

@@ -15,6 +15,7 @@ import fusion_compiler
 from fusion_compiler.config import CompileOptions
 from fusion_compiler.ir.errors import FusionError
 from fusion_compiler.ir.region import Region
+from conftest import CUDA_PIPELINE
 
 
 class ConvHardswish(nn.Module):
@@ -46,11 +47,11 @@ def _region_ops(compiled) -> list[str]:
 def test_a_pre_fusion_pass_lets_the_chain_fuse_and_keeps_the_numerics():
     torch.manual_seed(0)
     model, x = ConvHardswish(), torch.randn(2, 3, 8, 8)
-    plain = fusion_compiler.compile(model, cuda_pipeline=True)
+    plain = fusion_compiler.compile(model, options=CUDA_PIPELINE)
     plain(x)
     assert not any("clamp" in op for op in _region_ops(plain))
     assert "hardswish" in plain.report()  # left to PyTorch, and said so
-    rewritten = fusion_compiler.compile(model, cuda_pipeline=True,
+    rewritten = fusion_compiler.compile(model, options=CUDA_PIPELINE,
                                         passes={"pre_fusion": [hardswish_as_formula]})
     out = rewritten(x)
     assert any("clamp" in op for op in _region_ops(rewritten)), rewritten.report()

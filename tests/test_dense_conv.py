@@ -20,7 +20,7 @@ from fusion_compiler.ir.errors import UnsupportedError
 from fusion_compiler.kernels.conv import ConvProgram
 from fusion_compiler.kernels.dense_conv import dense_program, dense_weight, fold_affine
 from fusion_compiler.runtime.plan_cache import PlanCache
-from conftest import rel_err, specialize
+from conftest import CUDA_PIPELINE, rel_err, specialize
 
 ADD, SUB, MUL, DIV, RELU = 1, 2, 3, 4, 5
 
@@ -76,7 +76,7 @@ class _Block(nn.Module):
 
 def _compiled(model, x, monkeypatch, **options):
     monkeypatch.setattr(DenseConvBackend, "devices", ("cuda", "cpu"))
-    compiled = CompiledModule(model, cuda_pipeline=True, **options)
+    compiled = CompiledModule(model, options=CUDA_PIPELINE, **options)
     with torch.no_grad():
         return compiled, compiled(x)
 
@@ -118,7 +118,7 @@ def test_off_with_the_option_and_without_cuda(monkeypatch):
     compiled, _ = _compiled(model, x, monkeypatch, dense_conv=False)
     assert compiled.last.regions[0].backend == "reference"
     monkeypatch.setattr(DenseConvBackend, "devices", ("cuda",))
-    compiled = CompiledModule(model, cuda_pipeline=True)
+    compiled = CompiledModule(model, options=CUDA_PIPELINE)
     with torch.no_grad():
         compiled(x)
     assert compiled.last.regions[0].backend == "reference"

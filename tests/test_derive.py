@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import run_interpreted
+from conftest import CUDA_PIPELINE, run_interpreted
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
@@ -58,7 +58,7 @@ def test_hoisted_graphs_translate_their_rearrangements_and_leave_batch_norm_opaq
             (_randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
                                          nn.BatchNorm2d(16), nn.ReLU())).eval(),
              torch.randn(2, 8, 6, 6), True)):
-        compiled = fc.compile(model, cuda_pipeline=True)
+        compiled = fc.compile(model, options=CUDA_PIPELINE)
         with torch.no_grad():
             compiled(x)
         hoisted = compiled.last.graph_module.meta["hoisted"]
@@ -140,7 +140,7 @@ from fusion_compiler.runtime.weight_cache import WeightCache, derivation_scope
 module.EARLY_ELEMENTS = 0  # all fingerprinted (the small model's weights would all be "early")
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 model = randomize_(se_resnet9_fixup(3, base_planes=8)).eval()
-compiled = fc.compile(model, cuda_pipeline=True)
+compiled = fc.compile(model, options=fc.CompileOptions().internal(cuda_pipeline=True))
 x = torch.randn(2, 3, 64, 64)
 with torch.no_grad():
     compiled(x)

@@ -13,7 +13,8 @@ import torch.nn as nn
 from conftest import rel_err
 
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
-from fusion_compiler.dynamo import fusion_compiler_backend
+from fusion_compiler.config import CompileOptions
+from fusion_compiler.dynamo import DynamoGraph, fusion_compiler_backend
 from test_fuse_patterns import BasicBlock, _randomize_bn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,9 +27,10 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _recording_backend(seen: list):
+def _recording_backend(seen: list, options: CompileOptions | None = None):
     def backend(gm, example_inputs, **kwargs):
-        run = fusion_compiler_backend(gm, example_inputs, **kwargs)
+        run = (DynamoGraph(gm, example_inputs, options) if options is not None
+               else fusion_compiler_backend(gm, example_inputs, **kwargs))
         seen.append(run)  # run.compiled_module: the CompiledModule of its last call
         return run
     return backend
@@ -65,8 +67,8 @@ def test_training_gradients_match_eager(derived):
     twin = randomize_(se_resnet9_fixup(3)).train()
     twin.load_state_dict(model.state_dict())
     seen = []
-    compiled = torch.compile(model, backend=_recording_backend(seen),
-                             options={"derived_backward": derived})
+    compiled = torch.compile(model, backend=_recording_backend(
+        seen, CompileOptions().internal(derived_backward=derived)))
     x = torch.randn(2, 3, 64, 64)
     compiled(x).square().mean().backward()
     twin(x).square().mean().backward()

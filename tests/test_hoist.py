@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from conftest import rel_err
+from conftest import CUDA_PIPELINE, rel_err
 
 import fusion_compiler as fc
 from fusion_compiler.compiler import CompiledModule
@@ -28,7 +28,7 @@ def test_downsample_weights_are_hoisted_and_follow_parameter_updates(glue_backen
     model = randomize_(se_resnet9_fixup(3)).eval()
     # the CUDA pipeline, whose avgpool_conv rewrite makes the downsample weights (CPU inputs
     # leave the pools alone)
-    compiled = CompiledModule(model, glue_backend=glue_backend, cuda_pipeline=True)
+    compiled = CompiledModule(model, glue_backend=glue_backend, options=CUDA_PIPELINE)
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-5
@@ -50,7 +50,7 @@ def test_batch_norm_scale_and_shift_are_hoisted_and_follow_every_kind_of_update(
     torch.manual_seed(0)
     model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
                                         nn.BatchNorm2d(16), nn.ReLU())).eval()
-    compiled = fc.compile(model, cuda_pipeline=True)
+    compiled = fc.compile(model, options=CUDA_PIPELINE)
     x = torch.randn(2, 8, 6, 6)
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-5

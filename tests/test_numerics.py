@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import rel_err
+from conftest import CUDA_PIPELINE, rel_err
 
 import fusion_compiler as fc
 from fusion_compiler.compiler import CompiledModule
@@ -43,7 +43,7 @@ def test_space_to_depth_rewrite_is_exact_in_fp64(channels, pattern):
     conv's image to 8 channels); 8 channels: folded into one 4x4 stride-4 conv."""
     model = nn.Sequential(SpaceToDepth(4), nn.Conv2d(16 * channels, 16, 1, bias=False)).double()
     x = torch.randn(2, channels, 32, 32, dtype=torch.float64)
-    compiled = CompiledModule(model, cuda_pipeline=True)  # the rewrite runs for CUDA only
+    compiled = CompiledModule(model, options=CUDA_PIPELINE)  # the rewrite runs for CUDA only
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-12
     region = compiled.last.regions[0]
@@ -55,7 +55,7 @@ def test_space_to_depth_rewrite_is_exact_in_fp64(channels, pattern):
 def test_avgpool_conv_rewrite_is_exact_in_fp64():
     model = nn.Sequential(nn.AvgPool2d(3, 2, padding=1), nn.Conv2d(8, 16, 1, bias=False)).double()
     x = torch.randn(2, 8, 9, 9, dtype=torch.float64)
-    compiled = CompiledModule(model, cuda_pipeline=True)  # the rewrite runs for CUDA only
+    compiled = CompiledModule(model, options=CUDA_PIPELINE)  # the rewrite runs for CUDA only
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-12
     assert compiled.last.regions[0].pattern == "conv3x3/s2"

@@ -11,6 +11,7 @@ import torch.nn as nn
 from fusion_compiler import CompileOptions
 from fusion_compiler.backends import Backend, Lowered, Support, registry
 from fusion_compiler.lowering import lower, regions_of
+from conftest import CUDA_PIPELINE
 
 
 def test_options_are_validated_once_with_a_clear_error():
@@ -64,7 +65,7 @@ def doubling():
 def _fused(model, x):
     import fusion_compiler as fc
 
-    return fc.compile(model, glue_backend=None, cuda_pipeline=True,
+    return fc.compile(model, glue_backend=None, options=CUDA_PIPELINE,
                       backend="reference").specialize(x).graph_module
 
 

@@ -29,7 +29,7 @@ DT = torch.bfloat16  # the kernel's dtypes are fp16 and bf16; CPU convolutions t
 def _passes(cuda_form: bool, fuse: bool = True):
     """The pre-fusion and fusion pipelines (``cuda_form``: with the rewrite to the NHWC copy that
     CUDA specializations get; ``fuse``: the fusion pipeline too), for CPU inputs."""
-    options, target = CompileOptions(cuda_pipeline=cuda_form), Target(cuda=False)
+    options, target = CompileOptions().internal(cuda_pipeline=cuda_form), Target(cuda=False)
     return [*pre_fusion(options, target), *(fusion(options, target) if fuse else [])]
 
 

@@ -18,7 +18,7 @@ from fusion_compiler.backends import triton as triton_backend
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.kernels.conv import (TileConfig, candidate_configs, conv_program,
                                           default_config)
-from conftest import rel_err, run_interpreted, specialize
+from conftest import CUDA_PIPELINE, rel_err, run_interpreted, specialize
 
 ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU = range(1, 9)
 SCALAR, CHANNEL, FULL = range(3)
@@ -191,7 +191,7 @@ def test_compile_runs_regions_on_the_triton_backend(make, monkeypatch):
     torch.manual_seed(0)
     model = make().to(torch.bfloat16).eval()
     x = torch.randn(2, 16 if make is _Residual else 3, 32, 32, dtype=torch.bfloat16)
-    compiled = CompiledModule(model, triton_conv=True, cuda_pipeline=True)
+    compiled = CompiledModule(model, triton_conv=True, options=CUDA_PIPELINE)
     with torch.no_grad():
         got, want = compiled(x), model(x)
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
@@ -206,7 +206,7 @@ def test_off_by_default_and_declined_without_cuda():
     model = nn.Sequential(nn.Conv2d(8, 8, 3), nn.ReLU()).to(torch.bfloat16).eval()
     x = torch.randn(1, 8, 8, 8, dtype=torch.bfloat16)
     for options in ({}, {"triton_conv": True}):
-        compiled = CompiledModule(model, cuda_pipeline=True, **options)
+        compiled = CompiledModule(model, options=CUDA_PIPELINE, **options)
         with torch.no_grad():
             compiled(x)
         assert compiled.last.regions[0].backend == "reference"
@@ -241,7 +241,7 @@ def test_training_runs_the_forward_on_the_triton_backend(make, monkeypatch):
     model = make().to(torch.bfloat16).train()
     eager, reference = copy.deepcopy(model), copy.deepcopy(model).float()
     x = torch.randn(2, 16 if make is _Residual else 3, 32, 32, dtype=torch.bfloat16)
-    compiled = CompiledModule(model, triton_conv=True, cuda_pipeline=True)
+    compiled = CompiledModule(model, triton_conv=True, options=CUDA_PIPELINE)
     outputs = []
     for module, given in ((compiled, x), (eager, x), (reference, x.float())):
         out = module(given)
