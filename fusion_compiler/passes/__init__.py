@@ -3,7 +3,8 @@ pipelines that one :class:`PassManager` runs (``fusion-compiler dump --stage NAM
 graph after any pass by its name). In order, with the condition under which each runs:
 
 * **pre_fusion**: ``normalize`` (in-place -> out-of-place, i.e. SSA; modules -> functions; conv
-  bias -> add), ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
+  bias -> add), ``cse`` (repeated reads and pure calls merged: equivalent spellings, one graph),
+  ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
   ``space_to_depth`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b
   conv or one channels_last copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
   ``horizontal_fusion`` (CUDA inference, with that option, on by default: sibling convolutions
@@ -55,6 +56,7 @@ from .post_lowering.se_gate import se_gates, se_scales
 from .post_lowering.layout import (channel_padded_images, channels_last_activations,
                                    four_channel_images, nchw_padded_avg_pools)
 from .pre_fusion.autocast import make_autocast_explicit
+from .pre_fusion.cse import eliminate_common_subexpressions
 from .pre_fusion.fold_bn import fold_batch_norm
 from .pre_fusion.horizontal import horizontal_fusion
 from .pre_fusion.normalize import normalize
@@ -86,7 +88,10 @@ def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
     inputs (or ``options.cuda_pipeline``) only, horizontal fusion in inference, the autocast pass
     under ``torch.autocast``."""
     cuda = target.cuda or bool(options.cuda_pipeline)
-    passes = [Pass("normalize", normalize), Pass("fold_bn", fold_batch_norm)]
+    passes = [Pass("normalize", normalize),
+              Pass("cse", _counted(eliminate_common_subexpressions,
+                                   "common subexpressions merged")),
+              Pass("fold_bn", fold_batch_norm)]
     if cuda:
         passes += [Pass("space_to_depth", space_to_depth_conv), Pass("avgpool_conv", avgpool_conv)]
         if options.horizontal_fusion and not target.training:
