@@ -3,7 +3,8 @@ pipelines that one :class:`PassManager` runs (``fusion-compiler dump --stage NAM
 graph after any pass by its name). In order, with the condition under which each runs:
 
 * **pre_fusion**: ``normalize`` (in-place -> out-of-place, i.e. SSA; modules -> functions; conv
-  bias -> add), ``cse`` (repeated reads and pure calls merged: equivalent spellings, one graph),
+  bias -> add), ``canonical_views`` (``unsqueeze``/``squeeze`` and chained reshapes as one
+  ``torch.reshape``), ``cse`` (repeated reads and pure calls merged: equivalent spellings, one graph),
   ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
   ``space_to_depth`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b
   conv or one channels_last copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
@@ -57,6 +58,7 @@ from .post_lowering.layout import (channel_padded_images, channels_last_activati
                                    four_channel_images, nchw_padded_avg_pools)
 from .pre_fusion.autocast import make_autocast_explicit
 from .pre_fusion.cse import eliminate_common_subexpressions
+from .pre_fusion.views import canonical_views
 from .pre_fusion.fold_bn import fold_batch_norm
 from .pre_fusion.horizontal import horizontal_fusion
 from .pre_fusion.normalize import normalize
@@ -89,6 +91,7 @@ def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
     under ``torch.autocast``."""
     cuda = target.cuda or bool(options.cuda_pipeline)
     passes = [Pass("normalize", normalize),
+              Pass("canonical_views", _counted(canonical_views, "views written as reshapes")),
               Pass("cse", _counted(eliminate_common_subexpressions,
                                    "common subexpressions merged")),
               Pass("fold_bn", fold_batch_norm)]
