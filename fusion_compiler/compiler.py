@@ -296,14 +296,15 @@ class CompiledModule(torch.nn.Module):
     def report(self) -> str:
         """What the last specialization is, as text at most 100 columns wide: the summary
         ``fusion-compiler dump`` prints (convolutions and their FLOPs in regions, regions per
-        backend, why regions fell back), the region table (pattern, backend, plan or reason) and
+        backend, why regions fell back, why a default was not taken), how its calls run (tier,
+        glue, CUDA graph), the region table (pattern, backend, plan or reason) and
         the ops left to PyTorch, grouped by reason; for a training specialization also how each
         region's backward runs (dgrad and wgrad, each on cuDNN or PyTorch, with times)."""
         if self.last is None:
             return "not compiled yet: call the module once (or pass example_inputs)"
         from .tables import coverage, format_gradients, format_report  # noqa: PLC0415
 
-        text = format_report(coverage(self.last), type(self.model).__name__)
+        text = format_report(coverage(self.last), type(self.model).__name__, runs=True)
         if self.last.training:
             text += "\n" + format_gradients(self.last.regions)
         return text

@@ -276,7 +276,18 @@ def format_summary(report: dict, title: str = "") -> str:
     left = report["pytorch"]
     lines.append(f"left to PyTorch: {len(report['unfused'])} convolution(s), {len(left)} other "
                  f"op(s) in {len(group_by_reason(left))} group(s) (below)")
+    lines += [f"  note: {note}" for note in report.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def format_runs(runs: dict) -> str:
+    """One line: how a specialization's calls run now (``runs`` of :func:`coverage`)."""
+    if not runs["lowered"]:
+        return ("runs:           tier 0, the regions as PyTorch ops while their plans build in "
+                "the background\n")
+    glue = runs["glue_backend"] or "eager ops"
+    graph = f"a CUDA graph ({runs['cuda_graph']})" if runs["cuda_graph"] else "no CUDA graph"
+    return f"runs:           lowered regions, glue by {glue}, {graph}\n"
 
 
 def format_groups(rows: list[dict], title: str, shown: int = 6) -> str:
@@ -296,19 +307,27 @@ def coverage(spec: Any) -> dict:
     """What a specialization covers, JSON-ready: ``inputs``, ``summary`` (:func:`summarize`),
     ``regions`` (each region's :meth:`~fusion_compiler.ir.region.Region.describe`), ``unfused``
     (convolutions outside every region, with reasons), ``glue_kernels`` (this package's kernels
-    between regions, :func:`glue_kernels`) and ``pytorch`` (other ops left to PyTorch, with
-    reasons)."""
+    between regions, :func:`glue_kernels`), ``pytorch`` (other ops left to PyTorch, with
+    reasons), ``runs`` (``lowered``: past tier 0; ``glue_backend``; ``cuda_graph``) and
+    ``notes`` (why a default was not taken: a failed lowering, no CUDA graph, ...)."""
     gm = spec.graph_module
     return {"inputs": [str(a) for a in spec.signature[0]], "summary": summarize(spec),
             "regions": [r.describe() for r in spec.regions],
             "unfused": unfused_convolutions(gm), "glue_kernels": glue_kernels(gm),
-            "pytorch": pytorch_nodes(gm)}
+            "pytorch": pytorch_nodes(gm),
+            "runs": {"lowered": spec.lowered, "glue_backend": spec.glue_backend,
+                     "cuda_graph": spec.cuda_graph},
+            "notes": list(spec.notes)}
 
 
-def format_report(report: dict, title: str = "") -> str:
+def format_report(report: dict, title: str = "", runs: bool = False) -> str:
     """:func:`coverage`'s result as text (what ``CompiledModule.report()`` prints and the dump
-    starts with): the summary (:func:`format_summary`), the region table, the convolutions not
-    fused and the other ops left to PyTorch, grouped by reason."""
-    return "\n".join([format_summary(report, title), regions_table(report["regions"]),
+    starts with): the summary (:func:`format_summary`; with ``runs``, how the calls run: tier,
+    glue, CUDA graph), the region table, the convolutions not fused and the other ops left to
+    PyTorch, grouped by reason."""
+    summary = format_summary(report, title)
+    if runs and "runs" in report:
+        summary += format_runs(report["runs"])
+    return "\n".join([summary, regions_table(report["regions"]),
                       format_left(report["unfused"], "convolutions not fused"),
                       format_groups(report["pytorch"], "ops left to PyTorch, by reason")])

@@ -55,3 +55,18 @@ def test_a_pass_after_which_the_graph_does_not_run_is_a_warning(caplog):
             pass  # the call runs the broken op: what matters is that the compile said so
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "after pass user:breaks_the_graph does not run" in text, text
+
+
+def test_the_report_says_how_calls_run_and_why_a_default_was_not_taken():
+    from fusion_compiler.tables import format_runs
+
+    compiled = fusion_compiler.compile(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()))
+    compiled(torch.randn(1, 3, 8, 8))
+    compiled.last.notes.append("the forward runs without a CUDA graph: a test's reason")
+    text = compiled.report()
+    assert "runs:           lowered regions, glue by eager ops, no CUDA graph" in text
+    assert "  note: the forward runs without a CUDA graph: a test's reason" in text
+    assert format_runs({"lowered": False, "glue_backend": None, "cuda_graph": None}).startswith(
+        "runs:           tier 0, the regions as PyTorch ops")
+    assert "glue by inductor, a CUDA graph (safe)" in format_runs(
+        {"lowered": True, "glue_backend": "inductor", "cuda_graph": "safe"})
