@@ -193,11 +193,11 @@ def test_a_compile_waits_for_a_background_compile_whose_trace_sets_fx_globals():
 def test_the_first_call_of_inductor_glue_runs_without_the_custom_op_aliasing_check(monkeypatch):
     """Inductor's Triton kernels autotune in the first call of a compiled graph; under
     AOTAutograd's custom-op aliasing check (a Python dispatch mode) the host was too slow for its
-    timings to mean anything (``runners.without_custom_op_alias_check``). The check runs at the
+    timings to mean anything (``glue_compile.without_custom_op_alias_check``). The check runs at the
     next first call instead. Inductor on the CPU stands in for CUDA: the check is AOTAutograd's."""
     from torch._functorch._aot_autograd import runtime_wrappers
 
-    from fusion_compiler.runners import inductor_compile, without_custom_op_alias_check
+    from fusion_compiler.glue_compile import inductor_compile, without_custom_op_alias_check
 
     if not hasattr(runtime_wrappers, "_check_custom_op_aliasing"):
         pytest.skip("this torch has no custom-op aliasing check")
@@ -266,7 +266,7 @@ sys.path.insert(0, {root!r})
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomized_se_resnet9_fixup
 from fusion_compiler.ir.region import Region
-from fusion_compiler.runners import inductor_compile
+from fusion_compiler.glue_compile import inductor_compile
 from fusion_compiler.runtime.tiered import isolated_copy
 from torch._dynamo.utils import counters
 torch.manual_seed(0)
@@ -353,7 +353,7 @@ _BACKWARD_CHOICE_SCRIPT = """
 import json, sys, torch
 from torch._dynamo.utils import counters
 sys.path.insert(0, {root!r})
-from fusion_compiler.runners import inductor_without_autograd_cache
+from fusion_compiler.glue_compile import inductor_without_autograd_cache
 choice, backend = sys.argv[1], sys.argv[2]
 
 @torch.library.custom_op("fc_test::region", mutates_args=())

@@ -1,0 +1,99 @@
+"""Graphing: a lowered specialization's calls replayed as CUDA graphs (:func:`graphed`: the
+inference runner with its derivation prologue, or the training runner's forward and backward
+pair), and the plain runner that keeps hoisted parameter work current when there is no graph
+(:func:`refreshing`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .config import CompileOptions
+from .ir.ops import written_inputs
+from .ir.region import Region
+from .passes.post_lowering.hoist import HoistedParameters
+
+__all__ = ["graphed", "refreshing"]
+
+
+def refreshing(run: Callable[..., Any], hoisted: HoistedParameters | None) -> Callable[..., Any]:
+    """``run`` after recomputing ``hoisted`` (parameter subgraphs computed apart from the graph):
+    how a graph that is not replayed from a CUDA graph keeps them current."""
+    if hoisted is None:
+        return run
+
+    def refreshed(*inputs: Any) -> Any:
+        hoisted.refresh()
+        return run(*inputs)
+    return refreshed
+
+
+def _not_capturable(args: Sequence[Any], written: list[int], training: bool) -> str:
+    """Why a graph of these inputs cannot be replayed from a CUDA graph (``""``: it can): a CPU
+    tensor among them (a Python float Dynamo passes as a 0-d tensor; a graph would replay the
+    value it was captured with), or, in training, an input the graph writes in place."""
+    if any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args):
+        return "an input is a CPU tensor (a replay would repeat the value captured)"
+    if training and written:
+        return "the step writes into an input in place"
+    return ""
+
+
+def _read_beside_regions(gm: fx.GraphModule | None,
+                         hoisted: HoistedParameters | None) -> list[str]:
+    """The hoisted values of ``gm`` that an op other than a region reads (a region's kernel says
+    when it reads one, :func:`fusion_compiler.runtime.weight_cache.note_reads`; other ops do
+    not, so the derivation prologue makes these before the forward)."""
+    if gm is None or hoisted is None:
+        return []
+    names = set(hoisted.names)
+    return [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in names
+            and any(u.op != "call_module" or not isinstance(gm.get_submodule(u.target), Region)
+                    for u in n.users)]
+
+
+def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
+            notes: list[str], *, model: torch.nn.Module, options: CompileOptions,
+            note: Callable[[list[str], str], None], training: bool = False,
+            gm: fx.GraphModule | None = None, hoisted: HoistedParameters | None = None
+            ) -> tuple[Callable[..., Any], str | None]:
+    """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training
+    specialization forward and backward graphs, :mod:`.runtime.cuda_graph_training`), and
+    ``"static"`` or ``"safe"``; or ``run`` (after refreshing ``hoisted`` at each call) and
+    ``None`` when it cannot be captured (the reason is noted with ``note``). ``module`` is what
+    ``run`` calls (the graph module, or ``torch.compile``'s wrapper of it); an inference graph
+    starts with the derivation prologue of the model's state, ``gm``'s tensors and
+    ``hoisted`` (:mod:`.runtime.derivations`)."""
+    from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
+    from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
+    from .runtime.derivations import Derivations  # noqa: PLC0415
+
+    static = options.cuda_graph == "static"
+    written = written_inputs(gm) if gm is not None else []
+    why = _not_capturable(args, written, training)
+    if why:
+        note(notes, f"the {'training step' if training else 'forward'} runs without a "
+                    f"CUDA graph: {why}")
+        return refreshing(run, hoisted), None
+    try:
+        if training:
+            runner = TrainingGraphRunner(run, module, args, list(model.parameters()),
+                                         list(model.buffers()), copy_outputs=not static)
+        else:
+            state = [*model.parameters(), *model.buffers(),
+                     *(gm.parameters() if gm is not None else ()),
+                     *(gm.buffers() if gm is not None else ())]
+            derivations = Derivations(state, hoisted, _read_beside_regions(gm, hoisted),
+                                      frozen=options.freezing)
+            runner = CudaGraphRunner(run, args, derivations=derivations,
+                                     copy_outputs=not static,
+                                     buffers=list(model.buffers()), written=written)
+            for text in runner.derivations.notes:
+                note(notes, text)
+    except CaptureError as exc:
+        what = "training step" if training else "forward"
+        note(notes, f"the {what} runs without a CUDA graph: {exc}")
+        return refreshing(run, hoisted), None
+    return runner, "static" if static else "safe"
