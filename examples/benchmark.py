@@ -5,6 +5,7 @@ process of its own, with more fusion_compiler variants than ``fusion-compiler be
     python examples/benchmark.py --models seresnet9-rgb --profile
     python examples/benchmark.py --models seresnet9-rgb-train    # forward + backward, N=2048
     python examples/benchmark.py --models zoo --variants eager,"torch.compile reduce-overhead",fusion_compiler
+    python examples/benchmark.py --models spellings --variants "torch.compile reduce-overhead",fusion_compiler
 
 Everything is fp16 (inputs NCHW; ``--channels-last`` stores the parameters channels_last).
 torchvision models have random weights and batch-norm statistics calibrated on random data
@@ -51,6 +52,13 @@ MODELS = {
 }
 ZOO = ["resnet50-n32", "resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y_400mf"]
 """``--models zoo``: the torchvision CNNs (random weights, batch-norm statistics calibrated)."""
+SPELLING_NAMES = ["example", "authors", "torchvision_block", "functional_block", "pooled_se",
+                  "view_se", "keepdim_se", "scalars_0d", "scalars_4d", "authors_with_pooled_se"]
+for _name in SPELLING_NAMES:  # SE-ResNet9-Fixup RGB as people write it, N=128
+    MODELS[f"spelling-{_name}"] = (f"examples.seresnet9_spellings:{_name}", (128, 3, 64, 64),
+                                   False)
+SPELLINGS = [f"spelling-{n}" for n in SPELLING_NAMES]
+"""``--models spellings``: SE-ResNet9-Fixup's spellings (examples/seresnet9_spellings.py)."""
 # label -> compile() options; the first is compile(model) with no options
 FUSION_VARIANTS = {
     "fusion_compiler": {},
@@ -131,7 +139,8 @@ def main() -> int:
     parser.add_argument("--models", default="seresnet9-rgb,seresnet9-depth,resnet50,"
                                               "seresnet9-rgb-train",
                         help="comma-separated (default: %(default)s): zoo (= "
-                             + ", ".join(ZOO) + "), " + ", ".join(MODELS))
+                             + ", ".join(ZOO) + "), spellings (= " + ", ".join(SPELLINGS)
+                             + "), " + ", ".join(MODELS))
     parser.add_argument("--variants", default=None, help="comma-separated (default: all)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--iters", type=int, default=None)
@@ -149,7 +158,8 @@ def main() -> int:
     if args.result_json:  # a child process: one model
         args.result_json.write_text(json.dumps(run_one(args.models, args)))
         return 0
-    names = [n for part in args.models.split(",") for n in (ZOO if part == "zoo" else [part])]
+    groups = {"zoo": ZOO, "spellings": SPELLINGS}
+    names = [n for part in args.models.split(",") for n in groups.get(part, [part])]
     results = [own_process(name, args) for name in names]
     print(format_results(results))
     for r in results:

@@ -190,9 +190,9 @@ class CompileOptions:
         takes from a user: for this package's tools and tests.
 
         Args:
-            cuda_pipeline: run the passes a CUDA input gets whatever the inputs' device (what
-                ``fusion-compiler dump`` shows on any machine); ``None`` as the setting, the
-                inputs' device decides.
+            cuda_pipeline: ``True``: run the passes a CUDA input gets whatever the inputs'
+                device (what ``fusion-compiler dump`` shows on any machine); ``False``: the
+                inputs' device decides (the default).
             derived_backward: in training, regions on PyTorch ops also run through the
                 ``run_region`` op with the backward derived from their graph (the path cuDNN
                 regions take), so it can be checked without a GPU.

@@ -1,7 +1,10 @@
 """SE-ResNet9-Fixup spelled the ways people write ResNet, SE and Fixup blocks: each a network of
 the same function and the same parameters (in the same order) as
-``examples.seresnet9_fixup.se_resnet9_fixup``. The spellings suite (test_spellings.py) holds each
-against the example: the same regions and the same kernels between them.
+``examples.seresnet9_fixup.se_resnet9_fixup``. The spellings suite (``tests/test_spellings.py``)
+holds each against the example: the same regions and the same kernels between them; the benchmark
+times them (``python examples/benchmark.py --models spellings``). Each name of :data:`SPELLINGS` is
+also a function of this module that makes the full-size RGB network (a ``MODEL_REF`` for the CLI,
+e.g. ``examples.seresnet9_spellings:authors``).
 
 Where a spelling comes from: the original bps-nav code (the scalar bias added once per reader,
 ``relu_`` at the end), torchvision's ResNet (``out += identity``, ``nn.ReLU(inplace=True)``
@@ -124,14 +127,15 @@ def _with_scalars(shape: tuple[int, ...]) -> Callable[[nn.Module], nn.Module]:
 # --------------------------------------------------------------------------- networks
 
 def _spelled(block: type[SEFixupBlock] | None = None, se: type[nn.Module] | None = None,
-             scalars: tuple[int, ...] | None = None) -> Callable[[], nn.Module]:
-    """A factory: the example network (randomized), its blocks re-spelled as ``block`` with the
-    SE gate ``se`` and scalars of shape ``scalars``, holding the example's values."""
+             scalars: tuple[int, ...] | None = None) -> Callable[..., nn.Module]:
+    """A factory ``make(base_planes=64)``: the example network (RGB, randomized under a fixed
+    seed), its blocks re-spelled as ``block`` with the SE gate ``se`` and scalars of shape
+    ``scalars``, holding the example's values."""
 
-    def make() -> nn.Module:
+    def make(base_planes: int = 64) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = randomize_(se_resnet9_fixup(3, base_planes=32)).eval()
+            model = randomize_(se_resnet9_fixup(3, base_planes=base_planes)).eval()
         for name in ("layer0", "layer1", "layer2", "layer3"):
             old: SEFixupBlock = getattr(model, name)
             planes, stride = old.conv1.out_channels, old.conv1.stride[0]
@@ -149,7 +153,7 @@ def _spelled(block: type[SEFixupBlock] | None = None, se: type[nn.Module] | None
     return make
 
 
-SPELLINGS: dict[str, Callable[[], nn.Module]] = {
+SPELLINGS: dict[str, Callable[..., nn.Module]] = {
     "example": _spelled(),
     "authors": _spelled(AuthorsBlock),
     "torchvision_block": _spelled(TorchvisionBlock),
@@ -161,6 +165,13 @@ SPELLINGS: dict[str, Callable[[], nn.Module]] = {
     "scalars_4d": _spelled(scalars=(1, 1, 1, 1)),
     "authors_with_pooled_se": _spelled(AuthorsBlock, se=PooledSE),
 }
-"""Spelling name -> a factory of the network written so (eval mode, randomized values)."""
+"""Spelling name -> a factory of the network written so (eval mode, randomized values;
+``base_planes`` 64 by default, the network's own size)."""
+
+example, authors, torchvision_block, functional_block = (
+    SPELLINGS[n] for n in ("example", "authors", "torchvision_block", "functional_block"))
+pooled_se, view_se, keepdim_se = (SPELLINGS[n] for n in ("pooled_se", "view_se", "keepdim_se"))
+scalars_0d, scalars_4d, authors_with_pooled_se = (
+    SPELLINGS[n] for n in ("scalars_0d", "scalars_4d", "authors_with_pooled_se"))
 
 assert SqueezeExcitation  # the example's own SE, which the spellings above re-spell
