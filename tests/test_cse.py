@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fusion_compiler
 from conftest import patterns, specialize
 from examples.seresnet9_fixup import SEFixupBlock, randomize_
 from fusion_compiler.capture import capture, propagate_shapes
@@ -83,3 +84,43 @@ def test_random_ops_grad_zones_and_buffer_reads_stay_apart():
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert calls.count(F.dropout) == 2 and calls.count(torch.tanh) == 2
     assert calls.count(torch.mul) == 2
+
+
+def test_returned_values_stay_two_tensors():
+    class TwoOuts(nn.Module):
+        def forward(self, y):
+            return torch.relu(y + 1), torch.relu(y + 1)
+
+    a, b = fusion_compiler.compile(TwoOuts())(torch.randn(2, 3))
+    assert a is not b and a.data_ptr() != b.data_ptr()
+    torch.testing.assert_close(a, b)
+
+
+def test_calls_in_and_out_of_an_autocast_region_stay_apart():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    first = g.call_function(torch.tanh, (x,))
+    enter = g.call_function(torch.amp.autocast_mode._enter_autocast, ("cpu", torch.bfloat16))
+    second = g.call_function(torch.tanh, (x,))
+    g.call_function(torch.amp.autocast_mode._exit_autocast, (enter,))
+    g.output(g.call_function(torch.add, (first, second)))
+    assert eliminate_common_subexpressions(fx.GraphModule(nn.Module(), g)) == 0
+    plain = fx.Graph()  # the same without the autocast region: merged
+    x = plain.placeholder("x")
+    plain.output(plain.call_function(torch.add, (plain.call_function(torch.tanh, (x,)),
+                                                 plain.call_function(torch.tanh, (x,)))))
+    assert eliminate_common_subexpressions(fx.GraphModule(nn.Module(), plain)) == 1
+
+
+def test_views_keep_their_dtype_keyword_calls_and_space_to_depth_splits():
+    class Views(nn.Module):
+        def forward(self, y):
+            bits = torch.reshape(y.view(torch.int16), (-1,))  # a dtype view is no size-1 view
+            row = torch.unsqueeze(input=y, dim=0)  # the input as a keyword
+            return bits, row.reshape(2, -1) + 1
+
+    model, y = Views(), torch.randn(4, 8)
+    bits, rows = fusion_compiler.compile(model)(y)
+    want_bits, want_rows = model(y)
+    assert bits.dtype == torch.int16 and torch.equal(bits, want_bits)
+    torch.testing.assert_close(rows, want_rows)

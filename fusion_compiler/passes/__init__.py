@@ -3,7 +3,7 @@ pipelines that one :class:`PassManager` runs (``fusion-compiler dump --stage NAM
 graph after any pass by its name). In order, with the condition under which each runs:
 
 * **pre_fusion**: ``normalize`` (in-place -> out-of-place, i.e. SSA; modules -> functions; conv
-  bias -> add), ``canonical_views`` (``unsqueeze``/``squeeze`` and chained reshapes as one
+  bias -> add), ``canonical_views`` (``unsqueeze``/``squeeze`` and chained size-1 reshapes as one
   ``torch.reshape``), ``cse`` (repeated reads and pure calls merged: equivalent spellings, one graph),
   ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
   ``space_to_depth`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b

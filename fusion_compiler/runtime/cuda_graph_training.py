@@ -6,11 +6,11 @@ What :class:`TrainingGraphRunner` keeps of plain autograd:
   takes the pair's inputs and the parameters it reads that require grad; its backward replays the
   backward graph and returns the gradients, which autograd's ``AccumulateGrad`` adds into ``.grad``
   as for any op, so micro-batch accumulation, ``zero_grad`` in either form and
-  DistributedDataParallel's gradient hooks work unchanged. The returned gradients are fresh copies of the graph's buffers (one
-  ``torch._foreach_copy_`` into tensors laid out like their parameters), never the buffers
-  themselves: ``torch.cuda.make_graphed_callables`` returns its buffers, ``AccumulateGrad`` may
-  keep one as ``.grad``, and the next replay then overwrites an accumulated gradient
-  (pytorch/pytorch#181723). Inside the graph each gradient is made to the strides of its
+  DistributedDataParallel's gradient hooks work unchanged. The returned gradients are fresh copies
+  of the graph's buffers (one ``torch._foreach_copy_`` into tensors laid out like their parameters),
+  never the buffers themselves: ``torch.cuda.make_graphed_callables`` returns its buffers,
+  ``AccumulateGrad`` may keep one as ``.grad``, and the next replay then overwrites an accumulated
+  gradient (pytorch/pytorch#181723). Inside the graph each gradient is made to the strides of its
   parameter, so DDP's buckets take them without a layout copy.
 - **Parameters are read in place.** The graphs read parameters and buffers at their addresses, so
   an optimizer's in-place update is seen by the next replay. Replacing a parameter tensor, or
@@ -97,6 +97,7 @@ class TrainingGraphRunner:
         except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
             _release_rng_capture(torch.cuda.current_device())
             self.close()
+            self.token = None  # a later call tries again (and says why, if it fails again)
             raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
 
     def _aliases(self) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:

@@ -6,16 +6,19 @@ authors wrote it, a block adds its scalar bias to the block input once for the m
 more for the downsample, and only with one ``add`` do the two convolutions read the same image,
 which horizontal fusion needs (``passes.pre_fusion.horizontal``).
 
-What counts as the same: the same ``get_attr`` target (two reads of one parameter), or the same
-pure call (target and arguments, the arguments' nodes already merged, constants compared by type
-and value) in the same gradient zone (``meta["grad_zone"]``: a value computed under ``no_grad``
-is not one computed with gradients). Pure calls are this package's canonical ops and the view and
-shape ops (an allowlist: a random op, an op that writes a buffer such as a train-mode batch norm,
-or a module call is never merged), and never a call whose value depends on a buffer: a module
-call may update a buffer between two reads (a train-mode batch norm its running statistics), and
-the two reads are then different values of one tensor. ``torch.fx``'s own ``CSEPass`` does not fit here: it copies
-``get_attr`` nodes without merging them (so the two bias adds above stay different) and hashes
-``call_module`` nodes as if every module were pure.
+What counts as the same: the same ``get_attr`` target (two reads of one parameter), or the same pure
+call (target and arguments, the arguments' nodes already merged, constants compared by type and
+value) in the same gradient zone (``meta["grad_zone"]``: a value computed under ``no_grad`` is not
+one computed with gradients) and the same autocast zone (between the same
+``_enter_autocast``/``_exit_autocast`` calls a Dynamo graph holds: a matmul under autocast is not
+one outside it). A value the graph returns is not merged into another: eager returns two tensors,
+and a user who writes into one must not change the other. Pure calls are this package's canonical
+ops and the view and shape ops (an allowlist: a random op, an op that writes a buffer such as a
+train-mode batch norm, or a module call is never merged), and never a call whose value depends on a
+buffer: a module call may update a buffer between two reads (a train-mode batch norm its running
+statistics), and the two reads are then different values of one tensor. ``torch.fx``'s own
+``CSEPass`` does not fit here: it copies ``get_attr`` nodes without merging them (so the two bias
+adds above stay different) and hashes ``call_module`` nodes as if every module were pure.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import torch.nn.functional as F
 from ...ir.ops import BINARY, CONV, UNARY
 
 __all__ = ["eliminate_common_subexpressions", "PURE_FUNCTIONS", "PURE_METHODS"]
+
+_AUTOCAST = ("_enter_autocast", "_exit_autocast")
+"""Names of the calls that start and end an autocast region in a Dynamo graph."""
 
 PURE_FUNCTIONS = frozenset({
     *BINARY, *UNARY, CONV, F.conv2d, torch.sum, torch.mean, torch.narrow, torch.cat,
@@ -53,14 +59,18 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
         return 0
     seen: dict[Hashable, fx.Node] = {}
     stateful: set[fx.Node] = set()  # values that depend on a buffer
-    merged = 0
+    merged = autocast_zone = 0
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in _AUTOCAST:
+            autocast_zone += 1
         if node.op == "get_attr" and _is_buffer(gm, node.target) or any(
                 a in stateful for a in node.all_input_nodes):
             stateful.add(node)
         key = _key(node)
-        if key is None or node in stateful and node.op != "get_attr":
+        if key is None or node in stateful and node.op != "get_attr" or any(
+                user.op == "output" for user in node.users):
             continue
+        key = (key, autocast_zone)
         twin = seen.setdefault(key, node)
         if twin is node:
             continue
