@@ -23,7 +23,12 @@ SCALAR, CHANNEL, FULL = range(3)
 
 @pytest.fixture(autouse=True)
 def _needs_triton():
+    """Triton must import, and then the kernel must load: a kernel that fails to load falls back
+    to its PyTorch reference, which these tests would otherwise compare with itself."""
     pytest.importorskip("triton")
+    from fusion_compiler.kernels.conv import triton_kernel  # noqa: PLC0415
+
+    assert triton_kernel() is not None, "the conv_nhwc Triton kernel did not load (see the WARNING)"
 
 
 SHAPES = {  # N, C, H, W, K, R, stride, padding
