@@ -5,7 +5,7 @@ process of its own, with more fusion_compiler variants than ``fusion-compiler be
     python examples/benchmark.py --models seresnet9-rgb --profile
     python examples/benchmark.py --models seresnet9-rgb-train    # forward + backward, N=2048
     python examples/benchmark.py --models zoo --variants eager,"torch.compile reduce-overhead",fusion_compiler
-    python examples/benchmark.py --models spellings --variants "torch.compile reduce-overhead",fusion_compiler
+    python examples/benchmark.py --models spellings       # SE-ResNet9 as people write it
 
 Everything is fp16 (inputs NCHW; ``--channels-last`` stores the parameters channels_last).
 torchvision models have random weights and batch-norm statistics calibrated on random data

@@ -23,7 +23,8 @@ def _needs_triton():
     pytest.importorskip("triton")
     from fusion_compiler.kernels.space_to_depth import _triton_kernel  # noqa: PLC0415
 
-    assert _triton_kernel() is not None, "the space_to_depth_conv Triton kernel did not load (see the WARNING)"
+    assert _triton_kernel() is not None, \
+        "the space_to_depth_conv Triton kernel did not load (see the WARNING)"
 
 
 EPILOGUES = {  # (ops, outputs, operand kinds): 1 add, 2 sub, 3 mul, 4 div, 5 relu, 6 sigmoid, 7 tanh

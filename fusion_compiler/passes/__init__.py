@@ -4,16 +4,16 @@ graph after any pass by its name). In order, with the condition under which each
 
 * **pre_fusion**: ``normalize`` (in-place -> out-of-place, i.e. SSA; modules -> functions; conv
   bias -> add), ``canonical_views`` (``unsqueeze``/``squeeze`` and chained size-1 reshapes as one
-  ``torch.reshape``), ``cse`` (repeated reads and pure calls merged: equivalent spellings, one graph),
-  ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
+  ``torch.reshape``), ``cse`` (repeated reads and pure calls merged: equivalent spellings, one
+  graph), ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
   ``space_to_depth`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b
   conv or one channels_last copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
   ``horizontal_fusion`` (CUDA inference, with that option, on by default: sibling convolutions
-  of one image -> one convolution and channel views of its output), ``autocast`` (under ``torch.autocast``: its casts made graph ops), then the
-  user's own passes (option ``passes``, :func:`custom_passes`).
+  of one image -> one convolution and channel views of its output), ``autocast`` (under
+  ``torch.autocast``: its casts made graph ops), then the user's own passes (option ``passes``,
+  :func:`custom_passes`).
 * **fusion**: ``fuse`` (conv chains -> Region submodules: prologue, epilogue, exit reduction),
-  ``verify`` (SSA,
-  beta = 0, one conv per region, no aliasing; raises FusionError), ``space_to_depth_stem`` (CUDA
+  ``verify`` (SSA, beta = 0, one conv per region, no aliasing; raises FusionError), ``space_to_depth_stem`` (CUDA
   inference where Triton runs: a stem region takes its SpaceToDepth as prologue, for the
   ``triton`` backend).
 * **post_lowering**: ``four_channel_images`` (CUDA: PyTorch stems on 3-channel fp16/bf16 images
@@ -23,8 +23,8 @@ graph after any pass by its name). In order, with the condition under which each
   padded pools get NCHW inputs, a PyTorch backward bug), ``se_gates`` and ``se_scales`` (CUDA
   inference where Triton runs: an SE gate -> one ``se_gate`` kernel, then the multiply by it and
   the block's tail -> one ``se_scale`` kernel), the user's own passes (option ``passes``),
-  ``hoist`` (CUDA inference in a CUDA graph:
-  parameter-only subgraphs recomputed when the parameters change).
+  ``hoist`` (CUDA inference in a CUDA graph: parameter-only subgraphs recomputed when the
+  parameters change).
 * **glue** (on the copy of the lowered graph that Inductor compiles): ``library_ops`` (this
   package's kernels called through their ``torch.library`` ops), ``small_linears`` (small linear
   layers -> reductions).

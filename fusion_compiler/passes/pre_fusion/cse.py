@@ -83,9 +83,8 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
 def _is_buffer(gm: fx.GraphModule, target: str) -> bool:
     """Whether ``get_attr`` ``target`` is a tensor other than a parameter (state a module call
     may write)."""
-    *path, name = target.split(".")
     try:
-        value = getattr(gm.get_submodule(".".join(path)), name)
+        value = operator.attrgetter(target)(gm)
     except AttributeError:
         return True
     return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
