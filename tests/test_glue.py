@@ -139,6 +139,42 @@ def test_se_gates_of_1x1_convolutions_with_silu_as_torchvision_writes_them():
             torch.testing.assert_close(gm(x), want, rtol=1e-5, atol=1e-5)
 
 
+def test_se_gates_take_mobilenet_v3s_hard_sigmoid_gate_and_its_tail():
+    """torchvision's MobileNetV3 writes its SE block as ``SqueezeExcitation(scale_activation=
+    nn.Hardsigmoid)``: ReLU between 1x1 convolutions, the hard sigmoid as the gate. The gate
+    becomes one ``se_gate(..., "relu", "hardsigmoid")`` and the multiply with the residual add
+    after it one ``se_scale``, with the module's result."""
+    class SqueezeExcitation(nn.Module):
+        def __init__(self, channels, squeezed):
+            super().__init__()
+            self.avgpool = nn.AdaptiveAvgPool2d(1)
+            self.fc1, self.fc2 = nn.Conv2d(channels, squeezed, 1), nn.Conv2d(squeezed, channels, 1)
+            self.activation, self.scale_activation = nn.ReLU(), nn.Hardsigmoid()
+
+        def forward(self, x):
+            return x * self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(24, 24, 3, padding=1)
+            self.se = SqueezeExcitation(24, 8)
+
+        def forward(self, x):
+            return self.se(self.conv(x)) + x
+
+    torch.manual_seed(0)
+    model, x = Block().eval(), torch.randn(2, 24, 7, 7)
+    with torch.no_grad():  # gates in the linear part of the hard sigmoid and beyond it
+        model.se.fc2.bias.copy_(torch.linspace(-4, 4, 24))
+    gm, want = _private_graph(model, x)
+    assert se_gates(gm) == 1 and se_scales(gm) == 1
+    (scale,) = [n for n in gm.graph.nodes if n.target is se_scale]
+    assert scale.args[5:] == ("relu", scale.args[6], False, None, "hardsigmoid")
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
     torch.manual_seed(0)
     x = torch.randn(4, 24, 5, 7).contiguous(memory_format=torch.channels_last)
@@ -152,6 +188,13 @@ def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
     torch.library.opcheck(torch.ops.fusion_compiler.se_gate.default, (x, w1, None, w2, b2, "silu"))
     with pytest.raises(ValueError, match="act must be"):
         se_gate(x, w1, b1, w2, b2, "gelu")
+    z = torch.relu(x.double().mean((2, 3)) @ w1.double().T + b1.double()) @ w2.double().T
+    torch.testing.assert_close(se_gate(x, w1, b1, w2, None, "relu", "hardsigmoid").double(),
+                               torch.clamp(z + 3, 0, 6) / 6, rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(torch.ops.fusion_compiler.se_gate.default,
+                          (x, w1, b1, w2, None, "relu", "hardsigmoid"))
+    with pytest.raises(ValueError, match="gate must be 'sigmoid' or 'hardsigmoid'"):
+        se_gate(x, w1, b1, w2, b2, "relu", "tanh")
 
 
 
@@ -178,6 +221,14 @@ def test_the_se_scale_op_is_the_block_tail_in_fp32_laid_out_as_its_input():
                                _se_scale_want(x, w1, b1, w2, b2), rtol=1e-5, atol=1e-5)
     torch.library.opcheck(torch.ops.fusion_compiler.se_scale.default,
                           (x, w1, b1, w2, None, "silu", residual, False, bias))
+    hard = se_scale(x, w1, b1, w2, b2, "relu", residual, True, None, "hardsigmoid")
+    z = torch.relu(x.double().mean((2, 3)) @ w1.double().T + b1.double()) @ w2.double().T
+    g = torch.clamp(z + b2.double() + 3, 0, 6) / 6
+    torch.testing.assert_close(hard.double(), torch.relu(x.double() * g[:, :, None, None]
+                                                         + residual.double()),
+                               rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.fusion_compiler.se_scale.default,
+                          (x, w1, b1, w2, b2, "relu", None, False, None, "hardsigmoid"))
     with pytest.raises(ValueError, match="residual of shape"):
         se_scale(x, w1, b1, w2, b2, "relu", residual[:, :, :4])
     with pytest.raises(ValueError, match="one element"):

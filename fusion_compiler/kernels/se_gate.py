@@ -6,8 +6,11 @@ Squeeze-and-excitation (Hu et al., "Squeeze-and-Excitation Networks", CVPR 2018,
 computes, per sample ``n`` and channel ``c``::
 
     s[n, :] = mean over h, w of x[n, :, h, w]                    # squeeze
-    g[n, :] = sigmoid(W2 @ act(W1 @ s[n, :] + b1) + b2)          # excitation, act: ReLU or SiLU
+    g[n, :] = gate(W2 @ act(W1 @ s[n, :] + b1) + b2)             # excitation
     y[n, c] = g[n, c] * x[n, c]                                  # scale
+
+with ``act`` ReLU or SiLU and ``gate`` the sigmoid or the hard sigmoid ``relu6(z + 3) / 6``
+(MobileNetV3's, Howard et al., "Searching for MobileNetV3", ICCV 2019, section 5.2).
 
 Inductor compiles the gate as three or four kernels (the spatial sum, then one reduction per
 linear layer), since it does not fuse a reduction into the next one. Here one Triton program per
@@ -53,11 +56,13 @@ MAX_GATE_WEIGHT = 32768
 
 
 _ACT = {"relu": 0, "silu": 1}
+_GATE = {"sigmoid": 0, "hardsigmoid": 1}
 
 
 def se_gate_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
                       w2: torch.Tensor, b2: Optional[torch.Tensor], act: str = "relu",
-                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                      dtype: Optional[torch.dtype] = None, gate: str = "sigmoid"
+                      ) -> torch.Tensor:
     """The gate as torch ops in fp32 (see module docstring).
 
     Args:
@@ -66,6 +71,7 @@ def se_gate_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tens
         w2: ``[C, R]``; ``b2``: ``[C]`` or ``None``.
         act: the hidden layer's activation, ``"relu"`` or ``"silu"``.
         dtype: the result's dtype (``None``: ``x.dtype``).
+        gate: ``"sigmoid"`` or ``"hardsigmoid"``.
 
     Returns:
         ``[N, C]`` contiguous.
@@ -74,26 +80,29 @@ def se_gate_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tens
     h = torch.nn.functional.linear(s, w1.float(), None if b1 is None else b1.float())
     h = torch.nn.functional.silu(h) if act == "silu" else torch.relu(h)
     z = torch.nn.functional.linear(h, w2.float(), None if b2 is None else b2.float())
-    return torch.sigmoid(z).to(x.dtype if dtype is None else dtype)
+    g = torch.nn.functional.hardsigmoid(z) if gate == "hardsigmoid" else torch.sigmoid(z)
+    return g.to(x.dtype if dtype is None else dtype)
 
 
 def se_scale_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
                        w2: torch.Tensor, b2: Optional[torch.Tensor], act: str = "relu",
                        residual: Optional[torch.Tensor] = None, relu: bool = False,
-                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       bias: Optional[torch.Tensor] = None, gate: str = "sigmoid"
+                       ) -> torch.Tensor:
     """``y = x * g`` with ``g`` the gate of :func:`se_gate_reference`, then ``+ residual``, ReLU
     (``relu``), ``+ bias``, in fp32, rounded once to ``x.dtype``.
 
     Args:
-        x: ``[N, C, H, W]``, any layout, floating point; ``w1``, ``b1``, ``w2``, ``b2``, ``act``
-            as for :func:`se_gate_reference`.
+        x: ``[N, C, H, W]``, any layout, floating point; ``w1``, ``b1``, ``w2``, ``b2``,
+            ``act``, ``gate`` as for :func:`se_gate_reference`.
         residual: ``[N, C, H, W]`` or ``None``.
         bias: one element, or ``None``.
 
     Returns:
         ``[N, C, H, W]`` in ``x``'s dtype and layout (``torch.empty_like``).
     """
-    y = x.float() * se_gate_reference(x, w1, b1, w2, b2, act, torch.float32)[:, :, None, None]
+    y = x.float() * se_gate_reference(x, w1, b1, w2, b2, act, torch.float32,
+                                      gate)[:, :, None, None]
     if residual is not None:
         y = y + residual.float()
     if relu:
@@ -120,7 +129,7 @@ def _define_kernel() -> Any:
     def se_kernel(x, w1, b1, w2, b2, out, res, bias, HW, C, R, s_n, s_hw, s_c, r_n, r_hw, r_c,
                   o_n, o_hw, o_c, inv_hw,
                   HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, ACT: tl.constexpr,
-                  SCALE: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr,
+                  GATE: tl.constexpr, SCALE: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr,
                   HAS_BIAS: tl.constexpr,
                   BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
@@ -150,7 +159,10 @@ def _define_kernel() -> Any:
                            other=0.0).to(tl.float32) * hidden[:, None], axis=0)
         if HAS_B2:
             z += tl.load(b2 + c, mask=c_in, other=0.0).to(tl.float32)
-        gate = 1.0 / (1.0 + tl.exp(-z))
+        if GATE == 1:  # hard sigmoid: relu6(z + 3) / 6
+            gate = tl.minimum(tl.maximum(z + 3.0, 0.0), 6.0) / 6.0
+        else:
+            gate = 1.0 / (1.0 + tl.exp(-z))
         if SCALE:  # y = tail(x * g), x[n] streamed again
             for start in range(0, HW, BLOCK_HW):
                 hw = start + tl.arange(0, BLOCK_HW)
@@ -221,7 +233,7 @@ def _sm_count(device: torch.device) -> int:
 def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
             w2: torch.Tensor, b2: Optional[torch.Tensor], act: str, scale: bool = False,
             residual: Optional[torch.Tensor] = None, relu: bool = False,
-            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+            bias: Optional[torch.Tensor] = None, gate: str = "sigmoid") -> torch.Tensor:
     n, c, h, w = x.shape
     r = w1.shape[0]
     src = _flat(x)
@@ -242,7 +254,7 @@ def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.T
     kernel[(n,)](src, w1, w1 if b1 is None else b1, w2, w2 if b2 is None else b2, out, res,
                  w1 if bias is None else bias, h * w, c, r, src.stride(0), _hw_stride(src),
                  src.stride(1), *res_strides, *out_strides, 1.0 / (h * w),
-                 HAS_B1=b1 is not None, HAS_B2=b2 is not None, ACT=_ACT[act], SCALE=scale,
+                 HAS_B1=b1 is not None, HAS_B2=b2 is not None, ACT=_ACT[act], GATE=_GATE[gate], SCALE=scale,
                  HAS_RES=residual is not None, RELU=relu, HAS_BIAS=bias is not None,
                  BLOCK_HW=block_hw, BLOCK_C=block_c, BLOCK_R=block_r, num_warps=warps)
     if out is not result:
@@ -250,25 +262,27 @@ def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.T
     return result
 
 
-def _check_act(name: str, act: str) -> None:
+def _check_act(name: str, act: str, gate: str) -> None:
     if act not in _ACT:
         raise ValueError(f"{name}: act must be 'relu' or 'silu', got {act!r}")
+    if gate not in _GATE:
+        raise ValueError(f"{name}: gate must be 'sigmoid' or 'hardsigmoid', got {gate!r}")
 
 
 def _gate(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-          b2: Optional[torch.Tensor], act: str = "relu") -> torch.Tensor:
-    _check_act("se_gate", act)
+          b2: Optional[torch.Tensor], act: str = "relu", gate: str = "sigmoid") -> torch.Tensor:
+    _check_act("se_gate", act, gate)
     kernel = _triton_kernel() if x.is_cuda else None
     if kernel is None:
-        return se_gate_reference(x, w1, b1, w2, b2, act)
-    return _launch(kernel, x, w1, b1, w2, b2, act)
+        return se_gate_reference(x, w1, b1, w2, b2, act, gate=gate)
+    return _launch(kernel, x, w1, b1, w2, b2, act, gate=gate)
 
 
 def _scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
            b2: Optional[torch.Tensor], act: str = "relu",
            residual: Optional[torch.Tensor] = None, relu: bool = False,
-           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    _check_act("se_scale", act)
+           bias: Optional[torch.Tensor] = None, gate: str = "sigmoid") -> torch.Tensor:
+    _check_act("se_scale", act, gate)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"se_scale: residual of shape {tuple(residual.shape)} for x of shape "
                          f"{tuple(x.shape)}")
@@ -276,30 +290,31 @@ def _scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: to
         raise ValueError(f"se_scale: bias must have one element, got {bias.numel()}")
     kernel = _triton_kernel() if x.is_cuda else None
     if kernel is None:
-        return se_scale_reference(x, w1, b1, w2, b2, act, residual, relu, bias)
-    return _launch(kernel, x, w1, b1, w2, b2, act, True, residual, relu, bias)
+        return se_scale_reference(x, w1, b1, w2, b2, act, residual, relu, bias, gate)
+    return _launch(kernel, x, w1, b1, w2, b2, act, True, residual, relu, bias, gate)
 
 
 @torch.library.custom_op("fusion_compiler::se_gate", mutates_args=())
 def _se_gate_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-                b2: Optional[torch.Tensor], act: str = "relu") -> torch.Tensor:
-    return _gate(x, w1, b1, w2, b2, act)
+                b2: Optional[torch.Tensor], act: str = "relu",
+                gate: str = "sigmoid") -> torch.Tensor:
+    return _gate(x, w1, b1, w2, b2, act, gate)
 
 
 @_se_gate_op.register_fake
-def _se_gate_fake(x, w1, b1, w2, b2, act="relu"):
+def _se_gate_fake(x, w1, b1, w2, b2, act="relu", gate="sigmoid"):
     return x.new_empty((x.shape[0], x.shape[1]))
 
 
 @torch.library.custom_op("fusion_compiler::se_scale", mutates_args=())
 def _se_scale_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                  b2: Optional[torch.Tensor], act: str, residual: Optional[torch.Tensor],
-                 relu: bool, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias)
+                 relu: bool, bias: Optional[torch.Tensor], gate: str = "sigmoid") -> torch.Tensor:
+    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias, gate)
 
 
 @_se_scale_op.register_fake
-def _se_scale_fake(x, w1, b1, w2, b2, act, residual, relu, bias):
+def _se_scale_fake(x, w1, b1, w2, b2, act, residual, relu, bias, gate="sigmoid"):
     return torch.empty_like(x)
 
 
@@ -310,8 +325,8 @@ SCALE_OP = torch.ops.fusion_compiler.se_scale.default
 
 
 def se_gate(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
-            b2: Optional[torch.Tensor], act: str = "relu") -> torch.Tensor:
-    """``sigmoid(W2 @ act(W1 @ mean_hw(x) + b1) + b2)`` per sample (see module docstring).
+            b2: Optional[torch.Tensor], act: str = "relu", gate: str = "sigmoid") -> torch.Tensor:
+    """``gate(W2 @ act(W1 @ mean_hw(x) + b1) + b2)`` per sample (see module docstring).
 
     Args:
         x: ``[N, C, H, W]``, any layout (one whose H and W do not flatten to one axis is copied
@@ -320,28 +335,29 @@ def se_gate(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: t
             ``None``; ``R * C`` at most :data:`MAX_GATE_WEIGHT`, ``C`` at most
             :data:`MAX_CHANNELS`, ``R`` at most :data:`MAX_HIDDEN` for the Triton kernel.
         act: ``"relu"`` or ``"silu"``.
+        gate: ``"sigmoid"`` or ``"hardsigmoid"``.
 
     Returns:
         ``[N, C]`` contiguous, ``x.dtype``. One Triton program per sample on CUDA, torch ops
         elsewhere (:func:`se_gate_reference`); through :data:`OP` while ``x`` is traced.
 
     Raises:
-        ValueError: another ``act``.
+        ValueError: another ``act`` or ``gate``.
     """
     if is_traced(x):
-        return OP(x, w1, b1, w2, b2, act)
-    return _gate(x, w1, b1, w2, b2, act)
+        return OP(x, w1, b1, w2, b2, act, gate)
+    return _gate(x, w1, b1, w2, b2, act, gate)
 
 
 def se_scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
              b2: Optional[torch.Tensor], act: str = "relu",
              residual: Optional[torch.Tensor] = None, relu: bool = False,
-             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+             bias: Optional[torch.Tensor] = None, gate: str = "sigmoid") -> torch.Tensor:
     """``x * g`` with ``g`` the gate of :func:`se_gate` broadcast over H and W, then
     ``+ residual``, ReLU (``relu``), ``+ bias``, rounded once (see module docstring).
 
     Args:
-        x, w1, b1, w2, b2, act: as for :func:`se_gate`.
+        x, w1, b1, w2, b2, act, gate: as for :func:`se_gate`.
         residual: ``[N, C, H, W]`` (any layout) or ``None``.
         bias: a tensor of one element (any shape, any floating dtype) or ``None``.
 
@@ -351,11 +367,12 @@ def se_scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: 
         :data:`SCALE_OP` while ``x`` is traced.
 
     Raises:
-        ValueError: another ``act``, a residual of another shape, a bias of several elements.
+        ValueError: another ``act`` or ``gate``, a residual of another shape, a bias of several
+            elements.
     """
     if is_traced(x):
-        return SCALE_OP(x, w1, b1, w2, b2, act, residual, relu, bias)
-    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias)
+        return SCALE_OP(x, w1, b1, w2, b2, act, residual, relu, bias, gate)
+    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias, gate)
 
 
 LIBRARY_OPS = {se_gate: OP, se_scale: SCALE_OP}

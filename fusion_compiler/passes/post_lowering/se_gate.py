@@ -1,7 +1,7 @@
 """Post-lowering rewrites of squeeze-and-excitation blocks into this package's kernels
 (:mod:`fusion_compiler.kernels.se_gate`), for CUDA inference where Triton runs: ``se_gates`` makes
 a gate (spatial mean, linear or 1x1 convolution, ReLU or SiLU, linear or 1x1 convolution,
-sigmoid) one :func:`~fusion_compiler.kernels.se_gate.se_gate` call, one kernel where Inductor
+sigmoid or hard sigmoid) one :func:`~fusion_compiler.kernels.se_gate.se_gate` call, one kernel where Inductor
 makes three or four and eager PyTorch six; ``se_scales`` then folds the multiply by the gate and
 the block's tail after it (residual add, ReLU, a one-element bias) into the gate's kernel
 (:func:`~fusion_compiler.kernels.se_gate.se_scale`). They run on the graph that runs, eager glue
@@ -74,33 +74,36 @@ def _dense(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object, 
 
 
 _ACTIVATIONS = {torch.relu: "relu", F.silu: "silu"}
+_GATES = {torch.sigmoid: "sigmoid", F.hardsigmoid: "hardsigmoid"}
 
 
 def se_gates(gm: fx.GraphModule) -> int:
     """Rewrite, in place, each squeeze-and-excitation gate
-    ``sigmoid(fc2(act(fc1(mean_hw(x)))))`` into ``se_gate(x, W1, b1, W2, b2,
-    act)``: ``fc1``/``fc2`` linear layers (SE-ResNet9) or 1x1 convolutions of the pooled
-    ``[N, C, 1, 1]`` value with their bias adds (torchvision's ``SqueezeExcitation``, which the
-    fuse pass leaves out of regions), ``act`` ReLU or SiLU. The result is reshaped to the
-    sigmoid's shape (``[N, C]`` or ``[N, C, 1, 1]``), so the multiply of ``x`` by the gate that
+    ``gate(fc2(act(fc1(mean_hw(x)))))`` into ``se_gate(x, W1, b1, W2, b2, act, gate)``:
+    ``fc1``/``fc2`` linear layers (SE-ResNet9) or 1x1 convolutions of the pooled ``[N, C, 1, 1]``
+    value with their bias adds (torchvision's ``SqueezeExcitation``, which the fuse pass leaves
+    out of regions), ``act`` ReLU or SiLU, ``gate`` the sigmoid or the hard sigmoid (MobileNetV3's
+    ``F.hardsigmoid``). The result is reshaped to the gate's shape (``[N, C]`` or ``[N, C, 1, 1]``), so the multiply of ``x`` by the gate that
     follows is unchanged. A gate whose samples hold more than :data:`FUSED_SQUEEZE` values gets
     the pooled ``[N, C, 1, 1]`` mean (the graph's own reduction) instead of ``x``.
 
-    Matched when ``x`` is 4-d with known metadata, ``x``, the weights and the sigmoid share one
+    Matched when ``x`` is 4-d with known metadata, ``x``, the weights and the gate share one
     floating dtype, ``W1`` is ``[R, C]`` and ``W2`` ``[C, R]`` (``[R, C, 1, 1]``, ``[C, R, 1, 1]``
     as convolutions) with ``C`` at most :data:`~fusion_compiler.kernels.se_gate.MAX_CHANNELS`,
     ``R`` at most :data:`~fusion_compiler.kernels.se_gate.MAX_HIDDEN` and ``R * C`` at most
     :data:`~fusion_compiler.kernels.se_gate.MAX_GATE_WEIGHT` (the kernel holds a weight in
-    registers). Other gates (hard sigmoid, other activations) are not matched. Returns how many
-    were rewritten."""
+    registers), and the gate is out-of-place (``functionalize`` makes ``inplace=True`` so
+    before). Other activations are not matched. Returns how many were
+    rewritten."""
     from ...kernels.se_gate import (MAX_CHANNELS, MAX_GATE_WEIGHT,  # noqa: PLC0415
                                     MAX_HIDDEN, se_gate)
 
     graph = gm.graph
     rewritten = 0
     for node in list(graph.nodes):
-        if not is_call(node, torch.sigmoid) or not isinstance(node.args[0], fx.Node):
-            continue
+        if not is_call(node, *_GATES) or not isinstance(node.args[0], fx.Node) or any(
+                v is not False for v in (*node.args[1:], *node.kwargs.values())):
+            continue  # an inplace=True left (functionalize makes them out-of-place)
         second = _dense(gm, node.args[0])
         act = second[0] if second is not None else None
         if not is_call(act, *_ACTIVATIONS) or not isinstance(act.args[0], fx.Node):
@@ -131,8 +134,10 @@ def se_gates(gm: fx.GraphModule) -> int:
             # a sample of at most FUSED_SQUEEZE values is streamed by the kernel's program; a
             # larger one is pooled by the graph's own reduction (parallel over H, W) first
             source = x if xv[0].numel() <= FUSED_SQUEEZE else mean
+            kind = _GATES[node.target]  # passed only where not the default
             gate = graph.call_function(se_gate, (source, w1n, b1n, w2n, b2n,
-                                                 _ACTIVATIONS[act.target]))
+                                                 _ACTIVATIONS[act.target],
+                                                 *((kind,) if kind != "sigmoid" else ())))
             if out.dim() != 2:
                 gate.meta = {"val": out.reshape(out.shape[:2])} if "val" in node.meta else {}
                 gate = graph.call_function(torch.reshape, (gate, tuple(out.shape)))
@@ -219,7 +224,8 @@ def se_scales(gm: fx.GraphModule) -> int:
                 and _same_value(step, xv):
             bias, last = b, step
         with graph.inserting_before(last):
-            fused = graph.call_function(se_scale, (x, *gate.args[1:6], residual, relu, bias))
+            fused = graph.call_function(se_scale, (x, *gate.args[1:6], residual, relu, bias,
+                                                   *gate.args[6:]))
         fused.meta = dict(last.meta)
         last.replace_all_uses_with(fused)
         rewritten += 1

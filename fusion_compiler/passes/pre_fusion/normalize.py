@@ -168,6 +168,8 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
             _replace(gm, node, torch.clamp, (x, float(mod.min_val), float(mod.max_val)))
         elif kind is nn.Sigmoid:
             _replace(gm, node, torch.sigmoid, (x,))
+        elif kind is nn.Hardsigmoid:
+            _replace(gm, node, F.hardsigmoid, (x,))
         elif kind is nn.Tanh:
             _replace(gm, node, torch.tanh, (x,))
         elif kind is nn.SiLU:
