@@ -62,13 +62,13 @@ SPELLINGS = [f"spelling-{n}" for n in SPELLING_NAMES]
 # label -> compile() options; the first is compile(model) with no options
 FUSION_VARIANTS = {
     "fusion_compiler": {},
-    "fusion_compiler cuda_graph=static": {"cuda_graph": "static"},
     "fusion_compiler glue=None": {"glue_backend": None},
     "fusion_compiler cuda_graph=False": {"cuda_graph": False},  # glue "auto": eager ops
     "fusion_compiler cuda_graph=False glue=inductor": {"cuda_graph": False,
                                                       "glue_backend": "inductor"},
-    "fusion_compiler triton_conv=True": {"triton_conv": True},
-    "fusion_compiler dense_conv=False": {"dense_conv": False},
+    "fusion_compiler +triton_conv": {"backends": ("triton_stem", "triton_conv", "dense",
+                                                  "cudnn")},
+    "fusion_compiler -dense": {"backends": ("triton_stem", "cudnn")},
     "fusion_compiler horizontal_fusion=False": {"horizontal_fusion": False},
 }
 TRAIN_FUSION_VARIANTS = {"fusion_compiler": {}, "fusion_compiler glue=None": {"glue_backend": None},

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .backends import check_backends
 from .capture import TensorSpec, capture, input_specs
 from .config import CompileOptions, Target
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
@@ -51,7 +52,8 @@ class CompiledModule(torch.nn.Module):
 
     Raises (on construction):
         FusionError: the model cannot be traced.
-        TypeError, ValueError: an unknown or invalid option.
+        TypeError, ValueError: an unknown or invalid option (also a ``backends`` name no
+            backend is registered under).
 
     Raises (on call):
         InputTypeError: (a ``TypeError``) a wrong number of inputs, or keyword arguments
@@ -69,6 +71,7 @@ class CompiledModule(torch.nn.Module):
                  **kwargs: Any):
         super().__init__()
         self.options = CompileOptions.from_kwargs(options, **kwargs)
+        check_backends(self.options.backends)
         model = _unwrapped(model)
         self.model = model
         captured = capture(model)  # fail early
@@ -318,7 +321,7 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
         model: an ``nn.Module`` whose ``forward`` ``torch.fx.symbolic_trace`` can trace.
         example_inputs: compile for these inputs now (else on the first call).
         options: a :class:`~fusion_compiler.config.CompileOptions`; ``kwargs`` (its field names:
-            ``backend``, ``cuda_graph``, ``cache_dir``, ``autotune``, ``fuse_prologue``,
+            ``backends``, ``cuda_graph``, ``cache_dir``, ``autotune``, ``fuse_prologue``,
             ``fuse_reduction``, ``progress``, ``glue_backend``,
             ``max_specializations``, ``tiered``, ``freezing``, ``passes`` (your own graph
             passes), ...) replace its fields.

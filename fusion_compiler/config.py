@@ -17,12 +17,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["CompileOptions", "Target", "BACKENDS", "CUDA_GRAPH_MODES", "DYNAMO_MODES",
+__all__ = ["CompileOptions", "Target", "DEFAULT_BACKENDS", "CUDA_GRAPH_MODES", "DYNAMO_MODES",
            "CUSTOM_PASS_PIPELINES"]
 
-BACKENDS = ("auto", "cudnn", "reference")
-"""Values of :attr:`CompileOptions.backend`."""
-CUDA_GRAPH_MODES = ("auto", "static", True, False)
+DEFAULT_BACKENDS = ("triton_stem", "dense", "cudnn")
+"""The default of :attr:`CompileOptions.backends`."""
+CUDA_GRAPH_MODES = ("auto", True, False)
 """Values of :attr:`CompileOptions.cuda_graph` (``True`` is ``"auto"``)."""
 DYNAMO_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """Values of ``torch.compile``'s ``mode`` the backend takes (:meth:`CompileOptions.for_dynamo`)."""
@@ -50,13 +50,21 @@ class CompileOptions:
     """How :func:`fusion_compiler.compile` compiles a model (all keyword arguments of it).
 
     Attributes:
-        backend: ``"auto"`` (each region on the best backend that takes it, PyTorch ops
-            elsewhere), ``"cudnn"`` (the same, each fallback a warning) or ``"reference"``
-            (PyTorch ops only).
+        backends: the backends lowering may give a region, in the order it asks them (names
+            registered in :mod:`fusion_compiler.backends`; a comma-separated string is taken
+            too). Where several take a region, their kernels are timed on the region's shapes
+            on CUDA and the fastest kept; off CUDA the first is. A region none of them takes
+            runs on the ``reference`` backend (PyTorch ops), which is always the fallback and is
+            not named here; ``()``: every region on PyTorch ops. Built in: ``"triton_stem"``
+            (the SpaceToDepth stem kernel, CUDA inference), ``"triton_conv"`` (an implicit-GEMM
+            convolution in Triton; not in the default: cuDNN was faster on every region
+            measured, docs/options.md), ``"dense"`` (a convolution of an image no larger than
+            its filter as one dense GEMM, CUDA inference; faster than cuDNN on SE-ResNet9's 2x2
+            layer), ``"cudnn"`` (cuDNN execution plans). With other than the default, each
+            region left to the reference is a warning.
         cuda_graph: ``"auto"`` (``True``): on CUDA each specialization replays its whole forward
             (and a training one its backward) as a CUDA graph, outputs never overwritten by a
-            later call; ``"static"``: the same, calls return the graph's own output buffers;
-            ``False``: no CUDA graph.
+            later call; ``False``: no CUDA graph.
         cache_dir: directory of the on-disk plan and shape cache (``None``:
             ``$FUSION_COMPILER_CACHE_DIR`` or the user cache directory; ``False``: memory only).
         autotune: cuDNN execution plans built and timed per region (``<= 1``: heuristics' first).
@@ -69,14 +77,6 @@ class CompileOptions:
         max_specializations: input signatures kept; the least recently used is evicted.
         tiered: answer a new specialization's first calls at once while plans and the glue
             compile in the background (CUDA inference in a CUDA graph).
-        triton_conv: regions whose convolution the Triton implicit-GEMM kernel takes
-            (:mod:`fusion_compiler.kernels.conv`) get that kernel too, timed against cuDNN's plan
-            per region, the faster kept; in training it runs the forward, the backward stays the
-            cuDNN backend's (off: cuDNN was faster on every region measured, docs/options.md).
-        dense_conv: inference regions whose convolution reads an image of no more pixels than
-            its filter (larger than 1x1) has taps also get that convolution as one dense GEMM
-            (:mod:`fusion_compiler.kernels.dense_conv`), timed against cuDNN's plan per region,
-            the faster kept (on: faster than cuDNN on SE-ResNet9's 2x2 layer, docs/options.md).
         horizontal_fusion: in inference on CUDA, convolutions that read the same image with the
             same geometry (a block's first convolution and its downsample) run as one
             convolution with their weights concatenated
@@ -102,7 +102,7 @@ class CompileOptions:
         TypeError: a value of the wrong type.
     """
 
-    backend: str = "auto"
+    backends: Any = DEFAULT_BACKENDS
     cuda_graph: bool | str = "auto"
     cache_dir: str | os.PathLike | bool | None = None
     autotune: int = 8
@@ -114,15 +114,12 @@ class CompileOptions:
     tiered: bool = True
     _derived_backward: bool = False
     _cuda_pipeline: bool | None = None
-    triton_conv: bool = False
-    dense_conv: bool = True
     horizontal_fusion: bool = True
     freezing: bool = False
     passes: Any = ()
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        object.__setattr__(self, "backends", _backend_names(self.backends))
         if self.cuda_graph not in CUDA_GRAPH_MODES or isinstance(self.cuda_graph, int) and \
                 not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be one of {CUDA_GRAPH_MODES}, got "
@@ -130,8 +127,7 @@ class CompileOptions:
         if self.cuda_graph is True:
             object.__setattr__(self, "cuda_graph", "auto")
         for name in ("fuse_prologue", "fuse_reduction", "tiered",
-                     "_derived_backward", "triton_conv", "dense_conv",
-                     "horizontal_fusion", "freezing"):
+                     "_derived_backward", "horizontal_fusion", "freezing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("progress", "_cuda_pipeline"):
@@ -284,3 +280,26 @@ def _custom_passes(value: Any) -> tuple[tuple[str, tuple[Callable[..., Any], ...
         if fns:
             result.append((pipeline, fns))
     return tuple(result)
+
+
+def _backend_names(value: Any) -> tuple[str, ...]:
+    """:attr:`CompileOptions.backends` as a tuple of names (whether each is registered, the
+    registry checks: :func:`fusion_compiler.backends.registry.check_backends`).
+
+    Raises:
+        TypeError: not a string or a sequence of strings.
+        ValueError: a name given twice, or ``"reference"`` (always the fallback).
+    """
+    if isinstance(value, str):
+        value = [name.strip() for name in value.split(",") if name.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"backends must be a sequence of backend names such as "
+                        f"{DEFAULT_BACKENDS!r}, got {value!r}")
+    names = tuple(value)
+    if "reference" in names:
+        raise ValueError("backends: 'reference' (PyTorch ops) is always the fallback and is not "
+                         "listed; backends=() runs every region on it")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"backends: {', '.join(map(repr, twice))} given more than once")
+    return names

@@ -61,7 +61,7 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
             ) -> tuple[Callable[..., Any], str | None]:
     """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training
     specialization forward and backward graphs, :mod:`.runtime.cuda_graph_training`), and
-    ``"static"`` or ``"safe"``; or ``run`` (after refreshing ``hoisted`` at each call) and
+    ``"safe"`` (outputs never overwritten by a later call); or ``run`` (after refreshing ``hoisted`` at each call) and
     ``None`` when it cannot be captured (the reason is noted with ``note``). ``module`` is what
     ``run`` calls (the graph module, or ``torch.compile``'s wrapper of it); an inference graph
     starts with the derivation prologue of the model's state, ``gm``'s tensors and
@@ -70,7 +70,6 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
     from .runtime.derivations import Derivations  # noqa: PLC0415
 
-    static = options.cuda_graph == "static"
     written = written_inputs(gm) if gm is not None else []
     why = _not_capturable(args, written, training)
     if why:
@@ -80,7 +79,7 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     try:
         if training:
             runner = TrainingGraphRunner(run, module, args, list(model.parameters()),
-                                         list(model.buffers()), copy_outputs=not static)
+                                         list(model.buffers()))
         else:
             state = [*model.parameters(), *model.buffers(),
                      *(gm.parameters() if gm is not None else ()),
@@ -88,7 +87,6 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
             derivations = Derivations(state, hoisted, _read_beside_regions(gm, hoisted),
                                       frozen=options.freezing)
             runner = CudaGraphRunner(run, args, derivations=derivations,
-                                     copy_outputs=not static,
                                      buffers=list(model.buffers()), written=written)
             for text in runner.derivations.notes:
                 note(notes, text)
@@ -96,4 +94,4 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
         what = "training step" if training else "forward"
         note(notes, f"the {what} runs without a CUDA graph: {exc}")
         return refreshing(run, hoisted), None
-    return runner, "static" if static else "safe"
+    return runner, "safe"

@@ -1,7 +1,7 @@
 """Lowering: give every region of a fused graph a kernel from the backends that support it.
 
-For each region the registered backends (:mod:`fusion_compiler.backends`, highest priority
-first; ``backend="reference"``: the reference alone) say whether they take it. The first that does
+For each region the backends the ``backends`` option names (:mod:`fusion_compiler.backends`, in
+its order; the reference, PyTorch ops, after them) say whether they take it. The first that does
 lowers it; where several backends besides the reference take a region, each lowers it and their
 kernels are timed against each other on the GPU (CUDA-graph timing on random inputs of the
 region's shapes), the fastest kept and every candidate's time recorded; the choice is stored in the
@@ -9,7 +9,8 @@ plan cache (keyed by the region's ops and shapes, the candidates, the GPU and to
 later compile of the same region times nothing. A backend may still
 decline while lowering (:class:`~fusion_compiler.ir.errors.UnsupportedError`: cuDNN rejected the
 graph, or its kernel timed slower than the region's PyTorch ops); the region then runs on the
-reference backend, its record saying why. ``backend="cudnn"`` logs each fallback as a warning.
+reference backend, its record saying why; with other than the default ``backends``, each such
+fallback is a warning.
 Every region also gets the graph JSON each backend can describe without running anything (cuDNN's,
 also on a machine without a GPU), so dumps show what would run. Each region's record
 (:class:`~fusion_compiler.ir.region.Lowering`) is written once, when every region has its kernel.
@@ -31,7 +32,7 @@ from .autograd.plan import backward_plans, with_masked_outputs
 from .backends import (PLAN_WORK, REFERENCE, REUSE_BATCH_RATIO, Backend, Lowered, backends_for,
                        registered)
 from .backends.timing import paired_time_ms, sample_inputs
-from .config import CompileOptions
+from .config import DEFAULT_BACKENDS, CompileOptions
 from .ir.errors import UnsupportedError, condense
 from .ir.ops import node_device
 from .ir.region import BackwardPlan, Lowering, Region, called_region
@@ -59,7 +60,7 @@ class _Choice:
 
 
 def _candidates(region: Region, backends: list[Backend]) -> tuple[list[Backend], str]:
-    """The backends besides the reference that take ``region``, in priority order, and the first
+    """The backends besides the reference that take ``region``, in the asked order, and the first
     reason a backend gave for declining it (``""`` if none gave one)."""
     taking, reason = [], ""
     for backend in backends:
@@ -141,7 +142,7 @@ def _fastest(region: Region, lowered: dict[str, Lowered], cache: PlanCache
     """The backend whose kernel ran ``region`` fastest on random inputs of its shapes (each
     kernel timed in a CUDA graph, the replays alternating), and every kernel's ms per call; a
     choice stored in ``cache`` (:func:`_followed`) is taken without timing, and a new one
-    stored. Off CUDA, the first (highest priority) with no times."""
+    stored. Off CUDA, the first asked, with no times."""
     found = _choice_header(region, lowered)
     if found is None:
         return next(iter(lowered)), {}
@@ -169,7 +170,7 @@ def _choose(region: Region, taking: list[Backend], reason: str, reference: Backe
     for backend in taking:
         try:
             lowered[backend.name] = backend.lower(region, training, backward)
-        except UnsupportedError as exc:  # the last (lowest-priority, most general) backend's
+        except UnsupportedError as exc:  # the last (last asked, most general) backend's
             declined = exc  # decline is the one reported: e.g. cuDNN's, not "inference only"
     if not lowered:
         fallback = reference.lower(region, training, backward)
@@ -193,7 +194,7 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
     """Choose and build a kernel for every region of ``gm`` (in place); return ``gm``.
 
     Args:
-        options: the compile's options (``backend``: which backends are asked; the backends
+        options: the compile's options (``backends``: which backends are asked; the backends
             read their own settings, e.g. ``autotune``, ``cache_dir``).
         training: kernels must be differentiable. Each region is first replaced by its
             :func:`~fusion_compiler.autograd.backward.training_region` (which also returns the
@@ -233,7 +234,7 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
         plans = with_masked_outputs(plans, pairs, lambda consumer: (
             choices[consumer].backend is not reference or options.derived_backward))
     for region, choice in choices.items():
-        fallback = choice.backend is reference and options.backend != REFERENCE
+        fallback = choice.backend is reference and bool(options.backends)
         low = choice.lowered
         region.set_lowering(Lowering(
             backend=choice.backend.name, status="fallback" if fallback else "lowered",
@@ -245,7 +246,7 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
             nhwc_inputs=low.nhwc_inputs, padded_images=low.padded_images,
             backward=plans.get(region)))
         if fallback:
-            level = logging.WARNING if options.backend == "cudnn" else logging.INFO
+            level = logging.INFO if options.backends == DEFAULT_BACKENDS else logging.WARNING
             log.log(level, "region %s (%s) runs on the reference backend: %s",
                     region.region_id, region.pattern, region.reason)
     return gm

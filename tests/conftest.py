@@ -43,6 +43,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 FUSE_ALL = {"fuse_prologue": True, "fuse_reduction": True}
+WITH_TRITON_CONV = ("triton_stem", "triton_conv", "dense", "cudnn")
+"""The default backends and the Triton convolution (not among them)."""
 
 
 @pytest.fixture(autouse=True)
@@ -55,20 +57,20 @@ def _background_compiles_end_with_their_test():
     background.drain()
 
 
-def specialize(model: torch.nn.Module, *inputs: torch.Tensor, backend: str = "reference",
-               **options):
+def specialize(model: torch.nn.Module, *inputs: torch.Tensor, **options):
     """Compile ``model`` for ``inputs`` without running it; returns the Specialization.
 
     Unless ``options`` say otherwise, prologue and reduction fusion are on (``FUSE_ALL``): the
     pattern tests exercise everything the fuse pass can do, not only the defaults; and the passes
     are those ``compile()`` runs for CUDA inputs, also for CPU inputs (``cuda_pipeline``, as the
-    dump shows them).
+    dump shows them); regions run as PyTorch ops (``backends=()``) unless ``options`` name
+    backends.
     """
     from fusion_compiler.compiler import CompiledModule
 
-    options = {**FUSE_ALL, **options}
+    options = {**FUSE_ALL, "backends": (), **options}
     with torch.no_grad():
-        return CompiledModule(model, CUDA_PIPELINE, backend=backend, **options).specialize(*inputs)
+        return CompiledModule(model, CUDA_PIPELINE, **options).specialize(*inputs)
 
 
 def patterns(spec) -> list[str]:
@@ -81,7 +83,7 @@ def lowered_on_gpu(region) -> bool:
     CUDA inference)."""
     return region.status == "lowered" and (
         region.backend in ("cudnn", "dense")
-        or (region.backend == "triton" and region.space_to_depth > 0))
+        or (region.backend == "triton_stem" and region.space_to_depth > 0))
 
 
 def relowered(region, **changes) -> None:

@@ -23,7 +23,7 @@ from test_fuse_patterns import PATTERNS
 
 
 def _compare(model: nn.Module, x: torch.Tensor, **options) -> CompiledModule:
-    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD, **options)
+    compiled = CompiledModule(model, backends=(), options=DERIVED_BACKWARD, **options)
     got = gradients(model, compiled, x)
     want = gradients(model, model, x)
     assert set(got) == set(want)
@@ -86,7 +86,7 @@ def test_dgrad_applies_the_producing_relu_backward_once():
 
 def test_dgrad_drelu_reasons_on_the_reference_network():
     model = randomize_(se_resnet9_fixup(3), seed=1).double().train()
-    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD)
+    compiled = CompiledModule(model, backends=(), options=DERIVED_BACKWARD)
     compiled(torch.randn(2, 3, 64, 64, dtype=torch.float64)).sum().backward()
     reasons = {r.region_id: r.dgrad_drelu_reason for r in compiled.last.regions}
     assert not any(r.dgrad_drelu for r in compiled.last.regions)
@@ -102,7 +102,7 @@ def test_backward_frees_what_the_forward_saved_without_the_cyclic_gc():
     import weakref
 
     model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
-    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD)
+    compiled = CompiledModule(model, backends=(), options=DERIVED_BACKWARD)
     x = torch.randn(2, 8, 6, 6)
     compiled(x).square().mean().backward()  # compile outside the measured step
     gc.collect()
@@ -145,7 +145,7 @@ def _fixup_region(index: int, **options):
     from examples.seresnet9_fixup import SEFixupBlock
 
     model = randomize_(SEFixupBlock(8, 8, 1, reduction=4), seed=2).double()
-    compiled = CompiledModule(model, backend="reference", **{**FUSE_ALL, **options})
+    compiled = CompiledModule(model, backends=(), **{**FUSE_ALL, **options})
     with torch.no_grad():
         spec = compiled.specialize(torch.randn(2, 8, 4, 4, dtype=torch.float64))
     return spec.regions[index]
@@ -219,7 +219,7 @@ def test_inference_kernel_refuses_backward():
 
 def test_network_input_without_grad_is_marked_for_no_dgrad():
     model = randomize_(se_resnet9_fixup(3), seed=1).double()
-    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD)
+    compiled = CompiledModule(model, backends=(), options=DERIVED_BACKWARD)
     x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
     compiled(x).sum().backward()
     stem = compiled.last.regions[0]
@@ -269,7 +269,7 @@ def test_kernels_and_their_backward_die_with_the_compiled_module():
     from fusion_compiler.runtime import region_op
 
     model = randomize_(se_resnet9_fixup(3, base_planes=16), seed=1)
-    compiled = CompiledModule(model, backend="reference", options=DERIVED_BACKWARD)
+    compiled = CompiledModule(model, backends=(), options=DERIVED_BACKWARD)
     gc.collect()
     before = len(region_op._KERNELS)
     compiled(torch.randn(1, 3, 64, 64)).sum().backward()

@@ -32,7 +32,7 @@ def test_check_passes_and_leaves_the_model_alone():
 def test_check_names_the_region_broken_in_its_forward():
     model = _model()
     x = torch.randn(2, 3, 64, 64)
-    compiled = CompiledModule(model, backend="reference")
+    compiled = CompiledModule(model, backends=())
     with torch.no_grad():
         region = compiled.specialize(x).regions[4]
     relowered(region, kernel=lambda *a: tuple(o * 1.05 for o in region.graph_module(*a)))
@@ -59,7 +59,7 @@ class _ScaleGrad(torch.autograd.Function):
 def test_check_train_names_the_region_broken_in_its_backward():
     model = _model(train=True)
     x = torch.randn(2, 3, 64, 64)
-    compiled = CompiledModule(model, backend="reference")
+    compiled = CompiledModule(model, backends=())
     region = compiled.specialize(x).regions[2]  # a training specialization (grad enabled)
     kernel = region.kernel
     relowered(region, kernel=lambda image, *rest: kernel(_ScaleGrad.apply(image), *rest))

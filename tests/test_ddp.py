@@ -30,10 +30,10 @@ base = randomize_(se_resnet9_fixup(3, base_planes=32), seed=1).train()
 twin, dyn = copy.deepcopy(base), copy.deepcopy(base)
 x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(rank))  # differ per rank
 # both ranks share one cache directory: they compile one at a time (PlanCache.lock)
-models = (DDP(fc.compile(base, backend="reference", cache_dir={cache!r})), DDP(twin),
+models = (DDP(fc.compile(base, backends=(), cache_dir={cache!r})), DDP(twin),
           # Dynamo splits the graph at DDP's bucket boundaries; each piece goes to the backend
           torch.compile(DDP(dyn), backend="fusion_compiler",
-                        options={{"backend": "reference", "cache_dir": {cache!r}}}))
+                        options={{"backends": (), "cache_dir": {cache!r}}}))
 for model in models:
     model(x).square().mean().backward()
 

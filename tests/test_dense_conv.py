@@ -115,7 +115,7 @@ def test_se_resnet9_layer3_region_takes_the_dense_gemm(monkeypatch):
 def test_off_with_the_option_and_without_cuda(monkeypatch):
     model = _Block(False).to(torch.bfloat16).eval()
     x = torch.randn(4, 32, 2, 2, dtype=torch.bfloat16)
-    compiled, _ = _compiled(model, x, monkeypatch, dense_conv=False)
+    compiled, _ = _compiled(model, x, monkeypatch, backends=("triton_stem", "cudnn"))
     assert compiled.last.regions[0].backend == "reference"
     monkeypatch.setattr(DenseConvBackend, "devices", ("cuda",))
     compiled = CompiledModule(model, options=CUDA_PIPELINE)
@@ -174,9 +174,9 @@ def test_the_choice_among_backends_is_timed_once(tmp_path, timings):
     first = lowering._fastest(region, lowered, PlanCache(tmp_path))
     again = lowering._fastest(region, lowered, PlanCache(tmp_path))
     assert first == again == ("dense", {"cudnn": 0.02, "dense": 0.01}) and timed == [1]
-    other = lowering._fastest(region, {"cudnn": Lowered(print), "triton": Lowered(print)},
+    other = lowering._fastest(region, {"cudnn": Lowered(print), "triton_conv": Lowered(print)},
                               PlanCache(tmp_path))  # other candidates: timed again
-    assert other[0] == "triton" and timed == [1, 1]
+    assert other[0] == "triton_conv" and timed == [1, 1]
 
 
 def test_a_choice_is_followed_at_a_batch_size_within_a_factor_of_2(tmp_path, timings):

@@ -113,7 +113,7 @@ def test_graph_breaks_compile_each_graph():
 def test_options_and_modes_pass_through():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
     x = torch.randn(1, 3, 8, 8)
-    for kwargs in ({"options": {"backend": "reference", "cuda_graph": False}},
+    for kwargs in ({"options": {"backends": (), "cuda_graph": False}},
                    {"mode": "reduce-overhead"}, {"mode": "max-autotune-no-cudagraphs"}):
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="fusion_compiler", **kwargs)

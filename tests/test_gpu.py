@@ -36,7 +36,7 @@ def _run_cudnn(model: nn.Module, x: torch.Tensor, dtype=torch.float16, tol=2e-3,
     options.setdefault("autotune", 1)  # heuristics' first plan: fast to build, same numerics
     options.setdefault("cuda_graph", False)  # the regions, not the runtime around them
     options.setdefault("glue_backend", None)  # (Inductor would compile for every pattern)
-    compiled = fc.compile(model, backend="cudnn", cache_dir=False, **options)
+    compiled = fc.compile(model, cache_dir=False, **options)
     with torch.inference_mode():
         got = compiled(x)
     want = _fp64_reference(model, x)
@@ -79,7 +79,7 @@ def test_reference_network_fp16(channels, batch, fusion):
         assert sum(r.pattern.startswith("[add]") for r in regions) == 5
         assert sum(r.pattern.endswith("+ sum_hw") for r in regions) == 4
     else:  # every region autotuned, then timed against its PyTorch ops; the faster one runs
-        assert regions[0].backend == "triton" and regions[0].space_to_depth == 4  # the stem
+        assert regions[0].backend == "triton_stem" and regions[0].space_to_depth == 4  # the stem
         for r in regions[1:]:
             if r.backend == "dense":  # layer3's 3x3 convolution of 2x2 images, timed vs cuDNN
                 assert r.timing["dense"] < r.timing["cudnn"], (r.region_id, r.timing)
@@ -95,7 +95,7 @@ def test_visual_encoder_fp16():
 
 def test_channels_last_input_and_batch_change():
     model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
-    compiled = fc.compile(model, backend="cudnn", cache_dir=False, glue_backend=None)
+    compiled = fc.compile(model, cache_dir=False, glue_backend=None)
     with torch.inference_mode():
         for n, fmt in ((32, torch.channels_last), (48, torch.contiguous_format)):
             x = torch.randn(n, 3, 64, 64, device="cuda", dtype=torch.half).contiguous(
@@ -110,10 +110,9 @@ def test_channels_last_input_and_batch_change():
 
 def test_cuda_graph_matches_plain_execution():
     model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
-    plain = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=False,
+    plain = fc.compile(model, cache_dir=False, cuda_graph=False,
                        glue_backend=None)
-    graphed = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph="static",
-                         glue_backend=None)
+    graphed = fc.compile(model, cache_dir=False, glue_backend=None)
     with torch.inference_mode():
         for _ in range(2):
             x = torch.randn(128, 3, 64, 64, device="cuda", dtype=torch.half)
@@ -126,9 +125,9 @@ def test_inductor_glue_with_cuda_graph_matches_plain_execution():
     cuDNN plans, all captured in one CUDA graph. ``autotune=1``: no region goes to PyTorch by
     timing (with timing, r0 and r6 each did on some runs, near ties on the H100)."""
     model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
-    plain = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=False,
+    plain = fc.compile(model, cache_dir=False, cuda_graph=False,
                        glue_backend=None, autotune=1)
-    glued = fc.compile(model, backend="cudnn", cache_dir=False, cuda_graph=True,
+    glued = fc.compile(model, cache_dir=False, cuda_graph=True,
                        glue_backend="inductor", tiered=False, autotune=1)
     with torch.inference_mode():
         for _ in range(2):
@@ -151,7 +150,7 @@ _CACHE_SCRIPT = textwrap.dedent("""
     model = randomize_(se_resnet9_fixup(3)).cuda().half().eval()
     x = torch.randn(16, 3, 64, 64, device="cuda", dtype=torch.half)
     # autotune=1: no timing, so both processes make the same choices (timed choices may differ)
-    compiled = fc.compile(model, backend="cudnn", cache_dir={cache!r}, autotune=1,
+    compiled = fc.compile(model, cache_dir={cache!r}, autotune=1,
                           glue_backend=None)
     with torch.inference_mode():
         compiled.specialize(x)  # lowered now (a first call would answer from tier 0)
@@ -176,7 +175,7 @@ def test_disk_cache_round_trip_in_a_second_process(tmp_path):
     # the SpaceToDepth stem (r0) is a Triton kernel, no plan: plan_from_cache None; so is the
     # dense GEMM that layer3's 2x2 images may get (its choice over cuDNN is cached, not its plan)
     cudnn = [i for i, b in enumerate(first["backends"]) if b == "cudnn"]
-    assert first["backends"][0] == "triton" and len(cudnn) >= 7 and not any(first["cached"])
+    assert first["backends"][0] == "triton_stem" and len(cudnn) >= 7 and not any(first["cached"])
     second, _ = _cache_run(tmp_path)
     assert second["backends"] == first["backends"]
     assert [second["cached"][i] for i in cudnn] == [True] * len(cudnn)
@@ -195,7 +194,7 @@ def test_pytorch_timing_is_cached_with_the_plan(tmp_path):
     x = torch.randn(32, 3, 64, 64, device="cuda", dtype=torch.half)
     runs = []
     for _ in range(2):
-        compiled = fc.compile(model, [x], backend="cudnn", cache_dir=tmp_path, autotune=2,
+        compiled = fc.compile(model, [x], cache_dir=tmp_path, autotune=2,
                               cuda_graph=False, glue_backend=None)
         runs.append(compiled.specialize(x).regions)
     first, second = runs
@@ -230,7 +229,7 @@ def test_output_channels_padded_for_cudnn(dtype, fusion, in_channels):
     tol = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 3e-3}[dtype]
     options = FUSE_ALL if fusion == "all" else {}
     for runtime in ({"cuda_graph": False, "glue_backend": None}, {}):  # direct; graph + glue
-        compiled = fc.compile(model, backend="cudnn", cache_dir=False, autotune=1,
+        compiled = fc.compile(model, cache_dir=False, autotune=1,
                               **options, **runtime)
         with torch.inference_mode():
             compiled.specialize(x, residual)  # lowered now (a call would answer from tier 0)

@@ -1,8 +1,7 @@
 """``compile(model)`` with no options on a GPU: tiered glue compiles, CUDA graphs with safe
-outputs, the ``"static"`` opt-in, the logged fallback when a forward cannot be captured, the
-direct (no custom op) call path without CUDA graphs, bounded specializations that give GPU memory
-back, and a new batch size answered at once, then lowered with the plan choices of the batch size
-tuned before. All tests carry ``@pytest.mark.gpu``."""
+outputs, the logged fallback when a forward cannot be captured, the direct (no custom op) call
+path without CUDA graphs, bounded specializations that give GPU memory back, and a new batch size
+answered at once, then lowered with the plan choices of the batch size tuned before. All tests carry ``@pytest.mark.gpu``."""
 
 from __future__ import annotations
 
@@ -225,16 +224,6 @@ def test_a_caller_refilling_its_input_tensor_gets_a_graph_that_reads_it_in_place
         y3 = compiled(other)
     for y, x in ((kept, fills[0]), (y1, fills[1]), (y2, fills[2]), (y3, other)):
         assert rel_err(y.float().cpu(), _fp64(model, x)) < 2e-3
-
-
-def test_static_outputs_are_the_graph_buffers(tmp_path):
-    compiled = fc.compile(_reference_net(), cache_dir=tmp_path, glue_backend=None,
-                          cuda_graph="static")
-    with torch.inference_mode():
-        compiled.specialize(_x(16))  # lowered now (a first call would answer from tier 0)
-        y1 = compiled(_x(16))
-        y2 = compiled(_x(16))
-    assert compiled.last.cuda_graph == "static" and y1.data_ptr() == y2.data_ptr()
 
 
 @torch.fx.wrap

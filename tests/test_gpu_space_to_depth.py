@@ -80,7 +80,7 @@ def test_depth_backbone_stem_is_one_triton_kernel_in_the_graph(tmp_path):
     spec = compiled.last
     assert spec.cuda_graph == "safe" and spec.glue_backend is None and spec.notes == []
     stem = spec.regions[0]
-    assert (stem.backend, stem.pattern) == ("triton", "[space_to_depth4] conv1x1 > relu > add")
+    assert (stem.backend, stem.pattern) == ("triton_stem", "[space_to_depth4] conv1x1 > relu > add")
     assert all(r.backend in ("cudnn", "dense") for r in spec.regions[1:])  # dense: 2x2 images
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     assert sum("space_to_depth_conv_kernel" in n for n in names) == 1, names

@@ -51,7 +51,7 @@ def _check_cudnn_gradients(model: nn.Module, x: torch.Tensor, tol: float = 5e-3,
     eager = gradients(model, model, x.cuda().half(), input_grad=input_grad, scale=LOSS_SCALE)
     options.setdefault("autotune", 1)
     options.setdefault("glue_backend", None)  # Inductor only where a test asks for it
-    compiled = fc.compile(model, backend="cudnn", cache_dir=False, **options)
+    compiled = fc.compile(model, cache_dir=False, **options)
     got = gradients(model, compiled, x.cuda().half(), input_grad=input_grad, scale=LOSS_SCALE)
     assert set(got) == set(want)
     for name, w in want.items():
@@ -127,7 +127,7 @@ def test_channels_last_parameters():
 
 def test_autotuned_backward_pieces_are_never_slower_than_pytorch():
     model = randomize_(se_resnet9_fixup(3), seed=4).cuda().half().train()
-    compiled = fc.compile(model, backend="cudnn", cache_dir=False, autotune=4, glue_backend=None)
+    compiled = fc.compile(model, cache_dir=False, autotune=4, glue_backend=None)
     loss(compiled(torch.randn(256, 3, 64, 64, device="cuda", dtype=torch.half)),
          LOSS_SCALE).backward()
     for r in compiled.last.regions:

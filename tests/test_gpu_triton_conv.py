@@ -1,6 +1,6 @@
-"""The Triton implicit-GEMM convolution (``triton_conv``) on the GPU: the compiled kernel against
+"""The Triton implicit-GEMM convolution (backend ``triton_conv``) on the GPU: the compiled kernel against
 fp64 (SE-ResNet9's layer shapes and odd ones, fp16 and bf16, every epilogue kind), and
-``compile(model, triton_conv=True)`` timing it against cuDNN per region. All tests carry
+``compile(model, backends=(..., "triton_conv", ...))`` timing it against cuDNN per region. All tests carry
 ``@pytest.mark.gpu`` (and skip without Triton). tests/test_triton_conv.py runs the kernel under
 Triton's interpreter on the CPU."""
 
@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import WITH_TRITON_CONV, rel_err
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomized_se_resnet9_fixup
@@ -100,14 +100,14 @@ def test_every_candidate_kind_matches_fp64(config):
 
 
 def test_compile_times_the_kernel_against_cudnn_per_region(tmp_path):
-    """SE-ResNet9 RGB at N=128 with ``triton_conv=True``: every region but the stem has both
+    """SE-ResNet9 RGB at N=128 with the ``triton_conv`` backend: every region but the stem has both
     candidates' times in its record and runs the faster; outputs within fp16 tolerance of fp64,
     in a CUDA-graph replay whose kernels include the chosen ones."""
     torch.manual_seed(0)
     model = randomized_se_resnet9_fixup().cuda().half().eval()
     x = torch.randn(128, 3, 64, 64, device="cuda", dtype=torch.half)
     want = copy.deepcopy(model).double()(x.double())
-    compiled = fc.compile(model, triton_conv=True, cache_dir=tmp_path)
+    compiled = fc.compile(model, backends=WITH_TRITON_CONV, cache_dir=tmp_path)
     with torch.inference_mode():
         compiled(x)
         compiled.wait_for_background_compiles()
@@ -116,8 +116,9 @@ def test_compile_times_the_kernel_against_cudnn_per_region(tmp_path):
     regions = [r for r in compiled.last.regions if not r.space_to_depth]
     assert len(regions) == 8  # 11 convolutions, 6 merged in pairs (horizontal fusion)
     for region in regions:
-        assert {"triton", "cudnn"} <= set(region.timing), (region.region_id, region.timing)
-        taking = {"triton", "cudnn", "dense"} & set(region.timing)  # dense: layer3's 2x2 images
+        assert {"triton_conv", "cudnn"} <= set(region.timing), (region.region_id,
+                                                                 region.timing)
+        taking = {"triton_conv", "cudnn", "dense"} & set(region.timing)  # dense: layer3's 2x2 images
         fastest = min(taking, key=region.timing.__getitem__)
         assert region.backend == fastest, (region.region_id, region.timing)
     with torch.inference_mode(), torch.profiler.profile(
@@ -125,13 +126,13 @@ def test_compile_times_the_kernel_against_cudnn_per_region(tmp_path):
         compiled(x)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
-    if any(r.backend == "triton" for r in regions):
+    if any(r.backend == "triton_conv" for r in regions):
         assert any("conv_nhwc_kernel" in name for name in names)
     if any(r.backend == "cudnn" for r in regions):
         assert any("convFwd" in name for name in names)
     # the tile configurations are in the plan cache: a new compile times none of them
     assert list(tmp_path.glob("*.triton_conv.json"))
-    again = fc.compile(copy.deepcopy(model), triton_conv=True, cache_dir=tmp_path)
+    again = fc.compile(copy.deepcopy(model), backends=WITH_TRITON_CONV, cache_dir=tmp_path)
     with torch.inference_mode():
         again(x)
         again.wait_for_background_compiles()
@@ -152,11 +153,11 @@ def test_training_runs_the_forward_on_the_kernel(monkeypatch):
 
     chosen = lowering._fastest
     monkeypatch.setattr(lowering, "_fastest", lambda region, lowered, cache: (
-        ("triton", {}) if "triton" in lowered else chosen(region, lowered, cache)))
+        ("triton_conv", {}) if "triton_conv" in lowered else chosen(region, lowered, cache)))
     torch.manual_seed(0)
     model = randomize_(se_resnet9_fixup(3), seed=3).train()
     compiled = _check_cudnn_gradients(model, torch.randn(32, 3, 64, 64), input_grad=False,
-                                      backend="triton", triton_conv=True)
+                                      backend="triton_conv", backends=WITH_TRITON_CONV)
     assert all(p.backend == "cudnn" for r in compiled.last.regions for p in r.gradients
                if "not needed" not in p.reason), [r.gradients for r in compiled.last.regions]
     x = torch.randn(32, 3, 64, 64, device="cuda", dtype=torch.half)

@@ -1,6 +1,7 @@
 """The settings object and the backend registry on the CPU: options validated once with one clear
-error, every door's options derived from them; lowering asks the registered backends by priority,
-records each region's choice once, and a backend of higher priority claims its regions first."""
+error, every door's options derived from them; lowering asks the backends the ``backends`` option
+names, in its order, records each region's choice once, and the first that takes a region claims
+it where nothing is timed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from fusion_compiler import CompileOptions
+from fusion_compiler.config import DEFAULT_BACKENDS
 from fusion_compiler.backends import Backend, Lowered, Support, registry
 from fusion_compiler.lowering import lower, regions_of
 from conftest import CUDA_PIPELINE
@@ -24,6 +26,8 @@ def test_options_are_validated_once_with_a_clear_error():
         CompileOptions(tiered="yes")
     with pytest.raises(ValueError, match="cuda_graph must be one of"):
         CompileOptions(cuda_graph=1)
+    with pytest.raises(ValueError, match="cuda_graph must be one of"):
+        CompileOptions(cuda_graph="static")  # deleted: slower, and outputs overwritten
     dump = CompileOptions(autotune=2).for_dump()
     assert (dump.cuda_graph, dump.glue_backend, dump.cuda_pipeline, dump.autotune) == (
         False, None, True, 2)
@@ -55,9 +59,9 @@ class _Doubling(Backend):
 
 @pytest.fixture
 def doubling():
-    registry.register_backend("doubling", lambda options: _Doubling(), priority=30)
+    registry.register_backend("doubling", lambda options: _Doubling())
     with pytest.raises(ValueError, match="registered already"):
-        registry.register_backend("doubling", lambda options: _Doubling(), priority=5)
+        registry.register_backend("doubling", lambda options: _Doubling())
     yield
     del registry._REGISTRY["doubling"]
 
@@ -66,7 +70,10 @@ def _fused(model, x):
     import fusion_compiler as fc
 
     return fc.compile(model, glue_backend=None, options=CUDA_PIPELINE,
-                      backend="reference").specialize(x).graph_module
+                      backends=()).specialize(x).graph_module
+
+
+WITH_DOUBLING = CompileOptions(backends=("doubling", *DEFAULT_BACKENDS))
 
 
 def test_a_registered_backend_claims_its_regions_before_the_others(doubling):
@@ -76,7 +83,7 @@ def test_a_registered_backend_claims_its_regions_before_the_others(doubling):
         gm = _fused(model, x)  # lowered to PyTorch ops: the regions, lowered again below
     for region in regions_of(gm):
         region.lowering = None
-    lower(gm, CompileOptions())
+    lower(gm, WITH_DOUBLING)
     first, second = regions_of(gm)
     assert (first.backend, first.status, first.plan) == ("doubling", "lowered",
                                                           "the region's own ops")
@@ -84,12 +91,12 @@ def test_a_registered_backend_claims_its_regions_before_the_others(doubling):
     assert (second.backend, second.status) == ("reference", "fallback")
     assert second.reason == "CUDA is not available on this machine"
     with pytest.raises(RuntimeError, match="lowered already"):
-        lower(gm, CompileOptions())
+        lower(gm, WITH_DOUBLING)
     with torch.no_grad():
         torch.testing.assert_close(gm(x), model(x))
 
 
-def test_several_candidates_are_all_lowered_and_off_cuda_the_first_is_kept(doubling):
+def test_several_candidates_are_all_lowered_and_off_cuda_the_first_asked_is_kept(doubling):
     lowered = []
 
     class Second(_Doubling):
@@ -99,15 +106,51 @@ def test_several_candidates_are_all_lowered_and_off_cuda_the_first_is_kept(doubl
             lowered.append(region.region_id)
             return super().lower(region, training, backward)
 
-    registry.register_backend("second", lambda options: Second(), priority=25)
+    registry.register_backend("second", lambda options: Second())
     try:
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
         with torch.no_grad():
             gm = _fused(model, torch.randn(2, 3, 16, 16))
         (region,) = regions_of(gm)
         region.lowering = None
-        lower(gm, CompileOptions())
+        lower(gm, CompileOptions(backends=("second", "doubling")))
         assert lowered == ["r0"]  # both candidates built their kernel
-        assert (region.backend, dict(region.timing)) == ("doubling", {})  # no GPU to time on
+        assert (region.backend, dict(region.timing)) == ("second", {})  # no GPU to time on
     finally:
         del registry._REGISTRY["second"]
+
+
+def test_backends_option_names_registered_backends_in_order(doubling, caplog):
+    """``backends`` takes a sequence or a comma-separated string; a name given twice, the
+    reference, or a name nothing is registered under is one clear error at construction; a
+    backend registered but not named is not asked; with other than the default backends a
+    region left to PyTorch ops is a warning."""
+    import fusion_compiler as fc
+
+    assert CompileOptions().backends == DEFAULT_BACKENDS
+    assert CompileOptions(backends="cudnn, dense").backends == ("cudnn", "dense")
+    assert CompileOptions(backends=[]).backends == ()
+    with pytest.raises(ValueError, match="'cudnn' given more than once"):
+        CompileOptions(backends=("cudnn", "cudnn"))
+    with pytest.raises(ValueError, match="'reference' .* is always the fallback"):
+        CompileOptions(backends=("reference",))
+    with pytest.raises(TypeError, match="backends must be a sequence of backend names"):
+        CompileOptions(backends=("cudnn", 3))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    with pytest.raises(ValueError, match="no backend named 'cudn' .*registered: .*'cudnn'"):
+        fc.compile(model, backends=("cudn",))
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        gm = _fused(model, x)
+    (region,) = regions_of(gm)
+    region.lowering = None
+    lower(gm, CompileOptions())  # "doubling" is registered, but not asked
+    assert (region.backend, region.status) == ("reference", "fallback")
+    region.lowering = None
+    with caplog.at_level("INFO", logger="fusion_compiler"):
+        lower(gm, CompileOptions(backends=("cudnn",)))
+    assert [r.levelname for r in caplog.records if "runs on the reference" in r.message] == [
+        "WARNING"]
+    region.lowering = None
+    lower(gm, CompileOptions(backends=()))
+    assert (region.backend, region.status, region.reason) == ("reference", "lowered", "")

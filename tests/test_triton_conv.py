@@ -1,4 +1,4 @@
-"""The Triton implicit-GEMM convolution (``triton_conv``) on the CPU: the kernel itself under
+"""The Triton implicit-GEMM convolution (backend ``triton_conv``) on the CPU: the kernel itself under
 Triton's interpreter (``TRITON_INTERPRET=1``) against fp64 on small shapes, which regions it
 takes, and the ``triton`` backend's wiring of regions to kernels (numerics through the kernel's
 torch-ops path, with the backend's CUDA check lifted). tests/test_gpu_triton_conv.py runs the
@@ -18,7 +18,7 @@ from fusion_compiler.backends import triton as triton_backend
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.kernels.conv import (TileConfig, candidate_configs, conv_program,
                                           default_config)
-from conftest import CUDA_PIPELINE, rel_err, run_interpreted, specialize
+from conftest import CUDA_PIPELINE, WITH_TRITON_CONV, rel_err, run_interpreted, specialize
 
 ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU = range(1, 9)
 SCALAR, CHANNEL, FULL = range(3)
@@ -185,27 +185,27 @@ class _Residual(nn.Module):
 
 @pytest.mark.parametrize("make", [randomized_se_resnet9_fixup, _Residual])
 def test_compile_runs_regions_on_the_triton_backend(make, monkeypatch):
-    """With the backend's CUDA check lifted, ``triton_conv=True`` gives every region the kernel
+    """With the backend's CUDA check lifted, ``backends`` with ``triton_conv`` give every region the kernel
     takes a :class:`ConvKernel` (its torch-ops path on the CPU): outputs as eager's."""
     monkeypatch.setattr(triton_backend, "_conv_triton_reason", lambda: "")
     torch.manual_seed(0)
     model = make().to(torch.bfloat16).eval()
     x = torch.randn(2, 16 if make is _Residual else 3, 32, 32, dtype=torch.bfloat16)
-    compiled = CompiledModule(model, triton_conv=True, options=CUDA_PIPELINE)
+    compiled = CompiledModule(model, backends=WITH_TRITON_CONV, options=CUDA_PIPELINE)
     with torch.no_grad():
         got, want = compiled(x), model(x)
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
     for g, w in zip(got, want):
         assert g.shape == w.shape and rel_err(g.float(), w.float()) < 2e-2
     backends = {r.backend for r in compiled.last.regions if not r.space_to_depth}
-    assert backends == {"triton"}, compiled.report()
+    assert backends == {"triton_conv"}, compiled.report()
     assert all("implicit-GEMM" in r.plan for r in compiled.last.regions if not r.space_to_depth)
 
 
 def test_off_by_default_and_declined_without_cuda():
     model = nn.Sequential(nn.Conv2d(8, 8, 3), nn.ReLU()).to(torch.bfloat16).eval()
     x = torch.randn(1, 8, 8, 8, dtype=torch.bfloat16)
-    for options in ({}, {"triton_conv": True}):
+    for options in ({}, {"backends": WITH_TRITON_CONV}):
         compiled = CompiledModule(model, options=CUDA_PIPELINE, **options)
         with torch.no_grad():
             compiled(x)
@@ -241,7 +241,7 @@ def test_training_runs_the_forward_on_the_triton_backend(make, monkeypatch):
     model = make().to(torch.bfloat16).train()
     eager, reference = copy.deepcopy(model), copy.deepcopy(model).float()
     x = torch.randn(2, 16 if make is _Residual else 3, 32, 32, dtype=torch.bfloat16)
-    compiled = CompiledModule(model, triton_conv=True, options=CUDA_PIPELINE)
+    compiled = CompiledModule(model, backends=WITH_TRITON_CONV, options=CUDA_PIPELINE)
     outputs = []
     for module, given in ((compiled, x), (eager, x), (reference, x.float())):
         out = module(given)
@@ -256,4 +256,4 @@ def test_training_runs_the_forward_on_the_triton_backend(make, monkeypatch):
         if q.grad.abs().max() > 0:  # layer 3's Fixup biases get none at batch 2
             assert 1 - cos(p.grad, q.grad) <= 2 * (1 - cos(e.grad, q.grad)) + 2e-3, name
     regions = [r for r in compiled.last.regions if not r.space_to_depth]
-    assert {r.backend for r in regions} == {"triton"}, compiled.report()
+    assert {r.backend for r in regions} == {"triton_conv"}, compiled.report()

@@ -1,11 +1,12 @@
 """Backends that lower regions to kernels, and their registry.
 
-Registered here, highest priority first: ``triton`` (kernels of this package's own: the
-SpaceToDepth stem, and under ``triton_conv`` an implicit-GEMM convolution; :mod:`.triton`),
-``dense`` (a convolution of a small image as one dense GEMM, :mod:`.dense`),
+Registered here: ``triton_stem`` (the SpaceToDepth stem kernel of this package's own,
+:mod:`.triton_stem`), ``triton_conv`` (an implicit-GEMM convolution of this package's own,
+:mod:`.triton`), ``dense`` (a convolution of a small image as one dense GEMM, :mod:`.dense`),
 ``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the region's PyTorch ops,
-:mod:`.reference`: takes every region, the fallback). A new backend is one
-module plus one :func:`~.registry.register_backend` line below.
+:mod:`.reference`: takes every region, the fallback). A compile asks those its ``backends``
+option names (:data:`~fusion_compiler.config.DEFAULT_BACKENDS` by default), in that order. A new
+backend is one module plus one :func:`~.registry.register_backend` line below.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 from ..config import CompileOptions
 from .base import PLAN_WORK, REUSE_BATCH_RATIO, Backend, Kernel, Lowered, Support
 from .reference import ReferenceBackend
-from .registry import REFERENCE, backends_for, register_backend, registered
+from .registry import REFERENCE, backends_for, check_backends, register_backend, registered
 
 __all__ = ["Backend", "Kernel", "Lowered", "Support", "PLAN_WORK", "REUSE_BATCH_RATIO",
            "ReferenceBackend",
-           "register_backend", "registered", "backends_for", "REFERENCE"]
+           "register_backend", "registered", "backends_for", "check_backends", "REFERENCE"]
 
 
 def _cudnn(options: CompileOptions) -> Backend:
@@ -32,13 +33,20 @@ def _dense(options: CompileOptions) -> Backend:
     return DenseConvBackend.for_options(options)
 
 
-def _triton(options: CompileOptions) -> Backend:
-    from .triton import TritonBackend  # noqa: PLC0415
+def _triton_conv(options: CompileOptions) -> Backend:
+    from .triton import TritonConvBackend  # noqa: PLC0415
 
-    return TritonBackend.for_options(options)
+    return TritonConvBackend.for_options(options)
 
 
-register_backend(REFERENCE, ReferenceBackend.for_options, priority=0)
-register_backend("cudnn", _cudnn, priority=10)
-register_backend("dense", _dense, priority=15)
-register_backend("triton", _triton, priority=20)
+def _triton_stem(options: CompileOptions) -> Backend:
+    from .triton_stem import SpaceToDepthStemBackend  # noqa: PLC0415
+
+    return SpaceToDepthStemBackend.for_options(options)
+
+
+register_backend(REFERENCE, ReferenceBackend.for_options)
+register_backend("triton_stem", _triton_stem)
+register_backend("triton_conv", _triton_conv)
+register_backend("dense", _dense)
+register_backend("cudnn", _cudnn)

@@ -2,9 +2,10 @@
 
 A backend is a class with a ``name``, :meth:`Backend.supports` and :meth:`Backend.lower`; the
 other methods have defaults here. It joins the compiler through one registration
-(:func:`fusion_compiler.backends.registry.register_backend`, with a priority); lowering then asks
-every registered backend, names none, and writes one :class:`~fusion_compiler.ir.region.Lowering`
-record per region from what :meth:`Backend.lower` returns (:class:`Lowered`).
+(:func:`fusion_compiler.backends.registry.register_backend`); lowering then asks it wherever a
+compile's ``backends`` option names it, names no backend itself, and writes one
+:class:`~fusion_compiler.ir.region.Lowering` record per region from what :meth:`Backend.lower`
+returns (:class:`Lowered`).
 """
 
 from __future__ import annotations

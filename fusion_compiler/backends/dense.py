@@ -7,7 +7,7 @@ It takes CUDA inference regions whose image has no more pixels than the filter, 
 skips the taps on the padding; :func:`~fusion_compiler.kernels.dense_conv.small_image`). cuDNN
 takes the same regions, so lowering times both kernels on the region's shapes and keeps the
 faster (:func:`fusion_compiler.lowering.lower`), the choice cached on disk.
-On by default (``dense_conv``): on an H100 it beat cuDNN's plan on SE-ResNet9's 3x3
+Among the default backends: on an H100 it beat cuDNN's plan on SE-ResNet9's 3x3
 convolutions of 2x2 images (docs/decisions.md, "Small images as one dense GEMM").
 """
 
@@ -26,26 +26,19 @@ __all__ = ["DenseConvBackend"]
 class DenseConvBackend(Backend):
     """Small-image convolution regions as one dense GEMM (module docstring). Regions off CUDA,
     or whose image is not small for the filter, are declined without a reason (not this
-    backend's kind); others it cannot run with the reason.
-
-    Args:
-        enabled: ``False`` declines every region (the ``dense_conv`` option).
-    """
+    backend's kind); others it cannot run with the reason."""
 
     name = "dense"
     devices = ("cuda",)
     """Device types whose regions it takes (tests add ``"cpu"``: the kernel is torch ops)."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-
     @classmethod
     def for_options(cls, options: CompileOptions) -> "DenseConvBackend":
-        return cls(options.dense_conv)
+        return cls()
 
     def supports(self, region: Region) -> Support:
         device = node_device(region.conv)
-        if not self.enabled or device.type not in self.devices or not small_image(region):
+        if device.type not in self.devices or not small_image(region):
             return Support(False)
         program = dense_program(region, device)
         return Support(not isinstance(program, str),

@@ -1,12 +1,10 @@
-"""The ``triton`` backend: regions as kernels of this package's own, written in Triton.
-
-* A region whose prologue is a SpaceToDepth (given it by the fusion pass ``space_to_depth_stem``)
-  runs as the SpaceToDepth stem kernel (:mod:`.triton_stem`), by default.
-* With ``triton_conv=True`` any other region whose convolution and epilogue
-  :func:`fusion_compiler.kernels.conv.conv_program` takes runs as the implicit-GEMM convolution
-  kernel (:class:`~fusion_compiler.kernels.conv.ConvKernel`). cuDNN takes such regions too, so
-  lowering times both kernels on the region's shapes and keeps the faster
-  (:func:`fusion_compiler.lowering.lower`).
+"""The ``triton_conv`` backend: a region whose convolution and epilogue
+:func:`fusion_compiler.kernels.conv.conv_program` takes runs as this package's implicit-GEMM
+convolution kernel in Triton (:class:`~fusion_compiler.kernels.conv.ConvKernel`). cuDNN takes such
+regions too, so where both are asked lowering times both kernels on the region's shapes and keeps
+the faster (:func:`fusion_compiler.lowering.lower`). Not among the default backends (cuDNN was
+faster on every region measured); ``backends=("triton_conv", ...)`` asks it. A stem region
+(SpaceToDepth prologue) is the ``triton_stem`` backend's (:mod:`.triton_stem`).
 
 In training the kernel runs the forward of a region from
 :func:`~fusion_compiler.autograd.backward.training_region`: it writes the values the backward
@@ -46,45 +44,38 @@ from ..runtime.plan_cache import PlanCache, default_cache_dir
 from ..runtime.region_op import register_backward
 from .base import Backend, Lowered, Support
 from .timing import paired_time_ms, sample_inputs
-from .triton_stem import SpaceToDepthStemBackend
 
-__all__ = ["TritonBackend"]
+__all__ = ["TritonConvBackend"]
 
 _RECORD = "triton_conv"  # the plan-cache record holding a region shape's tile configuration
 _FORMAT = 1
 
 
-class TritonBackend(Backend):
-    """The SpaceToDepth stem kernel, and the convolution kernel under ``triton_conv`` (module
-    docstring). Regions of neither kind are declined without a reason.
+class TritonConvBackend(Backend):
+    """The convolution kernel (module docstring). Stem regions are declined without a reason.
 
     Args:
-        conv: offer the convolution kernel (``triton_conv``).
         autotune: ``<= 1``: the default configuration, nothing timed.
         cache: where tile configurations are recorded (the plan cache).
         cache_dir: the ``cache_dir`` option, for the cuDNN backend that builds training
             regions' gradient plans.
     """
 
-    name = "triton"
+    name = "triton_conv"
 
-    def __init__(self, conv: bool, autotune: int = 8, cache: PlanCache | None = None,
-                 cache_dir=None):
-        self.stem = SpaceToDepthStemBackend()
-        self.conv, self.autotune, self.cache_dir = conv, autotune, cache_dir
+    def __init__(self, autotune: int = 8, cache: PlanCache | None = None, cache_dir=None):
+        self.autotune, self.cache_dir = autotune, cache_dir
         self.cache = cache if cache is not None else PlanCache(None)
 
     @classmethod
-    def for_options(cls, options: CompileOptions) -> "TritonBackend":
-        cache = PlanCache(default_cache_dir(options.cache_dir)) if options.triton_conv else None
-        return cls(conv=options.triton_conv, autotune=options.autotune, cache=cache,
+    def for_options(cls, options: CompileOptions) -> "TritonConvBackend":
+        return cls(autotune=options.autotune,
+                   cache=PlanCache(default_cache_dir(options.cache_dir)),
                    cache_dir=options.cache_dir)
 
     def supports(self, region: Region) -> Support:
         if region.space_to_depth:
-            return self.stem.supports(region)
-        if not self.conv:
-            return Support(False)
+            return Support(False)  # the triton_stem backend's kind
         reason = _conv_triton_reason()
         if not reason:
             program = conv_program(region, node_device(region.conv))
@@ -95,7 +86,7 @@ class TritonBackend(Backend):
         """``"tune"`` for a convolution region whose tile configuration is not in the plan cache
         (autotuning times candidates), else ``""`` (a stem region, or a recorded configuration;
         whether the choice against cuDNN is stored, lowering asks itself)."""
-        if not self.conv or region.space_to_depth:
+        if region.space_to_depth:
             return ""
         program = conv_program(region, node_device(region.conv))
         if isinstance(program, str) or node_device(region.conv).type != "cuda":
@@ -104,7 +95,7 @@ class TritonBackend(Backend):
 
     def lower(self, region: Region, training: bool = False,
               backward: BackwardPlan | None = None) -> Lowered:
-        """The region's stem kernel or :class:`ConvKernel`; in training (``region`` from
+        """The region's :class:`ConvKernel`; in training (``region`` from
         :func:`~fusion_compiler.autograd.backward.training_region`) the kernel runs through
         ``run_region`` with the backward of :func:`_register_backward`, planned by ``backward``.
 
@@ -115,7 +106,8 @@ class TritonBackend(Backend):
             TimingDeferred: configurations must be timed on a thread where timing is deferred.
         """
         if region.space_to_depth:
-            return self.stem.lower(region, training, backward)
+            raise UnsupportedError("a SpaceToDepth stem region (the triton_stem backend's)",
+                                   region.region_id)
         program = conv_program(region, node_device(region.conv))
         if isinstance(program, str):
             raise UnsupportedError(f"Triton convolution: {program}", region.region_id)

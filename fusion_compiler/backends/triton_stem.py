@@ -1,6 +1,5 @@
-"""The SpaceToDepth stem half of the ``triton`` backend (:mod:`.triton`): a region whose
-prologue is a SpaceToDepth (given it by the fusion pass
-``space_to_depth_stem``) runs as one ``fusion_compiler::space_to_depth_conv`` Triton kernel
+"""The ``triton_stem`` backend: a region whose prologue is a SpaceToDepth (given it by the fusion
+pass ``space_to_depth_stem``) runs as one ``fusion_compiler::space_to_depth_conv`` Triton kernel
 (:mod:`fusion_compiler.kernels.space_to_depth`): SpaceToDepth, the 1x1 convolution and its
 epilogue, reading the NCHW image once and writing channels_last outputs. Inference only; it
 claims no other region (it declines them without a reason).
@@ -22,7 +21,7 @@ __all__ = ["SpaceToDepthStemBackend"]
 class SpaceToDepthStemBackend(Backend):
     """Lowers SpaceToDepth stem regions to :class:`SpaceToDepthConvKernel` (module docstring)."""
 
-    name = "triton"
+    name = "triton_stem"
 
     @classmethod
     def for_options(cls, options: CompileOptions) -> "SpaceToDepthStemBackend":

@@ -94,7 +94,7 @@ class Lowering:
     """What lowering made of a region (written once, by :func:`fusion_compiler.lowering.lower`).
 
     Attributes:
-        backend: the name of the backend that runs the region (``"cudnn"``, ``"triton"``,
+        backend: the name of the backend that runs the region (``"cudnn"``, ``"triton_stem"``,
             ``"reference"``).
         status: ``"lowered"`` (the preferred backend took it) or ``"fallback"`` (PyTorch ops,
             ``reason`` says why).

@@ -111,7 +111,7 @@ def fusion(options: CompileOptions, target: Target) -> list[Pass]:
     passes = [Pass("fuse", functools.partial(fuse_regions, prologue=options.fuse_prologue,
                                              reduction=options.fuse_reduction)),
               Pass("verify", verify)]
-    if target.cuda and not target.training and options.backend != "reference" \
+    if target.cuda and not target.training and "triton_stem" in options.backends \
             and not triton_reason():
         passes.append(Pass("space_to_depth_stem", space_to_depth_stems))
     return passes

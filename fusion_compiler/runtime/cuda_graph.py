@@ -13,11 +13,9 @@ graph captured on those tensors, which reads them where they are: no input copy 
 caller keeps passing them. It has a memory pool of its own (one more set of the forward's
 intermediate buffers); only the first tensors so reused get one, and a call with any others takes
 the copying graph. (With the caching allocator a new tensor often lands where the last call's freed
-one was: a direct graph then serves a caller that makes a new input each call.) Not with
-``cuda_graph="static"``, whose calls return the one graph's output buffers, the same every call.
+one was: a direct graph then serves a caller that makes a new input each call.)
 
-Outputs: with ``copy_outputs`` (the default of ``compile()``) a later call never overwrites what
-an earlier one returned. A call hands out the graph's output buffers themselves (as new tensor
+Outputs: a later call never overwrites what an earlier one returned. A call hands out the graph's output buffers themselves (as new tensor
 objects) when nothing holds what the previous call handed out: the buffers' storages are then
 referenced by the runner alone (``torch._C._storage_Use_Count``, the check Inductor's CUDA graph
 trees make on their outputs). When something still does (the output, or a view of it), the call
@@ -25,8 +23,7 @@ replays a spare graph, captured at the first such call in the main graph's memor
 outputs never leave the runner, and returns copies of them (one device copy per output, on the
 current stream). A copy on every call costs a kernel of its own after the graph; handing out the
 buffers costs nothing (measurements: docs/decisions.md, "CUDA-graph outputs handed out or
-copied"). Without ``copy_outputs`` (``cuda_graph="static"``) calls return the static buffers
-themselves, which the next call overwrites.
+copied").
 
 A forward that cannot be captured (a host synchronization such as ``.item()``, a copy from pageable
 host memory, data-dependent shapes) raises :class:`CaptureError` at construction; the caller then
@@ -87,13 +84,12 @@ class _Capture:
     while only the runner holds them (``None`` when they are never handed out: this torch
     cannot count references, or an output aliases an input of the capture)."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, inputs: Sequence[Any],
-                 hand_out: bool):
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, inputs: Sequence[Any]):
         self.graph, self.outputs = graph, outputs
         self.storages: list[int] | None = None
         flat = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
         read = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
-        if hand_out and hasattr(torch._C, "_storage_Use_Count") and not any(
+        if hasattr(torch._C, "_storage_Use_Count") and not any(
                 t.untyped_storage().data_ptr() in read for t in flat):
             self.storages = [t.untyped_storage()._cdata for t in flat]
         self.sole_use = self._use_counts()
@@ -108,12 +104,10 @@ class _Capture:
         return self.storages is not None and self._use_counts() != self.sole_use
 
     def replay(self, outputs: str) -> Any:
-        """Replay and return the outputs: ``"buffers"`` the output buffers themselves,
-        ``"copies"`` copies of them, ``"safe"`` the buffers as new tensor objects (each one held
-        adds to its storage's count) when they may be handed out, else copies."""
+        """Replay and return the outputs: ``"copies"`` copies of the output buffers, ``"safe"``
+        the buffers as new tensor objects (each one held adds to its storage's count) when they
+        may be handed out, else copies."""
         self.graph.replay()
-        if outputs == "buffers":
-            return self.outputs
         if outputs == "copies" or self.storages is None:
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                             self.outputs)
@@ -136,8 +130,6 @@ class CudaGraphRunner:
             prologue, which recomputes the derived tensors whose sources changed since the last
             replay (:mod:`.derivations`). ``None``: values the kernels derive are made once per
             capture, in the graph, at every replay.
-        copy_outputs: never return a buffer a later call overwrites (the buffers while nothing
-            holds the last ones handed out, else copies: see the module docstring).
         buffers: the module's buffers: what the warm-up calls update in them (a train-mode batch
             norm's statistics) is undone, so that calls update them as eager calls do.
         written: positions of inputs the forward writes in place: after a replay that read the
@@ -148,11 +140,10 @@ class CudaGraphRunner:
     """
 
     def __init__(self, fn: Callable[..., Any], example_args: Sequence[Any], warmup: int = 2,
-                 derivations: Derivations | None = None, copy_outputs: bool = True,
+                 derivations: Derivations | None = None,
                  buffers: Sequence[torch.Tensor] = (), written: Sequence[int] = ()):
         self.fn, self.warmup, self.derivations = fn, warmup, derivations
         self.buffers, self.written = list(buffers), list(written)
-        self.copy_outputs = copy_outputs
         self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_args]
         self.main: _Capture | None = None
         # None: not captured yet; False: capture failed (see _try_capture)
@@ -197,7 +188,7 @@ class CudaGraphRunner:
                 _release_rng_capture(torch.cuda.current_device())
                 self.close()
                 raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
-        self.main = _Capture(graph, outputs, self.static_inputs, self.copy_outputs)
+        self.main = _Capture(graph, outputs, self.static_inputs)
 
     def _forward(self, args: Sequence[Any]) -> Any:
         """What a graph holds: the derivation prologue, then the forward (which waits for the
@@ -222,7 +213,7 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=pool, stream=_capture_stream(),
                                   capture_error_mode="thread_local"), self._scope():
                 outputs = self._forward(args)
-            return _Capture(graph, outputs, args, self.copy_outputs)
+            return _Capture(graph, outputs, args)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
             _release_rng_capture(torch.cuda.current_device())
             warn_once("capturing a further CUDA graph (the direct or the spare one)",
@@ -247,20 +238,19 @@ class CudaGraphRunner:
                      for a in args)
 
     def __call__(self, *args: Any) -> Any:
-        outputs = "safe" if self.copy_outputs else "buffers"
         key = self._key(args)
-        if key == self._last_key and self.copy_outputs:  # the caller refilled its tensors
+        if key == self._last_key:  # the caller refilled its tensors
             if self._direct is None:
                 self._direct, self._direct_key = self._try_capture(args, None), key
             direct = self._direct
             if direct and key == self._direct_key and not direct.held():
-                return direct.replay(outputs)
+                return direct.replay("safe")
         self._last_key = key
         for static, a in zip(self.static_inputs, args):
             if isinstance(static, torch.Tensor):
                 static.copy_(a)
         if not self.main.held():
-            return self._written_back(args, self.main.replay(outputs))
+            return self._written_back(args, self.main.replay("safe"))
         # a buffer handed out (or a view of one) is still held: the spare graph, whose outputs
         # never leave the runner
         if self._spare is None:

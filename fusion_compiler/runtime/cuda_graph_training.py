@@ -17,8 +17,7 @@ What :class:`TrainingGraphRunner` keeps of plain autograd:
   changing which parameters require grad, captures the graphs again (checked before each forward).
 - **Buffers see one update per call.** Warm-up runs (which update BatchNorm's running statistics)
   are undone: the buffers are restored after capture.
-- **Outputs survive later calls** (``copy_outputs``): each forward returns copies of the graph's
-  output buffers.
+- **Outputs survive later calls**: each forward returns copies of the graph's output buffers.
 
 Limits (each raises ``RuntimeError`` naming the fix): a backward must follow its own forward
 before the next forward of the same specialization (the forward graph's saved activations are
@@ -61,8 +60,6 @@ class TrainingGraphRunner:
         parameters: the parameters ``fn`` reads (those that require grad get gradients).
         buffers: the buffers ``fn`` may update in place (restored after warm-up and capture).
         warmup: forward + backward runs on a side stream before capture.
-        copy_outputs: return copies of the forward's output buffers (else the buffers, which the
-            next call overwrites).
 
     Raises:
         CaptureError: the forward or the backward cannot be captured.
@@ -70,9 +67,8 @@ class TrainingGraphRunner:
 
     def __init__(self, fn: Callable[..., Any], module: torch.nn.Module,
                  example_args: Sequence[Any], parameters: Sequence[torch.nn.Parameter],
-                 buffers: Sequence[torch.Tensor] = (), warmup: int = 3,
-                 copy_outputs: bool = True):
-        self.fn, self.module, self.warmup, self.copy_outputs = fn, module, warmup, copy_outputs
+                 buffers: Sequence[torch.Tensor] = (), warmup: int = 3):
+        self.fn, self.module, self.warmup = fn, module, warmup
         self.all_parameters = list(parameters)
         self.buffers = list(buffers)
         self.static_inputs = [a.detach().clone().requires_grad_(a.requires_grad)
@@ -133,7 +129,7 @@ class TrainingGraphRunner:
     def _capture_graphs(self, named: dict[str, torch.Tensor],
                         alias_of: dict[int, torch.Tensor]) -> None:
         pool = torch.cuda.graph_pool_handle()
-        self.pair = pair = _GraphPair(self.parameters, self.copy_outputs)  # closed if it fails
+        self.pair = pair = _GraphPair(self.parameters)  # closed if it fails
         with torch.enable_grad():
             pair.capture_forward(lambda: self._run(named), self.static_inputs, pool)
         pair.capture_backward([alias_of[id(p)] for p in pair.parameters],
@@ -158,8 +154,8 @@ class TrainingGraphRunner:
 class _GraphPair:
     """The forward and backward graphs of the step, their static buffers and replays."""
 
-    def __init__(self, parameters: list[torch.nn.Parameter], copy_outputs: bool):
-        self.parameters, self.copy_outputs = parameters, copy_outputs
+    def __init__(self, parameters: list[torch.nn.Parameter]):
+        self.parameters = parameters
         self.fwd_graph: torch.cuda.CUDAGraph | None = None
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
         self.generation = 0  # forward replays so far: a backward must belong to the latest
@@ -206,15 +202,13 @@ class _GraphPair:
 
     def forward(self, inputs: Sequence[Any]) -> list[Any]:
         """Copy ``inputs`` into the static buffers (where they are other tensors), replay the
-        forward graph, return the outputs (flattened; copies with ``copy_outputs``, else
-        aliases of the buffers)."""
+        forward graph, return copies of the outputs (flattened)."""
         for static, a in zip(self.static_inputs, inputs):
             if isinstance(a, torch.Tensor) and a.data_ptr() != static.data_ptr():
                 static.copy_(a)
         self.fwd_graph.replay()
         self.generation += 1
-        return [(t.clone() if self.copy_outputs else t.detach())
-                if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
+        return [t.clone() if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
 
     def backward(self, generation: int, grad_outputs: Sequence[torch.Tensor | None]
                  ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:

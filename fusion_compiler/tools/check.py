@@ -192,7 +192,7 @@ def _weighted_sum(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
 
 
 def check(model: torch.nn.Module, *inputs: Any, train: bool | None = None,
-          backend: str = "auto", seed: int = 0, **options: Any) -> CheckReport:
+          seed: int = 0, **options: Any) -> CheckReport:
     """Compile ``model`` (or take an already compiled :class:`CompiledModule`), run it on
     ``inputs`` and compare with an fp64 copy of the model, whole and per region (module doc).
 
@@ -203,7 +203,7 @@ def check(model: torch.nn.Module, *inputs: Any, train: bool | None = None,
         inputs: the example inputs (tensors in the model's dtype; at least one floating value
             in every output, never all zeros).
         train: also check gradients (default: ``model.training``).
-        backend, options: :func:`fusion_compiler.compile`'s, for a model not compiled yet.
+        options: :func:`fusion_compiler.compile`'s, for a model not compiled yet.
         seed: of the upstream gradients.
 
     Returns:
@@ -218,7 +218,7 @@ def check(model: torch.nn.Module, *inputs: Any, train: bool | None = None,
         compiled, base = model, model.model
     else:
         base = copy.deepcopy(model)
-        compiled = CompiledModule(base, backend=backend, **options)
+        compiled = CompiledModule(base, **options)
     train = base.training if train is None else train
     floats = [t for t in (*base.parameters(), *inputs)
               if isinstance(t, torch.Tensor) and t.is_floating_point()]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import BACKENDS, CompileOptions
+from ..config import DEFAULT_BACKENDS, CompileOptions
 from ..ir.errors import FusionError, condense
 from .report import DEFAULT_STAGES, STAGES_HELP
 
@@ -83,10 +83,8 @@ def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]
 
 
 def _options(args: argparse.Namespace) -> dict:
-    return {"backend": args.backend, "autotune": args.autotune,
+    return {"backends": args.backends, "autotune": args.autotune,
             "fuse_prologue": args.fuse_prologue, "fuse_reduction": args.fuse_reduction,
-            "triton_conv": args.triton_conv,
-            "dense_conv": not args.no_dense_conv,
             "horizontal_fusion": not args.no_horizontal_fusion}
 
 
@@ -180,21 +178,17 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
                    help="dtype of the model and its inputs (default %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--train", action="store_true", help="training mode (default: eval)")
-    p.add_argument("--backend", choices=BACKENDS, default=CompileOptions.backend)
+    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), metavar="NAMES",
+                   help="comma-separated backends lowering may give a region, in the order it "
+                        "asks them; several that take a region are timed against each other "
+                        "(default %(default)s; also triton_conv, off by default: cuDNN was "
+                        "faster on every region measured; '' runs every region as PyTorch ops)")
     p.add_argument("--fuse-prologue", action="store_true",
                    help="fuse pointwise ops on a conv's input into its region (off by default: "
                         "slower, docs/decisions.md)")
     p.add_argument("--fuse-reduction", action="store_true",
                    help="fuse the H, W sum after a conv into its region (off by default: "
                         "slower, docs/decisions.md)")
-    p.add_argument("--triton-conv", action="store_true",
-                   help="time a Triton implicit-GEMM convolution against cuDNN per region in CUDA "
-                        "inference, the faster kept (off by default: cuDNN was faster on every "
-                        "region measured, docs/options.md)")
-    p.add_argument("--no-dense-conv", action="store_true",
-                   help="do not offer a convolution of a small image as one dense GEMM (on by "
-                        "default: timed against cuDNN per region in CUDA inference, "
-                        "docs/options.md)")
     p.add_argument("--no-horizontal-fusion", action="store_true",
                    help="keep convolutions that read the same image apart (on by default in "
                         "CUDA inference: one convolution with their weights concatenated, "

@@ -21,7 +21,8 @@ from ..tables import op_name_of
 __all__ = ["to_dot", "BACKEND_COLORS"]
 
 # fill colour of a region cluster per backend that runs it
-BACKEND_COLORS = {"cudnn": "#c7e9c0", "reference": "#fdd0a2"}
+BACKEND_COLORS = {"cudnn": "#c7e9c0", "dense": "#c6dbef", "triton_stem": "#dadaeb",
+                  "triton_conv": "#dadaeb", "reference": "#fdd0a2"}
 
 
 def _quote(text: str) -> str:

@@ -32,9 +32,9 @@ __all__ = ["channels_last_activations", "channel_padded_images", "four_channel_i
            "nchw_padded_avg_pools", "NHWC_OUTPUT_BACKENDS"]
 
 
-#: Backends whose region outputs are channels_last: cuDNN's, and the Triton SpaceToDepth stems
-#: of :mod:`fusion_compiler.backends.triton_stem`.
-NHWC_OUTPUT_BACKENDS = ("cudnn", "triton")
+#: Backends whose region outputs are channels_last: cuDNN's, and the Triton kernels of
+#: :mod:`fusion_compiler.backends.triton_stem` and :mod:`fusion_compiler.backends.triton`.
+NHWC_OUTPUT_BACKENDS = ("cudnn", "triton_stem", "triton_conv")
 
 
 def _made_channels_last(gm: fx.GraphModule, node: fx.Node) -> bool:

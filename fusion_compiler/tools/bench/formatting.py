@@ -115,8 +115,7 @@ def _what_compile_chose(chosen: dict) -> str:
     why a default was not taken."""
     regions = ", ".join(f"{n} on {b}" for b, n in sorted(chosen.get("regions", {}).items()))
     glue = f"glue compiled by {chosen['glue']}" if chosen.get("glue") else "glue as eager ops"
-    graph = {"safe": "one CUDA graph", "static": "one CUDA graph (static outputs)"}.get(
-        chosen.get("cuda_graph"), "no CUDA graph")
+    graph = "one CUDA graph" if chosen.get("cuda_graph") else "no CUDA graph"
     notes = "; ".join(chosen.get("notes") or []) or "none"
     return (f"compile(model) chose: regions {regions or 'none'}; {glue}; {graph}; defaults not "
             f"taken: {notes}")

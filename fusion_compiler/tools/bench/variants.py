@@ -62,7 +62,7 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
                                              "regions": summary["regions_per_backend"],
                                              "conv_gflop": summary["conv_gflop"]}
                 result["tuning"] = format_tuning(spec.regions)
-            elif options.get("triton_conv"):  # each region's Triton and cuDNN times
+            elif "triton_conv" in options.get("backends", ()):  # Triton's and cuDNN's times
                 result["tuning"] = result.get("tuning", "") + f"{label}:\n" + format_tuning(
                     spec.regions)
             module(*inputs)  # the first output, then the steady state: the compiled glue
