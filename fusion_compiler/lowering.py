@@ -245,11 +245,23 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
             tuning=low.tuning, timing=low.timing, gradients=low.gradients,
             nhwc_inputs=low.nhwc_inputs, padded_images=low.padded_images,
             backward=plans.get(region)))
-        if fallback:
-            level = logging.INFO if options.backends == DEFAULT_BACKENDS else logging.WARNING
-            log.log(level, "region %s (%s) runs on the reference backend: %s",
-                    region.region_id, region.pattern, region.reason)
+    _log_fallbacks([r for r in choices if r.status == "fallback"],
+                   logging.INFO if options.backends == DEFAULT_BACKENDS else logging.WARNING)
     return gm
+
+
+def _log_fallbacks(regions: list[Region], level: int) -> None:
+    """One log line per reason the regions fell back to the reference backend for, naming
+    them."""
+    by_reason: dict[str, list[Region]] = {}
+    for region in regions:
+        by_reason.setdefault(region.reason, []).append(region)
+    for reason, group in by_reason.items():
+        names = ", ".join(f"{r.region_id} ({r.pattern})" for r in group[:4])
+        more = f" and {len(group) - 4} more" if len(group) > 4 else ""
+        log.log(level, "%s run%s on the reference backend: %s",
+                f"region {names}" if len(group) == 1 else f"regions {names}{more}",
+                "s" if len(group) == 1 else "", reason)
 
 
 def _asked_in(gm: fx.GraphModule, options: CompileOptions
