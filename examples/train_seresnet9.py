@@ -151,14 +151,14 @@ def synthetic_data(batches: int, batch: int, device, dtype, outputs: int = 16, s
     return data
 
 
-def train(steps: int, batch: int, precision: str, device: str, lr: float, log_every: int,
-          backend: str = "auto") -> list[tuple[int, float, float]]:
+def train(steps: int, batch: int, precision: str, device: str, lr: float,
+          log_every: int) -> list[tuple[int, float, float]]:
     """Train an eager and a compiled copy side by side; returns ``(step, eager, compiled)``
     losses."""
     weights = torch.float16 if precision == "fp16" else torch.float32
     eager = build_model().to(device, weights).train()
     twin = copy.deepcopy(eager)
-    compiled = fc.compile(twin, backend=backend)
+    compiled = fc.compile(twin)
     trainers = [Trainer(eager, eager, precision, lr), Trainer(twin, compiled, precision, lr)]
     data = synthetic_data(8, batch, device, weights)
     curve = []
