@@ -6,8 +6,11 @@ process of its own, with more fusion_compiler variants than ``fusion-compiler be
     python examples/benchmark.py --models seresnet9-rgb-train    # forward + backward, N=2048
     python examples/benchmark.py --models zoo --variants eager,"torch.compile reduce-overhead",fusion_compiler
     python examples/benchmark.py --models spellings       # SE-ResNet9 as people write it
+    python examples/benchmark.py --models amp             # fp32 weights under autocast
 
-Everything is fp16 (inputs NCHW; ``--channels-last`` stores the parameters channels_last).
+Everything is fp16 (inputs NCHW; ``--channels-last`` stores the parameters channels_last), but
+the ``-amp`` models: fp32 parameters and inputs, every call under ``torch.autocast`` (fp16), and
+each training step with a ``GradScaler`` and an SGD step (``bench(..., amp=True)``).
 torchvision models have random weights and batch-norm statistics calibrated on random data
 (:func:`calibrate_batch_norm`), so their fp16 activations do not overflow.
 Timing, variants and compile times are those of :mod:`fusion_compiler.tools.bench`; the extra
@@ -49,7 +52,15 @@ MODELS = {
     "regnet_y_400mf": ("torchvision.models:regnet_y_400mf", (32, 3, 224, 224), False),
     "seresnet9-rgb-train": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
                             (2048, 3, 64, 64), True),
+    "seresnet9-rgb-amp": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
+                          (128, 3, 64, 64), False),
+    "seresnet9-rgb-train-amp": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
+                                (2048, 3, 64, 64), True),
+    "seresnet9-rgb-train-amp-n1024": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
+                                      (1024, 3, 64, 64), True),
 }
+AMP = ["seresnet9-rgb-amp", "seresnet9-rgb-train-amp-n1024", "seresnet9-rgb-train-amp"]
+"""``--models amp``: fp32 parameters under autocast (fp16), the recipe most networks run with."""
 ZOO = ["resnet50-n32", "resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y_400mf"]
 """``--models zoo``: the torchvision CNNs (random weights, batch-norm statistics calibrated)."""
 SPELLING_NAMES = ["example", "authors", "torchvision_block", "functional_block", "pooled_se",
@@ -82,10 +93,12 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     model = load_model(ref).cuda()
     if ref.startswith("torchvision"):
         calibrate_batch_norm(model, shape)
-    model = model.half().train(train)
+    amp = name in AMP
+    dtype = torch.float32 if amp else torch.half
+    model = model.to(dtype).train(train)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    x = torch.randn(shape, device="cuda", dtype=torch.half)
+    x = torch.randn(shape, device="cuda", dtype=dtype)
     recipe = BenchRecipe(ref, (shape,), "float16", "cuda", args.channels_last)
     options = {} if args.autotune is None else {"autotune": args.autotune}
     variants = TRAIN_FUSION_VARIANTS if train else FUSION_VARIANTS
@@ -95,8 +108,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     result = bench(model, [x], train=train, reps=args.reps, iters=args.iters, variants=chosen,
                    fusion_variants={k: {**v, **options} for k, v in variants.items()
                                     if chosen is None or k in chosen or k == "fusion_compiler"},
-                   recipe=None if train or args.no_compile_times else recipe,
-                   profile=args.profile, compile_labels=labels or None)
+                   recipe=None if train or amp or args.no_compile_times else recipe,
+                   profile=args.profile, compile_labels=labels or None, amp=amp)
     result["label"] = name + (", params channels_last" if args.channels_last else "")
     return result
 
@@ -140,7 +153,7 @@ def main() -> int:
                                               "seresnet9-rgb-train",
                         help="comma-separated (default: %(default)s): zoo (= "
                              + ", ".join(ZOO) + "), spellings (= " + ", ".join(SPELLINGS)
-                             + "), " + ", ".join(MODELS))
+                             + "), amp (= " + ", ".join(AMP) + "), " + ", ".join(MODELS))
     parser.add_argument("--variants", default=None, help="comma-separated (default: all)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--iters", type=int, default=None)
@@ -158,7 +171,7 @@ def main() -> int:
     if args.result_json:  # a child process: one model
         args.result_json.write_text(json.dumps(run_one(args.models, args)))
         return 0
-    groups = {"zoo": ZOO, "spellings": SPELLINGS}
+    groups = {"zoo": ZOO, "spellings": SPELLINGS, "amp": AMP}
     names = [n for part in args.models.split(",") for n in groups.get(part, [part])]
     results = [own_process(name, args) for name in names]
     print(format_results(results))

@@ -33,6 +33,22 @@ def test_training_step_variants_and_tables(tmp_path):
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.txt") in paths
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_mixed_precision_recipe(train):
+    """``amp=True``: fp32 parameters, calls under autocast (bf16 on the CPU), and in training a
+    GradScaler and an SGD step in each timed step, on the variant's own copy."""
+    torch.manual_seed(0)
+    model = _model().train(train)
+    before = [p.clone() for p in model.parameters()]
+    result = bench(model, [torch.randn(2, 3, 8, 8)], train=train, reps=2, iters=1, amp=True,
+                   variants=["eager", "fusion_compiler"], progress=False)
+    assert result["dtype"] == "float32, autocast bfloat16" and not result["errors"], result
+    assert result["ms"]["fusion_compiler"]["median"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    if not train:  # bf16 against the fp32 reference
+        assert 0 < result["rel_err_vs_fp32"]["fusion_compiler"] < 5e-2
+
+
 def test_unknown_variant_is_an_error():
     with pytest.raises(ValueError, match="unknown variant"):
         bench(_model().eval(), [torch.randn(1, 3, 8, 8)], variants=["eagre"], progress=False)

@@ -14,7 +14,8 @@ import torch
 
 from ..check import floating_outputs
 
-__all__ = ["device_name", "time_ms", "graphed", "train_step", "fp32_convolutions", "sync"]
+__all__ = ["device_name", "time_ms", "graphed", "train_step", "fp32_convolutions", "sync",
+           "mixed_precision"]
 
 
 def device_name(device: torch.device | str) -> str:
@@ -66,21 +67,45 @@ def time_ms(fn: Callable[[], object], device: torch.device | str, reps: int = 15
 def graphed(step: Callable[[], object]) -> Callable[[], object]:
     """``step`` (static inputs: it takes none) warmed up 3 times on a side stream and captured
     in one CUDA graph (:class:`~fusion_compiler.runtime.cuda_graph.CudaGraphRunner`); calling the
-    result replays it and returns the graph's own outputs."""
+    result replays it and returns the graph's outputs (its own buffers while nothing holds the
+    last ones)."""
     from ...runtime.cuda_graph import CudaGraphRunner  # noqa: PLC0415
 
-    return CudaGraphRunner(step, [], warmup=3, copy_outputs=False)
+    return CudaGraphRunner(step, [], warmup=3)
+
+
+def mixed_precision(device: torch.device, amp: bool) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to fp16 on CUDA (bf16 elsewhere) with ``amp``, else nothing."""
+    if not amp:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, torch.float16 if device.type == "cuda" else torch.bfloat16)
 
 
 def train_step(model: torch.nn.Module, run: Callable[..., Any], inputs: Sequence[Any],
-                mark: bool = False) -> Callable[[], None]:
+               mark: bool = False, amp: bool = False) -> Callable[[], None]:
     """One forward and backward of ``run`` (the model or a compiled form of it): gradients of
-    every parameter set to ``None``, loss = sum over outputs of mean(out**2) in fp32."""
+    every parameter set to ``None``, loss = sum over outputs of mean(out**2) in fp32. With
+    ``amp`` (the recipe of PyTorch's automatic mixed precision examples, fp32 parameters) the
+    forward runs under :func:`mixed_precision`, the loss is scaled by a
+    ``torch.amp.GradScaler`` and each step ends with the scaler's step of an SGD optimizer
+    (learning rate 1e-4) and its update."""
+    device = next(model.parameters()).device
+    if amp:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler(device.type)
+
     def step() -> None:
         if mark:  # a new step for CUDA graph trees: earlier outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         model.zero_grad(set_to_none=True)
-        sum(o.float().square().mean() for o in floating_outputs(run(*inputs))).backward()
+        with mixed_precision(device, amp):
+            loss = sum(o.float().square().mean() for o in floating_outputs(run(*inputs)))
+        if not amp:
+            loss.backward()
+            return
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
     return step
 
 

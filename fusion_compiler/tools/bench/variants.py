@@ -20,7 +20,8 @@ from ..check import floating_outputs, relative_error
 from ...tables import format_gradients, format_tuning, summarize
 from .compile_times import DOOR, BenchRecipe, new_batch_seconds, new_process_compile_seconds
 from .profiling import gpu_ops_per_call, kernel_profile
-from .timing import device_name, fp32_convolutions, graphed, sync, time_ms, train_step
+from .timing import (device_name, fp32_convolutions, graphed, mixed_precision, sync, time_ms,
+                     train_step)
 
 __all__ = ["bench", "INFERENCE_VARIANTS", "TRAIN_VARIANTS", "ALTERNATING", "DOOR"]
 
@@ -38,11 +39,23 @@ tensor every call, which a graph then reads in place: ``runtime/cuda_graph.py``)
 
 
 def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
-            fusion_variants: dict[str, dict], cache_dir: str, result: dict
+            fusion_variants: dict[str, dict], cache_dir: str, result: dict, amp: bool = False
             ) -> dict[str, Callable[[], Callable[[], object]]]:
     """Per variant, a function that builds it and returns the callable to time."""
     def fresh() -> torch.nn.Module:  # training variants each get their own parameters
         return copy.deepcopy(model) if train else model
+
+    device = next(t for t in inputs if isinstance(t, torch.Tensor)).device
+
+    def mixed(fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` called under :func:`mixed_precision` (inference with ``amp``)."""
+        if not amp:
+            return fn
+
+        def call() -> object:
+            with mixed_precision(device, amp):
+                return fn()
+        return call
 
     first = next(iter(fusion_variants))  # the variant whose choices and tables are reported
 
@@ -54,7 +67,8 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
         m = fresh()
         module = compile_model(m, cache_dir=cache_dir, progress=False, **options)  # spinner instead
         if not train:
-            spec = module.specialize(*inputs)
+            with mixed_precision(device, amp):  # the autocast specialization
+                spec = module.specialize(*inputs)
             if label == first:  # what compile(model) chose, per region
                 summary = summarize(spec)
                 result["fusion_compiler"] = {"cuda_graph": spec.cuda_graph,
@@ -65,14 +79,14 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
             elif "triton_conv" in options.get("backends", ()):  # Triton's and cuDNN's times
                 result["tuning"] = result.get("tuning", "") + f"{label}:\n" + format_tuning(
                     spec.regions)
-            module(*inputs)  # the first output, then the steady state: the compiled glue
+            mixed(lambda: module(*inputs))()  # the first output, then the steady state
             module.wait_for_background_compiles()
             if alternate:
                 turns = itertools.cycle((inputs, [t.clone() if isinstance(t, torch.Tensor)
                                                   else t for t in inputs]))
-                return lambda: module(*next(turns))
-            return lambda: module(*inputs)
-        step = train_step(m, module, inputs)
+                return mixed(lambda: module(*next(turns)))
+            return mixed(lambda: module(*inputs))
+        step = train_step(m, module, inputs, amp=amp)
         step()
         if label == first:
             result["gradients"] = format_gradients(module.last.regions)
@@ -82,7 +96,7 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
               mark: bool = False) -> Callable[[], object]:
         m = fresh()
         run = run_of(m)
-        fn = train_step(m, run, inputs, mark) if train else (lambda: run(*inputs))
+        fn = train_step(m, run, inputs, mark, amp) if train else mixed(lambda: run(*inputs))
         return graphed(fn) if graph else fn
 
     def door(m: torch.nn.Module) -> Callable[..., Any]:
@@ -153,7 +167,7 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
           variants: Sequence[str] | None = None, fusion_variants: dict[str, dict] | None = None,
           reps: int | None = None, iters: int | None = None, recipe: BenchRecipe | None = None,
           profile: bool = False, compile_labels: Sequence[str] | None = None,
-          progress: bool = True) -> dict:
+          progress: bool = True, amp: bool = False) -> dict:
     """Time ``model`` on ``inputs`` in every variant (module doc) and return a JSON-ready result.
 
     Args:
@@ -173,6 +187,11 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
             ``recipe``) and first call at half the batch (inference) are measured (default: the
             first of ``fusion_variants``).
         progress: spinner and one line per variant on stderr.
+        amp: automatic mixed precision as most people run networks: ``model`` in fp32, every
+            call under ``torch.autocast`` (fp16 on CUDA), and in training a ``GradScaler`` and
+            an SGD step in each timed step (:func:`~.timing.train_step`). The variants that
+            capture a whole training step by hand are skipped (the scaler's step reads a value
+            on the host), as are the new-batch and new-process compile times.
 
     Returns:
         ``{"model", "inputs", "dtype", "device", "gpu", "torch", "train", "ms": {variant: time_ms
@@ -193,13 +212,15 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
         *(v for v in (TRAIN_VARIANTS if train else INFERENCE_VARIANTS) if v != "fusion_compiler"),
         *fusion_variants, *(() if train else (ALTERNATING,))]
     result: dict = {"model": type(model).__name__, "inputs": [list(t.shape) for t in inputs],
-                    "dtype": str(first.dtype).removeprefix("torch."), "device": str(device),
+                    "dtype": str(first.dtype).removeprefix("torch.") + (
+                        ", autocast " + ("float16" if device.type == "cuda" else "bfloat16")
+                        if amp else ""), "device": str(device),
                     "gpu": device_name(device), "torch": torch.__version__, "train": train,
                     "ms": {}, "compile_s": {}, "skipped": {}, "errors": {},
                     "first": next(iter(fusion_variants))}
     reps = reps or (15 if device.type == "cuda" else 5)
     cache_dir = tempfile.mkdtemp(prefix="fc-bench-plans-")
-    makers = _makers(model, inputs, train, fusion_variants, cache_dir, result)
+    makers = _makers(model, inputs, train, fusion_variants, cache_dir, result, amp)
     unknown = [v for v in names if v not in makers]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {sorted(makers)}")
@@ -223,6 +244,9 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
         for name in names:
             if name in _NEEDS_CUDA and device.type != "cuda":
                 result["skipped"][name] = "needs CUDA"
+                continue
+            if amp and train and name in ("eager+cudagraph", "fusion_compiler+cudagraph"):
+                result["skipped"][name] = "GradScaler's step reads a value on the host"
                 continue
             try:
                 with _status(console, f"bench: building and calling {name}", done=False):
@@ -261,10 +285,10 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                 result["errors"][f"{name}, profile"] = " ".join(str(exc).split())[:300]
         built.clear()
         timed = {k: fusion_variants[k] for k in compile_labels or list(fusion_variants)[:1]}
-        if not train and first.dim() > 0 and first.shape[0] >= 2:
+        if not train and not amp and first.dim() > 0 and first.shape[0] >= 2:
             with _status(console, "bench: first call at half the batch"):
                 new_batch_seconds(model, inputs, timed, cache_dir, result)
-    if recipe is not None and not train:
+    if recipe is not None and not train and not amp:
         if sys.flags.dont_write_bytecode and console is not None:
             console.print("bench: Python writes no bytecode cache here (PYTHONDONTWRITEBYTECODE): "
                           "each new process compiles the sources it imports, and its start-up "
