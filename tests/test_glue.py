@@ -175,6 +175,29 @@ def test_se_gates_take_mobilenet_v3s_hard_sigmoid_gate_and_its_tail():
         torch.testing.assert_close(gm(x), want, rtol=1e-5, atol=1e-5)
 
 
+def test_se_blocks_under_autocast_take_the_fp32_weights_as_they_are():
+    """Under ``torch.autocast`` the SE layers' fp32 weights meet activations in the autocast
+    dtype (autocast casts them when the layer runs): the gates still become the package's kernel,
+    which reads every weight into fp32, and the result is eager autocast's to its rounding."""
+    from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+    from fusion_compiler.compiler import CompiledModule
+
+    from conftest import CUDA_PIPELINE
+
+    torch.manual_seed(0)
+    model, x = randomize_(se_resnet9_fixup(3)).eval(), torch.randn(2, 3, 64, 64)
+    compiled = CompiledModule(model, CUDA_PIPELINE, cache_dir=False, glue_backend=None)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        got, eager = compiled(x), model(x)
+    ops = [n.target for n in compiled.last.graph_module.graph.nodes if n.op == "call_function"]
+    assert ops.count(se_scale) == 4
+    assert got.dtype == eager.dtype == torch.float32  # the Fixup biases promote, as in eager
+    with torch.no_grad():
+        reference = model(x)
+    scale = reference.abs().max()
+    assert (got - reference).abs().max() / scale <= 2 * (eager - reference).abs().max() / scale
+
+
 def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
     torch.manual_seed(0)
     x = torch.randn(4, 24, 5, 7).contiguous(memory_format=torch.channels_last)

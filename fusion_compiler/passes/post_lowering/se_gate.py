@@ -75,6 +75,7 @@ def _dense(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, object, 
 
 _ACTIVATIONS = {torch.relu: "relu", F.silu: "silu"}
 _GATES = {torch.sigmoid: "sigmoid", F.hardsigmoid: "hardsigmoid"}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def se_gates(gm: fx.GraphModule) -> int:
@@ -87,8 +88,9 @@ def se_gates(gm: fx.GraphModule) -> int:
     follows is unchanged. A gate whose samples hold more than :data:`FUSED_SQUEEZE` values gets
     the pooled ``[N, C, 1, 1]`` mean (the graph's own reduction) instead of ``x``.
 
-    Matched when ``x`` is 4-d with known metadata, ``x``, the weights and the gate share one
-    floating dtype, ``W1`` is ``[R, C]`` and ``W2`` ``[C, R]`` (``[R, C, 1, 1]``, ``[C, R, 1, 1]``
+    Matched when ``x`` is 4-d with known metadata, ``x`` and the gate share one floating dtype
+    (fp16, bf16 or fp32) and the weights are of one of those (under ``torch.autocast`` the layers
+    of fp32 weights run in the autocast dtype; the kernel reads every weight into fp32), ``W1`` is ``[R, C]`` and ``W2`` ``[C, R]`` (``[R, C, 1, 1]``, ``[C, R, 1, 1]``
     as convolutions) with ``C`` at most :data:`~fusion_compiler.kernels.se_gate.MAX_CHANNELS`,
     ``R`` at most :data:`~fusion_compiler.kernels.se_gate.MAX_HIDDEN` and ``R * C`` at most
     :data:`~fusion_compiler.kernels.se_gate.MAX_GATE_WEIGHT` (the kernel holds a weight in
@@ -116,8 +118,8 @@ def se_gates(gm: fx.GraphModule) -> int:
         (_, w1, b1, conv), (_, w2, b2, _) = first, second
         xv, w1v, w2v, out = x.meta["val"], value_of(gm, w1), value_of(gm, w2), node.meta.get("val")
         if w1v is None or w2v is None or not isinstance(out, torch.Tensor) \
-                or not xv.dtype.is_floating_point \
-                or len({xv.dtype, w1v.dtype, w2v.dtype, out.dtype}) != 1:
+                or xv.dtype not in _DTYPES or out.dtype != xv.dtype \
+                or w1v.dtype not in _DTYPES or w2v.dtype not in _DTYPES:
             continue
         hidden, channels = w1v.shape[:2]
         if w1v.dim() != (4 if conv else 2) or tuple(w2v.shape[:2]) != (channels, hidden) \

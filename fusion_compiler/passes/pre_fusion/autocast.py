@@ -9,7 +9,10 @@ PyTorch's type promotion then makes ``conv_out + fp32_bias`` an fp32 tensor, whi
 * in an ``add``/``sub``/``mul``/``div`` whose one tensor operand is in ``dtype`` and the other in
   fp32, the fp32 operand is cast to ``dtype``, so epilogues stay in ``dtype`` and fuse (cuDNN
   computes them in fp32 internally anyway). Eager autocast would compute these in fp32: results
-  differ by low-precision rounding of the operand, and such ops return ``dtype`` instead of fp32.
+  differ by low-precision rounding of the operand, and such ops return ``dtype`` instead of fp32;
+* an output of the graph that these casts left in ``dtype`` where eager returns fp32 (a Fixup
+  block's ``conv(x) + fp32_bias`` at the end of a network) is cast back to eager's dtype, so a
+  caller gets the dtypes the module returns under autocast.
 
 Every other op is left to autocast itself at run time (the compiled graph runs inside the
 caller's autocast context). Casts of parameters are parameter-only work, which inference
@@ -75,6 +78,28 @@ def make_autocast_explicit(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphMo
                 node.op == "call_method" and node.target in ("view", "reshape", "contiguous")):
             if dtype_of(node.args[0]) is not None:
                 dtypes[node] = dtype_of(node.args[0])
+    _eager_output_dtypes(graph, dtypes)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _eager_output_dtypes(graph: fx.Graph, dtypes: dict[fx.Node, torch.dtype]) -> None:
+    """Cast each output whose dtype the pass changed back to the dtype fake-tensor propagation
+    recorded under autocast (eager's)."""
+    output = graph.find_nodes(op="output")[0]
+    restored: dict[fx.Node, fx.Node] = {}
+
+    def back(arg: object) -> object:
+        if not isinstance(arg, fx.Node) or arg not in dtypes:
+            return arg
+        val = arg.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dtype == dtypes[arg]:
+            return arg
+        if arg not in restored:
+            with graph.inserting_before(output):
+                restored[arg] = graph.call_method("to", (arg, val.dtype))
+            restored[arg].meta["val"] = val
+        return restored[arg]
+
+    output.args = fx.node.map_aggregate(output.args, back)
