@@ -86,6 +86,15 @@ def lowered_on_gpu(region) -> bool:
         or (region.backend == "triton_stem" and region.space_to_depth > 0))
 
 
+def lowered_or_pytorch_faster(region) -> bool:
+    """Whether a region of a CUDA specialization runs what lowering chose for it: a GPU kernel
+    (:func:`lowered_on_gpu`), or its PyTorch ops where autotuning (``autotune > 1``) timed them
+    faster than cuDNN's plan (``backends/cudnn/support.py``, ``slower_than_pytorch``); not a
+    region that fell back for any other reason, nor one still on tier 0 (status ``"fused"``)."""
+    return lowered_on_gpu(region) or (region.status == "fallback"
+                                      and region.reason.startswith("PyTorch ops were faster"))
+
+
 def relowered(region, **changes) -> None:
     """Change fields of ``region``'s lowering record (a test breaking a kernel on purpose, or
     standing in for what a GPU backend would have recorded)."""

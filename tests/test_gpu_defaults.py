@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-from conftest import lowered_on_gpu, rel_err
+from conftest import lowered_on_gpu, lowered_or_pytorch_faster, rel_err
 
 import fusion_compiler as fc
 import fusion_compiler.backends.cudnn.kernel as cudnn_kernel
@@ -74,7 +74,7 @@ def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tm
         assert _runs_triton(lambda: compiled(x))
         outs += [compiled(x), compiled(half)]
     assert (spec.cuda_graph, spec.glue_backend, spec.notes) == ("safe", "inductor", [])
-    assert all(lowered_on_gpu(r) for r in spec.regions)
+    assert all(lowered_on_gpu(r) for s in specs for r in s.regions)
     for out, inp in zip(outs, (x, half, x, half)):
         assert rel_err(out.float().cpu(), _fp64(model, inp)) < 2e-3
     with torch.no_grad():  # parameters of the glue (the SE MLP, the layer norm), updated in place
@@ -102,6 +102,8 @@ def test_a_first_call_answers_while_plans_build_and_the_switch_times_them(tmp_pa
         second = compiled(x)
     assert spec.lowered and spec.cuda_graph == "safe" and spec.notes == []
     assert any(sum(t.ms is not None for t in r.tuning) >= 2 for r in spec.regions)  # timed
+    assert all(lowered_or_pytorch_faster(r) for r in spec.regions), [
+        (r.region_id, r.reason) for r in spec.regions]
     for out in (first, second):
         assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
 
@@ -124,6 +126,8 @@ def test_a_warm_start_answers_from_tier_0_then_runs_the_cached_plans(tmp_path):
     assert spec.lowered and spec.cuda_graph == "safe" and spec.notes == []
     cudnn = [r for r in spec.regions if r.backend == "cudnn"]
     assert cudnn and all(r.plan_from_cache for r in cudnn)
+    assert all(lowered_or_pytorch_faster(r) for r in spec.regions), [
+        (r.region_id, r.reason) for r in spec.regions]
     for out in (first, second):
         assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
 
@@ -167,6 +171,7 @@ def test_default_outputs_survive_later_calls(tmp_path):
         kept = y1.clone()
         y2 = compiled(x2)
         assert compiled.last.cuda_graph == "safe"
+        assert all(lowered_or_pytorch_faster(r) for r in compiled.last.regions)
         assert y1.data_ptr() != y2.data_ptr() and torch.equal(y1, kept)
         assert not torch.equal(y1, y2)
         assert rel_err(y2.float().cpu(), _fp64(model, x2)) < 2e-3
@@ -193,6 +198,7 @@ def test_default_outputs_are_the_graph_buffers_while_nothing_holds_the_last_ones
         del view
         y0 = compiled(xs[0])
         assert y0.data_ptr() == buffer
+    assert all(lowered_or_pytorch_faster(r) for r in compiled.last.regions)
     for y, x in ((y0, xs[0]), (y2, xs[2]), (y3, xs[3])):
         assert rel_err(y.float().cpu(), _fp64(model, x)) < 2e-3
 
@@ -222,6 +228,7 @@ def test_a_caller_refilling_its_input_tensor_gets_a_graph_that_reads_it_in_place
         y2 = compiled(buffer)  # the direct graph again
         assert y2.data_ptr() == runner._direct.outputs.data_ptr()
         y3 = compiled(other)
+    assert all(lowered_or_pytorch_faster(r) for r in compiled.last.regions)
     for y, x in ((kept, fills[0]), (y1, fills[1]), (y2, fills[2]), (y3, other)):
         assert rel_err(y.float().cpu(), _fp64(model, x)) < 2e-3
 
@@ -255,6 +262,7 @@ def test_a_forward_that_cannot_be_captured_runs_without_a_graph_and_says_why_onc
             assert rel_err(compiled(x).float().cpu(), _fp64(model, x)) < 2e-3
             assert compiled.last.cuda_graph is None
             assert "runs without a CUDA graph" in compiled.last.notes[0]
+            assert all(lowered_or_pytorch_faster(r) for r in compiled.last.regions)
             # a choice reused from N=4 whose engine knobs cuDNN rejected at N=8 is tuned anew
             assert not any("rejected" in r.reason for r in compiled.last.regions)
     logged = [r.message for r in caplog.records if "runs without a CUDA graph" in r.message]
@@ -275,6 +283,9 @@ def test_without_cuda_graphs_regions_are_called_directly(monkeypatch, tmp_path):
     with torch.inference_mode():
         out = compiled(x)
     assert (compiled.last.cuda_graph, compiled.last.glue_backend) == (None, None) and not calls
+    regions = compiled.last.regions  # cuDNN's plans ran, not PyTorch's ops
+    assert any(r.backend == "cudnn" for r in regions)
+    assert all(lowered_or_pytorch_faster(r) for r in regions)
     assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
     compiled(x).float().square().mean().backward()  # training: through the op, Inductor glue
     assert calls and compiled.last.glue_backend == "inductor"
@@ -297,6 +308,7 @@ def test_bounded_specializations_give_gpu_memory_back(tmp_path):
             compiled.wait_for_background_compiles(600)  # then a CUDA graph (tier 0: none)
             assert rel_err(compiled(x).float().cpu(), _fp64(model, x)) < 2e-3
             assert compiled.last.cuda_graph == "safe"
+            assert all(lowered_on_gpu(r) for r in compiled.last.regions)
             torch.cuda.synchronize()
             held.append(torch.cuda.memory_allocated() - base)
     assert len(compiled.specializations) == 16
@@ -322,6 +334,8 @@ def test_a_new_batch_size_reuses_the_plan_choice(tmp_path):
     regions = compiled.last.regions
     assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
     assert [r.backend for r in regions] == [r.backend for r in tuned]  # the same decisions
+    assert all(lowered_or_pytorch_faster(r) for r in regions), [
+        (r.region_id, r.reason) for r in regions]
     for r in regions:
         if r.backend == "cudnn":  # one plan built, nothing timed
             assert "choice made at another batch size" in r.plan, r.plan

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import lowered_or_pytorch_faster, rel_err
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomized_se_resnet9_fixup
@@ -87,6 +87,7 @@ def test_compile_times_the_dense_gemm_against_cudnn(tmp_path):
     assert [r.pattern for r in small] == ["conv3x3 > mul > add"], compiled.report()
     region = small[0]
     assert region.backend == min(("dense", "cudnn"), key=region.timing.__getitem__)
+    assert all(lowered_or_pytorch_faster(r) for r in compiled.last.regions), compiled.report()
     with torch.inference_mode(), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         compiled(x)
@@ -122,6 +123,8 @@ def test_no_weight_preparation_in_the_replay():
             compiled(x)
             compiled.wait_for_background_compiles()
             assert rel_err(compiled(x), want) < 2e-3
+            assert all(lowered_or_pytorch_faster(r) for r in compiled.last.regions), \
+                compiled.report()
             with torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 compiled(x)

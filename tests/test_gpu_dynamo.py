@@ -68,11 +68,18 @@ def test_inference_batch_sequence_and_convolution_kernels_in_the_replay(tmp_path
 def test_training_batch_sequence_gradients_match_fp64():
     """Training steps at 64, 32, 37, 64: every gradient within fp16 tolerance of fp64's (the
     bound of test_gpu_training: 5e-3 or 10x eager fp16's L2 error; the Fixup scalars
-    ``SCALAR_TOL``)."""
+    ``SCALAR_TOL``), every region of every graph on cuDNN (a training specialization has no
+    tier 0)."""
     torch.manual_seed(0)
     model = randomize_(se_resnet9_fixup(3), seed=3).cuda().half().train()
     reference = copy.deepcopy(model).double()
-    compiled = torch.compile(model, backend="fusion_compiler", options={"autotune": 1})
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(fusion_compiler_backend(gm, example_inputs, options={"autotune": 1}))
+        return seen[-1]
+
+    compiled = torch.compile(model, backend=backend)
     for n in (64, 32, 37, 64):
         x = torch.randn(n, 3, 64, 64, device="cuda")
         want = gradients(reference, reference, x.double(), input_grad=False, scale=LOSS_SCALE)
@@ -84,6 +91,9 @@ def test_training_batch_sequence_gradients_match_fp64():
                 err, eager_err = _l2_err(got[name], w), _l2_err(eager[name], w)
                 bound = SCALAR_TOL if w.numel() == 1 else max(5e-3, 10 * eager_err)
                 assert err < bound, f"N={n} {name}: L2 error {err:.3g}, eager {eager_err:.3g}"
+        regions = [r for graph in seen for r in graph.compiled_module.last.regions]
+        assert regions and all(lowered_on_gpu(r) for r in regions), [
+            (r.region_id, r.reason) for r in regions]
 
 
 class _Broken(nn.Module):

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import rel_err
+from conftest import lowered_on_gpu, rel_err
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
@@ -43,6 +43,14 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean() * 1024
 
 
+def _on_cudnn(*compiled: nn.Module) -> bool:
+    """Whether every region of each compiled module's last specialization runs on a GPU kernel
+    (in training, cuDNN's; ``autotune=1``: none is timed against PyTorch's ops). The tests compare
+    two compiled modules: both falling back to PyTorch's ops would agree too."""
+    return all(c.last.regions and all(lowered_on_gpu(r) for r in c.last.regions)
+               for c in compiled)
+
+
 def _assert_close_grads(a: nn.Module, b: nn.Module) -> None:
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert (p.grad is None) == (q.grad is None), name
@@ -69,6 +77,7 @@ def test_graphed_sgd_steps_match_the_ungraphed_module(tmp_path):
     # the updates moved the loss far more than the tolerance, so stale weights would show
     assert abs(losses[1] - first) > 10 * TOL * first, (first, losses)
     assert fast.last.cuda_graph == "safe" and slow.last.cuda_graph is None
+    assert _on_cudnn(fast, slow), fast.report()
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
         assert rel_err(p.float(), q.float()) < TOL, name
 
@@ -89,6 +98,7 @@ def test_gradients_accumulate_over_micro_batches_and_zero_grad_in_place(tmp_path
             assert p.grad.stride() == p.stride(), name
     for name, p in model.named_parameters():
         assert not torch.equal(p.grad, kept[name]) or kept[name].abs().max() == 0, name
+    assert fast.last.cuda_graph == "safe" and _on_cudnn(fast, slow), fast.report()
 
 
 def test_returned_gradients_are_not_overwritten_by_the_next_replay(tmp_path):
@@ -127,6 +137,7 @@ def test_requires_grad_changes_are_respected(tmp_path):
         _loss(c(_x(seed=2))).backward()
     assert all(p.grad is None for p in model.layer1.parameters())
     _assert_close_grads(model, other)
+    assert fast.last.cuda_graph == "safe" and _on_cudnn(fast, slow), fast.report()
 
 
 class _ConvBN(nn.Module):
@@ -149,7 +160,7 @@ def test_batch_norm_statistics_see_one_update_per_call_and_eval_switches(tmp_pat
     for x in xs:
         fast(x).float().sum().backward()
         eager(x).float().sum().backward()
-    assert fast.last.cuda_graph == "safe"
+    assert fast.last.cuda_graph == "safe" and _on_cudnn(fast), fast.report()
     for name, b in model.named_buffers():
         e = dict(eager.named_buffers())[name]
         if b.is_floating_point():
@@ -159,4 +170,6 @@ def test_batch_norm_statistics_see_one_update_per_call_and_eval_switches(tmp_pat
     model.eval()
     eager.eval()
     with torch.no_grad():
+        fast.specialize(xs[0])  # lowered now (a first call would answer from tier 0)
         assert rel_err(fast(xs[0]).float(), eager(xs[0]).float()) < 1e-2
+    assert not fast.last.training and _on_cudnn(fast), fast.report()

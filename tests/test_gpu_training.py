@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import FUSE_ALL, gradients, loss
+from conftest import FUSE_ALL, gradients, loss, lowered_or_pytorch_faster
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
@@ -137,19 +137,33 @@ def test_autotuned_backward_pieces_are_never_slower_than_pytorch():
                 assert p.backend == faster, (r.region_id, p)
 
 
-def test_training_loop_tracks_eager_for_50_steps():
+def _train(monkeypatch, **kwargs) -> list:
+    """``examples.train_seresnet9.train(**kwargs)``'s curve, after checking that the training
+    specialization of the module it compiled ran its regions on GPU kernels (or on PyTorch's ops
+    where autotuning timed them faster), not on PyTorch's ops by a fallback."""
     from examples.train_seresnet9 import train
 
-    curve = train(steps=50, batch=64, precision="fp16", device="cuda", lr=0.02, log_every=1)
+    made = []
+    compile_ = fc.compile
+    monkeypatch.setattr(fc, "compile", lambda *a, **k: made.append(compile_(*a, **k)) or made[-1])
+    curve = train(**kwargs)
+    spec = made[0].last
+    assert spec.training and spec.regions, made[0].report()
+    assert all(lowered_or_pytorch_faster(r) for r in spec.regions), made[0].report()
+    return curve
+
+
+def test_training_loop_tracks_eager_for_50_steps(monkeypatch):
+    curve = _train(monkeypatch, steps=50, batch=64, precision="fp16", device="cuda", lr=0.02,
+                   log_every=1)
     assert len(curve) == 50
     for step, eager, ours in curve:
         assert abs(ours - eager) <= 0.02 * abs(eager), (step, eager, ours)
 
 
 @pytest.mark.parametrize("precision", ["autocast-fp16", "autocast-bf16"])
-def test_autocast_training_tracks_eager(precision):
-    from examples.train_seresnet9 import train
-
-    curve = train(steps=20, batch=64, precision=precision, device="cuda", lr=0.02, log_every=1)
+def test_autocast_training_tracks_eager(precision, monkeypatch):
+    curve = _train(monkeypatch, steps=20, batch=64, precision=precision, device="cuda", lr=0.02,
+                   log_every=1)
     for step, eager, ours in curve:
         assert abs(ours - eager) <= 0.03 * abs(eager), (step, eager, ours)
