@@ -59,13 +59,13 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
             note: Callable[[list[str], str], None], training: bool = False,
             gm: fx.GraphModule | None = None, hoisted: HoistedParameters | None = None
             ) -> tuple[Callable[..., Any], str | None]:
-    """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training
-    specialization forward and backward graphs, :mod:`.runtime.cuda_graph_training`), and
-    ``"safe"`` (outputs never overwritten by a later call); or ``run`` (after refreshing ``hoisted`` at each call) and
+    """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training specialization
+    forward and backward graphs, :mod:`.runtime.cuda_graph_training`), and ``"safe"`` (outputs never
+    overwritten by a later call); or ``run`` (after refreshing ``hoisted`` at each call) and
     ``None`` when it cannot be captured (the reason is noted with ``note``). ``module`` is what
     ``run`` calls (the graph module, or ``torch.compile``'s wrapper of it); an inference graph
-    starts with the derivation prologue of the model's state, ``gm``'s tensors and
-    ``hoisted`` (:mod:`.runtime.derivations`)."""
+    starts with the derivation prologue of the model's state, ``gm``'s tensors and ``hoisted``
+    (:mod:`.runtime.derivations`)."""
     from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
     from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
     from .runtime.derivations import Derivations  # noqa: PLC0415

@@ -44,11 +44,11 @@ class Specialization:
     ``stages`` holds the code of the graph after capture and after each pass (by pass name; the
     post-lowering passes' too). ``glue_backend`` is the ``torch.compile`` backend its graph runs
     through (``None``: eager ops); ``cuda_graph`` whether its forward replays a CUDA graph
-    (``"safe"``: outputs never overwritten by a later call) or not (``None``), and ``notes`` why a default was not taken (no
-    Triton, capture impossible). ``lowered`` is ``False`` while a specialization a call compiled
-    answers from tier 0 (its regions as PyTorch ops): its regions have no kernel yet, and
-    ``glue_backend`` and ``cuda_graph`` are not decided. ``training``: its calls need gradients
-    (it has a backward).
+    (``"safe"``: outputs never overwritten by a later call) or not (``None``), and ``notes`` why a
+    default was not taken (no Triton, capture impossible). ``lowered`` is ``False`` while a
+    specialization a call compiled answers from tier 0 (its regions as PyTorch ops): its regions
+    have no kernel yet, and ``glue_backend`` and ``cuda_graph`` are not decided. ``training``: its
+    calls need gradients (it has a backward).
     """
 
     signature: tuple

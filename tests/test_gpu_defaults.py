@@ -1,7 +1,8 @@
 """``compile(model)`` with no options on a GPU: tiered glue compiles, CUDA graphs with safe
 outputs, the logged fallback when a forward cannot be captured, the direct (no custom op) call
 path without CUDA graphs, bounded specializations that give GPU memory back, and a new batch size
-answered at once, then lowered with the plan choices of the batch size tuned before. All tests carry ``@pytest.mark.gpu``."""
+answered at once, then lowered with the plan choices of the batch size tuned before. All tests
+carry ``@pytest.mark.gpu``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The Triton implicit-GEMM convolution (backend ``triton_conv``) on the GPU: the compiled kernel against
-fp64 (SE-ResNet9's layer shapes and odd ones, fp16 and bf16, every epilogue kind), and
-``compile(model, backends=(..., "triton_conv", ...))`` timing it against cuDNN per region. All tests carry
-``@pytest.mark.gpu`` (and skip without Triton). tests/test_triton_conv.py runs the kernel under
-Triton's interpreter on the CPU."""
+"""The Triton implicit-GEMM convolution (backend ``triton_conv``) on the GPU: the compiled kernel
+against fp64 (SE-ResNet9's layer shapes and odd ones, fp16 and bf16, every epilogue kind), and
+``compile(model, backends=(..., "triton_conv", ...))`` timing it against cuDNN per region. All tests
+carry ``@pytest.mark.gpu`` (and skip without Triton). tests/test_triton_conv.py runs the kernel
+under Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ def test_compile_times_the_kernel_against_cudnn_per_region(tmp_path):
     for region in regions:
         assert {"triton_conv", "cudnn"} <= set(region.timing), (region.region_id,
                                                                  region.timing)
-        taking = {"triton_conv", "cudnn", "dense"} & set(region.timing)  # dense: layer3's 2x2 images
+        # dense: layer3's 2x2 images
+        taking = {"triton_conv", "cudnn", "dense"} & set(region.timing)
         fastest = min(taking, key=region.timing.__getitem__)
         assert region.backend == fastest, (region.region_id, region.timing)
     with torch.inference_mode(), torch.profiler.profile(

@@ -1,8 +1,7 @@
-"""The Triton implicit-GEMM convolution (backend ``triton_conv``) on the CPU: the kernel itself under
-Triton's interpreter (``TRITON_INTERPRET=1``) against fp64 on small shapes, which regions it
-takes, and the ``triton`` backend's wiring of regions to kernels (numerics through the kernel's
-torch-ops path, with the backend's CUDA check lifted). tests/test_gpu_triton_conv.py runs the
-compiled kernel."""
+"""The Triton implicit-GEMM convolution (backend ``triton_conv``) on the CPU: the kernel itself
+under Triton's interpreter (``TRITON_INTERPRET=1``) against fp64 on small shapes, which regions it
+takes, and the backend's wiring of regions to kernels (numerics through the kernel's torch-ops path,
+with the backend's CUDA check lifted). tests/test_gpu_triton_conv.py runs the compiled kernel."""
 
 from __future__ import annotations
 
@@ -185,8 +184,8 @@ class _Residual(nn.Module):
 
 @pytest.mark.parametrize("make", [randomized_se_resnet9_fixup, _Residual])
 def test_compile_runs_regions_on_the_triton_backend(make, monkeypatch):
-    """With the backend's CUDA check lifted, ``backends`` with ``triton_conv`` give every region the kernel
-    takes a :class:`ConvKernel` (its torch-ops path on the CPU): outputs as eager's."""
+    """With the backend's CUDA check lifted, ``backends`` with ``triton_conv`` give every region
+    the kernel takes a :class:`ConvKernel` (its torch-ops path on the CPU): outputs as eager's."""
     monkeypatch.setattr(triton_backend, "_conv_triton_reason", lambda: "")
     torch.manual_seed(0)
     model = make().to(torch.bfloat16).eval()

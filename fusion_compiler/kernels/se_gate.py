@@ -129,8 +129,8 @@ def _define_kernel() -> Any:
     def se_kernel(x, w1, b1, w2, b2, out, res, bias, HW, C, R, s_n, s_hw, s_c, r_n, r_hw, r_c,
                   o_n, o_hw, o_c, inv_hw,
                   HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, ACT: tl.constexpr,
-                  GATE: tl.constexpr, SCALE: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr,
-                  HAS_BIAS: tl.constexpr,
+                  GATE: tl.constexpr, SCALE: tl.constexpr, HAS_RES: tl.constexpr,
+                  RELU: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_HW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
@@ -254,8 +254,8 @@ def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.T
     kernel[(n,)](src, w1, w1 if b1 is None else b1, w2, w2 if b2 is None else b2, out, res,
                  w1 if bias is None else bias, h * w, c, r, src.stride(0), _hw_stride(src),
                  src.stride(1), *res_strides, *out_strides, 1.0 / (h * w),
-                 HAS_B1=b1 is not None, HAS_B2=b2 is not None, ACT=_ACT[act], GATE=_GATE[gate], SCALE=scale,
-                 HAS_RES=residual is not None, RELU=relu, HAS_BIAS=bias is not None,
+                 HAS_B1=b1 is not None, HAS_B2=b2 is not None, ACT=_ACT[act], GATE=_GATE[gate],
+                 SCALE=scale, HAS_RES=residual is not None, RELU=relu, HAS_BIAS=bias is not None,
                  BLOCK_HW=block_hw, BLOCK_C=block_c, BLOCK_R=block_r, num_warps=warps)
     if out is not result:
         result.copy_(out)

@@ -15,15 +15,15 @@ intermediate buffers); only the first tensors so reused get one, and a call with
 the copying graph. (With the caching allocator a new tensor often lands where the last call's freed
 one was: a direct graph then serves a caller that makes a new input each call.)
 
-Outputs: a later call never overwrites what an earlier one returned. A call hands out the graph's output buffers themselves (as new tensor
-objects) when nothing holds what the previous call handed out: the buffers' storages are then
-referenced by the runner alone (``torch._C._storage_Use_Count``, the check Inductor's CUDA graph
-trees make on their outputs). When something still does (the output, or a view of it), the call
-replays a spare graph, captured at the first such call in the main graph's memory pool, whose
-outputs never leave the runner, and returns copies of them (one device copy per output, on the
-current stream). A copy on every call costs a kernel of its own after the graph; handing out the
-buffers costs nothing (measurements: docs/decisions.md, "CUDA-graph outputs handed out or
-copied").
+Outputs: a later call never overwrites what an earlier one returned. A call hands out the graph's
+output buffers themselves (as new tensor objects) when nothing holds what the previous call handed
+out: the buffers' storages are then referenced by the runner alone (``torch._C._storage_Use_Count``,
+the check Inductor's CUDA graph trees make on their outputs). When something still does (the output,
+or a view of it), the call replays a spare graph, captured at the first such call in the main
+graph's memory pool, whose outputs never leave the runner, and returns copies of them (one device
+copy per output, on the current stream). A copy on every call costs a kernel of its own after the
+graph; handing out the buffers costs nothing (measurements: docs/decisions.md, "CUDA-graph outputs
+handed out or copied").
 
 A forward that cannot be captured (a host synchronization such as ``.item()``, a copy from pageable
 host memory, data-dependent shapes) raises :class:`CaptureError` at construction; the caller then

@@ -1,11 +1,11 @@
 """Post-lowering rewrites of squeeze-and-excitation blocks into this package's kernels
-(:mod:`fusion_compiler.kernels.se_gate`), for CUDA inference where Triton runs: ``se_gates`` makes
-a gate (spatial mean, linear or 1x1 convolution, ReLU or SiLU, linear or 1x1 convolution,
-sigmoid or hard sigmoid) one :func:`~fusion_compiler.kernels.se_gate.se_gate` call, one kernel where Inductor
-makes three or four and eager PyTorch six; ``se_scales`` then folds the multiply by the gate and
-the block's tail after it (residual add, ReLU, a one-element bias) into the gate's kernel
-(:func:`~fusion_compiler.kernels.se_gate.se_scale`). They run on the graph that runs, eager glue
-or Inductor's, so a graph whose glue is nothing else needs no Inductor
+(:mod:`fusion_compiler.kernels.se_gate`), for CUDA inference where Triton runs: ``se_gates`` makes a
+gate (spatial mean, linear or 1x1 convolution, ReLU or SiLU, linear or 1x1 convolution, sigmoid or
+hard sigmoid) one :func:`~fusion_compiler.kernels.se_gate.se_gate` call, one kernel where Inductor
+makes three or four and eager PyTorch six; ``se_scales`` then folds the multiply by the gate and the
+block's tail after it (residual add, ReLU, a one-element bias) into the gate's kernel
+(:func:`~fusion_compiler.kernels.se_gate.se_scale`). They run on the graph that runs, eager glue or
+Inductor's, so a graph whose glue is nothing else needs no Inductor
 (:func:`fusion_compiler.passes.glue.inductor_work`)."""
 
 from __future__ import annotations
@@ -79,24 +79,24 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def se_gates(gm: fx.GraphModule) -> int:
-    """Rewrite, in place, each squeeze-and-excitation gate
-    ``gate(fc2(act(fc1(mean_hw(x)))))`` into ``se_gate(x, W1, b1, W2, b2, act, gate)``:
-    ``fc1``/``fc2`` linear layers (SE-ResNet9) or 1x1 convolutions of the pooled ``[N, C, 1, 1]``
-    value with their bias adds (torchvision's ``SqueezeExcitation``, which the fuse pass leaves
-    out of regions), ``act`` ReLU or SiLU, ``gate`` the sigmoid or the hard sigmoid (MobileNetV3's
-    ``F.hardsigmoid``). The result is reshaped to the gate's shape (``[N, C]`` or ``[N, C, 1, 1]``), so the multiply of ``x`` by the gate that
-    follows is unchanged. A gate whose samples hold more than :data:`FUSED_SQUEEZE` values gets
-    the pooled ``[N, C, 1, 1]`` mean (the graph's own reduction) instead of ``x``.
+    """Rewrite, in place, each squeeze-and-excitation gate ``gate(fc2(act(fc1(mean_hw(x)))))`` into
+    ``se_gate(x, W1, b1, W2, b2, act, gate)``: ``fc1``/``fc2`` linear layers (SE-ResNet9) or 1x1
+    convolutions of the pooled ``[N, C, 1, 1]`` value with their bias adds (torchvision's
+    ``SqueezeExcitation``, which the fuse pass leaves out of regions), ``act`` ReLU or SiLU,
+    ``gate`` the sigmoid or the hard sigmoid (MobileNetV3's ``F.hardsigmoid``). The result is
+    reshaped to the gate's shape (``[N, C]`` or ``[N, C, 1, 1]``), so the multiply of ``x`` by the
+    gate that follows is unchanged. A gate whose samples hold more than :data:`FUSED_SQUEEZE` values
+    gets the pooled ``[N, C, 1, 1]`` mean (the graph's own reduction) instead of ``x``.
 
     Matched when ``x`` is 4-d with known metadata, ``x`` and the gate share one floating dtype
-    (fp16, bf16 or fp32) and the weights are of one of those (under ``torch.autocast`` the layers
-    of fp32 weights run in the autocast dtype; the kernel reads every weight into fp32), ``W1`` is ``[R, C]`` and ``W2`` ``[C, R]`` (``[R, C, 1, 1]``, ``[C, R, 1, 1]``
-    as convolutions) with ``C`` at most :data:`~fusion_compiler.kernels.se_gate.MAX_CHANNELS`,
-    ``R`` at most :data:`~fusion_compiler.kernels.se_gate.MAX_HIDDEN` and ``R * C`` at most
+    (fp16, bf16 or fp32) and the weights are of one of those (under ``torch.autocast`` the layers of
+    fp32 weights run in the autocast dtype; the kernel reads every weight into fp32), ``W1`` is
+    ``[R, C]`` and ``W2`` ``[C, R]`` (``[R, C, 1, 1]``, ``[C, R, 1, 1]`` as convolutions) with ``C``
+    at most :data:`~fusion_compiler.kernels.se_gate.MAX_CHANNELS`, ``R`` at most
+    :data:`~fusion_compiler.kernels.se_gate.MAX_HIDDEN` and ``R * C`` at most
     :data:`~fusion_compiler.kernels.se_gate.MAX_GATE_WEIGHT` (the kernel holds a weight in
-    registers), and the gate is out-of-place (``functionalize`` makes ``inplace=True`` so
-    before). Other activations are not matched. Returns how many were
-    rewritten."""
+    registers), and the gate is out-of-place (``functionalize`` makes ``inplace=True`` so before).
+    Other activations are not matched. Returns how many were rewritten."""
     from ...kernels.se_gate import (MAX_CHANNELS, MAX_GATE_WEIGHT,  # noqa: PLC0415
                                     MAX_HIDDEN, se_gate)
 
