@@ -139,6 +139,28 @@ def test_epilogues_the_kernel_takes(epilogue, taken, triton_stems_on_cpu):
         assert rel_err(g.float(), w) < 2e-2
 
 
+def test_the_stem_under_autocast_takes_the_image_cast_along(triton_stems_on_cpu):
+    """Under ``torch.autocast`` an fp32 model's stem convolution reads the autocast pass's cast
+    of the SpaceToDepth to the weight's dtype: the region takes the cast along (the kernel rounds
+    the fp32 image as it loads it), returns the weight's dtype as eager autocast does, within
+    eager's error of fp64."""
+    torch.manual_seed(4)
+    model, x = _Stem("relu").eval(), torch.randn(2, 3, 32, 64)
+    options = CompileOptions().internal(cuda_pipeline=True)
+    target = Target(cuda=False, autocast=DT)
+    with torch.autocast("cpu", DT), torch.no_grad():
+        gm = PassManager([*pre_fusion(options, target), *fusion(options, target)], [x]).run(
+            capture(model))
+        assert _stems(gm) == ["r0"]
+        got, eager = gm(x), model(x)
+    stem = regions_of(gm)[0]
+    assert stem.backend == "triton_stem" and stem.pattern.startswith("[space_to_depth4]")
+    assert stem.conv_input_placeholder.meta["val"].dtype == torch.float32  # the image itself
+    assert got.dtype == eager.dtype == DT
+    want = model.double()(x.double())
+    assert rel_err(got, want) <= 1.5 * rel_err(eager, want) + 1e-3
+
+
 def test_shapes_the_kernel_does_not_take_stay():
     torch.manual_seed(2)
     for model, x in [(_Stem("relu", out=24).to(DT).eval(), torch.randn(2, 3, 32, 64, dtype=DT)),
@@ -179,9 +201,9 @@ from fusion_compiler.kernels import space_to_depth as s2d
 from fusion_compiler.kernels.space_to_depth_triton import space_to_depth_conv_kernel
 
 results = {}
-for name, (n, c, h, w, k) in json.loads(sys.argv[1]).items():
+for name, (n, c, h, w, k, image) in json.loads(sys.argv[1]).items():
     torch.manual_seed(0)
-    x = torch.randn(n, c, h, w).half()
+    x = torch.randn(n, c, h, w).to(getattr(torch, image))
     weight = (torch.randn(k, 16 * c, 1, 1) / (16 * c) ** 0.5).half()
     bias = torch.rand(1, k, 1, 1).half()
     got = s2d._launch(space_to_depth_conv_kernel, x, weight, [bias], [5, 1], [1, 2], 4)
@@ -192,11 +214,12 @@ for name, (n, c, h, w, k) in json.loads(sys.argv[1]).items():
 print(json.dumps(results))
 """
 
-STEM_CASES = {  # N, C, H, W, K
-    "depth-like: 11 channels in one step (16, 5 masked)": (2, 11, 16, 64, 16),
-    "RGB-like: 3 channels in one step (4, 1 masked)": (2, 3, 16, 32, 32),
-    "one channel": (1, 1, 16, 16, 16),
-    "a wide image: 11 channels in steps of 8 (the second ragged)": (1, 11, 8, 512, 16),
+STEM_CASES = {  # N, C, H, W, K, the image's dtype (the weight is fp16)
+    "depth-like: 11 channels in one step (16, 5 masked)": (2, 11, 16, 64, 16, "float16"),
+    "RGB-like: 3 channels in one step (4, 1 masked)": (2, 3, 16, 32, 32, "float16"),
+    "one channel": (1, 1, 16, 16, 16, "float16"),
+    "a wide image: 11 channels in steps of 8 (the second ragged)": (1, 11, 8, 512, 16, "float16"),
+    "an fp32 image (autocast): rounded as it is loaded": (2, 3, 16, 32, 32, "float32"),
 }
 
 

@@ -8,7 +8,9 @@ pre-fusion rewrite ``space_to_depth``). Here one Triton program per 4 output row
 rows of all channels contiguously, rearranges them in registers and multiplies once with
 ``tl.dot`` by the weight, packed to match once per weight version (:func:`packed_weight`;
 :mod:`.space_to_depth_triton`). The epilogue is computed in fp32 and rounded once per output, as
-cuDNN's fp32 intermediates are; outputs are channels_last, as a cuDNN region's. Measurements:
+cuDNN's fp32 intermediates are; outputs are channels_last, as a cuDNN region's. An fp32 image with
+a half-precision weight (the stem under ``torch.autocast``, whose cast of the image the region
+takes along) is rounded to the weight's dtype as the kernel loads it. Measurements:
 ``docs/decisions.md``, "The SpaceToDepth stem as one Triton kernel".
 
 The region-level pieces: the fusion pass ``space_to_depth_stem`` gives a region the SpaceToDepth
@@ -58,14 +60,23 @@ def _space_to_depth(x: torch.Tensor, b: int) -> torch.Tensor:
         n, b * b * c, h // b, w // b)
 
 
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the op computes in and returns: the weight's where an fp32 image meets a
+    half-precision weight (autocast), else the image's."""
+    low = (torch.float16, torch.bfloat16)
+    return weight.dtype if x.dtype == torch.float32 and weight.dtype in low else x.dtype
+
+
 def space_to_depth_conv_reference(x: torch.Tensor, weight: torch.Tensor,
                                   operands: Sequence[torch.Tensor], ops: Sequence[int],
                                   outputs: Sequence[int], block: int) -> list[torch.Tensor]:
-    """The op as torch ops (see :func:`space_to_depth_conv` for the arguments), computed in fp32
-    (fp64 for fp64 inputs: an oracle) and rounded to ``x.dtype`` once per output."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    y = F.conv2d(_space_to_depth(x, block).to(acc), weight.to(acc))
-    return reference_outputs(y, ops, operands, outputs, x.dtype)
+    """The op as torch ops (see :func:`space_to_depth_conv` for the arguments): the image rounded
+    to the output dtype, computed in fp32 (fp64 for fp64 inputs: an oracle) and rounded to the
+    output dtype once per output."""
+    dtype = _out_dtype(x, weight)
+    acc = torch.promote_types(dtype, torch.float32)
+    y = F.conv2d(_space_to_depth(x, block).to(dtype).to(acc), weight.to(acc))
+    return reference_outputs(y, ops, operands, outputs, dtype)
 
 
 @functools.cache
@@ -133,8 +144,10 @@ def kernel_reason(x: torch.Tensor, weight: torch.Tensor, block: int) -> str:
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
     if block != BLOCK:
         return f"SpaceToDepth block {block}; the kernel takes {BLOCK}"
-    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
-        return f"dtypes {x.dtype} and {weight.dtype}; the kernel takes float16 or bfloat16"
+    if weight.dtype not in (torch.float16, torch.bfloat16) \
+            or x.dtype not in (weight.dtype, torch.float32):
+        return (f"dtypes {x.dtype} and {weight.dtype}; the kernel takes a float16 or bfloat16 "
+                "weight and an image of its dtype or float32")
     if not pow2(w) or h % block:
         return f"image width {w} is not a power of two, or height {h} not a multiple of {block}"
     if not pow2(k) or not 16 <= k <= _MAX_CHANNELS:
@@ -150,7 +163,7 @@ def _launch(kernel: Any, x: torch.Tensor, weight: torch.Tensor, operands: Sequen
     n, c, h, w = x.shape
     k = weight.shape[0]
     ho, wo = h // block, w // block
-    ys = [torch.empty((n, k, ho, wo), dtype=x.dtype, device=x.device,
+    ys = [torch.empty((n, k, ho, wo), dtype=weight.dtype, device=x.device,
                       memory_format=torch.channels_last) for _ in outputs]
     codes = [*ops, *[0] * (MAX_STEPS - len(ops))]
     pointers, strides, it = [], [], iter(operands)
@@ -178,7 +191,8 @@ def space_to_depth_conv(x: torch.Tensor, weight: torch.Tensor, operands: list[to
     """SpaceToDepth(``block``), a 1x1 convolution, then the epilogue ``ops``.
 
     Args:
-        x: ``[N, C, H, W]`` image, float16 or bfloat16 (copied to NCHW-contiguous if it is not).
+        x: ``[N, C, H, W]`` image, float16 or bfloat16, or float32 with a half-precision weight
+            (rounded to its dtype; copied to NCHW-contiguous if it is not).
         weight: ``[K, block**2 * C, 1, 1]``, input channel ``(dh*block + dw)*C + c`` for image
             channel ``c`` at offset ``(dh, dw)`` of a block (SpaceToDepth's order).
         operands: the second operand of each binary op of ``ops``, in order: ``[1, K, 1, 1]`` (or
@@ -190,7 +204,8 @@ def space_to_depth_conv(x: torch.Tensor, weight: torch.Tensor, operands: list[to
         block: the SpaceToDepth block size.
 
     Returns:
-        One ``[N, K, H/block, W/block]`` tensor per ``outputs`` entry, channels_last, ``x.dtype``;
+        One ``[N, K, H/block, W/block]`` tensor per ``outputs`` entry, channels_last, of
+        ``x.dtype`` (the weight's for an fp32 image with a half-precision weight);
         computed in fp32 and rounded once. On CUDA with Triton one kernel
         (:data:`BLOCK`, shapes per :func:`kernel_reason`); elsewhere torch ops
         (:func:`space_to_depth_conv_reference`).
@@ -226,8 +241,9 @@ def _run(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor]
 @space_to_depth_conv.register_fake
 def _space_to_depth_conv_fake(x, weight, operands, ops, outputs, block):
     n, _, h, w = x.shape
-    return [torch.empty((n, weight.shape[0], h // block, w // block), dtype=x.dtype,
-                        device=x.device, memory_format=torch.channels_last) for _ in outputs]
+    return [torch.empty((n, weight.shape[0], h // block, w // block),
+                        dtype=_out_dtype(x, weight), device=x.device,
+                        memory_format=torch.channels_last) for _ in outputs]
 
 
 OP = torch.ops.fusion_compiler.space_to_depth_conv.default

@@ -74,7 +74,8 @@ def space_to_depth_conv_kernel(
         wc = tl.load(w + (c0 * B * B + j)[:, None] * K + k[None, :])  # [(c, dh, dw), K]
         # image rows b*hb0 .. b*(hb0+HB)-1 of CG channels, each channel's rows contiguous
         tile = tl.load(x + ((n * C + c[:, None, None]) * H + hb0 * B + rows[None, :, None]) * W
-                       + cols[None, None, :], mask=(c < C)[:, None, None], other=0.0)
+                       + cols[None, None, :], mask=(c < C)[:, None, None],
+                       other=0.0).to(w.dtype.element_ty)  # an fp32 image: rounded (autocast)
         tile = tl.permute(tl.reshape(tile, (CG, HB, B, WO, B)), (1, 3, 0, 2, 4))  # hb, wb, c, dh, dw
         a = tl.reshape(tile, (HB * WO, CG * B * B))
         acc = tl.dot(a, wc, acc)

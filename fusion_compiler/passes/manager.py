@@ -9,14 +9,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from ..capture import apply_meta, encode_meta, propagate_shapes
 from ..ir.errors import InputShapeError, condense
 
-__all__ = ["Pass", "PassManager", "REAL_PROPAGATION_BUDGET_S"]
+__all__ = ["Pass", "PassManager", "REAL_PROPAGATION_BUDGET_S", "CAPTURED_OUTPUT_DTYPES"]
 
 log = logging.getLogger("fusion_compiler")
+CAPTURED_OUTPUT_DTYPES = "captured_output_dtypes"
+"""Key of ``gm.meta``: the dtype of each output of the captured graph (flattened; ``None`` for
+what is not a tensor), as the model returns them: what a pass that changes dtypes (``autocast``)
+restores at the outputs."""
 REAL_PROPAGATION_BUDGET_S = 0.2
 """Shapes are propagated by running the graph on (copies of) the example inputs while one such
 run takes at most this long (seconds, host time; the first run 5x as long); after a slower run the
@@ -121,6 +127,10 @@ class PassManager:
                                    if hasattr(a, "shape"))
                 raise InputShapeError(f"inputs of shape {shapes} do not fit the model: "
                                       f"{first}") from exc
+            outputs = tree_flatten(gm.graph.find_nodes(op="output")[0].args[0])[0]
+            vals = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in outputs]
+            gm.meta[CAPTURED_OUTPUT_DTYPES] = [v.dtype if isinstance(v, torch.Tensor) else None
+                                               for v in vals]
             self._stage("captured", gm)
         for p in self.passes:
             start = time.perf_counter()

@@ -7,13 +7,16 @@ ops), for CUDA inference where Triton runs, and only for regions the kernel take
 dtypes and epilogue: :func:`~fusion_compiler.kernels.space_to_depth.kernel_reason`,
 :func:`~fusion_compiler.kernels.space_to_depth.epilogue_program`); the others stay as they are,
 and why is logged. The SpaceToDepth is found in either form the pre-fusion passes leave it
-(:func:`~fusion_compiler.passes.pre_fusion.rewrites.space_to_depth_source`).
+(:func:`~fusion_compiler.passes.pre_fusion.rewrites.space_to_depth_source`), also followed by the
+cast to the weight's dtype that the ``autocast`` pass writes for an fp32 image (the kernel then
+rounds the image as it loads it).
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
 import torch.fx as fx
 
 from ...ir.ops import node_device
@@ -45,6 +48,17 @@ def _absorbed(region: Region, image: fx.Node, x: fx.Node, chain: list[fx.Node],
                   space_to_depth=block)
 
 
+def _source(node: object) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """:func:`~fusion_compiler.passes.pre_fusion.rewrites.space_to_depth_source` of ``node``, or of
+    what ``node`` casts when it is ``.to(dtype)`` of a SpaceToDepth (the cast then ends the
+    chain)."""
+    if isinstance(node, fx.Node) and node.op == "call_method" and node.target == "to" \
+            and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
+        found = space_to_depth_source(node.args[0])
+        return None if found is None else (found[0], found[1], [*found[2], node])
+    return space_to_depth_source(node)
+
+
 def space_to_depth_stems(gm: fx.GraphModule) -> fx.GraphModule:
     """Give each region whose 1x1 convolution reads SpaceToDepth(4) of an image, and
     which the stem kernel takes, the SpaceToDepth as its prologue (in place; see the module
@@ -62,10 +76,13 @@ def space_to_depth_stems(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         names = [n.name for n in region.graph_module.graph.find_nodes(op="placeholder")]
         at = names.index(image.name)
-        found = space_to_depth_source(call.args[at])
+        found = _source(call.args[at])
         if found is None:
             continue
         x, block, chain = found
+        cast = chain[-1].op == "call_method" and chain[-1].target == "to"
+        if cast and chain[-1].args[1] != weight.meta["val"].dtype:
+            continue  # a cast to another dtype than the weight's: not autocast's
         reason = kernel_reason(x.meta["val"], weight.meta["val"], block)
         fit = reason or epilogue_program(region, node_device(x))
         if isinstance(fit, str):

@@ -24,8 +24,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...ir.ops import BINARY, is_conv
+from ..manager import CAPTURED_OUTPUT_DTYPES
 
 __all__ = ["make_autocast_explicit"]
 
@@ -78,28 +80,29 @@ def make_autocast_explicit(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphMo
                 node.op == "call_method" and node.target in ("view", "reshape", "contiguous")):
             if dtype_of(node.args[0]) is not None:
                 dtypes[node] = dtype_of(node.args[0])
-    _eager_output_dtypes(graph, dtypes)
+    _eager_output_dtypes(gm, dtypes)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _eager_output_dtypes(graph: fx.Graph, dtypes: dict[fx.Node, torch.dtype]) -> None:
-    """Cast each output whose dtype the pass changed back to the dtype fake-tensor propagation
-    recorded under autocast (eager's)."""
+def _eager_output_dtypes(gm: fx.GraphModule, dtypes: dict[fx.Node, torch.dtype]) -> None:
+    """Cast each output whose dtype differs from the captured graph's (the module's, recorded by
+    the pass manager) back to it: the dtype the pass tracked for it, else the one fake-tensor
+    propagation recorded. Nothing where the record is missing or the outputs changed in number."""
+    eager = gm.meta.get(CAPTURED_OUTPUT_DTYPES)
+    graph = gm.graph
     output = graph.find_nodes(op="output")[0]
-    restored: dict[fx.Node, fx.Node] = {}
-
-    def back(arg: object) -> object:
-        if not isinstance(arg, fx.Node) or arg not in dtypes:
-            return arg
-        val = arg.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dtype == dtypes[arg]:
-            return arg
-        if arg not in restored:
-            with graph.inserting_before(output):
-                restored[arg] = graph.call_method("to", (arg, val.dtype))
-            restored[arg].meta["val"] = val
-        return restored[arg]
-
-    output.args = fx.node.map_aggregate(output.args, back)
+    flat, spec = tree_flatten(output.args[0])
+    if eager is None or len(eager) != len(flat):
+        return
+    restored = []
+    for node, want in zip(flat, eager):
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        have = dtypes.get(node, val.dtype if isinstance(val, torch.Tensor) else None)
+        if want is None or have is None or have == want or not want.is_floating_point:
+            restored.append(node)
+            continue
+        with graph.inserting_before(output):  # its metadata: the pass manager's propagation
+            restored.append(graph.call_method("to", (node, want)))
+    output.args = (tree_unflatten(restored, spec),)
