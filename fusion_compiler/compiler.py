@@ -207,14 +207,18 @@ class CompiledModule(torch.nn.Module):
         what = "input 0" if len(args) == 1 else "the inputs"
         return InputError(f"{type(self.model).__name__} cannot take {what} {got}: {why}{took}")
 
-    def specialize(self, *args: Any) -> Specialization:
-        """Compile (or fetch) the specialization for inputs like ``args``, lowered now: a
+    def specialize(self, *args: Any, **kwargs: Any) -> Specialization:
+        """Compile (or fetch) the specialization for a call with these arguments (bound as the
+        call would bind them), under the current grad mode and autocast state, lowered now: a
         specialization that a call compiled and that still answers from tier 0 is waited for
-        (option ``tiered``, docs/options.md; Inductor's tier may still be compiling).
+        (option ``tiered``, docs/options.md; Inductor's tier may still be compiling). Runs no
+        forward pass: the module's state is left as it is.
 
         Raises:
             InputError: inputs the model does not take (see :class:`CompiledModule`).
         """
+        if kwargs or len(args) != self._arity:
+            args = self._bind(args, kwargs)
         try:
             spec = self._specialize(args, answer_early=False)
         except InputError as exc:

@@ -80,10 +80,13 @@ class Session:
                              options=self.options or None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Call :attr:`run` (waiting for background compiles first when the session settles:
-        the GPU suite's "last tier" runs)."""
+        """Call :attr:`run`. When the session settles (the GPU suite's "last tier" runs), the
+        compile door first compiles this call's specialization (its inputs, grad mode and
+        autocast state: a new one would otherwise answer from tier 0) and every door waits for
+        its background compiles."""
         if self._settle and self.door != "eager":
             if self.door == "compile" and hasattr(self.run, "wait_for_background_compiles"):
+                self.run.specialize(*args, **kwargs)
                 self.run.wait_for_background_compiles()
             else:
                 fusion_compiler.dynamo.wait_for_background_compiles()

@@ -50,6 +50,30 @@ def test_specializations_are_bounded_least_recently_used_first(caplog):
     assert sum("evicted the specialization" in r.message for r in caplog.records) == 24
 
 
+def test_specialize_binds_a_calls_arguments_and_runs_no_forward_pass():
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+        def forward(self, x, scale=1.0, *, shift=None):
+            y = torch.relu(self.bn(self.conv(x))) * scale
+            return y if shift is None else y + shift
+
+    torch.manual_seed(0)
+    model = Gated().train()
+    compiled = fc.compile(model, cache_dir=False)
+    x, shift = torch.randn(2, 3, 6, 6), torch.randn(2, 8, 6, 6)
+    stats = [b.clone() for b in model.buffers()]
+    spec = compiled.specialize(x, shift=shift)
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))  # no forward ran
+    assert len(compiled.specializations) == 1
+    compiled(x, shift=shift)  # the call finds the specialization compiled above
+    assert len(compiled.specializations) == 1 and compiled.last is spec
+    with pytest.raises(TypeError, match="colour"):  # as the call would raise
+        compiled.specialize(x, colour=1)
+
+
 def test_invalid_options_are_value_errors():
     with pytest.raises(ValueError, match="cuda_graph must be one of"):
         fc.compile(_small(), cuda_graph="always")
