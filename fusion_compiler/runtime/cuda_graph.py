@@ -66,6 +66,22 @@ def _capture_stream() -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[device]
 
 
+def _normal_tensors() -> contextlib.AbstractContextManager:
+    """Inference mode off (grad mode as it is) while a runner makes what it keeps: its input
+    buffers, the derived tensors, the captured graph's output buffers. Made inside
+    ``torch.inference_mode()`` they would be inference tensors, and a later call outside it
+    (under ``no_grad``) could not copy its inputs into them ("Inplace update to inference tensor
+    outside InferenceMode"); normal tensors take in-place writes in both modes (PyTorch's
+    inference-mode rules, docs of ``torch.inference_mode``)."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    grad = torch.is_grad_enabled()
+    stack.enter_context(torch.inference_mode(False))  # (which turns grad mode on)
+    stack.enter_context(torch.set_grad_enabled(grad))
+    return stack
+
+
 def _release_rng_capture(device: int) -> None:
     """Take the default CUDA generator of ``device`` out of capture mode after a failed capture.
 
@@ -144,7 +160,6 @@ class CudaGraphRunner:
                  buffers: Sequence[torch.Tensor] = (), written: Sequence[int] = ()):
         self.fn, self.warmup, self.derivations = fn, warmup, derivations
         self.buffers, self.written = list(buffers), list(written)
-        self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_args]
         self.main: _Capture | None = None
         # None: not captured yet; False: capture failed (see _try_capture)
         self._spare: _Capture | None | bool = None
@@ -152,7 +167,10 @@ class CudaGraphRunner:
         self._direct_key: tuple | None = None
         self._last_key: tuple | None = None
         self._epochs: list[Any] = []  # the values each capture derived, kept with its graph
-        self._capture()
+        with _normal_tensors():
+            self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a
+                                  for a in example_args]
+            self._capture()
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -210,8 +228,9 @@ class CudaGraphRunner:
             return None
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=_capture_stream(),
-                                  capture_error_mode="thread_local"), self._scope():
+            with _normal_tensors(), torch.cuda.graph(graph, pool=pool, stream=_capture_stream(),
+                                                     capture_error_mode="thread_local"), \
+                    self._scope():
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
