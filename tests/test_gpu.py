@@ -125,6 +125,29 @@ def test_cuda_graph_matches_plain_execution():
     assert all(lowered_or_pytorch_faster(r) for c in (plain, graphed) for r in c.last.regions)
 
 
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_fp32_weights_under_autocast_run_the_half_precision_kernels(mode):
+    """The mixed-precision recipe (fp32 weights and image, ``torch.autocast(fp16)``) with the
+    defaults, as ``examples/benchmark.py --models seresnet9-rgb-amp`` runs it: the stem on its
+    Triton kernel (rounding the fp32 image as it loads it), the other regions on GPU kernels,
+    the SE blocks in ``se_scale``, the output in eager's fp32, at eager autocast's accuracy."""
+    model = randomize_(se_resnet9_fixup(3)).cuda().eval()
+    x = torch.randn(128, 3, 64, 64, device="cuda")
+    compiled = fc.compile(model, cache_dir=False)
+    context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with context(), torch.autocast("cuda", dtype=torch.float16):
+        compiled(x)  # tier 0, then the background compiles
+        compiled.wait_for_background_compiles()
+        got, eager = compiled(x), model(x)
+    regions = compiled.last.regions
+    assert got.dtype == eager.dtype == torch.float32
+    assert regions[0].backend == "triton_stem", compiled.report()
+    assert all(lowered_or_pytorch_faster(r) for r in regions), compiled.report()
+    assert "se_scale x4" in compiled.report(), compiled.report()
+    want = _fp64_reference(model, x)
+    assert rel_err(got.cpu(), want) <= 1.5 * rel_err(eager.cpu(), want) + 1e-4
+
+
 def test_inductor_glue_with_cuda_graph_matches_plain_execution():
     """``glue_backend="inductor"``: the ops between regions run as Inductor kernels, regions as
     cuDNN plans, all captured in one CUDA graph. ``autotune=1``: no region goes to PyTorch by

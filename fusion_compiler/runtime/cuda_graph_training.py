@@ -185,11 +185,14 @@ class _GraphPair:
         positions = [i for i, x in enumerate(self.inputs)
                      if isinstance(x, torch.Tensor) and x.requires_grad]
         wrt = [self.inputs[i] for i in positions] + aliases
+        n = len(positions)
+        if not (outs and wrt):  # nothing to differentiate: no graph (an empty capture warns)
+            self.input_grads, self.param_grads = dict.fromkeys(positions), [None] * len(aliases)
+            self.live_outputs, self.inputs = [], []
+            return
         self.bwd_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
-            grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs,
-                                        allow_unused=True) if outs and wrt else [None] * len(wrt)
-            n = len(positions)
+            grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs, allow_unused=True)
             grads = [*(layout_like(g, self.inputs[i], copy=True)
                        if g is not None and id(self.inputs[i]) in alias_ids else g
                        for g, i in zip(grads[:n], positions)),
@@ -228,7 +231,8 @@ class _GraphPair:
                 static.zero_()
             elif g.data_ptr() != static.data_ptr():
                 static.copy_(g)
-        self.bwd_graph.replay()
+        if self.bwd_graph is not None:
+            self.bwd_graph.replay()
         copied = [g for g in self.input_grads.values() if g is not None]
         copied += [g for g in self.param_grads if g is not None]
         fresh = [torch.empty_like(g) for g in copied]
