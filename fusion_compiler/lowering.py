@@ -239,7 +239,8 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
         region.set_lowering(Lowering(
             backend=choice.backend.name, status="fallback" if fallback else "lowered",
             kernel=None if low.kernel is region.graph_module else low.kernel,
-            reason=condense(choice.reason) if fallback else "", plan=low.plan,
+            reason=(condense(choice.reason) or f"no backend of {', '.join(options.backends)} "
+                    "takes this kind of region") if fallback else "", plan=low.plan,
             plan_from_cache=low.plan_from_cache, workspace_bytes=low.workspace_bytes,
             graphs={b.name: j for b in describers if (j := b.graph_json(region)) is not None},
             tuning=low.tuning, timing=low.timing, gradients=low.gradients,

@@ -152,5 +152,8 @@ def test_backends_option_names_registered_backends_in_order(doubling, caplog):
     assert [r.levelname for r in caplog.records if "runs on the reference" in r.message] == [
         "WARNING"]
     region.lowering = None
+    lower(gm, CompileOptions(backends=("triton_stem",)))  # declines other regions silently
+    assert region.reason == "no backend of triton_stem takes this kind of region"
+    region.lowering = None
     lower(gm, CompileOptions(backends=()))
     assert (region.backend, region.status, region.reason) == ("reference", "lowered", "")
