@@ -5,6 +5,7 @@ a tight loop through a cold compile in both doors: test_gpu_background.py."""
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -15,7 +16,7 @@ from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from fusion_compiler.capture import capture
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.config import Target
-from fusion_compiler.runtime.background import submit, warn_once
+from fusion_compiler.runtime.background import gc_paused, submit, warn_once
 from conftest import CUDA_PIPELINE
 
 
@@ -59,3 +60,23 @@ def test_lowering_on_the_background_thread_leaves_a_compiled_function_alone():
         calls += 1
     future.result()
     assert not errors, errors[:3]
+
+
+def test_captures_pause_the_garbage_collector_and_restore_it_as_it_was():
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # nested: the inner block leaves it off
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()  # a user's choice stays
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ZeroDivisionError), gc_paused():
+        1 / 0
+    assert gc.isenabled()

@@ -14,7 +14,7 @@ from ..ir.errors import TimingDeferred
 from ..ir.ops import node_device
 from ..ir.region import channel_view_total
 from ..runtime.tensors import channel_view_strides
-from ..runtime.background import COMPILE_LOCK, ThreadFlag
+from ..runtime.background import COMPILE_LOCK, ThreadFlag, gc_paused
 from ..runtime.weight_cache import derivation_epoch
 
 __all__ = ["PYTORCH_MARGIN", "timing_deferred", "ensure_timing_allowed", "random_tensor",
@@ -110,7 +110,7 @@ def _captured(run: Callable[[], object], iters: int, stream: torch.cuda.Stream
     timed."""
     graph = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with COMPILE_LOCK, torch.cuda.stream(stream):
+    with COMPILE_LOCK, gc_paused(), torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             for _ in range(iters):

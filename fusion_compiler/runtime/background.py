@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import queue
 import threading
 from typing import Any, Callable
 
-__all__ = ["COMPILE_LOCK", "ThreadFlag", "submit", "drain", "on_calling_thread", "warn_once"]
+__all__ = ["COMPILE_LOCK", "ThreadFlag", "submit", "drain", "on_calling_thread", "warn_once",
+           "gc_paused"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -39,6 +41,23 @@ COMPILE_LOCK = threading.RLock()
 """Held by a background job from start to end, and on the calling thread by every compile of a
 specialization (capture, passes, lowering with its autotuning) and every CUDA graph capture of
 this package (see the module docstring)."""
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for the block (as it was after), for every CUDA graph
+    capture of this package. A collection triggered inside a capture runs finalizers on the
+    capturing thread: an object of an earlier compile or test freeing CUDA resources
+    (a graph, an event, a cuDNN object) then makes CUDA calls a capture forbids; a finalizer
+    cannot raise, so the CUDA error they leave behind surfaces at the caller's next checked
+    launch. ``torch.cuda.graph`` collects once before its capture begins, not during it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class ThreadFlag:

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..ir.errors import condense
 from .derivations import Derivations
-from .background import COMPILE_LOCK, warn_once
+from .background import COMPILE_LOCK, gc_paused, warn_once
 from .tensors import restored
 from .weight_cache import Epoch, derivation_scope
 
@@ -199,8 +199,9 @@ class CudaGraphRunner:
             try:
                 # thread_local: CUDA calls of other threads (a DataLoader's pinning thread) do
                 # not invalidate this capture
-                with torch.cuda.graph(graph, stream=_capture_stream(),
-                                      capture_error_mode="thread_local"), self._scope():
+                with gc_paused(), torch.cuda.graph(graph, stream=_capture_stream(),
+                                                   capture_error_mode="thread_local"), \
+                        self._scope():
                     outputs = self._forward(self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
                 _release_rng_capture(torch.cuda.current_device())
@@ -228,9 +229,9 @@ class CudaGraphRunner:
             return None
         graph = torch.cuda.CUDAGraph()
         try:
-            with _normal_tensors(), torch.cuda.graph(graph, pool=pool, stream=_capture_stream(),
-                                                     capture_error_mode="thread_local"), \
-                    self._scope():
+            with _normal_tensors(), gc_paused(), torch.cuda.graph(
+                    graph, pool=pool, stream=_capture_stream(),
+                    capture_error_mode="thread_local"), self._scope():
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph

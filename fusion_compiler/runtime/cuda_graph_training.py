@@ -41,7 +41,7 @@ from .tensors import layout_like, restored
 from ..ir.errors import condense
 from .cuda_graph import CaptureError, _release_rng_capture
 from .weight_cache import derivation_epoch
-from .background import COMPILE_LOCK
+from .background import COMPILE_LOCK, gc_paused
 
 __all__ = ["TrainingGraphRunner"]
 
@@ -166,7 +166,8 @@ class _GraphPair:
         self.inputs = inputs
         self.static_inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
         self.fwd_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd_graph, pool=pool, capture_error_mode="thread_local"):
+        with gc_paused(), torch.cuda.graph(self.fwd_graph, pool=pool,
+                                           capture_error_mode="thread_local"):
             out = call()
         self.live_outputs, self.out_spec = tree_flatten(out)
         self.diff_positions = [i for i, t in enumerate(self.live_outputs)
@@ -191,7 +192,8 @@ class _GraphPair:
             self.live_outputs, self.inputs = [], []
             return
         self.bwd_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.bwd_graph, pool=pool, capture_error_mode="thread_local"):
+        with gc_paused(), torch.cuda.graph(self.bwd_graph, pool=pool,
+                                           capture_error_mode="thread_local"):
             grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs, allow_unused=True)
             grads = [*(layout_like(g, self.inputs[i], copy=True)
                        if g is not None and id(self.inputs[i]) in alias_ids else g
