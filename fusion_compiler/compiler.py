@@ -169,7 +169,9 @@ class CompiledModule(torch.nn.Module):
         return tuple(bound.arguments.values())
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
-        if not torch.is_grad_enabled() or not self._grad:
+        """Whether a call records autograd history: grad mode on (inference mode records none,
+        whatever the grad mode inside it) and a parameter or input requiring grad."""
+        if not torch.is_grad_enabled() or not self._grad or torch.is_inference_mode_enabled():
             return False
         return any(p.requires_grad for p in self._model_params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -212,7 +214,9 @@ class CompiledModule(torch.nn.Module):
         call would bind them), under the current grad mode and autocast state, lowered now: a
         specialization that a call compiled and that still answers from tier 0 is waited for
         (option ``tiered``, docs/options.md; Inductor's tier may still be compiling). Runs no
-        forward pass: the module's state is left as it is.
+        forward pass: the module's state is left as it is, and the module's own forward
+        pre-hooks are not called (a pre-hook that changes the inputs leaves a call to compile
+        its own specialization).
 
         Raises:
             InputError: inputs the model does not take (see :class:`CompiledModule`).

@@ -74,6 +74,17 @@ def test_specialize_binds_a_calls_arguments_and_runs_no_forward_pass():
         compiled.specialize(x, colour=1)
 
 
+def test_inference_mode_makes_an_inference_specialization_whatever_the_grad_mode_inside_it():
+    model = _small().train()  # parameters requiring grad
+    compiled = fc.compile(model, cache_dir=False)
+    x = torch.randn(2, 8, 6, 6)
+    with torch.inference_mode(), torch.enable_grad():  # autograd records nothing here
+        spec = compiled.specialize(x)
+        out = compiled(x)
+    assert not spec.training and not out.requires_grad
+    assert rel_err(out, model(x)) < 1e-5
+
+
 def test_invalid_options_are_value_errors():
     with pytest.raises(ValueError, match="cuda_graph must be one of"):
         fc.compile(_small(), cuda_graph="always")

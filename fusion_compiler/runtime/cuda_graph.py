@@ -66,19 +66,22 @@ def _capture_stream() -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[device]
 
 
-def _normal_tensors() -> contextlib.AbstractContextManager:
-    """Inference mode off (grad mode as it is) while a runner makes what it keeps: its input
-    buffers, the derived tensors, the captured graph's output buffers. Made inside
+def _normal_tensors(state: Sequence[torch.Tensor] = ()) -> contextlib.AbstractContextManager:
+    """Inference mode off, gradients off, while a runner makes what it keeps: its input buffers,
+    the derived tensors, the captured graph's output buffers. Made inside
     ``torch.inference_mode()`` they would be inference tensors, and a later call outside it
     (under ``no_grad``) could not copy its inputs into them ("Inplace update to inference tensor
     outside InferenceMode"); normal tensors take in-place writes in both modes (PyTorch's
-    inference-mode rules, docs of ``torch.inference_mode``)."""
-    if not torch.is_inference_mode_enabled():
+    inference-mode rules, docs of ``torch.inference_mode``). Gradients stay off: an inference
+    runner records no autograd history, whatever grad mode the caller set inside inference
+    mode. Inference mode stays on where ``state`` (what the forward writes, such as a batch
+    norm's statistics) holds inference tensors, which only inference mode may write."""
+    if not torch.is_inference_mode_enabled() or any(
+            isinstance(t, torch.Tensor) and t.is_inference() for t in state):
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    grad = torch.is_grad_enabled()
     stack.enter_context(torch.inference_mode(False))  # (which turns grad mode on)
-    stack.enter_context(torch.set_grad_enabled(grad))
+    stack.enter_context(torch.no_grad())
     return stack
 
 
@@ -167,7 +170,7 @@ class CudaGraphRunner:
         self._direct_key: tuple | None = None
         self._last_key: tuple | None = None
         self._epochs: list[Any] = []  # the values each capture derived, kept with its graph
-        with _normal_tensors():
+        with _normal_tensors(self.buffers):
             self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a
                                   for a in example_args]
             self._capture()
@@ -229,7 +232,7 @@ class CudaGraphRunner:
             return None
         graph = torch.cuda.CUDAGraph()
         try:
-            with _normal_tensors(), gc_paused(), torch.cuda.graph(
+            with _normal_tensors(self.buffers), gc_paused(), torch.cuda.graph(
                     graph, pool=pool, stream=_capture_stream(),
                     capture_error_mode="thread_local"), self._scope():
                 outputs = self._forward(args)
@@ -260,7 +263,8 @@ class CudaGraphRunner:
     def __call__(self, *args: Any) -> Any:
         key = self._key(args)
         if key == self._last_key:  # the caller refilled its tensors
-            if self._direct is None:
+            # (not over inference tensors it writes: the capture runs outside inference mode)
+            if self._direct is None and not any(args[i].is_inference() for i in self.written):
                 self._direct, self._direct_key = self._try_capture(args, None), key
             direct = self._direct
             if direct and key == self._direct_key and not direct.held():
