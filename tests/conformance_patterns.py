@@ -592,6 +592,17 @@ def inference_mode_call(s: Session) -> None:
     infer(s, x16(s), "then no_grad")
 
 
+def inference_mode_then_training(s: Session) -> None:
+    """``enable_grad()`` inside ``inference_mode()`` records nothing (PyTorch's rule); the
+    training step after it and the inference call after that see their own modes."""
+    with torch.inference_mode(), torch.enable_grad():
+        s.record("out", s(x16(s)))
+    step(s, torch.optim.SGD(s.model.parameters(), lr=0.05), x16(s))
+    with torch.inference_mode():
+        s.record("after a step", s(x16(s)))
+    s.state()
+
+
 def ema_with_foreach(s: Session) -> None:
     x = x16(s)
     infer(s, x)
@@ -772,6 +783,8 @@ PATTERNS: list[Pattern] = [
             "PyTorch test/inductor/test_cudagraph_trees.py"),
     Pattern("channels_last_input", conv_bn, channels_last_input, DYNAMO_TESTS),
     Pattern("inference_mode_call", conv_bn, inference_mode_call, DYNAMO_TESTS),
+    Pattern("inference_mode_then_training", conv_bn, inference_mode_then_training,
+            "PyTorch's torch.inference_mode docs (grad mode inside it)"),
     Pattern("ema_with_foreach_lerp", conv_bn, ema_with_foreach, f"{ISSUE}, item 1"),
     Pattern("buffer_written_in_forward", Counting, buffer_written_in_forward, DYNAMO_TESTS),
     Pattern("grad_scaler_step", conv_bn, grad_scaler_step, "issue 46 (mixed precision)",
