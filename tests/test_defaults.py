@@ -291,6 +291,29 @@ def test_graphed_training_differentiates_through_aliases_that_run_no_parameter_h
         assert torch.equal(g, w)
 
 
+def test_graph_buffers_made_inside_inference_mode_are_normal_tensors_without_grad():
+    """What a CUDA-graph runner keeps (made under ``_normal_tensors``) takes in-place writes in
+    and outside ``inference_mode``, records no autograd history under ``enable_grad`` inside it,
+    and stays in inference mode where the state it writes holds inference tensors."""
+    from fusion_compiler.runtime.cuda_graph import _normal_tensors
+
+    weight = torch.randn(3, requires_grad=True)
+    with torch.inference_mode(), torch.enable_grad():
+        x = torch.randn(3)
+        with _normal_tensors():
+            kept = x.clone()
+            product = kept * weight
+            assert not torch.is_inference_mode_enabled()
+        inference_state = torch.zeros(3)
+        with _normal_tensors([inference_state]):
+            assert torch.is_inference_mode_enabled()
+            inference_state.add_(1)
+        kept.copy_(x)  # a later call inside inference mode
+    assert not kept.is_inference() and not product.requires_grad
+    with torch.no_grad():
+        kept.copy_(torch.ones(3))  # and one outside it
+
+
 def test_restored_gives_buffers_back_their_values():
     from fusion_compiler.runtime.tensors import restored
 
