@@ -85,6 +85,18 @@ def _normal_tensors(state: Sequence[torch.Tensor] = ()) -> contextlib.AbstractCo
     return stack
 
 
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any = None,
+              stream: torch.cuda.Stream | None = None):
+    """``torch.cuda.graph(graph, pool, stream)`` as every runner captures: with
+    ``capture_error_mode="thread_local"`` (CUDA calls of other threads, such as a DataLoader's
+    pinning thread, do not invalidate the capture) and Python's cyclic garbage collector paused
+    (:func:`~.background.gc_paused`)."""
+    with gc_paused(), torch.cuda.graph(graph, pool=pool, stream=stream,
+                                       capture_error_mode="thread_local"):
+        yield
+
+
 def _release_rng_capture(device: int) -> None:
     """Take the default CUDA generator of ``device`` out of capture mode after a failed capture.
 
@@ -200,11 +212,7 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
-                # thread_local: CUDA calls of other threads (a DataLoader's pinning thread) do
-                # not invalidate this capture
-                with gc_paused(), torch.cuda.graph(graph, stream=_capture_stream(),
-                                                   capture_error_mode="thread_local"), \
-                        self._scope():
+                with capturing(graph, stream=_capture_stream()), self._scope():
                     outputs = self._forward(self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
                 _release_rng_capture(torch.cuda.current_device())
@@ -232,9 +240,8 @@ class CudaGraphRunner:
             return None
         graph = torch.cuda.CUDAGraph()
         try:
-            with _normal_tensors(self.buffers), gc_paused(), torch.cuda.graph(
-                    graph, pool=pool, stream=_capture_stream(),
-                    capture_error_mode="thread_local"), self._scope():
+            with _normal_tensors(self.buffers), capturing(graph, pool, _capture_stream()), \
+                    self._scope():
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph

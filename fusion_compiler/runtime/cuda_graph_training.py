@@ -39,9 +39,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .tensors import layout_like, restored
 from ..ir.errors import condense
-from .cuda_graph import CaptureError, _release_rng_capture
+from .cuda_graph import CaptureError, _release_rng_capture, capturing
 from .weight_cache import derivation_epoch
-from .background import COMPILE_LOCK, gc_paused
+from .background import COMPILE_LOCK
 
 __all__ = ["TrainingGraphRunner"]
 
@@ -166,8 +166,7 @@ class _GraphPair:
         self.inputs = inputs
         self.static_inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
         self.fwd_graph = torch.cuda.CUDAGraph()
-        with gc_paused(), torch.cuda.graph(self.fwd_graph, pool=pool,
-                                           capture_error_mode="thread_local"):
+        with capturing(self.fwd_graph, pool):
             out = call()
         self.live_outputs, self.out_spec = tree_flatten(out)
         self.diff_positions = [i for i, t in enumerate(self.live_outputs)
@@ -192,8 +191,7 @@ class _GraphPair:
             self.live_outputs, self.inputs = [], []
             return
         self.bwd_graph = torch.cuda.CUDAGraph()
-        with gc_paused(), torch.cuda.graph(self.bwd_graph, pool=pool,
-                                           capture_error_mode="thread_local"):
+        with capturing(self.bwd_graph, pool):
             grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs, allow_unused=True)
             grads = [*(layout_like(g, self.inputs[i], copy=True)
                        if g is not None and id(self.inputs[i]) in alias_ids else g
