@@ -48,13 +48,13 @@ def _absorbed(region: Region, image: fx.Node, x: fx.Node, chain: list[fx.Node],
                   space_to_depth=block)
 
 
-def _source(node: object) -> tuple[fx.Node, int, list[fx.Node]] | None:
+def _source(node: object, dtype: torch.dtype) -> tuple[fx.Node, int, list[fx.Node]] | None:
     """:func:`~fusion_compiler.passes.pre_fusion.rewrites.space_to_depth_source` of ``node``, or of
-    what ``node`` casts when it is ``.to(dtype)`` of a SpaceToDepth (the cast then ends the
-    chain)."""
+    what ``node`` casts when it is ``.to(dtype)`` of a SpaceToDepth, ``dtype`` the weight's (the
+    autocast pass's cast; the cast then ends the chain). ``None`` for a cast to another dtype."""
     if isinstance(node, fx.Node) and node.op == "call_method" and node.target == "to" \
             and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
-        found = space_to_depth_source(node.args[0])
+        found = space_to_depth_source(node.args[0]) if node.args[1] == dtype else None
         return None if found is None else (found[0], found[1], [*found[2], node])
     return space_to_depth_source(node)
 
@@ -76,13 +76,10 @@ def space_to_depth_stems(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         names = [n.name for n in region.graph_module.graph.find_nodes(op="placeholder")]
         at = names.index(image.name)
-        found = _source(call.args[at])
+        found = _source(call.args[at], weight.meta["val"].dtype)
         if found is None:
             continue
         x, block, chain = found
-        cast = chain[-1].op == "call_method" and chain[-1].target == "to"
-        if cast and chain[-1].args[1] != weight.meta["val"].dtype:
-            continue  # a cast to another dtype than the weight's: not autocast's
         reason = kernel_reason(x.meta["val"], weight.meta["val"], block)
         fit = reason or epilogue_program(region, node_device(x))
         if isinstance(fit, str):
