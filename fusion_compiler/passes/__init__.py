@@ -13,9 +13,9 @@ graph after any pass by its name). In order, with the condition under which each
   ``torch.autocast``: its casts made graph ops), then the user's own passes (option ``passes``,
   :func:`custom_passes`).
 * **fusion**: ``fuse`` (conv chains -> Region submodules: prologue, epilogue, exit reduction),
-  ``verify`` (SSA, beta = 0, one conv per region, no aliasing; raises FusionError), ``space_to_depth_stem`` (CUDA
-  inference where Triton runs: a stem region takes its SpaceToDepth as prologue, for the
-  ``triton`` backend).
+  ``verify`` (SSA, beta = 0, one conv per region, no aliasing; raises FusionError),
+  ``space_to_depth_stem`` (CUDA inference where Triton runs and ``backends`` names
+  ``triton_stem``: a stem region takes its SpaceToDepth as prologue, for that backend).
 * **post_lowering**: ``four_channel_images`` (CUDA: PyTorch stems on 3-channel fp16/bf16 images
   get a zero fourth channel), ``channel_padded_images`` (CUDA inference: images a cuDNN region
   zero-pads are padded in the graph), ``channels_last_activations`` (values regions read
