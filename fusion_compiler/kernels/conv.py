@@ -11,7 +11,7 @@ channels_last is converted first); the weight is read channels_last (converted o
 version, :class:`~fusion_compiler.runtime.weight_cache.WeightCache`).
 
 The region-level pieces: :func:`conv_program` reads a region into the kernel's arguments (or says
-why it cannot), :class:`ConvKernel` is what the ``triton`` backend
+why it cannot), :class:`ConvKernel` is what the ``triton_conv`` backend
 (:mod:`fusion_compiler.backends.triton`) lowers a region to, and :func:`conv_reference` is the
 same computation as torch ops (an fp64 oracle for fp64 inputs).
 """

@@ -8,7 +8,7 @@ lowers to cuDNN well.
   the 1x1 convolution stays, on ``b*b*C`` channels that need no padding. In CUDA inference where
   Triton runs, such a region then absorbs the copy (the fusion pass
   :mod:`fusion_compiler.passes.fusion.space_to_depth_stem`, which finds it with
-  :func:`space_to_depth_source`) and runs as one Triton kernel (the ``triton`` backend,
+  :func:`space_to_depth_source`) and runs as one Triton kernel (the ``triton_stem`` backend,
   :mod:`fusion_compiler.backends.triton_stem`).
 * :func:`avgpool_conv` -- ``AvgPool2d(k, s, p, count_include_pad=True)`` followed by a 1x1
   convolution equals a k x k, stride-s, pad-p convolution whose every tap is ``weight / k**2``
