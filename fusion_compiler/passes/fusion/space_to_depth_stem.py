@@ -1,5 +1,5 @@
-"""space_to_depth_stem: a region whose 1x1 convolution reads SpaceToDepth(4) of an image takes
-the SpaceToDepth as its prologue, so that the ``triton_stem`` backend runs the whole stem as one kernel
+"""space_to_depth_stem: a region whose 1x1 convolution reads SpaceToDepth(4) of an image takes the
+SpaceToDepth as its prologue, so that the ``triton_stem`` backend runs the whole stem as one kernel
 (:mod:`fusion_compiler.kernels.space_to_depth`) and no other backend builds anything for it.
 
 It runs after ``verify`` (the SpaceToDepth's view, permute and reshape are not canonical region
