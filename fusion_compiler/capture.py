@@ -211,9 +211,21 @@ def _fake_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
         mode.allow_non_fake_inputs = True
     fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not hasattr(a, "fake_mode") else a
             for a in example_inputs]
+
+    class _KeepingNumbers(FakeTensorProp):
+        """Also records shape arithmetic (``x.shape``, its items, ``h // 4``): torch 2.11's
+        ``FakeTensorProp`` keeps only tensors and symbolic numbers, which left such nodes
+        without a value and their users unspecialized."""
+
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            if _plain_number(result):
+                n.meta["val"] = result
+            return result
+
     try:
         with mode:
-            FakeTensorProp(gm, mode).propagate(*fake)
+            _KeepingNumbers(gm, mode).propagate(*fake)
     finally:
         # Under torch.autocast, casts of parameters are cached for the rest of the autocast
         # region; the ones made here are fake and must not be reused by the real run.
@@ -222,6 +234,13 @@ def _fake_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             node.meta["device"] = val.device
+
+
+def _plain_number(value: Any) -> bool:
+    """Whether ``value`` is a Python number or a size/tuple of them (no tensor, no symbol)."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain_number(v) for v in value)
+    return isinstance(value, (int, float, bool))
 
 
 def _to_meta(value: Any) -> Any:

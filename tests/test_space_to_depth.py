@@ -161,6 +161,57 @@ def test_the_stem_under_autocast_takes_the_image_cast_along(triton_stems_on_cpu)
     assert rel_err(got, want) <= 1.5 * rel_err(eager, want) + 1e-3
 
 
+def _autocast_stem_graph(model: nn.Module, x: torch.Tensor):
+    """``model`` through the CUDA-form pre-fusion and fusion pipelines under autocast (bf16)."""
+    options = CompileOptions().internal(cuda_pipeline=True)
+    target = Target(cuda=False, autocast=DT)
+    with torch.autocast("cpu", DT), torch.no_grad():
+        return PassManager([*pre_fusion(options, target), *fusion(options, target)], [x]).run(
+            capture(model))
+
+
+def _drops_numbers(monkeypatch):
+    """``FakeTensorProp`` as in torch 2.11, where a node whose value is a Python number or a size
+    (``x.shape``, its items, ``h // 4``) gets no ``meta["val"]``."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    original = FakeTensorProp.run_node
+
+    def run_node(self, n):
+        result = original(self, n)
+        if not isinstance(result, torch.Tensor) and not isinstance(n.meta.get("val"),
+                                                                  torch.Tensor):
+            n.meta.pop("val", None)
+        return result
+    monkeypatch.setattr(FakeTensorProp, "run_node", run_node)
+
+
+def test_autocast_propagation_keeps_shape_arithmetic_so_the_stem_is_taken(
+        triton_stems_on_cpu, monkeypatch):
+    """Shape propagation under autocast (fake tensors) records the numbers of ``x.shape`` even
+    where ``FakeTensorProp`` drops them (torch 2.11): ``normalize`` makes the SpaceToDepth's
+    ``view`` read constants, and the stem region takes it (on the H200 a missing value left
+    ``x.view(getitem, ...)`` and the pass raised ``KeyError: getitem``)."""
+    _drops_numbers(monkeypatch)
+    torch.manual_seed(4)
+    gm = _autocast_stem_graph(_Stem("relu").eval(), torch.randn(2, 3, 32, 64))
+    assert not [n for n in gm.graph.nodes if n.target is getattr]  # no x.shape left
+    assert _stems(gm) == ["r0"]
+
+
+def test_a_stem_whose_shape_is_computed_in_the_graph_stays_as_it_is(triton_stems_on_cpu,
+                                                                    monkeypatch, caplog):
+    """A SpaceToDepth whose ``view`` reads sizes computed by other nodes of the graph is left
+    outside the region, with the reason logged, rather than copied without them."""
+    from fusion_compiler import capture as capture_module
+    _drops_numbers(monkeypatch)
+    monkeypatch.setattr(capture_module, "_plain_number", lambda value: False)
+    torch.manual_seed(4)
+    gm = _autocast_stem_graph(_Stem("relu").eval(), torch.randn(2, 3, 32, 64))
+    with caplog.at_level("INFO", logger="fusion_compiler"):
+        assert _stems(gm) == []
+    assert "its shape is computed by floordiv, floordiv_1, getitem" in caplog.text
+
+
 def test_shapes_the_kernel_does_not_take_stay():
     torch.manual_seed(2)
     for model, x in [(_Stem("relu", out=24).to(DT).eval(), torch.randn(2, 3, 32, 64, dtype=DT)),

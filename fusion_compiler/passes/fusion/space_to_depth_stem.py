@@ -80,7 +80,9 @@ def space_to_depth_stems(gm: fx.GraphModule) -> fx.GraphModule:
         if found is None:
             continue
         x, block, chain = found
-        reason = kernel_reason(x.meta["val"], weight.meta["val"], block)
+        outside = {a for n in chain for a in n.all_input_nodes} - {x, *chain}
+        reason = (f"its shape is computed by {', '.join(sorted(a.name for a in outside))}"
+                  if outside else kernel_reason(x.meta["val"], weight.meta["val"], block))
         fit = reason or epilogue_program(region, node_device(x))
         if isinstance(fit, str):
             log.info("region %s: SpaceToDepth stem left as it is: %s", region.region_id, fit)
