@@ -45,7 +45,8 @@ class CompiledModule(torch.nn.Module):
     device from every earlier one compiles a new specialization (``specializations`` lists them,
     the least recently used evicted beyond ``options.max_specializations``). A call under
     ``torch.autocast`` gets its own specialization in which the autocast casts are explicit graph
-    ops, so regions form in the autocast dtype. Calls that need gradients (grad mode on and a
+    ops, so regions form in the autocast dtype; a call inside ``torch.inference_mode()`` gets its
+    own (its outputs are inference tensors, as eager's are). Calls that need gradients (grad mode on and a
     parameter or input requiring grad) get their own training specialization, whose regions run
     a fused backward (:mod:`fusion_compiler.autograd.backward`). ``options``: a
     :class:`~fusion_compiler.config.CompileOptions`, or its fields as keyword arguments.
@@ -210,13 +211,13 @@ class CompiledModule(torch.nn.Module):
         return InputError(f"{type(self.model).__name__} cannot take {what} {got}: {why}{took}")
 
     def specialize(self, *args: Any, **kwargs: Any) -> Specialization:
-        """Compile (or fetch) the specialization for a call with these arguments (bound as the
-        call would bind them), under the current grad mode and autocast state, lowered now: a
-        specialization that a call compiled and that still answers from tier 0 is waited for
+        """Compile (or fetch) the specialization for a call with these arguments (bound as the call
+        would bind them), under the current grad mode, inference mode and autocast state, lowered
+        now: a specialization that a call compiled and that still answers from tier 0 is waited for
         (option ``tiered``, docs/options.md; Inductor's tier may still be compiling). Runs no
-        forward pass: the module's state is left as it is, and the module's own forward
-        pre-hooks are not called (a pre-hook that changes the inputs leaves a call to compile
-        its own specialization).
+        forward pass: the module's state is left as it is, and the module's own forward pre-hooks
+        are not called (a pre-hook that changes the inputs leaves a call to compile its own
+        specialization).
 
         Raises:
             InputError: inputs the model does not take (see :class:`CompiledModule`).
@@ -240,8 +241,10 @@ class CompiledModule(torch.nn.Module):
         requires = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         amp = _autocast_dtype(args)
         frozen = tuple(p.requires_grad for p in self._model_params) if grad else ()
+        # inference mode too: a graph captured inside it returns inference tensors, as eager
+        # does there, and a call under no_grad must get normal ones (it may write into them)
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
-               frozen)
+               frozen, torch.is_inference_mode_enabled())
         spec = self.specializations.get(key)
         if spec is not None:
             self.specializations.move_to_end(key)

@@ -85,6 +85,25 @@ def test_inference_mode_makes_an_inference_specialization_whatever_the_grad_mode
     assert rel_err(out, model(x)) < 1e-5
 
 
+def test_inference_mode_and_no_grad_calls_get_their_own_specializations():
+    """Inside ``inference_mode`` a call returns inference tensors and under ``no_grad`` normal
+    ones, as eager does; each mode has its specialization (a CUDA graph captured in one mode
+    returns its mode's tensors; on the H200 a shared graph made Dynamo recompile the graph after
+    a break when the tier changed the outputs' kind)."""
+    model = _small().eval()
+    compiled = fc.compile(model, cache_dir=False)
+    x = torch.randn(2, 8, 6, 6)
+    with torch.inference_mode():
+        first = compiled(x)
+    with torch.no_grad():
+        second = compiled(x)
+        second.add_(1.0)  # a normal tensor takes in-place writes outside inference mode
+        want = model(x) + 1.0
+    assert first.is_inference() and not second.is_inference()
+    assert len(compiled.specializations) == 2
+    assert rel_err(second, want) < 1e-5
+
+
 def test_invalid_options_are_value_errors():
     with pytest.raises(ValueError, match="cuda_graph must be one of"):
         fc.compile(_small(), cuda_graph="always")

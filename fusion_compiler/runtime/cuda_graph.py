@@ -67,15 +67,16 @@ def _capture_stream() -> torch.cuda.Stream:
 
 
 def _normal_tensors(state: Sequence[torch.Tensor] = ()) -> contextlib.AbstractContextManager:
-    """Inference mode off, gradients off, while a runner makes what it keeps: its input buffers,
-    the derived tensors, the captured graph's output buffers. Made inside
-    ``torch.inference_mode()`` they would be inference tensors, and a later call outside it
-    (under ``no_grad``) could not copy its inputs into them ("Inplace update to inference tensor
-    outside InferenceMode"); normal tensors take in-place writes in both modes (PyTorch's
-    inference-mode rules, docs of ``torch.inference_mode``). Gradients stay off: an inference
-    runner records no autograd history, whatever grad mode the caller set inside inference
-    mode. Inference mode stays on where ``state`` (what the forward writes, such as a batch
-    norm's statistics) holds inference tensors, which only inference mode may write."""
+    """Inference mode off, gradients off, while a runner makes its input buffers and the derived
+    tensors (warm-ups and the derivations' first run): normal tensors take writes in and outside
+    ``torch.inference_mode()``, inference tensors only inside it (a call inside inference mode has a
+    specialization of its own, ``CompiledModule``'s key, so its runner is called in that mode only;
+    normal buffers are the simpler rule). The capture itself runs in the caller's mode, so that its
+    output buffers are what eager returns there (inference tensors inside inference mode; PyTorch's
+    inference-mode rules, docs of ``torch.inference_mode``). Gradients stay off: an inference runner
+    records no autograd history, whatever grad mode the caller set inside inference mode. Inference
+    mode stays on where ``state`` (what the forward writes, such as a batch norm's statistics) holds
+    inference tensors."""
     if not torch.is_inference_mode_enabled() or any(
             isinstance(t, torch.Tensor) and t.is_inference() for t in state):
         return contextlib.nullcontext()
@@ -185,7 +186,7 @@ class CudaGraphRunner:
         with _normal_tensors(self.buffers):
             self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a
                                   for a in example_args]
-            self._capture()
+        self._capture()
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -203,7 +204,7 @@ class CudaGraphRunner:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with COMPILE_LOCK, restored(self.buffers):  # warm-ups leave no update behind
-            with torch.cuda.stream(side), self._scope():
+            with torch.cuda.stream(side), self._scope(), _normal_tensors(self.buffers):
                 for _ in range(self.warmup):  # the first call records what the forward derives
                     fn(*self.static_inputs)
                 if self.derivations is not None:
@@ -240,8 +241,7 @@ class CudaGraphRunner:
             return None
         graph = torch.cuda.CUDAGraph()
         try:
-            with _normal_tensors(self.buffers), capturing(graph, pool, _capture_stream()), \
-                    self._scope():
+            with capturing(graph, pool, _capture_stream()), self._scope():
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
@@ -270,8 +270,7 @@ class CudaGraphRunner:
     def __call__(self, *args: Any) -> Any:
         key = self._key(args)
         if key == self._last_key:  # the caller refilled its tensors
-            # (not over inference tensors it writes: the capture runs outside inference mode)
-            if self._direct is None and not any(args[i].is_inference() for i in self.written):
+            if self._direct is None:
                 self._direct, self._direct_key = self._try_capture(args, None), key
             direct = self._direct
             if direct and key == self._direct_key and not direct.held():
