@@ -7,7 +7,8 @@ machine (10 minutes), and summarize them in one line.
 
 A chunk is a group of test files (:data:`CHUNKS`, about 6-8 minutes each on an H100); files that
 hold ``gpu`` tests and are in no chunk form the last one, so a new GPU test file is never left
-out. Each chunk writes ``DIR/chunk-<k>.json``: the commit, the counts (passed, failed, errors,
+out. Each chunk writes ``DIR/chunk-<k>.json``: the commit, the hash of the files that ran (``tree``:
+compare with ``git rev-parse --short=12 HEAD^{tree}``), the counts (passed, failed, errors,
 skipped), the failing and skipped tests with their reasons, and the wall time.
 """
 
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -60,6 +63,19 @@ def _commit() -> str:
     return (proc.stdout.strip() or "unknown") + ("+changes" if dirty else "")
 
 
+def _tree() -> str:
+    """The hash of the files that ran, as git would commit them (tracked and untracked, ignored
+    files left out), in a throwaway index: equal to ``git rev-parse --short=12 HEAD^{tree}`` of
+    the commit with these files, also where the checkout's history is older than its files (the
+    GPU machine gets a copy of the working tree whose ``HEAD`` may be an earlier commit)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        added = subprocess.run(["git", "add", "-A"], cwd=ROOT, env=env, capture_output=True)
+        proc = subprocess.run(["git", "write-tree"], cwd=ROOT, env=env, capture_output=True,
+                              text=True)
+    return proc.stdout.strip()[:12] if added.returncode == 0 and proc.stdout.strip() else "unknown"
+
+
 def run_chunk(k: int, out: Path, extra: list[str]) -> dict:
     """Run chunk ``k`` (1-based) with ``pytest -m gpu``; write and return its result."""
     files = chunks()[k - 1]
@@ -69,7 +85,7 @@ def run_chunk(k: int, out: Path, extra: list[str]) -> dict:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p",
                            "no:cacheprovider", f"--junitxml={xml}", *extra,
                            *(str(TESTS / f) for f in files)], cwd=ROOT)
-    result = {"chunk": k, "files": files, "commit": _commit(), "exit": proc.returncode,
+    result = {"chunk": k, "files": files, "commit": _commit(), "tree": _tree(), "exit": proc.returncode,
               "seconds": round(time.monotonic() - start, 1), **_counts(xml)}
     (out / f"chunk-{k}.json").write_text(json.dumps(result, indent=1))
     return result
@@ -103,7 +119,7 @@ def summary(folder: Path) -> str:
     if not results:
         return f"no chunk results in {folder}"
     total = {k: sum(r[k] for r in results) for k in ("passed", "failed", "errors", "skipped")}
-    commits = sorted({r["commit"] for r in results})
+    commits = sorted({f"{r['commit']} (tree {r.get('tree', 'unknown')})" for r in results})
     ran = sorted(r["chunk"] for r in results)
     missing = [k for k in range(1, len(chunks()) + 1) if k not in ran]
     line = (f"GPU suite at {', '.join(commits)}: {total['passed']} passed, {total['failed']} "
