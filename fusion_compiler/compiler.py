@@ -42,13 +42,13 @@ class CompiledModule(torch.nn.Module):
 
     It shares ``model``'s parameters and buffers (``parameters()``, ``state_dict()`` and
     ``train()``/``eval()`` act on the model). A call whose inputs differ in shape, stride, dtype or
-    device from every earlier one compiles a new specialization (``specializations`` lists them,
-    the least recently used evicted beyond ``options.max_specializations``). A call under
+    device from every earlier one compiles a new specialization (``specializations`` lists them, the
+    least recently used evicted beyond ``options.max_specializations``). A call under
     ``torch.autocast`` gets its own specialization in which the autocast casts are explicit graph
     ops, so regions form in the autocast dtype; a call inside ``torch.inference_mode()`` gets its
-    own (its outputs are inference tensors, as eager's are). Calls that need gradients (grad mode on and a
-    parameter or input requiring grad) get their own training specialization, whose regions run
-    a fused backward (:mod:`fusion_compiler.autograd.backward`). ``options``: a
+    own (its outputs are inference tensors, as eager's are). Calls that need gradients (grad mode on
+    and a parameter or input requiring grad) get their own training specialization, whose regions
+    run a fused backward (:mod:`fusion_compiler.autograd.backward`). ``options``: a
     :class:`~fusion_compiler.config.CompileOptions`, or its fields as keyword arguments.
 
     Raises (on construction):
@@ -241,10 +241,12 @@ class CompiledModule(torch.nn.Module):
         requires = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         amp = _autocast_dtype(args)
         frozen = tuple(p.requires_grad for p in self._model_params) if grad else ()
-        # inference mode too: a graph captured inside it returns inference tensors, as eager
-        # does there, and a call under no_grad must get normal ones (it may write into them)
+        # inference mode too (the caller's, or the forward's decorator, which the call enters):
+        # a graph captured inside it returns inference tensors, as eager does there, and a call
+        # under no_grad must get normal ones (it may write into them)
+        inference = not grad and (torch.is_inference_mode_enabled() or self._inference)
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
-               frozen, torch.is_inference_mode_enabled())
+               frozen, inference)
         spec = self.specializations.get(key)
         if spec is not None:
             self.specializations.move_to_end(key)
@@ -256,7 +258,7 @@ class CompiledModule(torch.nn.Module):
         log.info("compiling %s for inputs %s", type(self.model).__name__,
                  ", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec)))
         target = Target(cuda=any(isinstance(a, torch.Tensor) and a.is_cuda for a in args),
-                        training=grad, autocast=amp)
+                        training=grad, autocast=amp, inference=inference)
         spec = self._compiler.build(args, key, target, requires, answer_early)
         self.specializations[key] = spec
         while len(self.specializations) > self.options.max_specializations:

@@ -38,11 +38,15 @@ class Target:
         cuda: its tensor inputs are on a CUDA device.
         training: a call needs gradients (grad mode on and a parameter or input requiring grad).
         autocast: the ``torch.autocast`` dtype active for the inputs' device, or ``None``.
+        inference: calls run inside ``torch.inference_mode()`` (the caller's, or the forward's
+            own decorator): CUDA graphs are captured in it, so their outputs are inference
+            tensors as eager's are there.
     """
 
     cuda: bool
     training: bool = False
     autocast: torch.dtype | None = None
+    inference: bool = False
 
 
 @dataclass(frozen=True)

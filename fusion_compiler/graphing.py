@@ -57,15 +57,16 @@ def _read_beside_regions(gm: fx.GraphModule | None,
 def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
             notes: list[str], *, model: torch.nn.Module, options: CompileOptions,
             note: Callable[[list[str], str], None], training: bool = False,
-            gm: fx.GraphModule | None = None, hoisted: HoistedParameters | None = None
-            ) -> tuple[Callable[..., Any], str | None]:
+            inference: bool = False, gm: fx.GraphModule | None = None,
+            hoisted: HoistedParameters | None = None) -> tuple[Callable[..., Any], str | None]:
     """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training specialization
     forward and backward graphs, :mod:`.runtime.cuda_graph_training`), and ``"safe"`` (outputs never
     overwritten by a later call); or ``run`` (after refreshing ``hoisted`` at each call) and
     ``None`` when it cannot be captured (the reason is noted with ``note``). ``module`` is what
     ``run`` calls (the graph module, or ``torch.compile``'s wrapper of it); an inference graph
     starts with the derivation prologue of the model's state, ``gm``'s tensors and ``hoisted``
-    (:mod:`.runtime.derivations`)."""
+    (:mod:`.runtime.derivations`) and is captured inside ``torch.inference_mode()`` with
+    ``inference`` (the specialization's mode, whatever the mode of the call that switches tiers)."""
     from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
     from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
     from .runtime.derivations import Derivations  # noqa: PLC0415
@@ -87,7 +88,8 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
             derivations = Derivations(state, hoisted, _read_beside_regions(gm, hoisted),
                                       frozen=options.freezing)
             runner = CudaGraphRunner(run, args, derivations=derivations,
-                                     buffers=list(model.buffers()), written=written)
+                                     buffers=list(model.buffers()), written=written,
+                                     inference=inference)
             for text in runner.derivations.notes:
                 note(notes, text)
     except CaptureError as exc:

@@ -92,25 +92,28 @@ class Runners:
             with (without_custom_op_alias_check() if compiles_here
                   else contextlib.nullcontext()):
                 runner, graphed = self.graphed(plain(call), call, args, notes,
-                                               training=target.training, gm=gm,
+                                               training=target.training,
+                                               inference=target.inference, gm=gm,
                                                hoisted=hoisted)
         if tiered and graphed is None:  # no graph: eager glue is the faster one uncaptured
             glue_backend = None
         elif tiered:
-            runner = self.inductor_tier(runner, gm, plain, notes, hoisted)
+            runner = self.inductor_tier(runner, gm, plain, notes, hoisted, target.inference)
         return runner, glue_backend, graphed
 
     def graphed(self, run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
-                notes: list[str], training: bool = False, gm: fx.GraphModule | None = None,
-                hoisted: HoistedParameters | None = None
+                notes: list[str], training: bool = False, inference: bool = False,
+                gm: fx.GraphModule | None = None, hoisted: HoistedParameters | None = None
                 ) -> tuple[Callable[..., Any], str | None]:
         """:func:`~fusion_compiler.graphing.graphed` for this model and options."""
         return graphing.graphed(run, module, args, notes, model=self.model, options=self.options,
-                                note=self._note, training=training, gm=gm, hoisted=hoisted)
+                                note=self._note, training=training, inference=inference, gm=gm,
+                                hoisted=hoisted)
 
     def inductor_tier(self, first: Any, gm: fx.GraphModule,
                       plain: Callable[[Callable[..., Any]], Callable[..., Any]],
-                      notes: list[str], hoisted: HoistedParameters | None) -> TieredRunner:
+                      notes: list[str], hoisted: HoistedParameters | None,
+                      inference: bool = False) -> TieredRunner:
         """``first`` (the CUDA-graph runner of ``gm`` with eager glue) until ``gm`` compiled by
         Inductor replaces it, in a CUDA graph of its own (:mod:`.runtime.tiered`). The compile
         traces (AOTAutograd's ``make_fx``) and patches functorch's configuration, process-global
@@ -121,29 +124,29 @@ class Runners:
         each region one ``run_region`` op), not through ``torch.compile``: no Dynamo guards at
         each call. It compiles an :func:`~fusion_compiler.runtime.tiered.isolated_copy` of
         ``gm``, which shares tensors with the model (in-place updates reach the compiled code)
-        but no module, rewritten by the glue pipeline (:func:`fusion_compiler.passes.glue`), in
-        the grad and inference modes of the call that made ``first``. The CUDA graph's warm-up
-        runs it first (Triton's autotuning happens there), with AOTAutograd's check of custom
-        ops' aliasing off (:func:`without_custom_op_alias_check`)."""
+        but no module, rewritten by the glue pipeline (:func:`fusion_compiler.passes.glue`),
+        gradients off and inside ``torch.inference_mode()`` with ``inference`` (the
+        specialization's mode, whatever the mode of the call that switches). The CUDA graph's
+        warm-up runs it first (Triton's autotuning happens there), with AOTAutograd's check of
+        custom ops' aliasing off (:func:`without_custom_op_alias_check`)."""
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
         private = isolated_copy(gm, opaque=lambda m: isinstance(m, Region))
-        modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
 
-        def in_modes() -> contextlib.ExitStack:
+        def in_modes() -> contextlib.ExitStack:  # an inference graph (no backward traced)
             stack = contextlib.ExitStack()
-            stack.enter_context(torch.inference_mode(modes[0]))
-            stack.enter_context(torch.set_grad_enabled(modes[1]))
+            stack.enter_context(torch.inference_mode(inference))
+            stack.enter_context(torch.no_grad())
             return stack
 
         def finish(_: Any) -> Callable[..., Any]:  # on the calling thread
             on_calling_thread("Inductor's compile of the glue")
             with COMPILE_LOCK:
                 PassManager(glue(), propagate=False).run(private)
-                with in_modes(), torch.no_grad():  # an inference graph (no backward traced)
+                with in_modes():
                     compiled = inductor_compile(private, example)
                 with in_modes(), without_custom_op_alias_check():
                     runner, graphed = self.graphed(plain(compiled), compiled, example, notes,
-                                                   gm=gm, hoisted=hoisted)
+                                                   inference=inference, gm=gm, hoisted=hoisted)
             if graphed is None:
                 raise RuntimeError("its CUDA graph could not be captured")
             return runner

@@ -81,11 +81,12 @@ def run_chunk(k: int, out: Path, extra: list[str]) -> dict:
     files = chunks()[k - 1]
     out.mkdir(parents=True, exist_ok=True)
     xml = out / f"chunk-{k}.xml"
+    commit, tree = _commit(), _tree()  # before the tests write anything
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p",
                            "no:cacheprovider", f"--junitxml={xml}", *extra,
                            *(str(TESTS / f) for f in files)], cwd=ROOT)
-    result = {"chunk": k, "files": files, "commit": _commit(), "tree": _tree(), "exit": proc.returncode,
+    result = {"chunk": k, "files": files, "commit": commit, "tree": tree, "exit": proc.returncode,
               "seconds": round(time.monotonic() - start, 1), **_counts(xml)}
     (out / f"chunk-{k}.json").write_text(json.dumps(result, indent=1))
     return result

@@ -104,6 +104,30 @@ def test_inference_mode_and_no_grad_calls_get_their_own_specializations():
     assert rel_err(second, want) < 1e-5
 
 
+def test_a_forward_decorated_with_inference_mode_has_one_specialization_in_and_out_of_it():
+    """A forward decorated with ``@torch.inference_mode()`` runs inside inference mode whether
+    or not the caller is: one specialization serves both, and its outputs are inference
+    tensors, as eager's are."""
+    class Decorated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+        @torch.inference_mode()
+        def forward(self, x):
+            return torch.relu(self.conv(x))
+
+    model = Decorated().eval()
+    compiled = fc.compile(model, cache_dir=False)
+    x = torch.randn(2, 8, 6, 6)
+    outside = compiled(x)
+    with torch.inference_mode():
+        inside = compiled(x)
+    assert outside.is_inference() and inside.is_inference()
+    assert len(compiled.specializations) == 1
+    assert rel_err(outside, model(x)) < 1e-5
+
+
 def test_invalid_options_are_value_errors():
     with pytest.raises(ValueError, match="cuda_graph must be one of"):
         fc.compile(_small(), cuda_graph="always")
@@ -308,6 +332,27 @@ def test_graphed_training_differentiates_through_aliases_that_run_no_parameter_h
     assert len(fired) == len(want)  # the hooks do run when the parameters themselves are used
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("inference", [True, False])
+@pytest.mark.parametrize("caller_inside", [True, False])
+def test_graph_runners_capture_in_their_specializations_mode(inference, caller_inside):
+    """A CUDA-graph runner captures in the inference mode of the specialization it serves,
+    gradients off, whatever the mode of the call that builds it or switches tiers (a wait
+    outside inference mode for an inference specialization, or the reverse), and makes its
+    buffers as normal tensors."""
+    from types import SimpleNamespace
+
+    from fusion_compiler.runtime.cuda_graph import CudaGraphRunner
+    runner = SimpleNamespace(inference=inference, buffers=[torch.zeros(2)])
+    with torch.inference_mode(caller_inside), torch.enable_grad():
+        with CudaGraphRunner._capturing_mode(runner):
+            assert torch.is_inference_mode_enabled() == inference
+            assert not torch.is_grad_enabled()
+            assert torch.ones(1).is_inference() == inference
+        with CudaGraphRunner._making(runner):
+            assert not torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
+            assert not torch.ones(1).is_inference()
 
 
 def test_graph_buffers_made_inside_inference_mode_are_normal_tensors_without_grad():

@@ -67,16 +67,12 @@ def _capture_stream() -> torch.cuda.Stream:
 
 
 def _normal_tensors(state: Sequence[torch.Tensor] = ()) -> contextlib.AbstractContextManager:
-    """Inference mode off, gradients off, while a runner makes its input buffers and the derived
-    tensors (warm-ups and the derivations' first run): normal tensors take writes in and outside
-    ``torch.inference_mode()``, inference tensors only inside it (a call inside inference mode has a
-    specialization of its own, ``CompiledModule``'s key, so its runner is called in that mode only;
-    normal buffers are the simpler rule). The capture itself runs in the caller's mode, so that its
-    output buffers are what eager returns there (inference tensors inside inference mode; PyTorch's
-    inference-mode rules, docs of ``torch.inference_mode``). Gradients stay off: an inference runner
-    records no autograd history, whatever grad mode the caller set inside inference mode. Inference
-    mode stays on where ``state`` (what the forward writes, such as a batch norm's statistics) holds
-    inference tensors."""
+    """Inference mode off, gradients off, while a runner that takes the caller's modes
+    (``CudaGraphRunner(inference=None)``) makes its input buffers and runs its warm-ups: normal
+    tensors take writes in and outside ``torch.inference_mode()``, inference tensors only inside
+    it (PyTorch's inference-mode rules, docs of ``torch.inference_mode``). Inference mode stays on
+    where ``state`` (what the forward writes, such as a batch norm's statistics) holds inference
+    tensors."""
     if not torch.is_inference_mode_enabled() or any(
             isinstance(t, torch.Tensor) and t.is_inference() for t in state):
         return contextlib.nullcontext()
@@ -166,6 +162,11 @@ class CudaGraphRunner:
             norm's statistics) is undone, so that calls update them as eager calls do.
         written: positions of inputs the forward writes in place: after a replay that read the
             input buffers, they are copied into the caller's tensors.
+        inference: the mode of the specialization the runner serves, whatever the caller's when
+            it is built or captures again: ``True`` captures inside ``torch.inference_mode()``
+            (output buffers are inference tensors, as eager's outputs are there), ``False``
+            outside it; gradients off in both. Input buffers and derived tensors are normal
+            tensors either way. ``None``: the caller's modes (a captured training step).
 
     Raises:
         CaptureError: the forward cannot be captured (the graph is discarded).
@@ -173,8 +174,10 @@ class CudaGraphRunner:
 
     def __init__(self, fn: Callable[..., Any], example_args: Sequence[Any], warmup: int = 2,
                  derivations: Derivations | None = None,
-                 buffers: Sequence[torch.Tensor] = (), written: Sequence[int] = ()):
+                 buffers: Sequence[torch.Tensor] = (), written: Sequence[int] = (),
+                 inference: bool | None = None):
         self.fn, self.warmup, self.derivations = fn, warmup, derivations
+        self.inference = inference
         self.buffers, self.written = list(buffers), list(written)
         self.main: _Capture | None = None
         # None: not captured yet; False: capture failed (see _try_capture)
@@ -183,10 +186,31 @@ class CudaGraphRunner:
         self._direct_key: tuple | None = None
         self._last_key: tuple | None = None
         self._epochs: list[Any] = []  # the values each capture derived, kept with its graph
-        with _normal_tensors(self.buffers):
+        with self._making():
             self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a
                                   for a in example_args]
         self._capture()
+
+    def _making(self) -> contextlib.AbstractContextManager:
+        """The modes in which the runner makes its input buffers and runs its warm-ups (which
+        make the derived tensors): normal tensors, gradients off; inside inference mode only
+        where the buffers the forward writes are inference tensors."""
+        if self.inference is None:
+            return _normal_tensors(self.buffers)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode(
+            self.inference and any(t.is_inference() for t in self.buffers)))
+        stack.enter_context(torch.no_grad())  # (after: leaving inference mode turns grad on)
+        return stack
+
+    def _capturing_mode(self) -> contextlib.AbstractContextManager:
+        """The modes of a capture: the specialization's (see ``inference``)."""
+        if self.inference is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode(self.inference))
+        stack.enter_context(torch.no_grad())
+        return stack
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -204,7 +228,7 @@ class CudaGraphRunner:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with COMPILE_LOCK, restored(self.buffers):  # warm-ups leave no update behind
-            with torch.cuda.stream(side), self._scope(), _normal_tensors(self.buffers):
+            with torch.cuda.stream(side), self._scope(), self._making():
                 for _ in range(self.warmup):  # the first call records what the forward derives
                     fn(*self.static_inputs)
                 if self.derivations is not None:
@@ -213,7 +237,8 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
-                with capturing(graph, stream=_capture_stream()), self._scope():
+                with capturing(graph, stream=_capture_stream()), self._scope(), \
+                        self._capturing_mode():
                     outputs = self._forward(self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
                 _release_rng_capture(torch.cuda.current_device())
@@ -241,7 +266,8 @@ class CudaGraphRunner:
             return None
         graph = torch.cuda.CUDAGraph()
         try:
-            with capturing(graph, pool, _capture_stream()), self._scope():
+            with capturing(graph, pool, _capture_stream()), self._scope(), \
+                    self._capturing_mode():
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
@@ -270,7 +296,9 @@ class CudaGraphRunner:
     def __call__(self, *args: Any) -> Any:
         key = self._key(args)
         if key == self._last_key:  # the caller refilled its tensors
-            if self._direct is None:
+            # (outside inference mode not over inference tensors it writes: eager refuses too)
+            if self._direct is None and (self.inference or not any(
+                    args[i].is_inference() for i in self.written)):
                 self._direct, self._direct_key = self._try_capture(args, None), key
             direct = self._direct
             if direct and key == self._direct_key and not direct.held():
