@@ -87,6 +87,34 @@ def test_defaults_answer_at_once_then_tier_up_to_inductor_glue_and_match_fp64(tm
     assert rel_err(updated.float().cpu(), _fp64(model, x)) < 2e-3
 
 
+@pytest.mark.parametrize("call_inside", [True, False])
+def test_tiers_switched_from_the_other_mode_capture_in_the_specializations_mode(tmp_path,
+                                                                             call_inside):
+    """Calls inside ``inference_mode`` (or under ``no_grad``), the wait for the last tier from the
+    other mode: every tier's CUDA graph is captured in the specialization's mode, so each call
+    returns what eager returns there (inference tensors inside inference mode; normal tensors,
+    which take in-place writes, under ``no_grad``), on the last tier with Inductor's glue."""
+    model = _glue_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, autotune=1)
+    x = _x(16)
+    mode = torch.inference_mode if call_inside else torch.no_grad
+    other = torch.no_grad if call_inside else torch.inference_mode
+    with mode():
+        first = compiled(x)
+    with other():
+        assert compiled.wait_for_background_compiles(600)
+    spec = compiled.last
+    with mode():
+        outs = [compiled(x), compiled(x)]  # the main graph, then one that reads x in place
+    assert len(compiled.specializations) == 1 and spec.run.tier == 2, spec.notes
+    assert (spec.cuda_graph, spec.glue_backend) == ("safe", "inductor")
+    for out in (first, *outs):
+        assert out.is_inference() == call_inside
+        assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-3
+    if not call_inside:
+        outs[-1].add_(1.0)
+
+
 def test_a_first_call_answers_while_plans_build_and_the_switch_times_them(tmp_path):
     """Tier 0 of a cold compile: the first call runs the regions as PyTorch ops while worker
     processes build the candidate plans; the first call after that times them on the calling
