@@ -198,6 +198,28 @@ def test_se_blocks_under_autocast_take_the_fp32_weights_as_they_are():
     assert (got - reference).abs().max() / scale <= 2 * (eager - reference).abs().max() / scale
 
 
+def test_under_autocast_the_glue_casts_only_the_image_and_the_output():
+    """The autocast pass casts no value that is already in the autocast dtype: the channel
+    views (``narrow``) of horizontally fused convolutions are followed, so SE-ResNet9's lowered
+    graph casts only the fp32 image (for the stem) and the output back to eager's fp32 (before,
+    each view fed its convolution through a cast, glue that Inductor was then chosen for)."""
+    from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
+    from fusion_compiler.compiler import CompiledModule
+
+    from conftest import CUDA_PIPELINE
+
+    model, x = randomize_(se_resnet9_fixup(3)).eval(), torch.randn(2, 3, 64, 64)
+    compiled = CompiledModule(model, CUDA_PIPELINE, cache_dir=False, glue_backend=None)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        spec = compiled.specialize(x)
+    graph = spec.graph_module.graph
+    casts = [n for n in graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert [(n.args[0].op, n.args[1]) for n in casts] == [
+        ("call_function", torch.bfloat16), ("call_function", torch.float32)]
+    assert casts[0].args[0].meta["val"].dtype == torch.float32  # the SpaceToDepth of the image
+    assert any(n.target is torch.narrow for n in graph.nodes)  # horizontal fusion's views
+
+
 def test_the_se_gate_op_is_the_formula_in_fp32_and_traceable():
     torch.manual_seed(0)
     x = torch.randn(4, 24, 5, 7).contiguous(memory_format=torch.channels_last)

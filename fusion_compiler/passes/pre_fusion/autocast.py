@@ -33,7 +33,11 @@ __all__ = ["make_autocast_explicit"]
 
 
 _SAME_DTYPE = {torch.relu, torch.sigmoid, torch.tanh, torch.clamp, F.silu, torch.reshape,
-               torch.permute, torch.flatten}
+               torch.permute, torch.flatten, torch.narrow, torch.squeeze, torch.unsqueeze,
+               torch.transpose}
+"""Ops whose output has their first operand's dtype: a cast before one carries through it (the
+channel views ``horizontal_fusion`` writes, ``narrow``, are among them: without them a convolution
+reading one got a cast of a value already in ``dtype``)."""
 
 
 def make_autocast_explicit(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
