@@ -8,9 +8,12 @@ own PyTorch ops) while the background thread builds them (:meth:`SpecializationC
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -36,6 +39,21 @@ __all__ = ["Specialization", "SpecializationCompiler"]
 
 log = logging.getLogger("fusion_compiler")
 
+
+
+@functools.cache
+def source_digest() -> str:
+    """A hash of this package's Python sources (hex, 16 digits). Shape tables on disk are keyed by
+    it: a table holds the values of a graph's nodes by name, and a pass changed without a new
+    version number (an editable install, a patched copy) can leave another graph whose node
+    names, ops and targets match, which the stale values would then mislead (seen: a weight given
+    an activation's shape). Read once per process (about a hundred files)."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 @dataclass
 class Specialization:
@@ -189,13 +207,11 @@ class SpecializationCompiler:
         """What the shapes propagated through ``passes`` for this model and specialization
         ``key`` depend on, as text (hashed into their cache header): the traced code, the module
         tree with each module's configuration, parameter and buffer metadata, the inputs, the
-        passes and their options, the versions of torch and fusion_compiler."""
-        from . import __version__  # noqa: PLC0415
-
+        passes and their options, the version of torch and :func:`source_digest`."""
         state = [(name, tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device))
                  for name, t in (*self.model.named_parameters(), *self.model.named_buffers())]
         steps = [(p.name, sorted(getattr(p.fn, "keywords", {}).items(), key=str)) for p in passes]
-        return repr((torch.__version__, __version__, captured.code, repr(self.model), state,
+        return repr((torch.__version__, source_digest(), captured.code, repr(self.model), state,
                      key, steps))
 
     def _work_before_lowering(self, gm: fx.GraphModule, target: Target) -> str:

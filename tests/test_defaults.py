@@ -249,6 +249,24 @@ def test_the_shape_cache_is_keyed_by_module_configuration(tmp_path):
             assert out.shape == model(x).shape and rel_err(out, model(x)) < 1e-5
 
 
+def test_the_shape_cache_is_keyed_by_the_packages_sources(tmp_path, monkeypatch):
+    """Shape tables recorded by other code (a pass changed, the version number not) are not
+    applied: their node names can match another graph's (a stale table gave a weight an
+    activation's shape)."""
+    import fusion_compiler.specialization as specialization
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()).eval()
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        fc.compile(model, cache_dir=tmp_path)(x)
+        recorded = set(tmp_path.glob("*.shapes.json"))
+        fc.compile(model, cache_dir=tmp_path)(x)  # the same code: the same table
+        assert set(tmp_path.glob("*.shapes.json")) == recorded
+        monkeypatch.setattr(specialization, "source_digest", lambda: "other sources")
+        out = fc.compile(model, cache_dir=tmp_path)(x)
+    assert len(set(tmp_path.glob("*.shapes.json")) - recorded) == 1
+    assert rel_err(out, model(x)) < 1e-5
+
+
 def test_recipes_name_tensors_by_position_and_abstract_the_batch():
     model = randomize_(se_resnet9_fixup(3)).eval()
     recipes = {}
