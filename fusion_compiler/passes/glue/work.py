@@ -23,13 +23,21 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
     (:func:`~fusion_compiler.kernels.se_gate.se_gate`,
     :func:`~fusion_compiler.kernels.se_gate.se_scale`), an indexing of a region's outputs, a
     view or a layout change (``reshape``, ``permute``, ``contiguous`` and the like: at most a
-    copy, which Inductor's code would make too). Empty when Inductor would only call, in the
-    same order, the kernels the eager graph calls: then compiling the glue gains nothing in a
-    CUDA graph."""
+    copy, which Inductor's code would make too), or a cast to a dtype (``.to(dtype)``, the
+    autocast pass's: one copy kernel either way, since what it casts is a kernel's output or
+    itself in this list). Empty when Inductor would only call, in the same order, the kernels
+    the eager graph calls: then compiling the glue gains nothing in a CUDA graph."""
     from ...kernels.se_gate import LIBRARY_OPS  # noqa: PLC0415  (the kernels graphs call)
 
     return [n for n in gm.graph.nodes
             if n.op in ("call_function", "call_method", "call_module")
             and called_region(gm, n) is None
             and not (n.op == "call_function" and (n.target in _VIEWS or n.target in LIBRARY_OPS))
-            and not (n.op == "call_method" and n.target in _VIEW_METHODS)]
+            and not (n.op == "call_method" and n.target in _VIEW_METHODS)
+            and not _dtype_cast(n)]
+
+
+def _dtype_cast(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x.to(dtype)`` (no device, no other argument)."""
+    return (node.op == "call_method" and node.target == "to" and len(node.args) == 2
+            and isinstance(node.args[1], torch.dtype) and not node.kwargs)
