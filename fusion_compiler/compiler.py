@@ -241,9 +241,8 @@ class CompiledModule(torch.nn.Module):
         requires = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         amp = _autocast_dtype(args)
         frozen = tuple(p.requires_grad for p in self._model_params) if grad else ()
-        # inference mode too (the caller's, or the forward's decorator, which the call enters):
-        # a graph captured inside it returns inference tensors, as eager does there, and a call
-        # under no_grad must get normal ones (it may write into them)
+        # inference mode (the caller's or the forward's decorator): graphs captured in it return
+        # inference tensors as eager does; a no_grad call gets normal ones (it may write them)
         inference = not grad and (torch.is_inference_mode_enabled() or self._inference)
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
                frozen, inference)
