@@ -38,6 +38,10 @@ _SAME_DTYPE = {torch.relu, torch.sigmoid, torch.tanh, torch.clamp, F.silu, torch
 """Ops whose output has their first operand's dtype: a cast before one carries through it (the
 channel views ``horizontal_fusion`` writes, ``narrow``, are among them: without them a convolution
 reading one got a cast of a value already in ``dtype``)."""
+_SAME_DTYPE_METHODS = {"view", "reshape", "contiguous", "flatten", "permute", "transpose",
+                       "squeeze", "unsqueeze", "narrow", "t", "expand", "relu", "sigmoid", "tanh",
+                       "clamp"}
+"""The same, as tensor methods."""
 
 
 def make_autocast_explicit(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
@@ -81,19 +85,23 @@ def make_autocast_explicit(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphMo
             if len(tensor_kinds) == 1:
                 dtypes[node] = tensor_kinds.pop()
         elif (node.op == "call_function" and node.target in _SAME_DTYPE) or (
-                node.op == "call_method" and node.target in ("view", "reshape", "contiguous")):
-            if dtype_of(node.args[0]) is not None:
-                dtypes[node] = dtype_of(node.args[0])
-    _eager_output_dtypes(gm, dtypes)
+                node.op == "call_method" and node.target in _SAME_DTYPE_METHODS):
+            source = node.args[0] if node.args else node.kwargs.get("input")
+            if dtype_of(source) is not None:
+                dtypes[node] = dtype_of(source)
+    _eager_output_dtypes(gm)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _eager_output_dtypes(gm: fx.GraphModule, dtypes: dict[fx.Node, torch.dtype]) -> None:
-    """Cast each output whose dtype differs from the captured graph's (the module's, recorded by
-    the pass manager) back to it: the dtype the pass tracked for it, else the one fake-tensor
-    propagation recorded. Nothing where the record is missing or the outputs changed in number."""
+def _eager_output_dtypes(gm: fx.GraphModule) -> None:
+    """Cast each floating tensor output to the captured graph's dtype (the module's, recorded by
+    the pass manager), whatever the pass tracked: a dtype fake-tensor propagation recorded before
+    the casts is no guide (a ``conv + fp32 bias`` it saw promoted to fp32 may now be in
+    ``dtype``, and the ops after it, tracked or not, carry the old dtype on), and a cast to the
+    dtype a tensor has returns it as it is (no kernel, no autograd node). Nothing where the
+    record is missing or the outputs changed in number."""
     eager = gm.meta.get(CAPTURED_OUTPUT_DTYPES)
     graph = gm.graph
     output = graph.find_nodes(op="output")[0]
@@ -103,8 +111,7 @@ def _eager_output_dtypes(gm: fx.GraphModule, dtypes: dict[fx.Node, torch.dtype])
     restored = []
     for node, want in zip(flat, eager):
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
-        have = dtypes.get(node, val.dtype if isinstance(val, torch.Tensor) else None)
-        if want is None or have is None or have == want or not want.is_floating_point:
+        if want is None or not want.is_floating_point or not isinstance(val, torch.Tensor):
             restored.append(node)
             continue
         with graph.inserting_before(output):  # its metadata: the pass manager's propagation

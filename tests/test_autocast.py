@@ -1,0 +1,54 @@
+"""The autocast pass on the CPU (bf16): outputs keep eager autocast's dtypes whatever op ends the
+graph, and ops called with keyword arguments are followed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fusion_compiler as fc
+from conftest import rel_err
+
+
+class _BiasedTail(nn.Module):
+    """``conv(x) + fp32 bias`` (fp32 under eager autocast: type promotion), then ``tail``."""
+
+    def __init__(self, tail: str):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bias = nn.Parameter(torch.randn(1, 4, 1, 1))
+        self.tail = tail
+
+    def forward(self, x):
+        y = self.conv(x) + self.bias
+        if self.tail == "flatten_method":
+            return y.flatten(1)
+        if self.tail == "transpose_method":
+            return y.transpose(2, 3)
+        if self.tail == "transpose_function":
+            return torch.transpose(y, 2, 3)
+        if self.tail == "mean_method":
+            return y.mean((2, 3))
+        if self.tail == "transpose_keywords":
+            return torch.transpose(input=y, dim0=2, dim1=3)
+        return y
+
+
+@pytest.mark.parametrize("tail", ["plain", "flatten_method", "transpose_method",
+                                  "transpose_function", "mean_method", "transpose_keywords"])
+def test_outputs_have_eager_autocasts_dtype_whatever_op_ends_the_graph(tail):
+    """The pass casts the Fixup-style bias to bf16 so the add stays in the region; each output is
+    cast back to the dtype eager autocast returns (fp32 here), also after an op the pass does not
+    track (a method, ``mean``) or one called with keyword arguments (which once raised)."""
+    torch.manual_seed(0)
+    model, x = _BiasedTail(tail).eval(), torch.randn(2, 4, 8, 8)
+    compiled = fc.compile(model, cache_dir=False)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        got, eager = compiled(x), model(x)
+    with torch.no_grad():
+        reference = model(x)
+    assert got.dtype == eager.dtype == torch.float32
+    # the pass keeps the add (and here the mean) in bf16 where eager promotes to fp32: within
+    # bf16's rounding (unit roundoff 2**-8) of the fp32 module, not within eager's error
+    assert rel_err(got, reference) < 1e-2
