@@ -40,20 +40,23 @@ __all__ = ["Specialization", "SpecializationCompiler"]
 log = logging.getLogger("fusion_compiler")
 
 
-
 @functools.cache
 def source_digest() -> str:
     """A hash of this package's Python sources (hex, 16 digits). Shape tables on disk are keyed by
     it: a table holds the values of a graph's nodes by name, and a pass changed without a new
     version number (an editable install, a patched copy) can leave another graph whose node
     names, ops and targets match, which the stale values would then mislead (seen: a weight given
-    an activation's shape). Read once per process (about a hundred files)."""
+    an activation's shape). Read once per process (about a hundred files); the version number is
+    hashed too (an install whose sources are not files, such as a zip, has only that)."""
+    from . import __version__  # noqa: PLC0415
+
     root = Path(__file__).parent
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(__version__.encode())
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
 
 @dataclass
 class Specialization:

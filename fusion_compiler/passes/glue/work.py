@@ -24,8 +24,8 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
     :func:`~fusion_compiler.kernels.se_gate.se_scale`), an indexing of a region's outputs, a
     view or a layout change (``reshape``, ``permute``, ``contiguous`` and the like: at most a
     copy, which Inductor's code would make too), or a cast to a dtype (``.to(dtype)``, the
-    autocast pass's: one copy kernel either way, since what it casts is a kernel's output or
-    itself in this list). Empty when Inductor would only call, in the same order, the kernels
+    autocast pass's) of what is not a layout change: one kernel either way (after a layout
+    change, which may copy, Inductor would make one kernel of the two). Empty when Inductor would only call, in the same order, the kernels
     the eager graph calls: then compiling the glue gains nothing in a CUDA graph."""
     from ...kernels.se_gate import LIBRARY_OPS  # noqa: PLC0415  (the kernels graphs call)
 
@@ -38,6 +38,13 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _dtype_cast(node: fx.Node) -> bool:
-    """Whether ``node`` is ``x.to(dtype)`` (no device, no other argument)."""
-    return (node.op == "call_method" and node.target == "to" and len(node.args) == 2
-            and isinstance(node.args[1], torch.dtype) and not node.kwargs)
+    """Whether ``node`` is ``x.to(dtype)`` (no device, no other argument) of an ``x`` that is not
+    a layout change (an output of a region is read through ``getitem``; ``narrow`` is a view)."""
+    if not (node.op == "call_method" and node.target == "to" and len(node.args) == 2
+            and isinstance(node.args[1], torch.dtype) and not node.kwargs):
+        return False
+    x = node.args[0]
+    layout = isinstance(x, fx.Node) and (
+        (x.op == "call_function" and x.target in _VIEWS - {operator.getitem, torch.narrow})
+        or (x.op == "call_method" and x.target in _VIEW_METHODS))
+    return not layout
