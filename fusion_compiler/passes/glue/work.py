@@ -25,8 +25,9 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
     view or a layout change (``reshape``, ``permute``, ``contiguous`` and the like: at most a
     copy, which Inductor's code would make too), or a cast to a dtype (``.to(dtype)``, the
     autocast pass's) of what is not a layout change: one kernel either way (after a layout
-    change, which may copy, Inductor would make one kernel of the two). Empty when Inductor would only call, in the same order, the kernels
-    the eager graph calls: then compiling the glue gains nothing in a CUDA graph."""
+    change, which may copy, Inductor would make one kernel of the two). Empty when Inductor
+    would only call, in the same order, the kernels the eager graph calls: then compiling the
+    glue gains nothing in a CUDA graph."""
     from ...kernels.se_gate import LIBRARY_OPS  # noqa: PLC0415  (the kernels graphs call)
 
     return [n for n in gm.graph.nodes

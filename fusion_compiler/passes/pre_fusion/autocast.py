@@ -89,19 +89,20 @@ def make_autocast_explicit(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphMo
             source = node.args[0] if node.args else node.kwargs.get("input")
             if dtype_of(source) is not None:
                 dtypes[node] = dtype_of(source)
-    _eager_output_dtypes(gm)
+    _eager_output_dtypes(gm, dtype)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _eager_output_dtypes(gm: fx.GraphModule) -> None:
-    """Cast each floating tensor output to the captured graph's dtype (the module's, recorded by
-    the pass manager), whatever the pass tracked: a dtype fake-tensor propagation recorded before
-    the casts is no guide (a ``conv + fp32 bias`` it saw promoted to fp32 may now be in
-    ``dtype``, and the ops after it, tracked or not, carry the old dtype on), and a cast to the
-    dtype a tensor has returns it as it is (no kernel, no autograd node). Nothing where the
-    record is missing or the outputs changed in number."""
+def _eager_output_dtypes(gm: fx.GraphModule, dtype: torch.dtype) -> None:
+    """Cast each floating tensor output that eager returns in another dtype than ``dtype`` (the
+    captured graph's, recorded by the pass manager) to it, whatever the pass tracked: a dtype
+    fake-tensor propagation recorded before the casts is no guide (a ``conv + fp32 bias`` it saw
+    promoted to fp32 may now be in ``dtype``, and the ops after it, tracked or not, carry the old
+    dtype on), and a cast to the dtype a tensor has returns it as it is (no kernel, no autograd
+    node). An output eager returns in ``dtype`` is in ``dtype`` here too: the pass only casts to
+    it. Nothing where the record is missing or the outputs changed in number."""
     eager = gm.meta.get(CAPTURED_OUTPUT_DTYPES)
     graph = gm.graph
     output = graph.find_nodes(op="output")[0]
@@ -111,7 +112,8 @@ def _eager_output_dtypes(gm: fx.GraphModule) -> None:
     restored = []
     for node, want in zip(flat, eager):
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
-        if want is None or not want.is_floating_point or not isinstance(val, torch.Tensor):
+        if (want is None or want == dtype or not want.is_floating_point
+                or not isinstance(val, torch.Tensor)):
             restored.append(node)
             continue
         with graph.inserting_before(output):  # its metadata: the pass manager's propagation
