@@ -23,6 +23,7 @@ from .ir.region import Region
 from .passes import PassManager, glue
 from .passes.post_lowering.hoist import HoistedParameters
 from .runtime.background import COMPILE_LOCK, drain, on_calling_thread, warn_once
+from .runtime.tensors import inference_graph_modes
 from .runtime.tiered import TieredRunner, isolated_copy
 
 __all__ = ["Runners", "memory_format", "with_formats"]
@@ -132,19 +133,13 @@ class Runners:
         example = [a.clone() if isinstance(a, torch.Tensor) else a for a in first.static_inputs]
         private = isolated_copy(gm, opaque=lambda m: isinstance(m, Region))
 
-        def in_modes() -> contextlib.ExitStack:  # an inference graph (no backward traced)
-            stack = contextlib.ExitStack()
-            stack.enter_context(torch.inference_mode(inference))
-            stack.enter_context(torch.no_grad())
-            return stack
-
         def finish(_: Any) -> Callable[..., Any]:  # on the calling thread
             on_calling_thread("Inductor's compile of the glue")
             with COMPILE_LOCK:
                 PassManager(glue(), propagate=False).run(private)
-                with in_modes():
+                with inference_graph_modes(inference):
                     compiled = inductor_compile(private, example)
-                with in_modes(), without_custom_op_alias_check():
+                with inference_graph_modes(inference), without_custom_op_alias_check():
                     runner, graphed = self.graphed(plain(compiled), compiled, example, notes,
                                                    inference=inference, gm=gm, hoisted=hoisted)
             if graphed is None:

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .tensors import restored
+from .tensors import inference_graph_modes, restored
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -197,20 +197,14 @@ class CudaGraphRunner:
         where the buffers the forward writes are inference tensors."""
         if self.inference is None:
             return _normal_tensors(self.buffers)
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.inference_mode(
-            self.inference and any(t.is_inference() for t in self.buffers)))
-        stack.enter_context(torch.no_grad())  # (after: leaving inference mode turns grad on)
-        return stack
+        return inference_graph_modes(self.inference and any(t.is_inference()
+                                                            for t in self.buffers))
 
     def _capturing_mode(self) -> contextlib.AbstractContextManager:
         """The modes of a capture: the specialization's (see ``inference``)."""
         if self.inference is None:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.inference_mode(self.inference))
-        stack.enter_context(torch.no_grad())
-        return stack
+        return inference_graph_modes(self.inference)
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

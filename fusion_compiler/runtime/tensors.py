@@ -8,7 +8,19 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["restored", "layout_like", "channel_view_strides", "as_channel_view"]
+__all__ = ["restored", "inference_graph_modes", "layout_like", "channel_view_strides",
+           "as_channel_view"]
+
+
+def inference_graph_modes(inference: bool) -> contextlib.ExitStack:
+    """Inside ``torch.inference_mode()`` with ``inference`` (else outside it), gradients off: the
+    modes an inference specialization's graphs are compiled and captured in, whatever the
+    caller's (tensors made inside inference mode are inference tensors, as eager's outputs there;
+    docs of ``torch.inference_mode``)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(inference))
+    stack.enter_context(torch.no_grad())  # after it: leaving inference mode turns grad mode on
+    return stack
 
 
 @contextlib.contextmanager
