@@ -99,6 +99,15 @@ def is_conv(node: object) -> bool:
     return is_call(node, CONV)
 
 
+def dtype_cast(node: object) -> torch.dtype | None:
+    """The dtype when ``node`` is ``x.to(dtype)`` (no device, no other argument; the autocast
+    pass writes these), else ``None``."""
+    if (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "to"
+            and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs):
+        return node.args[1]
+    return None
+
+
 def is_pointwise(node: object) -> bool:
     return is_call(node, *BINARY, *UNARY)
 

@@ -76,10 +76,7 @@ def _normal_tensors(state: Sequence[torch.Tensor] = ()) -> contextlib.AbstractCo
     if not torch.is_inference_mode_enabled() or any(
             isinstance(t, torch.Tensor) and t.is_inference() for t in state):
         return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))  # (which turns grad mode on)
-    stack.enter_context(torch.no_grad())
-    return stack
+    return inference_graph_modes(False)
 
 
 @contextlib.contextmanager

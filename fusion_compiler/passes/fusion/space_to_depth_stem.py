@@ -19,7 +19,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from ...ir.ops import node_device
+from ...ir.ops import dtype_cast, node_device
 from ...ir.region import Region, called_region
 from ...kernels.space_to_depth import epilogue_program, kernel_reason
 from ..pre_fusion.rewrites import pointwise_conv, space_to_depth_source
@@ -52,9 +52,9 @@ def _source(node: object, dtype: torch.dtype) -> tuple[fx.Node, int, list[fx.Nod
     """:func:`~fusion_compiler.passes.pre_fusion.rewrites.space_to_depth_source` of ``node``, or of
     what ``node`` casts when it is ``.to(dtype)`` of a SpaceToDepth, ``dtype`` the weight's (the
     autocast pass's cast; the cast then ends the chain). ``None`` for a cast to another dtype."""
-    if isinstance(node, fx.Node) and node.op == "call_method" and node.target == "to" \
-            and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
-        found = space_to_depth_source(node.args[0]) if node.args[1] == dtype else None
+    cast = dtype_cast(node)
+    if cast is not None:
+        found = space_to_depth_source(node.args[0]) if cast == dtype else None
         return None if found is None else (found[0], found[1], [*found[2], node])
     return space_to_depth_source(node)
 

@@ -7,6 +7,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ...ir.ops import dtype_cast
 from ...ir.region import called_region
 
 __all__ = ["inductor_work"]
@@ -41,8 +42,7 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
 def _dtype_cast(node: fx.Node) -> bool:
     """Whether ``node`` is ``x.to(dtype)`` (no device, no other argument) of an ``x`` that is not
     a layout change (an output of a region is read through ``getitem``; ``narrow`` is a view)."""
-    if not (node.op == "call_method" and node.target == "to" and len(node.args) == 2
-            and isinstance(node.args[1], torch.dtype) and not node.kwargs):
+    if dtype_cast(node) is None:
         return False
     x = node.args[0]
     layout = isinstance(x, fx.Node) and (
