@@ -124,3 +124,31 @@ def test_the_kernels_match_pytorch_on_every_dtype_and_layout():
     torch.cuda.synchronize()
     for dst, expr in cases:
         assert torch.allclose(dst.float(), evaluate(expr, srcs).to(dst.dtype).float())
+
+
+def test_a_capture_under_autocast_casts_parameters_in_the_graph():
+    """Autocast caches the fp16 cast of an fp32 parameter for the rest of its region: a capture
+    that reused the warm-up's cast would replay a stale (and, once the region exits, freed)
+    tensor. ``capturing`` turns the cache off, so the cast is a node of the graph."""
+    from fusion_compiler.runtime.cuda_graph import capturing
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(32, 32, device="cuda"))
+    x = torch.randn(8, 32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.autocast("cuda", torch.float16):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the warm-up, as a runner's: it fills the cache
+            torch.nn.functional.linear(x, w)
+        torch.cuda.current_stream().wait_stream(side)
+        with capturing(graph):
+            y = torch.nn.functional.linear(x, w)
+        assert torch.is_autocast_cache_enabled()  # the caller's setting is back
+        with torch.no_grad():
+            w.mul_(-2.0)  # the parameter changes; the cached cast does not
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.nn.functional.linear(x.double(), w.double())
+        assert y.dtype == torch.float16
+        assert rel_err(y, want) < 2e-3

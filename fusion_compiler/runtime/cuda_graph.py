@@ -84,11 +84,26 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any = None,
               stream: torch.cuda.Stream | None = None):
     """``torch.cuda.graph(graph, pool, stream)`` as every runner captures: with
     ``capture_error_mode="thread_local"`` (CUDA calls of other threads, such as a DataLoader's
-    pinning thread, do not invalidate the capture) and Python's cyclic garbage collector paused
-    (:func:`~.background.gc_paused`)."""
-    with gc_paused(), torch.cuda.graph(graph, pool=pool, stream=stream,
-                                       capture_error_mode="thread_local"):
+    pinning thread, do not invalidate the capture), Python's cyclic garbage collector paused
+    (:func:`~.background.gc_paused`) and autocast's cast cache off (:func:`_uncached_autocast`)."""
+    with gc_paused(), _uncached_autocast(), torch.cuda.graph(
+            graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         yield
+
+
+def _uncached_autocast() -> contextlib.AbstractContextManager:
+    """A live CUDA ``torch.autocast``, same dtype, with its cast cache off (nothing otherwise).
+
+    Autocast keeps the low-precision cast of an fp32 leaf tensor that requires gradients (a
+    parameter) until the outermost autocast region exits (``aten/src/ATen/autocast_mode.cpp``,
+    ``cached_cast``). A capture that found a cast made before it (in the warm-up, or by the
+    caller's own code in the same region) would hold no cast kernel: every replay would read
+    that one tensor, stale after the parameter changes and freed when the region exits. PyTorch's
+    documentation of ``torch.cuda.make_graphed_callables`` asks for ``cache_enabled=False`` under
+    autocast for the same reason."""
+    if not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
 def _release_rng_capture(device: int) -> None:
