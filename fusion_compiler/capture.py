@@ -27,6 +27,8 @@ from torch.utils._pytree import tree_map_only
 from .ir.errors import FusionError
 from .ir.ops import copy_graph
 from .runtime.background import on_calling_thread
+from .runtime.state import ModuleWrites
+from .tracing import ModeRecordingTracer, mark_grad_modes
 from .runtime.tensors import restored
 
 __all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "encode_meta", "apply_meta"]
@@ -74,9 +76,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
-            control flow, for instance); the message carries fx's own error. A
-            ``DistributedDataParallel`` module (its ``forward`` is DDP's own) gets a message
-            naming the fix.
+            control flow, for instance; the message carries fx's own error), or assigns to
+            the model (``self.count += 1``; the model is left as it was). A
+            ``DistributedDataParallel`` module gets a message naming the fix.
     """
     if isinstance(model, fx.GraphModule):
         return fx.GraphModule(model, copy_graph(model.graph))
@@ -87,62 +89,28 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
             "all-reduces the gradients (or use torch.compile(DDP(model), "
             "backend='fusion_compiler'))")
     on_calling_thread("torch.fx tracing")
-    tracer = _ModeRecordingTracer()
+    tracer = ModeRecordingTracer()
+    writes = ModuleWrites(model)  # the trace runs forward's Python code: the model is put back
     try:
         with torch.enable_grad():
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
+        writes.restore()
         raise FusionError(
             f"torch.fx.symbolic_trace failed for {type(model).__name__}: {exc}. "
             "Use torch.compile(model, backend='fusion_compiler') for models with "
             "data-dependent control flow."
         ) from exc
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    _mark_grad_modes(gm)
+    assigned = writes.restore()
+    if assigned:
+        raise FusionError(
+            f"{type(model).__name__}.forward assigns {', '.join(assigned)} on the module: a "
+            "compiled graph cannot repeat an assignment at each call (an in-place update of a "
+            "buffer it can: self.n.add_(1)); move it out of forward, or use "
+            "torch.compile(model, backend='fusion_compiler'), whose graphs Dynamo guards")
+    mark_grad_modes(gm)
     return gm
-
-
-class _ModeRecordingTracer(fx.Tracer):
-    """``torch.fx.Tracer`` that records on each node whether gradients (and inference mode) were
-    on when the traced code made it. Buffers are traced like parameters (``get_attr`` nodes):
-    fx's default hands the code the buffer itself, so an in-place update in ``forward``
-    (``self.count.add_(1)``) would run once at trace time and never again."""
-
-    proxy_buffer_attributes = True
-
-    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        node = super().create_node(*args, **kwargs)
-        node.meta["traced_grad"] = torch.is_grad_enabled()
-        node.meta["traced_inference"] = torch.is_inference_mode_enabled()
-        return node
-
-
-def _mark_grad_modes(gm: fx.GraphModule) -> None:
-    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    modes = [n.meta.get("traced_grad", True) for n in calls]
-    if calls and not any(modes):
-        gm.meta["grad"] = False
-        gm.meta["inference"] = all(n.meta.get("traced_inference", False) for n in calls)
-        return
-    if all(modes):
-        return
-    # a block that turns gradients off: as ``torch.no_grad`` does, the mode before it is read
-    # and restored after it (a call under no_grad then stays without gradients)
-    graph, off, before = gm.graph, False, None
-    for node in calls:
-        want_off = not node.meta.get("traced_grad", True)
-        if want_off != off:
-            with graph.inserting_before(node):
-                if want_off:
-                    before = graph.call_function(torch.is_grad_enabled)
-                    graph.call_function(torch._C._set_grad_enabled, (False,))
-                else:
-                    graph.call_function(torch._C._set_grad_enabled, (before,))
-            off = want_off
-    if off:
-        with graph.inserting_before(graph.find_nodes(op="output")[0]):
-            graph.call_function(torch._C._set_grad_enabled, (before,))
-    gm.recompile()
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],

@@ -100,8 +100,7 @@ class CompiledModule(torch.nn.Module):
                                                 self._names)
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":
-        """A compiled module of a deep copy of the model, with the same options and no
-        specialization yet (compiled graphs and plans are not copied)."""
+        """A compiled module of a deep copy of the model, same options, no specialization."""
         copied = CompiledModule(copy.deepcopy(self.model, memo), self.options)
         memo[id(self)] = copied
         return copied
@@ -115,16 +114,17 @@ class CompiledModule(torch.nn.Module):
                            next((p for p in params if p.is_floating_point()), None))
 
     def _check_state(self) -> None:
-        """Compile again when a parameter, buffer or submodule of the model was replaced since
-        the specializations were made (they read the old ones in place: see
-        :class:`~fusion_compiler.runtime.state.StateGuard`)."""
+        """Compile again when the model's state changed as :class:`~.runtime.state.StateGuard`
+        finds (a tensor or submodule replaced, a plain attribute set to another value)."""
         if not self._guard.changed():
             return
-        what = self._guard.describe()
-        if self.specializations:
-            log.info("%s: %s since it was compiled (load_state_dict(assign=True), .to(), a new "
-                     "tensor set as an attribute): its %d specialization(s) are compiled again",
-                     type(self.model).__name__, what, len(self.specializations))
+        what, n = self._guard.describe(), len(self.specializations)
+        first = n and what.startswith("attribute") and what.split(" was")[0] not in self._noted
+        self._noted.add(what.split(" was")[0])  # a changed number warns once: graphs hold it
+        log.log(logging.WARNING if first else logging.INFO if n else logging.DEBUG, "%s: %s "
+                "since it was compiled: its %d specialization(s) are compiled again%s",
+                type(self.model).__name__, what, n, "; pass a value that changes between calls "
+                "as an argument of forward" if first else "")
         for spec in self.specializations.values():
             spec.close()
         self.specializations.clear()

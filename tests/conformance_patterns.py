@@ -628,6 +628,62 @@ def buffer_written_in_forward(s: Session) -> None:
     s.record("calls", s.model.calls)
 
 
+class Tempered(ConvNet):
+    """Plain attributes a traced graph would hold as constants: a Python float and a tensor
+    that is neither a parameter nor a buffer (0-d on the CPU: ``.to()`` does not move it, and
+    such a scalar goes with a tensor of any device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = 1.0
+        self.gain = torch.ones(())
+
+    def forward(self, x):
+        return super().forward(x) / self.temperature * self.gain
+
+
+def attributes_set_after_compile(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    s.model.temperature = 0.25
+    infer(s, x, "after temperature = 0.25")
+    s.model.temperature = 0.25  # an equal value set again
+    infer(s, x, "after the same value set again")
+    s.model.gain = torch.tensor(1.5)
+    infer(s, x, "after a new gain tensor")
+
+
+def bn_eps_and_submodule_mode(s: Session) -> None:
+    x = x16(s)
+    infer(s, x)
+    s.model.bn.eps = 0.5
+    infer(s, x, "after eps = 0.5")
+    s.model.bn.train()  # the root stays in eval mode: this batch norm uses batch statistics
+    infer(s, x16(s, 4, scale=2.0), "batch norm alone in train mode")
+    s.model.bn.eval()
+    infer(s, x, "after the batch norm is back in eval mode")
+
+
+class AssignsInForward(ConvNet):
+    """An annealing counter kept as a Python int and a buffer written with ``+=``."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps += 1
+        self.seen += 1
+        return super().forward(x) * min(1.0, self.steps / 4)
+
+
+def assignments_in_forward(s: Session) -> None:
+    for _ in range(5):
+        infer(s, x16(s))
+    s.record("steps", torch.tensor(float(s.model.steps)))
+
+
 def grad_scaler_step(s: Session) -> None:
     low = torch.bfloat16 if s.device.type == "cpu" else torch.float16
     scaler = torch.amp.GradScaler(s.device.type)
@@ -796,6 +852,13 @@ PATTERNS: list[Pattern] = [
     Pattern("se_resnet9_fixup_updates", fixup, reference_network, f"{ISSUE}, item 1"),
     Pattern("random_numbers_after_calls", conv_bn, random_numbers_after_calls,
             f"{ISSUE}, item 5"),
+    Pattern("attributes_set_after_compile", Tempered, attributes_set_after_compile,
+            f"{ISSUE}, item 1 (found by a review, session 31)"),
+    Pattern("bn_eps_and_submodule_mode", conv_bn, bn_eps_and_submodule_mode,
+            f"{ISSUE}, item 1 (found by a review, session 31)"),
+    Pattern("assignments_in_forward", AssignsInForward, assignments_in_forward,
+            f"{ISSUE}, items 1 and 4 (found by a review, session 31)",
+            refused={"compile": FusionError}),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("fusion_compiler.config",)),
     ("runtime", ("fusion_compiler.runtime",)),
     ("kernels", ("fusion_compiler.kernels",)),
-    ("capture", ("fusion_compiler.capture",)),
+    ("capture", ("fusion_compiler.capture", "fusion_compiler.tracing")),
     ("autograd", ("fusion_compiler.autograd",)),
     ("passes", ("fusion_compiler.passes",)),
     ("backends", ("fusion_compiler.backends",)),

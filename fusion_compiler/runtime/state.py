@@ -9,28 +9,86 @@ memory through ``p.data = ...``), a submodule swapped) makes every specializatio
 its contents compare. :class:`StateGuard` finds that before each call, by identity and address;
 what is changed *in place* is the derivation program's to find (:mod:`.derive`). A hook added
 to a submodule (or a global one) changes what the model computes too: the specializations are
-made again, and the new one refuses the hook (:mod:`.hooks`).
+made again, and the new one refuses the hook (:mod:`.hooks`). So does a plain attribute a traced
+graph holds as a constant (``self.temperature``, a batch norm's ``eps``) set to another value.
+
+:class:`ModuleWrites` keeps tracing from changing the model: ``torch.fx`` runs ``forward``'s
+Python code on proxies, so ``self.count += 1`` (an int) or ``self.n += 1`` (a buffer: the proxy of
+the add is assigned) would change the module at trace time, and a compiled graph cannot repeat
+such an assignment at each call.
 """
 
 from __future__ import annotations
 
+import copy
 import operator
+import types
 from typing import Any
 
 import torch
 
 from .hooks import hook_tables
 
-__all__ = ["StateGuard"]
+__all__ = ["StateGuard", "ModuleWrites", "plain"]
 
 _data_ptr = torch.Tensor.data_ptr
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+          torch.memory_format, torch.layout)
+_MISSING = object()
+
+
+def plain(value: Any) -> bool:
+    """Whether ``value`` is an immutable Python value (a number, string, ``None``, dtype, device,
+    or a tuple of them): what a traced graph holds as a constant when ``forward`` reads it."""
+    if isinstance(value, tuple):
+        return all(map(plain, value))
+    return isinstance(value, _PLAIN)
+
+
+def _container(value: Any) -> bool:
+    """A list or dict of plain values (compared by value: it may change in place)."""
+    if isinstance(value, dict):
+        return all(map(plain, value)) and all(map(plain, value.values()))
+    return isinstance(value, list) and all(map(plain, value))
+
+
+def _same(old: Any, new: Any) -> bool:
+    return old is new or ((plain(old) or _container(old)) and type(old) is type(new)
+                          and old == new)
+
+
+def _kept(value: Any) -> Any:
+    """What the guard keeps of ``value``: a copy of a list or dict (it may change in place)."""
+    return copy.copy(value) if isinstance(value, (list, dict)) else value
+
+
+_UNREAD = frozenset({"training", "in_channels", "out_channels", "kernel_size", "transposed",
+                     "in_features", "out_features", "num_features"})
+"""Attributes of ``torch.nn``'s own modules that their ``forward`` does not read (the sizes follow
+from the weights' shapes; ``training`` is in the specialization key)."""
+
+
+_INTERNAL = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping
+
+
+def _guarded(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """The attributes of ``module`` the guard compares: tensors that are neither parameters nor
+    buffers, and for ``torch.nn``'s own modules their public plain values less :data:`_UNREAD`;
+    for others every plain value, list or dict of them, and function (not nn.Module's own)."""
+    if type(module).__module__.startswith("torch.nn."):
+        return [(n, v) for n, v in vars(module).items() if n not in _UNREAD and (
+            isinstance(v, torch.Tensor) or (not n.startswith("_") and plain(v)))]
+    return [(n, v) for n, v in vars(module).items() if n not in _INTERNAL and (
+        isinstance(v, (torch.Tensor, types.FunctionType, types.BuiltinFunctionType))
+        or plain(v) or _container(v))]
 
 
 class StateGuard:
     """Holds what ``module``'s tree, parameters and buffers were when last :meth:`taken`.
 
     :meth:`changed` costs one dictionary lookup, one identity test and one address read per
-    tensor and one lookup per submodule (measured: docs/options.md, "The cost of current state").
+    tensor, one lookup per submodule and one lookup and comparison per plain attribute
+    (measured: docs/options.md, "The cost of current state").
     """
 
     def __init__(self, module: torch.nn.Module):
@@ -52,11 +110,30 @@ class StateGuard:
         self._children = tuple(map(dict.get, self._module_dicts, self._module_names))
         self._hook_tables = hook_tables(self.module)
         self._hooks = sum(map(len, self._hook_tables))
+        attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
+        attributes.sort(key=lambda a: isinstance(a[2], torch.Tensor))  # plain values first
+        self._attr_dicts = [d for d, _, _ in attributes]
+        self._attr_names = [n for _, n, _ in attributes]
+        self._attr_values = tuple(_kept(v) for _, _, v in attributes)
+        self._plain = sum(not isinstance(v, torch.Tensor) for v in self._attr_values)
+
+    def _attributes_changed(self) -> bool:
+        now = tuple(map(dict.get, self._attr_dicts, self._attr_names))
+        k = self._plain  # plain values compare with ==, identity first (in C); tensors by identity
+        if now[:k] == self._attr_values[:k] and all(map(operator.is_, now[k:],
+                                                        self._attr_values[k:])):
+            return False
+        if not all(map(_same, self._attr_values, now)):
+            return True
+        self._attr_values = tuple(map(_kept, now))  # equal values set again: nothing to compile
+        return False
 
     def changed(self) -> bool:
         """Whether a parameter, buffer or submodule was replaced or removed since :meth:`take`
-        (a tensor's memory replaced too), or a hook added or removed below the root. Tensors and
-        submodules added since are not looked for: the traced graph does not read them."""
+        (a tensor's memory replaced too), a hook added or removed below the root, or a plain
+        attribute (a number, a tensor that is no parameter or buffer) set to another value.
+        Tensors and submodules added since are not looked for: the traced graph does not read
+        them."""
         now = tuple(map(dict.get, self._dicts, self._names))
         if not all(map(operator.is_, now, self.tensors)):
             return True
@@ -64,7 +141,7 @@ class StateGuard:
                        self._children)):
             return True
         return (list(map(_data_ptr, now)) != self._ptrs
-                or sum(map(len, self._hook_tables)) != self._hooks)
+                or sum(map(len, self._hook_tables)) != self._hooks or self._attributes_changed())
 
     def describe(self) -> str:
         """Which tensor or submodule changed, for a log line."""
@@ -79,4 +156,42 @@ class StateGuard:
                 return f"submodule '{n}' was replaced"
         if sum(map(len, self._hook_tables)) != self._hooks:
             return "a hook was added or removed on a submodule (or a global one)"
+        for d, n, old in zip(self._attr_dicts, self._attr_names, self._attr_values):
+            new = d.get(n, _MISSING)
+            if not _same(old, new):
+                return f"attribute '{n}' was set to {_short(new)} (was {_short(old)})"
         return "nothing"
+
+
+def _short(value: Any) -> str:
+    if value is _MISSING:
+        return "nothing (deleted)"
+    return f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)[:40]
+
+
+class ModuleWrites:
+    """The attributes, parameters, buffers and submodules of every module of ``model`` as they
+    are now, for :meth:`restore` after tracing."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._saved = [(path, [(d, dict(d)) for d in (vars(m), m._parameters, m._buffers,
+                                                      m._modules)])
+                       for path, m in model.named_modules()]
+
+    def restore(self) -> list[str]:
+        """Put every module's tables back as they were and return what the traced code assigned
+        a different value (``"layer1.count"``); attributes ``torch.fx`` adds to the root for
+        tensor constants (``_tensor_constant0``, copied into the graph module) are removed
+        without a word."""
+        assigned = []
+        for path, tables in self._saved:
+            for now, saved in tables:
+                if now.keys() == saved.keys() and all(now[k] is v for k, v in saved.items()):
+                    continue
+                for name in now.keys() | saved.keys():
+                    if not (name.startswith("_tensor_constant") and name not in saved) and \
+                            not _same(saved.get(name, _MISSING), now.get(name, _MISSING)):
+                        assigned.append(f"{path}.{name}" if path else name)
+                now.clear()
+                now.update(saved)
+        return sorted(set(assigned))

@@ -27,7 +27,10 @@ def inference_graph_modes(inference: bool) -> contextlib.ExitStack:
 def restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """Give ``tensors`` back their values on exit (one copy each, taken on entry; tensors made
     under ``inference_mode`` cannot be written and are left out): for work that runs a model
-    without meaning to, which must not move batch norm's running statistics."""
+    without meaning to, which must not move batch norm's running statistics. The values are
+    written through ``.data``, which leaves the tensors' version counters as they were: an
+    autograd graph of an earlier call that saved one of them (its values unchanged) still runs
+    its backward."""
     tensors = [t for t in tensors if not t.is_inference()]
     with torch.no_grad():
         saved = [t.clone() for t in tensors]
@@ -36,7 +39,7 @@ def restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for t, s in zip(tensors, saved):
-                t.copy_(s)
+                t.data.copy_(s)
 
 
 def layout_like(g: torch.Tensor, ref: torch.Tensor, copy: bool = False) -> torch.Tensor:

@@ -28,14 +28,18 @@ __all__ = ["functionalize", "inplace_target"]
 # in-place target -> out-of-place canonical target (call_function and call_method spellings)
 _INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
                   operator.itruediv: torch.div, torch.relu_: torch.relu, F.relu_: torch.relu}
+_AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
 def inplace_target(gm: fx.GraphModule, node: fx.Node) -> Callable | str | None:
     """The out-of-place target for an in-place ``node`` (a function, a method name or the module
     path), or ``None`` if ``node`` does not write into its first argument."""
     if node.op == "call_function":
-        if node.target in _INPLACE_FUNCS:
-            return _INPLACE_FUNCS[node.target]
+        if node.target in _INPLACE_FUNCS:  # x += y on a number (shape arithmetic) writes nothing
+            value = node.args[0].meta.get("val") if node.args and isinstance(
+                node.args[0], fx.Node) else None
+            numeric = value is not None and not isinstance(value, torch.Tensor)
+            return None if numeric and node.target in _AUGMENTED else _INPLACE_FUNCS[node.target]
         if inplace_flag(node):
             return node.target
     elif node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):

@@ -1,0 +1,117 @@
+"""compile(model) against the module's Python-level state (CPU): what tracing must not change,
+values a traced graph holds as constants, augmented assignments, and a backward after a call
+that compiled another specialization. Found by a review (session 31); the conformance patterns
+``attributes_set_after_compile``, ``bn_eps_and_submodule_mode`` and ``assignments_in_forward``
+cover the doors side by side."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import rel_err
+
+import fusion_compiler as fc
+from fusion_compiler.ir.errors import FusionError
+
+
+class _Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.steps = 0
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += 1
+        self.steps += 1
+        return self.conv(x) * self.steps
+
+
+def test_a_forward_that_assigns_is_refused_and_the_model_left_as_it_was():
+    model = _Counter()
+    seen = model.seen
+    with pytest.raises(FusionError, match="assigns seen, steps"):
+        fc.compile(model)
+    assert model.steps == 0 and model.seen is seen and float(seen) == 0.0
+    assert not any(n.startswith("_tensor_constant") for n in vars(model))
+    model(torch.randn(1, 3, 8, 8))  # eager still works
+    assert model.steps == 1
+
+
+class _Settings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.cfg = {"temp": 1.0}
+        self.scales = [1.0]
+        self._gain = 1.0
+        self.act = F.relu
+
+    def forward(self, x):
+        return self.act(self.conv(x)) / self.cfg["temp"] * self.scales[0] * self._gain
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.cfg.update(temp=0.25), lambda m: m.scales.__setitem__(0, 3.0),
+    lambda m: setattr(m, "_gain", 3.0), lambda m: setattr(m, "act", torch.tanh),
+    lambda m: setattr(m.conv, "padding", (2, 2))],
+    ids=["dict_entry", "list_entry", "private_attribute", "function", "conv_padding"])
+def test_values_a_graph_holds_as_constants_compile_again_when_changed(change, tmp_path):
+    torch.manual_seed(0)
+    model = _Settings()
+    eager = copy.deepcopy(model)
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        compiled(x)
+        change(model)
+        change(eager)
+        assert rel_err(compiled(x), eager(x)) < 1e-5
+
+
+class _InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.register_buffer("mean", torch.full((1, 3, 1, 1), 0.5))
+
+    def forward(self, x):
+        x -= self.mean  # the caller's observation, normalized in place
+        y = self.conv(x)
+        z = y[:, :4]
+        y += 1.0  # z, a view of y, sees the write
+        return z
+
+
+def test_augmented_assignments_write_in_place(tmp_path):
+    torch.manual_seed(0)
+    model = _InPlace()
+    eager = copy.deepcopy(model)
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    xe, xc = x.clone(), x.clone()
+    with torch.no_grad():
+        want, got = eager(xe), compiled(xc)
+    assert rel_err(got, want) < 1e-6
+    assert rel_err(xc, xe) < 1e-6  # the input was written, as eager writes it
+
+
+def test_backward_after_a_call_that_compiled_another_specialization(tmp_path):
+    """A GAN discriminator called on two batch sizes, then one backward: the second call's
+    shape propagation ran the model on copies of its inputs and put the batch norm's statistics
+    back without moving their version counters, which the first call's graph saved."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16 * 16, 1)).train()
+    eager = copy.deepcopy(model)
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    real, fake = torch.randn(4, 3, 16, 16), torch.randn(3, 3, 16, 16)
+    (compiled(real).square().mean() - compiled(fake).mean()).backward()
+    (eager(real).square().mean() - eager(fake).mean()).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-4
+    assert rel_err(model[1].running_mean, eager[1].running_mean) < 1e-5
