@@ -25,10 +25,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
 from .ir.errors import FusionError
-from .ir.ops import copy_graph
+from .ir.ops import copy_graph, write_back, writes_in_place
 from .runtime.background import on_calling_thread
-from .runtime.state import ModuleWrites
-from .tracing import ModeRecordingTracer, mark_grad_modes
+from .runtime.state import ModuleWrites, note_reads
+from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
 from .runtime.tensors import restored
 
 __all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "encode_meta", "apply_meta"]
@@ -92,15 +92,16 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
     tracer = ModeRecordingTracer()
     writes = ModuleWrites(model)  # the trace runs forward's Python code: the model is put back
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), recording_reads(model) as reads:
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
+        note_reads(reads)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         writes.restore()
         raise FusionError(
             f"torch.fx.symbolic_trace failed for {type(model).__name__}: {exc}. "
-            "Use torch.compile(model, backend='fusion_compiler') for models with "
-            "data-dependent control flow."
+            "Use torch.compile(model, backend='fusion_compiler') for code fx cannot trace "
+            "(data-dependent control flow, item assignment, NumPy values)."
         ) from exc
     assigned = writes.restore()
     if assigned:
@@ -145,11 +146,15 @@ def _real_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
 
     The run leaves no trace: tensor inputs are cloned (an in-place op cannot change the caller's),
     the random number generators of the CPU and the inputs' GPU are forked (dropout draws), and
-    buffers are :func:`restored` (batch norm in training mode updates its running statistics).
+    buffers are :func:`restored` (batch norm in training mode updates its running statistics), and
+    parameters where the graph writes in place.
     """
     devices = sorted({a.get_device() for a in example_inputs
                       if isinstance(a, torch.Tensor) and a.is_cuda})
-    with torch.no_grad(), restored(list(gm.buffers())), torch.random.fork_rng(devices=devices):
+    # parameters too where the graph writes in place (an optimizer's step, a forward's update)
+    writes = any(writes_in_place(n) or n.target is write_back for n in gm.graph.nodes)
+    state = [*gm.buffers(), *(gm.parameters() if writes else ())]
+    with torch.no_grad(), restored(state), torch.random.fork_rng(devices=devices):
         inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
         _RecordingInterpreter(gm).run(*inputs)
 

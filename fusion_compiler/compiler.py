@@ -101,8 +101,7 @@ class CompiledModule(torch.nn.Module):
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":
         """A compiled module of a deep copy of the model, same options, no specialization."""
-        copied = CompiledModule(copy.deepcopy(self.model, memo), self.options)
-        memo[id(self)] = copied
+        memo[id(self)] = copied = CompiledModule(copy.deepcopy(self.model, memo), self.options)
         return copied
 
     # ------------------------------------------------------------------ state
@@ -259,6 +258,7 @@ class CompiledModule(torch.nn.Module):
         target = Target(cuda=any(isinstance(a, torch.Tensor) and a.is_cuda for a in args),
                         training=grad, autocast=amp, inference=inference)
         spec = self._compiler.build(args, key, target, requires, answer_early)
+        self._guard.take()  # checked above; the new trace may have read more attributes
         self.specializations[key] = spec
         while len(self.specializations) > self.options.max_specializations:
             old_key, old = self.specializations.popitem(last=False)

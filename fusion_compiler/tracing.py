@@ -1,16 +1,53 @@
 """The ``torch.fx`` tracer of :func:`fusion_compiler.capture.capture`: gradient and inference
 modes recorded on every node, buffers traced like parameters, augmented assignments
-(``x += y``) traced as the in-place ops they are."""
+(``x += y``) traced as the in-place ops they are, and the attributes ``forward`` reads recorded
+(:func:`recording_reads`)."""
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 
-__all__ = ["ModeRecordingTracer", "mark_grad_modes"]
+__all__ = ["ModeRecordingTracer", "mark_grad_modes", "recording_reads"]
+
+
+@contextlib.contextmanager
+def recording_reads(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str]]]:
+    """Record the attribute names read on each module of ``model`` whose code the trace runs
+    (all but ``torch.nn``'s own, which fx keeps as leaves): each such module's class is swapped,
+    for the block, for a subclass whose ``__getattribute__`` notes the name. A module whose
+    class cannot be swapped is left out of the mapping."""
+    reads: dict[torch.nn.Module, set[str]] = {}
+    swapped = []
+    for module in dict.fromkeys(model.modules()):
+        cls = type(module)
+        if cls.__module__.startswith("torch."):
+            continue
+        names: set[str] = set()
+
+        def __getattribute__(self: Any, name: str, _names: set[str] = names,
+                             _cls: type = cls) -> Any:
+            _names.add(name)
+            return _cls.__getattribute__(self, name)
+
+        recording = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                                "__module__": cls.__module__,
+                                                "__qualname__": cls.__qualname__})
+        try:
+            module.__class__ = recording
+        except TypeError:  # a layout the subclass does not share
+            continue
+        swapped.append((module, cls))
+        reads[module] = names
+    try:
+        yield reads
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 class ModeRecordingTracer(fx.Tracer):

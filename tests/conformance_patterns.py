@@ -684,6 +684,28 @@ def assignments_in_forward(s: Session) -> None:
     s.record("steps", torch.tensor(float(s.model.steps)))
 
 
+class WritesInForward(ConvNet):
+    """A buffer updated with a multi-tensor op and a parameter scaled under ``no_grad``, both in
+    forward (a decay schedule kept in the module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+        self.gate = nn.Parameter(torch.ones(()), requires_grad=False)
+
+    def forward(self, x):
+        torch._foreach_add_([self.seen], 1.0)
+        with torch.no_grad():
+            self.gate.mul_(0.5)
+        return super().forward(x) * self.gate + self.seen
+
+
+def writes_in_forward(s: Session) -> None:
+    for n in (2, 3, 2):  # a new batch size compiles (and propagates shapes) again
+        infer(s, x16(s, n), f"batch {n}")
+    s.record("gate", s.model.gate)
+
+
 def grad_scaler_step(s: Session) -> None:
     low = torch.bfloat16 if s.device.type == "cpu" else torch.float16
     scaler = torch.amp.GradScaler(s.device.type)
@@ -855,6 +877,8 @@ PATTERNS: list[Pattern] = [
     Pattern("attributes_set_after_compile", Tempered, attributes_set_after_compile,
             f"{ISSUE}, item 1 (found by a review, session 31)"),
     Pattern("bn_eps_and_submodule_mode", conv_bn, bn_eps_and_submodule_mode,
+            f"{ISSUE}, item 1 (found by a review, session 31)"),
+    Pattern("foreach_and_parameter_writes_in_forward", WritesInForward, writes_in_forward,
             f"{ISSUE}, item 1 (found by a review, session 31)"),
     Pattern("assignments_in_forward", AssignsInForward, assignments_in_forward,
             f"{ISSUE}, items 1 and 4 (found by a review, session 31)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -79,6 +80,17 @@ def test_dump_reports_bad_arguments():
     assert proc.returncode == 2 and "cannot take input 0" in proc.stderr
     proc = _run("dump", REF, "--input", "1x3x64x64", "--stage", "bogus")
     assert proc.returncode == 2 and "unknown stage" in proc.stderr
+
+
+def test_a_model_module_that_fails_at_import_is_one_line(tmp_path):
+    (tmp_path / "broken_model.py").write_text("def model(:\n")
+    exe = Path(sys.executable).with_name("fusion-compiler")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "fusion_compiler.tools.cli"]
+    proc = subprocess.run([*cmd, "dump", "broken_model:model", "--input", "1x3x8x8"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "SyntaxError" in proc.stderr, proc.stderr
 
 
 def test_dump_dot_has_one_cluster_per_region(tmp_path):

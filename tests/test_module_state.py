@@ -115,3 +115,71 @@ def test_backward_after_a_call_that_compiled_another_specialization(tmp_path):
     for p, q in zip(model.parameters(), eager.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-4
     assert rel_err(model[1].running_mean, eager[1].running_mean) < 1e-5
+
+
+class _Bookkeeping(nn.Module):
+    """An attribute the training loop updates and ``forward`` never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.updates = 0
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.conv(x) * self.scale
+
+
+def test_an_attribute_forward_does_not_read_compiles_nothing_again(tmp_path, caplog):
+    model = _Bookkeeping()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        spec = compiled.last
+        model.updates += 1
+        with caplog.at_level("WARNING", logger="fusion_compiler"):
+            compiled(x)
+        assert compiled.last is spec and not caplog.records
+        model.scale = 3.0  # read by forward: compiled again
+        assert rel_err(compiled(x), model(x)) < 1e-6 and compiled.last is not spec
+
+
+def test_torch_func_transforms_over_the_compiled_module_get_one_clear_error(tmp_path):
+    torch.manual_seed(0)
+    model = _Bookkeeping()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    params = {f"model.{k}": v.detach() for k, v in model.named_parameters()}
+    with pytest.raises(FusionError, match="no storage"):
+        torch.func.grad(lambda p: torch.func.functional_call(compiled, p, (x,)).sum())(params)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-6  # the module's own state, as before
+
+
+def test_the_door_compiles_optimizer_steps_and_gradient_clipping():
+    """``torch._foreach_*_`` ops (foreach optimizers, ``clip_grad_norm_``) write in place: they
+    were dropped as dead code; and the shape run of the first call applied an update to the
+    parameters again (found by a review, session 31)."""
+    torch.manual_seed(0)
+    for make in (lambda p: torch.optim.SGD(p, lr=0.1),
+                 lambda p: torch.optim.AdamW(p, lr=0.1, foreach=True)):
+        results = []
+        for backend in ("eager", "fusion_compiler"):
+            torch._dynamo.reset()
+            w = torch.nn.Parameter(torch.ones(3))
+            opt = make([w])
+            step = torch.compile(opt.step, backend=backend)
+            for i in range(3):
+                w.grad = torch.full((3,), float(i + 1))
+                step()
+            results.append(w.detach().clone())
+        assert rel_err(results[1], results[0]) < 1e-6
+    model = nn.Linear(4, 4)
+    clip = torch.compile(lambda: nn.utils.clip_grad_norm_(model.parameters(), 0.1),
+                         backend="fusion_compiler")
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    clip()
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert abs(float(norm) - 0.1) < 1e-4

@@ -72,8 +72,16 @@ def writes_in_place(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     name = getattr(node.target, "__name__", "")
-    return (node.target in _IN_PLACE_OPERATORS or inplace_flag(node)
+    return (node.target in _IN_PLACE_OPERATORS or inplace_flag(node) or foreach_inplace(node)
             or (name.endswith("_") and not name.startswith("_")))
+
+
+def foreach_inplace(node: fx.Node) -> bool:
+    """Whether ``node`` is one of PyTorch's in-place multi-tensor ops (``torch._foreach_add_``:
+    what optimizers and ``clip_grad_norm_`` call), which write into every tensor of their first
+    argument, a list."""
+    name = getattr(node.target, "__name__", "")
+    return node.op == "call_function" and name.startswith("_foreach_") and name.endswith("_")
 
 
 def eliminate_dead_code(graph: fx.Graph) -> None:

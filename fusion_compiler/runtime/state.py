@@ -23,13 +23,15 @@ from __future__ import annotations
 import copy
 import operator
 import types
+import weakref
 from typing import Any
 
 import torch
 
+from ..ir.errors import FusionError, condense
 from .hooks import hook_tables
 
-__all__ = ["StateGuard", "ModuleWrites", "plain"]
+__all__ = ["StateGuard", "ModuleWrites", "plain", "note_reads"]
 
 _data_ptr = torch.Tensor.data_ptr
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
@@ -69,18 +71,29 @@ from the weights' shapes; ``training`` is in the specialization key)."""
 
 
 _INTERNAL = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping
+_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> names a trace read
+
+
+def note_reads(reads: dict[torch.nn.Module, set[str]]) -> None:
+    """Add the attribute names a trace saw each module's code read (they accumulate over the
+    traces of a model: each specialization is traced again)."""
+    for module, names in reads.items():
+        _READS.setdefault(module, set()).update(names)
 
 
 def _guarded(module: torch.nn.Module) -> list[tuple[str, Any]]:
     """The attributes of ``module`` the guard compares: tensors that are neither parameters nor
-    buffers, and for ``torch.nn``'s own modules their public plain values less :data:`_UNREAD`;
-    for others every plain value, list or dict of them, and function (not nn.Module's own)."""
+    buffers; for ``torch.nn``'s own modules their public plain values less :data:`_UNREAD`; for
+    others every plain value, list or dict of them and function (not nn.Module's own) that a
+    trace saw its code read (:func:`note_reads`), or all of them where no trace ran its code."""
     if type(module).__module__.startswith("torch.nn."):
         return [(n, v) for n, v in vars(module).items() if n not in _UNREAD and (
             isinstance(v, torch.Tensor) or (not n.startswith("_") and plain(v)))]
+    read = _READS.get(module)
     return [(n, v) for n, v in vars(module).items() if n not in _INTERNAL and (
-        isinstance(v, (torch.Tensor, types.FunctionType, types.BuiltinFunctionType))
-        or plain(v) or _container(v))]
+        isinstance(v, torch.Tensor) or ((read is None or n in read) and (
+            isinstance(v, (types.FunctionType, types.BuiltinFunctionType)) or plain(v)
+            or _container(v))))]
 
 
 class StateGuard:
@@ -103,7 +116,13 @@ class StateGuard:
         self._dicts = [d for d, _ in holders]
         self._names = [n for _, n in holders]
         self.tensors: tuple[torch.Tensor, ...] = tuple(map(dict.get, self._dicts, self._names))
-        self._ptrs = list(map(_data_ptr, self.tensors))
+        try:
+            self._ptrs = list(map(_data_ptr, self.tensors))
+        except RuntimeError as exc:  # functorch's wrapped tensors, fake tensors: no storage
+            raise FusionError(
+                f"a compiled module was called with parameters or buffers that have no storage "
+                f"({condense(str(exc), limit=80)}): inside torch.func transforms "
+                "(grad, vmap over functional_call) call the model uncompiled") from exc
         children = [(m._modules, n) for m in modules for n in m._modules]
         self._module_dicts = [d for d, _ in children]
         self._module_names = [n for _, n in children]

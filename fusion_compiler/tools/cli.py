@@ -55,6 +55,8 @@ def load_model(ref: str) -> torch.nn.Module:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load {ref!r}: {exc}") from exc
+    except Exception as exc:  # the module's own code failed at import: a SyntaxError, a file
+        raise ValueError(f"importing {module_name} raised {type(exc).__name__}: {exc}") from exc
     try:
         model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) \
             else factory

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...ir.ops import INPLACE_POSITION, inplace_flag, write_back
+from ...ir.ops import INPLACE_POSITION, foreach_inplace, inplace_flag, write_back
 
 __all__ = ["functionalize", "inplace_target"]
 
@@ -72,6 +72,9 @@ def _is_view(node: object) -> bool:
 def functionalize(gm: fx.GraphModule) -> str:
     """Rewrite ``gm``'s in-place ops (in place; see the module docstring). Returns ``""``, or why
     the graph was left as it is: an in-place op writes into memory that another value shares."""
+    unrolled = _unroll_foreach(gm)
+    if unrolled:
+        return unrolled
     shared = _shared_write(gm)
     if shared:
         return shared
@@ -107,6 +110,39 @@ def functionalize(gm: fx.GraphModule) -> str:
         with gm.graph.inserting_before(output):
             gm.graph.call_function(write_back, (root, value))
     return ""
+
+
+def _unroll_foreach(gm: fx.GraphModule) -> str:
+    """Each in-place multi-tensor op (``torch._foreach_mul_(grads, c)``) becomes one in-place
+    method call per tensor of its list (``g.mul_(c)``; a list argument gives each call its own
+    element, any other is passed to every call), which the rewrite below makes out of place.
+    Returns why it could not (a ``_foreach`` op without a per-tensor method, or lists of
+    another length): the graph is then left as it is."""
+    for node in list(gm.graph.nodes):
+        if not foreach_inplace(node):
+            continue
+        method = node.target.__name__[len("_foreach_"):]
+        targets = node.args[0] if node.args else None
+        if node.users or not isinstance(targets, (list, tuple)) or not hasattr(
+                torch.Tensor, method) or any(isinstance(a, (list, tuple)) and len(a) != len(
+                    targets) for a in (*node.args[1:], *node.kwargs.values())):
+            return f"in-place multi-tensor op {node.target.__name__} ({node.name}) kept as it is"
+
+        args, kwargs = node.args[1:], dict(node.kwargs)
+        if method in ("addcmul_", "addcdiv_") and len(args) > 2:  # its scale is keyword-only
+            if isinstance(args[2], fx.Node):  # one tensor of scales
+                return f"in-place multi-tensor op {node.target.__name__} ({node.name}) kept"
+            args, kwargs = args[:2], {**kwargs, "value": args[2]}
+        with gm.graph.inserting_before(node):
+            for i, t in enumerate(targets):
+                gm.graph.call_method(method, (t, *(_pick(a, i) for a in args)),
+                                     {k: _pick(v, i) for k, v in kwargs.items()})
+        gm.graph.erase_node(node)
+    return ""
+
+
+def _pick(a: object, i: int) -> object:
+    return a[i] if isinstance(a, (list, tuple)) else a
 
 
 def written_root(node: fx.Node, written: dict[fx.Node, fx.Node]) -> fx.Node:
