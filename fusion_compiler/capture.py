@@ -151,12 +151,16 @@ def _real_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
     """
     devices = sorted({a.get_device() for a in example_inputs
                       if isinstance(a, torch.Tensor) and a.is_cuda})
-    # parameters too where the graph writes in place (an optimizer's step, a forward's update)
-    writes = any(writes_in_place(n) or n.target is write_back for n in gm.graph.nodes)
-    state = [*gm.buffers(), *(gm.parameters() if writes else ())]
-    with torch.no_grad(), restored(state), torch.random.fork_rng(devices=devices):
+    with torch.no_grad(), restored(_written_state(gm)), torch.random.fork_rng(devices=devices):
         inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
         _RecordingInterpreter(gm).run(*inputs)
+
+
+def _written_state(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """What a run of ``gm`` may write of the module's state: its buffers, and its parameters too
+    where the graph writes in place (an optimizer's step, a forward's update)."""
+    writes = any(writes_in_place(n) or n.target is write_back for n in gm.graph.nodes)
+    return [*gm.buffers(), *(gm.parameters() if writes else ())]
 
 
 class _RecordingInterpreter(fx.Interpreter):
@@ -196,8 +200,8 @@ def _fake_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
                 n.meta["val"] = result
             return result
 
-    try:
-        with mode:
+    try:  # real tensors (the module's state) are written in place in the fake mode: restored
+        with restored(_written_state(gm)), mode:
             _KeepingNumbers(gm, mode).propagate(*fake)
     finally:
         # Under torch.autocast, casts of parameters are cached for the rest of the autocast

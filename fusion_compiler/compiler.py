@@ -13,28 +13,23 @@ import time
 from typing import Any, Sequence
 
 import torch
+from torch.fx import _symbolic_trace
 
 from .backends import check_backends
 from .capture import TensorSpec, capture, input_specs
 from .config import CompileOptions, Target
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
+from .ir.ops import writes_in_place
 from .runtime.hooks import call_with_hooks, has_hooks, unsupported_hook
 from .runtime.state import StateGuard
-from .runtime.tensors import restored
+from .runtime.background import warn_once
+from .runtime.tensors import autocast_dtype, restored, shared_storage
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
 
 __all__ = ["compile", "CompiledModule", "Specialization"]
 
 log = logging.getLogger("fusion_compiler")
-
-
-def _autocast_dtype(args: Sequence[Any]) -> torch.dtype | None:
-    """The ``torch.autocast`` dtype active for the device of the first tensor input, or ``None``."""
-    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
-        return None
-    return torch.get_autocast_dtype(device)
 
 
 class CompiledModule(torch.nn.Module):
@@ -78,6 +73,7 @@ class CompiledModule(torch.nn.Module):
         captured = capture(model)  # fail early
         self._names = [n.target for n in captured.graph.find_nodes(op="placeholder")]
         self._arity = len(self._names)
+        self._writes = self._arity > 1 and any(map(writes_in_place, captured.graph.nodes))
         # a forward that turns gradients off everywhere (@torch.no_grad(), @inference_mode())
         self._grad = captured.meta.get("grad", True)
         self._inference = captured.meta.get("inference", False)
@@ -92,8 +88,7 @@ class CompiledModule(torch.nn.Module):
         self.specializations: collections.OrderedDict[tuple, Specialization] = \
             collections.OrderedDict()
         self.last: Specialization | None = None
-        # reasons already logged (each once per module); a function of the set, not a method:
-        # the compiler holding a method of this module would make a reference cycle
+        # reasons logged, once per module (a function of the set: a method would make a cycle)
         self._noted: set[str] = set()
         self._compiler = SpecializationCompiler(model, self.options,
                                                 functools.partial(_note, self._noted),
@@ -104,7 +99,6 @@ class CompiledModule(torch.nn.Module):
         memo[id(self)] = copied = CompiledModule(copy.deepcopy(self.model, memo), self.options)
         return copied
 
-    # ------------------------------------------------------------------ state
     def _take_state(self) -> None:
         # plain attributes: a parameter set on a module would be registered as its own
         params = tuple(self.model.parameters())
@@ -131,7 +125,6 @@ class CompiledModule(torch.nn.Module):
         self._guard.take()
         self._take_state()
 
-    # ------------------------------------------------------------------ checks
     def _check_inputs(self, args: Sequence[Any]) -> None:
         if len(args) != self._arity:
             plural = "" if self._arity == 1 else "s"
@@ -176,7 +169,6 @@ class CompiledModule(torch.nn.Module):
         return any(p.requires_grad for p in self._model_params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
-    # ------------------------------------------------------------------ compile
     def _explained(self, exc: InputError, args: Sequence[Any]) -> Exception:
         """The error to raise for inputs the compiled graph could not take, ready to raise from
         the caller's frame: an :class:`InputError` with eager PyTorch's own message for them
@@ -238,7 +230,7 @@ class CompiledModule(torch.nn.Module):
         self._check_inputs(args)
         grad = self._needs_grad(args)
         requires = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        amp = _autocast_dtype(args)
+        amp = autocast_dtype(args)
         frozen = tuple(p.requires_grad for p in self._model_params) if grad else ()
         # inference mode (the caller's or the forward's decorator): graphs captured in it return
         # inference tensors as eager does; a no_grad call gets normal ones (it may write them)
@@ -285,7 +277,7 @@ class CompiledModule(torch.nn.Module):
         return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():  # traced by torch.compile: trace the model
+        if torch.compiler.is_dynamo_compiling() or _fx_tracing():  # traced: trace the model
             return self.model(*args, **kwargs)
         try:
             if has_hooks(self.model):  # the model's own hooks, as calling it runs them
@@ -297,6 +289,10 @@ class CompiledModule(torch.nn.Module):
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs or len(args) != self._arity:
             args = self._bind(args, kwargs)
+        if self._writes and shared_storage(args):  # functionalize assumes inputs do not alias
+            warn_once(f"compiling {type(self.model).__name__}", "two inputs share memory and "
+                      "the graph writes in place: such calls run the model uncompiled")
+            return self.model.forward(*args)
         try:
             spec = self._specialize(args, answer_early=True)
         except InputError as exc:
@@ -356,11 +352,15 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any] | None = None,
     return compiled
 
 
+_fx_tracing = getattr(_symbolic_trace, "is_fx_symbolic_tracing", _symbolic_trace.is_fx_tracing)
+
+
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile`` wrapped, for a ``torch.compile``'d module; else ``model``."""
-    inner = getattr(model, "_orig_mod", None)
-    if type(model).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
-        log.info("compiling the module that torch.compile wrapped (%s)", type(inner).__name__)
+    """The module ``torch.compile`` or :func:`compile` wrapped (compiled again); else ``model``."""
+    inner = model.model if isinstance(model, CompiledModule) else getattr(model, "_orig_mod", None)
+    if type(model).__name__ in ("OptimizedModule", "CompiledModule") and isinstance(
+            inner, torch.nn.Module):
+        log.info("compiling the module %s wrapped (%s)", type(model).__name__, type(inner))
         return inner
     return model
 

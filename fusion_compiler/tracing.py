@@ -69,8 +69,8 @@ class ModeRecordingTracer(fx.Tracer):
 
 
 class _InplaceProxy(fx.Proxy):
-    """``x += y`` traced as ``operator.iadd``, as Dynamo writes it (``fx.Proxy`` has no ``__iadd__``,
-    so Python would trace ``x = x + y``: a write into an input or a viewed tensor lost);
+    """``x += y`` traced as ``operator.iadd``, as Dynamo writes it (``fx.Proxy`` has no
+    ``__iadd__``, so Python would trace ``x = x + y``: a write into an input or a view lost);
     ``functionalize`` rewrites the in-place op where the value is a tensor."""
 
     def __iadd__(self, other: Any) -> fx.Proxy:

@@ -183,3 +183,56 @@ def test_the_door_compiles_optimizer_steps_and_gradient_clipping():
     clip()
     norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     assert abs(float(norm) - 0.1) < 1e-4
+
+
+def test_autocast_compiles_write_the_modules_buffers_once_per_call(tmp_path):
+    """Shapes under autocast are propagated with fake tensors, whose mode let in-place ops on
+    the module's real buffers through: every compiling call counted a batch norm's batches
+    again (found by a review, session 31)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()).train()
+    eager = copy.deepcopy(model)
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(4, 3, 16, 16)
+    for i in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            compiled(x * (i + 1))
+            eager(x * (i + 1))
+    assert int(model[1].num_batches_tracked) == int(eager[1].num_batches_tracked) == 3
+    assert rel_err(model[1].running_mean, eager[1].running_mean) < 2e-2
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x, y):
+        x.mul_(2.0)
+        y.add_(1.0)  # y may be x or a view of it
+        return self.conv(y)
+
+
+def test_inputs_that_share_memory_written_in_place_run_as_eager_runs(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = _TwoInputs()
+    eager = copy.deepcopy(model)
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    for split in (lambda b: (b, b), lambda b: (b, b[1:]), lambda b: (b, b.clone())):
+        base = torch.randn(3, 3, 8, 8)
+        mine, theirs = base.clone(), base.clone()
+        with torch.no_grad(), caplog.at_level("WARNING", logger="fusion_compiler"):
+            got, want = compiled(*split(mine)), eager(*split(theirs))
+        assert rel_err(got, want) < 1e-6 and rel_err(mine, theirs) < 1e-6
+    assert any("share memory" in r.getMessage() for r in caplog.records)
+
+
+def test_compiled_modules_compiled_again_or_inside_another_model(tmp_path):
+    torch.manual_seed(0)
+    inner = _Bookkeeping()
+    twice = fc.compile(fc.compile(inner, cache_dir=tmp_path), cache_dir=tmp_path)
+    outer = nn.Sequential(fc.compile(inner, cache_dir=tmp_path), nn.ReLU())
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert rel_err(twice(x), inner(x)) < 1e-6
+        assert rel_err(fc.compile(outer, cache_dir=tmp_path)(x), outer(x)) < 1e-6

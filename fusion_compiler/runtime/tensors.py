@@ -4,12 +4,12 @@ must not move them, gradients laid out like their parameters, channel views of w
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["restored", "inference_graph_modes", "layout_like", "channel_view_strides",
-           "as_channel_view"]
+__all__ = ["autocast_dtype", "shared_storage", "restored", "inference_graph_modes",
+           "layout_like", "channel_view_strides", "as_channel_view"]
 
 
 def inference_graph_modes(inference: bool) -> contextlib.ExitStack:
@@ -21,6 +21,21 @@ def inference_graph_modes(inference: bool) -> contextlib.ExitStack:
     stack.enter_context(torch.inference_mode(inference))
     stack.enter_context(torch.no_grad())  # after it: leaving inference mode turns grad mode on
     return stack
+
+
+def autocast_dtype(args: Sequence[Any]) -> torch.dtype | None:
+    """The ``torch.autocast`` dtype active for the device of the first tensor of ``args`` (the
+    CPU where there is none), or ``None``."""
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+def shared_storage(args: Sequence[Any]) -> bool:
+    """Whether two tensors of ``args`` are views of one storage (``x`` and ``x[1:]``)."""
+    storages = [a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)]
+    return len(set(storages)) < len(storages)
 
 
 @contextlib.contextmanager
