@@ -20,9 +20,9 @@ from .capture import TensorSpec, capture, input_specs
 from .config import CompileOptions, Target
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
 from .ir.ops import writes_in_place
+from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, unsupported_hook
 from .runtime.state import StateGuard
-from .runtime.background import warn_once
 from .runtime.tensors import autocast_dtype, restored, shared_storage
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
