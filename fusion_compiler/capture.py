@@ -24,9 +24,9 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
-from .ir.errors import FusionError
+from .ir.errors import FusionError, InputTypeError
 from .ir.ops import copy_graph, write_back, writes_in_place
-from .runtime.background import on_calling_thread
+from .runtime.background import on_calling_thread, warn_once
 from .runtime.state import ModuleWrites, note_reads
 from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
 from .runtime.tensors import restored
@@ -56,7 +56,18 @@ class TensorSpec:
 
 
 def input_specs(args: Sequence[Any]) -> tuple:
-    """The specialization key of a call: a :class:`TensorSpec` per tensor, the value otherwise."""
+    """The specialization key of a call: a :class:`TensorSpec` per tensor, the value otherwise (a
+    tuple of tensors by itself: each new tuple compiles again, with one WARNING).
+
+    Raises:
+        InputTypeError: a list, dict or set input (it may change between calls unseen)."""
+    for i, a in enumerate(args):
+        if isinstance(a, (list, dict, set)):
+            raise InputTypeError(f"input {i} is a {type(a).__name__}: compiled graphs take "
+                                 "tensors, numbers and tuples (pass the tensors as arguments)")
+        if isinstance(a, tuple) and any(isinstance(t, torch.Tensor) for t in a):
+            warn_once("reusing a specialization", f"input {i} is a tuple of tensors, keyed by the "
+                      "tuple itself: each new tuple compiles again (pass its tensors as arguments)")
     return tuple(TensorSpec.of(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 

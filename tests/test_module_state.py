@@ -236,3 +236,24 @@ def test_compiled_modules_compiled_again_or_inside_another_model(tmp_path):
     with torch.no_grad():
         assert rel_err(twice(x), inner(x)) < 1e-6
         assert rel_err(fc.compile(outer, cache_dir=tmp_path)(x), outer(x)) < 1e-6
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, inputs):
+        obs, hidden = inputs
+        return self.conv(obs) + hidden
+
+
+def test_container_inputs_warn_or_are_refused_in_one_line(tmp_path, caplog):
+    compiled = fc.compile(_Recurrent(), cache_dir=tmp_path)
+    obs, hidden = torch.randn(2, 3, 8, 8), torch.randn(2, 4, 8, 8)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fusion_compiler"):
+        assert rel_err(compiled((obs, hidden)), compiled.model((obs, hidden))) < 1e-6
+    assert any("tuple of tensors" in r.getMessage() for r in caplog.records)
+    for container in ([obs, hidden], {"obs": obs, "hidden": hidden}):
+        with pytest.raises(TypeError, match="compiled graphs take tensors, numbers and tuples"):
+            compiled(container)
