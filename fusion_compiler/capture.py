@@ -28,8 +28,8 @@ from .ir.errors import FusionError, InputTypeError
 from .ir.ops import copy_graph, write_back, writes_in_place
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.state import ModuleWrites, note_reads
-from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
 from .runtime.tensors import restored
+from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
 
 __all__ = ["TensorSpec", "capture", "propagate_shapes", "input_specs", "encode_meta", "apply_meta"]
 

@@ -122,16 +122,16 @@ def _unroll_foreach(gm: fx.GraphModule) -> str:
         if not foreach_inplace(node):
             continue
         method = node.target.__name__[len("_foreach_"):]
+        kept = f"in-place multi-tensor op {node.target.__name__} ({node.name}) kept as it is"
         targets = node.args[0] if node.args else None
         if node.users or not isinstance(targets, (list, tuple)) or not hasattr(
                 torch.Tensor, method) or any(isinstance(a, (list, tuple)) and len(a) != len(
                     targets) for a in (*node.args[1:], *node.kwargs.values())):
-            return f"in-place multi-tensor op {node.target.__name__} ({node.name}) kept as it is"
-
+            return kept
         args, kwargs = node.args[1:], dict(node.kwargs)
         if method in ("addcmul_", "addcdiv_") and len(args) > 2:  # its scale is keyword-only
             if isinstance(args[2], fx.Node):  # one tensor of scales
-                return f"in-place multi-tensor op {node.target.__name__} ({node.name}) kept"
+                return kept
             args, kwargs = args[:2], {**kwargs, "value": args[2]}
         with gm.graph.inserting_before(node):
             for i, t in enumerate(targets):
