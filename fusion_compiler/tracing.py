@@ -1,18 +1,38 @@
 """The ``torch.fx`` tracer of :func:`fusion_compiler.capture.capture`: gradient and inference
 modes recorded on every node, buffers traced like parameters, augmented assignments
-(``x += y``) traced as the in-place ops they are, and the attributes ``forward`` reads recorded
-(:func:`recording_reads`)."""
+(``x += y``) traced as the in-place ops they are, the attributes ``forward`` reads recorded
+(:func:`recording_reads`), and other threads left alone while it traces.
+
+**Threads.** ``torch.fx``'s ``Tracer.trace`` changes the whole process while it runs: it sets
+``nn.Module.__call__`` and ``nn.Module.__getattr__`` to wrappers that hand every module call
+and parameter read to the tracer, and raises the module-level flag that ``torch.compile``'d
+functions check ("Detected that you are using FX to symbolically trace a dynamo-optimized
+function"). Another thread that called a module (or a ``torch.compile``'d function) during a
+trace got proxies or that error. :class:`ModeRecordingTracer` passes calls and reads of other
+threads through to the module untouched, raises the flag for its own thread only, and traces one
+at a time (:data:`TRACE_LOCK`: two traces at once would each restore the other's patches).
+Left: fx raises its flag for every thread a moment before the tracer can make it a flag of one
+thread (while fx lists the model's modules and tensor attributes, before any call is traced); a
+``torch.compile``'d function that another thread calls in that moment still raises Dynamo's
+error (Dynamo's ``error_on_nested_fx_trace`` cannot help: its overrides are per thread in
+torch 2.13).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
+from torch.fx import _symbolic_trace
 
-__all__ = ["ModeRecordingTracer", "mark_grad_modes", "recording_reads"]
+__all__ = ["ModeRecordingTracer", "TRACE_LOCK", "mark_grad_modes", "recording_reads"]
+
+TRACE_LOCK = threading.Lock()
+"""Held by :meth:`ModeRecordingTracer.trace` for the whole trace (see the module docstring)."""
 
 
 @contextlib.contextmanager
@@ -57,6 +77,35 @@ class ModeRecordingTracer(fx.Tracer):
     (``self.count.add_(1)``) would run once at trace time and never again."""
 
     proxy_buffer_attributes = True
+    _thread: int | None = None
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        with TRACE_LOCK:
+            self._thread = threading.get_ident()
+            try:
+                return super().trace(root, concrete_args)
+            finally:
+                self._thread = None
+
+    def _elsewhere(self) -> bool:
+        """Whether the caller runs on another thread than the trace (see the module docstring)."""
+        return threading.get_ident() != self._thread
+
+    def create_args_for_root(self, *args: Any, **kwargs: Any) -> Any:
+        # called by trace() once fx has raised its process-wide flag: the flag becomes one
+        # that reads as raised on the tracing thread only (trace() puts the old value back)
+        _symbolic_trace._is_fx_tracing_flag = _TracingThread(self._thread)
+        return super().create_args_for_root(*args, **kwargs)
+
+    def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if self._elsewhere():  # another thread's call: the module runs as it would
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if self._elsewhere():
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _InplaceProxy(node, self)
@@ -66,6 +115,16 @@ class ModeRecordingTracer(fx.Tracer):
         node.meta["traced_grad"] = torch.is_grad_enabled()
         node.meta["traced_inference"] = torch.is_inference_mode_enabled()
         return node
+
+
+class _TracingThread:
+    """fx's "tracing" flag, raised for one thread: true there, false on every other."""
+
+    def __init__(self, thread: int | None):
+        self.thread = thread
+
+    def __bool__(self) -> bool:
+        return threading.get_ident() == self.thread
 
 
 class _InplaceProxy(fx.Proxy):

@@ -52,3 +52,28 @@ def test_outputs_have_eager_autocasts_dtype_whatever_op_ends_the_graph(tail):
     # the pass keeps the add (and here the mean) in bf16 where eager promotes to fp32: within
     # bf16's rounding (unit roundoff 2**-8) of the fp32 module, not within eager's error
     assert rel_err(got, reference) < 1e-2
+
+
+def test_cumulative_batch_norm_trains_under_autocast():
+    """``BatchNorm2d(momentum=None)`` in training mode under autocast: shapes are propagated with
+    fake tensors, and the module reads ``float(num_batches_tracked)``, which a fake tensor has no
+    value for (the call was refused with "cannot run on inputs that eager PyTorch takes"). Output
+    and running statistics within bf16's rounding of the fp32 module; the count exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None),
+                          nn.ReLU()).train()
+    reference = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None),
+                              nn.ReLU()).train()
+    reference.load_state_dict(model.state_dict())
+    compiled = fc.compile(model, cache_dir=False)
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8)
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            got = compiled(x)
+        with torch.no_grad():
+            want = reference(x)
+        assert rel_err(got, want) < 2e-2
+    bn, ref_bn = model[1], reference[1]
+    assert int(bn.num_batches_tracked) == int(ref_bn.num_batches_tracked) == 3
+    assert rel_err(bn.running_mean, ref_bn.running_mean) < 2e-2
+    assert rel_err(bn.running_var, ref_bn.running_var) < 2e-2

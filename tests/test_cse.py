@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import fusion_compiler
 from conftest import patterns, specialize
 from examples.seresnet9_fixup import SEFixupBlock, randomize_
-from fusion_compiler.capture import capture, propagate_shapes
+from fusion_compiler.capture import capture
+from fusion_compiler.shapes import propagate_shapes
 from fusion_compiler.passes.pre_fusion.cse import eliminate_common_subexpressions
 from fusion_compiler.passes.pre_fusion.normalize import normalize
 

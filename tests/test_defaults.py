@@ -184,7 +184,8 @@ class _SideEffects(nn.Module):
 
 
 def test_propagation_on_the_inputs_leaves_no_trace_and_matches_meta_propagation():
-    from fusion_compiler.capture import capture, propagate_shapes
+    from fusion_compiler.capture import capture
+    from fusion_compiler.shapes import propagate_shapes
 
     model = _SideEffects().train()
     x = torch.randn(2, 4, 8, 8)
@@ -203,12 +204,12 @@ def test_propagation_on_the_inputs_leaves_no_trace_and_matches_meta_propagation(
 
 def test_slow_propagation_on_the_inputs_falls_back_to_meta(monkeypatch):
     """After a run over REAL_PROPAGATION_BUDGET_S the later stages use meta tensors."""
-    from fusion_compiler import capture as capture_module
+    from fusion_compiler import shapes
     from fusion_compiler.passes import manager
 
     calls = []
-    real_run = capture_module._MetaPropagation.run
-    monkeypatch.setattr(capture_module._MetaPropagation, "run",
+    real_run = shapes._MetaPropagation.run
+    monkeypatch.setattr(shapes._MetaPropagation, "run",
                         lambda self, *a: calls.append(1) or real_run(self, *a))
     monkeypatch.setattr(manager, "REAL_PROPAGATION_BUDGET_S", 0.0)
     with torch.no_grad():

@@ -202,9 +202,9 @@ def test_a_stem_whose_shape_is_computed_in_the_graph_stays_as_it_is(triton_stems
                                                                     monkeypatch, caplog):
     """A SpaceToDepth whose ``view`` reads sizes computed by other nodes of the graph is left
     outside the region, with the reason logged, rather than copied without them."""
-    from fusion_compiler import capture as capture_module
+    from fusion_compiler import shapes
     _drops_numbers(monkeypatch)
-    monkeypatch.setattr(capture_module, "_plain_number", lambda value: False)
+    monkeypatch.setattr(shapes, "_plain_number", lambda value: False)
     torch.manual_seed(4)
     gm = _autocast_stem_graph(_Stem("relu").eval(), torch.randn(2, 3, 32, 64))
     with caplog.at_level("INFO", logger="fusion_compiler"):

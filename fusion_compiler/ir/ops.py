@@ -191,7 +191,7 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
 
 def node_device(node: fx.Node) -> torch.device:
     """The device ``node``'s value lives on when the graph runs (set by
-    :func:`fusion_compiler.capture.propagate_shapes`; ``meta["val"]`` itself may be a meta
+    :func:`fusion_compiler.shapes.propagate_shapes`; ``meta["val"]`` itself may be a meta
     tensor)."""
     device = node.meta.get("device")
     if device is not None:
@@ -201,6 +201,6 @@ def node_device(node: fx.Node) -> torch.device:
 
 def tensor_meta(node: fx.Node) -> torch.Tensor | None:
     """The meta or fake tensor recorded on ``node`` by
-    :func:`fusion_compiler.capture.propagate_shapes`, or ``None``."""
+    :func:`fusion_compiler.shapes.propagate_shapes`, or ``None``."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from ..capture import apply_meta, encode_meta, propagate_shapes
+from ..shapes import apply_meta, encode_meta, propagate_shapes
 from ..ir.errors import InputShapeError, condense
 
 __all__ = ["Pass", "PassManager", "REAL_PROPAGATION_BUDGET_S", "CAPTURED_OUTPUT_DTYPES"]
@@ -46,13 +46,13 @@ class PassManager:
     Each pass is logged (DEBUG: its name and host time; with ``FUSION_COMPILER_LOG=debug`` the
     graph after it too). With ``propagate`` (the pre-fusion and fusion pipelines), after every pass
     the graph is linted, recompiled and its ``node.meta["val"]`` refreshed by
-    shape propagation (:func:`~fusion_compiler.capture.propagate_shapes`; skipped when the pass
+    shape propagation (:func:`~fusion_compiler.shapes.propagate_shapes`; skipped when the pass
     changed no graph: the same generated code of the graph and of every graph module in it, and
     every node still has its value), so each pass sees shapes, dtypes and strides of every node:
     by running the graph on copies of the example inputs
-    (no side effects, see ``capture._real_propagation``) while a run stays within
+    (no side effects, see ``shapes._real_propagation``) while a run stays within
     :data:`REAL_PROPAGATION_BUDGET_S` and succeeds, else on meta tensors. ``known_shapes`` (stage
-    name -> table of :func:`~fusion_compiler.capture.encode_meta`) holds what an earlier compile
+    name -> table of :func:`~fusion_compiler.shapes.encode_meta`) holds what an earlier compile
     of the same model for the same inputs recorded: a stage found there is not propagated again;
     ``recorded`` holds the tables of the stages propagated now.
     ``on_stage(name, gm)`` is called with the captured graph (``"captured"``, with ``propagate``)

@@ -52,7 +52,7 @@ _FUNCS = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.
 def normalize(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``gm`` in place into canonical SSA form (see the module docstring) and return it.
 
-    Needs ``node.meta["val"]`` from :func:`fusion_compiler.capture.propagate_shapes`. A graph
+    Needs ``node.meta["val"]`` from :func:`fusion_compiler.shapes.propagate_shapes`. A graph
     whose in-place ops cannot be made out of place (:func:`.functionalize.functionalize`) keeps
     them and gets ``gm.meta["fusion_off"]``, the reason: no region is formed in it.
     """
