@@ -5,6 +5,7 @@ graph's nodes is filled in afterwards, by :mod:`fusion_compiler.shapes`.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -17,7 +18,8 @@ from .runtime.background import on_calling_thread, warn_once
 from .runtime.state import ModuleWrites, note_reads
 from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
 
-__all__ = ["TensorSpec", "capture", "input_specs"]
+__all__ = ["TensorSpec", "capture", "input_specs", "unpacked_inputs", "flatten_inputs",
+           "unpack_inputs"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class TensorSpec:
 
 def input_specs(args: Sequence[Any]) -> tuple:
     """The specialization key of a call: a :class:`TensorSpec` per tensor, the value otherwise (a
-    tuple of tensors by itself: each new tuple compiles again, with one WARNING).
+    tuple of tensors that :func:`flatten_inputs` left whole by itself: each new tuple compiles
+    again, with one WARNING).
 
     Raises:
         InputTypeError: a list, dict or set input (it may change between calls unseen)."""
@@ -52,9 +55,61 @@ def input_specs(args: Sequence[Any]) -> tuple:
             raise InputTypeError(f"input {i} is a {type(a).__name__}: compiled graphs take "
                                  "tensors, numbers and tuples (pass the tensors as arguments)")
         if isinstance(a, tuple) and any(isinstance(t, torch.Tensor) for t in a):
-            warn_once("reusing a specialization", f"input {i} is a tuple of tensors, keyed by the "
-                      "tuple itself: each new tuple compiles again (pass its tensors as arguments)")
+            warn_once("reusing a specialization", f"a tuple of tensors that forward does not only "
+                      "unpack (or index) is keyed by the tuple itself: each new tuple compiles "
+                      "again (pass its tensors as arguments)")
     return tuple(TensorSpec.of(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def unpacked_inputs(gm: fx.GraphModule) -> frozenset[int]:
+    """Positions of ``gm``'s inputs that the graph only indexes with constant integers
+    (``a, b = pair``, ``pair[0]``): a tuple passed there can be taken apart at the call
+    (:func:`flatten_inputs`, :func:`unpack_inputs`)."""
+    return frozenset(i for i, ph in enumerate(gm.graph.find_nodes(op="placeholder"))
+                     if ph.users and all(u.op == "call_function" and u.target is operator.getitem
+                                         and isinstance(u.args[1], int) and not u.kwargs
+                                         for u in ph.users))
+
+
+def flatten_inputs(args: Sequence[Any], unpacked: frozenset[int]) -> tuple[tuple, tuple]:
+    """A call's inputs as the graph :func:`unpack_inputs` made takes them, and their structure:
+    each tuple at a position of ``unpacked`` (:func:`unpacked_inputs`) replaced by its items
+    (tensors, numbers), nested tuples kept whole. The structure holds, per input, the tuple's
+    length, or ``None`` for an input passed as it is; it is part of the specialization key."""
+    if not unpacked or not any(isinstance(a, tuple) for a in args):
+        return tuple(args), ()
+    flat: list[Any] = []
+    structure = []
+    for i, a in enumerate(args):
+        if i in unpacked and isinstance(a, tuple):
+            flat.extend(a)
+            structure.append(len(a))
+        else:
+            flat.append(a)
+            structure.append(None)
+    return tuple(flat), tuple(structure)
+
+
+def unpack_inputs(gm: fx.GraphModule, structure: Sequence[int | None]) -> fx.GraphModule:
+    """Rewrite ``gm`` (captured; its inputs at the tuple positions of ``structure`` only indexed,
+    :func:`unpacked_inputs`) to take each tuple's items as inputs of their own, in order: the
+    graph of :func:`flatten_inputs`' inputs. An index out of the tuple's range raises
+    ``IndexError`` as Python would."""
+    graph = gm.graph
+    for ph, length in zip(list(graph.find_nodes(op="placeholder")), structure):
+        if length is None:
+            continue
+        with graph.inserting_after(ph):
+            items: list[fx.Node] = []
+            for k in range(length):
+                with graph.inserting_after(items[-1] if items else ph):
+                    items.append(graph.placeholder(f"{ph.target}_{k}"))
+        for use in list(ph.users):
+            use.replace_all_uses_with(items[use.args[1]])
+            graph.erase_node(use)
+        graph.erase_node(ph)
+    gm.recompile()
+    return gm
 
 
 def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:

@@ -16,13 +16,14 @@ import torch
 from torch.fx import _symbolic_trace
 
 from .backends import check_backends
-from .capture import TensorSpec, capture, input_specs
+from .capture import TensorSpec, capture, flatten_inputs, input_specs, unpacked_inputs
 from .config import CompileOptions, Target
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
 from .ir.ops import writes_in_place
 from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, unsupported_hook
 from .runtime.state import StateGuard
+from .runtime.state_dict import model_keys, prefixed_keys
 from .runtime.tensors import autocast_dtype, restored, shared_storage
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
@@ -73,7 +74,8 @@ class CompiledModule(torch.nn.Module):
         captured = capture(model)  # fail early
         self._names = [n.target for n in captured.graph.find_nodes(op="placeholder")]
         self._arity = len(self._names)
-        self._writes = self._arity > 1 and any(map(writes_in_place, captured.graph.nodes))
+        self._writes = any(map(writes_in_place, captured.graph.nodes))
+        self._unpacked = unpacked_inputs(captured)  # where a tuple input is taken apart
         # a forward that turns gradients off everywhere (@torch.no_grad(), @inference_mode())
         self._grad = captured.meta.get("grad", True)
         self._inference = captured.meta.get("inference", False)
@@ -81,8 +83,8 @@ class CompiledModule(torch.nn.Module):
             self._signature: inspect.Signature | None = inspect.signature(model.forward)
         except (TypeError, ValueError):
             self._signature = None
-        self.register_state_dict_post_hook(_model_keys)
-        self.register_load_state_dict_pre_hook(_prefixed_keys)
+        self.register_state_dict_post_hook(model_keys)
+        self.register_load_state_dict_pre_hook(prefixed_keys)
         self._guard = StateGuard(model)
         self._take_state()
         self.specializations: collections.OrderedDict[tuple, Specialization] = \
@@ -194,7 +196,8 @@ class CompiledModule(torch.nn.Module):
     def _input_error(self, args: Sequence[Any], why: str) -> InputError:
         """An :class:`InputError` naming the inputs, ``why`` eager rejects them and what earlier
         calls took."""
-        got = ", ".join(str(s) for s in input_specs(args) if isinstance(s, TensorSpec))
+        flat = flatten_inputs(args, self._unpacked)[0]
+        got = ", ".join(str(s) for s in input_specs(flat) if isinstance(s, TensorSpec))
         seen = [", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec))
                 for key in self.specializations]
         took = f"; earlier calls took {' and '.join(seen[-2:])}" if seen else ""
@@ -216,18 +219,20 @@ class CompiledModule(torch.nn.Module):
         if kwargs or len(args) != self._arity:
             args = self._bind(args, kwargs)
         try:
-            spec = self._specialize(args, answer_early=False)
+            spec, _ = self._specialize(args, answer_early=False)
         except InputError as exc:
             raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
         if not spec.lowered and isinstance(spec.run, TieredRunner):
             spec.run.wait(nested=False)
         return spec
 
-    def _specialize(self, args: Sequence[Any], answer_early: bool) -> Specialization:
-        """The specialization for inputs like ``args``, compiled if there is none; with
+    def _specialize(self, args: Sequence[Any], answer_early: bool) -> tuple[Specialization, tuple]:
+        """The specialization for inputs like ``args``, compiled if there is none, and the inputs
+        as it takes them (tuples taken apart, :func:`~.capture.flatten_inputs`); with
         ``answer_early`` (a call) it may answer from tier 0 until lowered."""
         self._check_state()
         self._check_inputs(args)
+        args, structure = flatten_inputs(args, self._unpacked)
         grad = self._needs_grad(args)
         requires = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         amp = autocast_dtype(args)
@@ -236,11 +241,11 @@ class CompiledModule(torch.nn.Module):
         # inference tensors as eager does; a no_grad call gets normal ones (it may write them)
         inference = not grad and (torch.is_inference_mode_enabled() or self._inference)
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
-               frozen, inference)
+               frozen, inference, structure)
         spec = self.specializations.get(key)
         if spec is not None:
             self.specializations.move_to_end(key)
-            return spec
+            return spec, args
         hook = unsupported_hook(self.model)
         if hook:
             raise FusionError(f"{type(self.model).__name__} has {hook}: a compiled graph cannot "
@@ -249,7 +254,7 @@ class CompiledModule(torch.nn.Module):
                  ", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec)))
         target = Target(cuda=any(isinstance(a, torch.Tensor) and a.is_cuda for a in args),
                         training=grad, autocast=amp, inference=inference)
-        spec = self._compiler.build(args, key, target, requires, answer_early)
+        spec = self._compiler.build(args, key, target, requires, answer_early, structure)
         self._guard.take()  # checked above; the new trace may have read more attributes
         self.specializations[key] = spec
         while len(self.specializations) > self.options.max_specializations:
@@ -258,7 +263,7 @@ class CompiledModule(torch.nn.Module):
             log.info("evicted the specialization for inputs %s (max_specializations=%d)",
                      ", ".join(str(s) for s in old_key[0] if isinstance(s, TensorSpec)),
                      self.options.max_specializations)
-        return spec
+        return spec, args
 
     def wait_for_background_compiles(self, timeout: float | None = None) -> bool:
         """Block until every specialization's background compile (option ``tiered``,
@@ -289,12 +294,12 @@ class CompiledModule(torch.nn.Module):
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs or len(args) != self._arity:
             args = self._bind(args, kwargs)
-        if self._writes and shared_storage(args):  # functionalize assumes inputs do not alias
+        if self._writes and shared_storage(flatten_inputs(args, self._unpacked)[0]):
             warn_once(f"compiling {type(self.model).__name__}", "two inputs share memory and "
                       "the graph writes in place: such calls run the model uncompiled")
-            return self.model.forward(*args)
+            return self.model.forward(*args)  # (functionalize assumes inputs do not alias)
         try:
-            spec = self._specialize(args, answer_early=True)
+            spec, args = self._specialize(args, answer_early=True)
         except InputError as exc:
             raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
         if spec is not self.last:  # (nn.Module.__setattr__ costs microseconds per call)
@@ -363,32 +368,6 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
         log.info("compiling the module %s wrapped (%s)", type(model).__name__, type(inner))
         return inner
     return model
-
-
-def _model_keys(module: torch.nn.Module, state: dict, prefix: str, metadata: dict) -> None:
-    """A state dict hook: the model's keys without the ``model.`` its compiled module adds, so
-    that ``compiled.state_dict()`` loads into the model it came from (and back)."""
-    inner = prefix + "model."
-    for key in [k for k in state if k.startswith(inner)]:
-        state[prefix + key[len(inner):]] = state.pop(key)
-    meta = getattr(state, "_metadata", None)
-    if meta is not None:
-        for key in [k for k in meta if k == inner[:-1] or k.startswith(inner)]:
-            meta[prefix + key[len(inner):] if key != inner[:-1] else prefix[:-1]] = meta.pop(key)
-
-
-def _prefixed_keys(module: torch.nn.Module, state: dict, prefix: str, *args: Any) -> None:
-    """A load-state-dict pre-hook: keys of the model (as :func:`_model_keys` gives them) are
-    read as the compiled module's own."""
-    inner = prefix + "model."
-    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
-        state[inner + key[len(prefix):]] = state.pop(key)
-    meta = getattr(state, "_metadata", None)
-    if meta is not None:
-        for key in [k for k in meta if (k + ".").startswith(prefix) and not
-                    (k + ".").startswith(inner)]:
-            rest = (key + ".")[len(prefix):-1]
-            meta[inner + rest if rest else inner[:-1]] = meta[key]
 
 
 def _note(noted: set[str], notes: list[str], reason: str) -> None:

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from .backends.timing import timing_deferred
-from .capture import capture
+from .capture import capture, unpack_inputs
 from .config import CompileOptions, Target
 from .ir.errors import TimingDeferred
 from .ir.ops import is_any_conv
@@ -119,9 +119,11 @@ class SpecializationCompiler:
         self._warned = False  # about a model without convolutions
 
     def build(self, args: Sequence[Any], key: tuple, target: Target,
-              requires: tuple[bool, ...], answer_early: bool) -> Specialization:
-        """The specialization for inputs like ``args`` (signature ``key``). With
-        ``answer_early`` (a call, not ``specialize``) it may answer from tier 0 until lowered
+              requires: tuple[bool, ...], answer_early: bool,
+              structure: Sequence[int | None] = ()) -> Specialization:
+        """The specialization for inputs like ``args`` (signature ``key``; tuple inputs taken
+        apart as ``structure`` says, :func:`~.capture.flatten_inputs`). With ``answer_early``
+        (a call, not ``specialize``) it may answer from tier 0 until lowered
         (:meth:`_tier_before_lowering`)."""
         stages: dict[str, str] = {}
         formats: list[torch.memory_format | None] = []
@@ -136,7 +138,7 @@ class SpecializationCompiler:
                                for n in tree_flatten(out.args[0])[0])
 
         with COMPILE_LOCK:  # never beside a background compile (see the lock's docstring)
-            gm, lock = self._passes(key, args, target, on_stage)
+            gm, lock = self._passes(key, args, target, on_stage, structure)
             self._warn_without_convolutions(gm)
             work = self._work_before_lowering(gm, target) if answer_early else ""
             if not work:
@@ -167,12 +169,18 @@ class SpecializationCompiler:
                 "convolution chains); it runs as its own PyTorch ops", type(self.model).__name__)
 
     def _passes(self, key: tuple, args: Sequence[Any], target: Target,
-                on_stage: Callable[[str, fx.GraphModule], None]) -> tuple[fx.GraphModule, str]:
+                on_stage: Callable[[str, fx.GraphModule], None],
+                structure: Sequence[int | None] = ()) -> tuple[fx.GraphModule, str]:
         """The model captured and rewritten by the pre-fusion and fusion pipelines (shapes from
         the shape cache where it has them), and the name of the lock :meth:`_lower` takes."""
         passes = [*pre_fusion(self.options, target), *fusion(self.options, target)]
         # an argument passed as None is traced as None (``if mask is not None``)
-        captured = capture(self.model, [n for n, a in zip(self.names, args) if a is None])
+        whole = iter(args)  # the arguments as forward takes them: a tuple is not None
+        given = [next(whole) if n is None else tuple(next(whole) for _ in range(n))
+                 for n in structure] if structure else args
+        captured = capture(self.model, [n for n, a in zip(self.names, given) if a is None])
+        if structure:
+            unpack_inputs(captured, structure)
         text = self._shapes_text(captured, key, passes)
         shapes_header = PlanCache.header(text, {"kind": "shapes"})
         # Processes sharing the cache directory (DDP ranks) compile this one at a time: the

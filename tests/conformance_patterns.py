@@ -792,6 +792,30 @@ def random_numbers_after_calls(s: Session) -> None:
     s.record("drawn after a training step", torch.rand(8, device=s.device))
 
 
+class Recurrent(nn.Module):
+    """An agent's encoder over ``(observation, hidden)`` passed as one tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, inputs):
+        obs, hidden = inputs
+        return F.relu(self.conv2(F.relu(self.conv1(obs))) + hidden)
+
+
+def tuple_inputs(s: Session) -> None:
+    """New tuples at every call (a rollout's), then a training step on one."""
+    for _ in range(3):
+        with torch.no_grad():
+            s.record("out", s((x16(s), s.x(2, 8, 16, 16))))
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    out = s((x16(s), s.x(2, 8, 16, 16)))
+    s.record("loss", out.float().square().mean()).backward()
+    opt.step()
+
+
 # --------------------------------------------------------------------------- the registry
 
 PATTERNS: list[Pattern] = [
@@ -883,6 +907,7 @@ PATTERNS: list[Pattern] = [
     Pattern("assignments_in_forward", AssignsInForward, assignments_in_forward,
             f"{ISSUE}, items 1 and 4 (found by a review, session 31)",
             refused={"compile": FusionError}),
+    Pattern("tuple_inputs", Recurrent, tuple_inputs, f"{ISSUE}, item 4 (session 32)"),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)

@@ -248,11 +248,29 @@ class _Recurrent(nn.Module):
         return self.conv(obs) + hidden
 
 
-def test_container_inputs_warn_or_are_refused_in_one_line(tmp_path, caplog):
+class _Stacked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, inputs):
+        return self.conv(torch.cat(inputs))
+
+
+def test_tuple_inputs_are_taken_apart_and_containers_refused_in_one_line(tmp_path, caplog):
+    """A tuple that ``forward`` only unpacks compiles once for every tuple of the same
+    signature (it was keyed by the tuple object: each new tuple compiled again); one passed on
+    whole still is, with one WARNING; a list or dict is refused in one line."""
     compiled = fc.compile(_Recurrent(), cache_dir=tmp_path)
-    obs, hidden = torch.randn(2, 3, 8, 8), torch.randn(2, 4, 8, 8)
     with torch.no_grad(), caplog.at_level("WARNING", logger="fusion_compiler"):
-        assert rel_err(compiled((obs, hidden)), compiled.model((obs, hidden))) < 1e-6
+        for _ in range(3):
+            obs, hidden = torch.randn(2, 3, 8, 8), torch.randn(2, 4, 8, 8)
+            assert rel_err(compiled((obs, hidden)), compiled.model((obs, hidden))) < 1e-6
+        assert len(compiled.specializations) == 1
+        assert not caplog.records
+        whole = fc.compile(_Stacked(), cache_dir=tmp_path)
+        pair = (torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8))
+        assert rel_err(whole(pair), whole.model(pair)) < 1e-6
     assert any("tuple of tensors" in r.getMessage() for r in caplog.records)
     for container in ([obs, hidden], {"obs": obs, "hidden": hidden}):
         with pytest.raises(TypeError, match="compiled graphs take tensors, numbers and tuples"):

@@ -25,6 +25,7 @@ Nodes it cannot bring to canonical form are left as they are (they will run in P
 from __future__ import annotations
 
 import operator
+import types
 from typing import Any, Callable
 
 import torch
@@ -202,7 +203,9 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
 class _SpectralNormWeight(nn.Module):
     """The weight a legacy ``spectral_norm`` pre-hook computes before each forward of ``module``
     (a power iteration step that updates its ``u`` and ``v`` buffers in place in training mode,
-    as the hook does), as a graph op. Impure: never removed or hoisted."""
+    as the hook does), as a graph op. Its tensors (the weight before normalization, ``u``,
+    ``v``) are the op's arguments, so a run of the graph on copies of the module's state (shape
+    propagation) writes the copies. Impure: never removed or hoisted."""
 
     _is_impure = True
 
@@ -211,9 +214,10 @@ class _SpectralNormWeight(nn.Module):
         object.__setattr__(self, "target", module)  # not registered: the model owns it
         self.hook = hook
 
-    def forward(self) -> torch.Tensor:
-        module = self.target
-        return self.hook.compute_weight(module, do_power_iteration=module.training)
+    def forward(self, orig: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        name = self.hook.name  # compute_weight reads these three attributes of the module
+        tensors = types.SimpleNamespace(**{f"{name}_orig": orig, f"{name}_u": u, f"{name}_v": v})
+        return self.hook.compute_weight(tensors, do_power_iteration=self.target.training)
 
 
 def _weight(gm: fx.GraphModule, path: str, mod: nn.Module) -> fx.Node | None:
@@ -246,7 +250,8 @@ def _weight(gm: fx.GraphModule, path: str, mod: nn.Module) -> fx.Node | None:
         name = path.replace(".", "_") + "_spectral_norm_weight"
         if not hasattr(gm, name):
             gm.add_submodule(name, _SpectralNormWeight(mod, hook))
-        return g.call_module(name, ())
+        return g.call_module(name, tuple(g.get_attr(f"{path}.{hook.name}_{part}")
+                                         for part in ("orig", "u", "v")))
     return None
 
 

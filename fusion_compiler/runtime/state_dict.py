@@ -1,0 +1,37 @@
+"""The state dict of a compiled module as the model's own: ``compiled.state_dict()`` has the
+model's keys (no ``model.`` prefix) and loads into the model it came from, and the model's state
+dict loads into the compiled module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["model_keys", "prefixed_keys"]
+
+
+def model_keys(module: torch.nn.Module, state: dict, prefix: str, metadata: dict) -> None:
+    """A state dict hook: the model's keys without the ``model.`` its compiled module adds, so
+    that ``compiled.state_dict()`` loads into the model it came from (and back)."""
+    inner = prefix + "model."
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner):]] = state.pop(key)
+    meta = getattr(state, "_metadata", None)
+    if meta is not None:
+        for key in [k for k in meta if k == inner[:-1] or k.startswith(inner)]:
+            meta[prefix + key[len(inner):] if key != inner[:-1] else prefix[:-1]] = meta.pop(key)
+
+
+def prefixed_keys(module: torch.nn.Module, state: dict, prefix: str, *args: Any) -> None:
+    """A load-state-dict pre-hook: keys of the model (as :func:`model_keys` gives them) are
+    read as the compiled module's own."""
+    inner = prefix + "model."
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + key[len(prefix):]] = state.pop(key)
+    meta = getattr(state, "_metadata", None)
+    if meta is not None:
+        for key in [k for k in meta if (k + ".").startswith(prefix) and not
+                    (k + ".").startswith(inner)]:
+            rest = (key + ".")[len(prefix):-1]
+            meta[inner + rest if rest else inner[:-1]] = meta[key]
