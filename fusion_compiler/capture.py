@@ -55,9 +55,9 @@ def input_specs(args: Sequence[Any]) -> tuple:
             raise InputTypeError(f"input {i} is a {type(a).__name__}: compiled graphs take "
                                  "tensors, numbers and tuples (pass the tensors as arguments)")
         if isinstance(a, tuple) and any(isinstance(t, torch.Tensor) for t in a):
-            warn_once("reusing a specialization", f"input {i}, a tuple of tensors that forward does not only "
-                      "unpack (or index), is keyed by the tuple itself: each new tuple compiles "
-                      "again (pass its tensors as arguments)")
+            warn_once("reusing a specialization", f"input {i}, a tuple of tensors that forward "
+                      "does not only unpack (or index), is keyed by the tuple itself: each new "
+                      "tuple compiles again (pass its tensors as arguments)")
     return tuple(TensorSpec.of(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 
