@@ -14,6 +14,7 @@ from .config import CompileOptions
 from .ir.ops import written_inputs
 from .ir.region import Region
 from .passes.post_lowering.hoist import HoistedParameters
+from .shapes import written_state
 
 __all__ = ["graphed", "refreshing"]
 
@@ -87,9 +88,9 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
                      *(gm.buffers() if gm is not None else ())]
             derivations = Derivations(state, hoisted, _read_beside_regions(gm, hoisted),
                                       frozen=options.freezing)
-            runner = CudaGraphRunner(run, args, derivations=derivations,
-                                     buffers=list(model.buffers()), written=written,
-                                     inference=inference)
+            writable = [*model.buffers(), *(written_state(gm) if gm is not None else ())]
+            runner = CudaGraphRunner(run, args, derivations=derivations, buffers=writable,
+                                     written=written, inference=inference)
             for text in runner.derivations.notes:
                 note(notes, text)
     except CaptureError as exc:

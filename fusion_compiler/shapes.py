@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map_only
 
 from .ir.ops import write_back, writes_in_place
 
-__all__ = ["propagate_shapes", "encode_meta", "apply_meta"]
+__all__ = ["propagate_shapes", "written_state", "encode_meta", "apply_meta"]
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -74,11 +74,11 @@ def _real_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
                       if isinstance(a, torch.Tensor) and a.is_cuda})
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
-        private = _PrivateState(_written_state(gm), _detached_clone)
+        private = _PrivateState(written_state(gm), _detached_clone)
         _RecordingInterpreter(gm, private).run(*inputs)
 
 
-def _written_state(gm: fx.GraphModule) -> list[torch.Tensor]:
+def written_state(gm: fx.GraphModule) -> list[torch.Tensor]:
     """What a run of ``gm`` may write of the module's state: its buffers, and its parameters too
     where the graph writes in place (an optimizer's step, a forward's update)."""
     writes = any(writes_in_place(n) or n.target is write_back for n in gm.graph.nodes)
@@ -160,7 +160,7 @@ def _fake_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
     fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not hasattr(a, "fake_mode") else a
             for a in example_inputs]
 
-    private = _PrivateState(_written_state(gm), lambda t: _fake_copy(mode, t))
+    private = _PrivateState(written_state(gm), lambda t: _fake_copy(mode, t))
 
     class _KeepingNumbers(FakeTensorProp):
         """Also records shape arithmetic (``x.shape``, its items, ``h // 4``): torch 2.11's

@@ -170,8 +170,10 @@ class CudaGraphRunner:
             prologue, which recomputes the derived tensors whose sources changed since the last
             replay (:mod:`.derivations`). ``None``: values the kernels derive are made once per
             capture, in the graph, at every replay.
-        buffers: the module's buffers: what the warm-up calls update in them (a train-mode batch
-            norm's statistics) is undone, so that calls update them as eager calls do.
+        buffers: the module's state the forward may write (its buffers, and its parameters
+            where the graph writes in place): what the warm-up calls update in them (a
+            train-mode batch norm's statistics, a forward's ``self.gate.mul_(0.5)``) is undone,
+            so that calls update them as eager calls do.
         written: positions of inputs the forward writes in place: after a replay that read the
             input buffers, they are copied into the caller's tensors.
         inference: the mode of the specialization the runner serves, whatever the caller's when

@@ -25,7 +25,6 @@ Nodes it cannot bring to canonical form are left as they are (they will run in P
 from __future__ import annotations
 
 import operator
-import types
 from typing import Any, Callable
 
 import torch
@@ -36,6 +35,7 @@ from torch.fx.node import map_aggregate
 
 from ...ir.ops import CONV, HW_DIMS, eliminate_dead_code
 from .batch_norm import cumulative_batch_norm
+from .reparametrized import conv_weight, is_parametrized
 from .functionalize import functionalize, inplace_target
 
 __all__ = ["normalize", "inplace_target"]
@@ -151,11 +151,11 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
     x = node.args[0] if node.args else None
     kind = type(mod)
     with g.inserting_before(node):
-        if kind is nn.Conv2d or (kind.__bases__ == (nn.Conv2d,) and _is_parametrized(mod)):
+        if kind is nn.Conv2d or (kind.__bases__ == (nn.Conv2d,) and is_parametrized(mod)):
             padding = _conv_padding(mod)
             if mod.padding_mode != "zeros" or padding is None:
                 return
-            w = _weight(gm, node.target, mod)
+            w = conv_weight(gm, node.target, mod)
             if w is None:
                 return
             b = g.get_attr(f"{node.target}.bias") if mod.bias is not None else None
@@ -200,68 +200,7 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
             _replace(gm, node, F.adaptive_avg_pool2d, (x, mod.output_size))
 
 
-class _SpectralNormWeight(nn.Module):
-    """The weight a legacy ``spectral_norm`` pre-hook computes before each forward of ``module``
-    (a power iteration step that updates its ``u`` and ``v`` buffers in place in training mode,
-    as the hook does), as a graph op. Its tensors (the weight before normalization, ``u``,
-    ``v``) are the op's arguments, so a run of the graph on copies of the module's state (shape
-    propagation) writes the copies. Impure: never removed or hoisted."""
-
-    _is_impure = True
-
-    def __init__(self, module: nn.Module, hook: Any):
-        super().__init__()
-        object.__setattr__(self, "target", module)  # not registered: the model owns it
-        self.hook = hook
-
-    def forward(self, orig: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        name = self.hook.name  # compute_weight reads these three attributes of the module
-        tensors = types.SimpleNamespace(**{f"{name}_orig": orig, f"{name}_u": u, f"{name}_v": v})
-        return self.hook.compute_weight(tensors, do_power_iteration=self.target.training)
-
-
-def _weight(gm: fx.GraphModule, path: str, mod: nn.Module) -> fx.Node | None:
-    """The node computing ``mod.weight`` as ``mod``'s forward sees it: the parameter, or what a
-    legacy ``weight_norm`` / ``spectral_norm`` pre-hook or a ``parametrizations.weight_norm``
-    computes from its parameters (the graph runs neither hooks nor parametrizations); ``None``
-    when another pre-hook or parametrization would change it."""
-    from torch.nn.utils.spectral_norm import SpectralNorm  # noqa: PLC0415
-    from torch.nn.utils.weight_norm import WeightNorm  # noqa: PLC0415
-
-    g = gm.graph
-    hooks = [h for h in mod._forward_pre_hooks.values()]
-    if _is_parametrized(mod):  # torch.nn.utils.parametrize: weight_norm's alone is taken
-        chain = (mod.parametrizations["weight"] if list(mod.parametrizations) == ["weight"]
-                 else None)
-        if hooks or chain is None or len(chain) != 1 or type(chain[0]).__name__ != "_WeightNorm":
-            return None
-        base = f"{path}.parametrizations.weight"  # original0: g, original1: v
-        return g.call_function(torch._weight_norm, (g.get_attr(f"{base}.original1"),
-                                                     g.get_attr(f"{base}.original0"), chain[0].dim))
-    if not hooks:
-        return g.get_attr(f"{path}.weight")
-    if len(hooks) != 1 or getattr(hooks[0], "name", None) != "weight":
-        return None
-    hook = hooks[0]
-    if isinstance(hook, WeightNorm):
-        return g.call_function(torch._weight_norm, (g.get_attr(f"{path}.weight_v"),
-                                                     g.get_attr(f"{path}.weight_g"), hook.dim))
-    if isinstance(hook, SpectralNorm):
-        name = path.replace(".", "_") + "_spectral_norm_weight"
-        if not hasattr(gm, name):
-            gm.add_submodule(name, _SpectralNormWeight(mod, hook))
-        return g.call_module(name, tuple(g.get_attr(f"{path}.{hook.name}_{part}")
-                                         for part in ("orig", "u", "v")))
-    return None
-
-
 # --------------------------------------------------------------------------- calls
-
-def _is_parametrized(mod: nn.Module) -> bool:
-    from torch.nn.utils import parametrize  # noqa: PLC0415
-
-    return parametrize.is_parametrized(mod)
-
 
 def _bind(node: fx.Node, names: list[str], defaults: dict[str, Any]) -> dict[str, Any] | None:
     """Positional + keyword arguments of ``node`` by name; ``None`` if unknown keywords appear."""
