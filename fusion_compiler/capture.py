@@ -19,7 +19,7 @@ from .runtime.state import ModuleWrites, note_reads
 from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
 
 __all__ = ["TensorSpec", "capture", "input_specs", "unpacked_inputs", "flatten_inputs",
-           "unpack_inputs"]
+           "unpack_inputs", "untrainable"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,8 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
     ``@torch.no_grad()`` or ``@torch.inference_mode()`` forward) sets ``gm.meta["grad"]`` to
     ``False`` (``gm.meta["inference"]`` too for inference mode); one that turns them off for part
     of its code gets ``torch._C._set_grad_enabled`` calls where the mode changes, as Dynamo
-    writes them.
+    writes them. ``gm.meta["autograd_functions"]`` names the ``torch.autograd.Function``
+    classes ``forward`` applies (fx traced their ``forward``; their ``backward`` is lost).
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
@@ -163,4 +164,18 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
             "buffer it can: self.n.add_(1)); move it out of forward, or use "
             "torch.compile(model, backend='fusion_compiler'), whose graphs Dynamo guards")
     mark_grad_modes(gm)
+    gm.meta["autograd_functions"] = sorted(set(tracer.autograd_functions))
     return gm
+
+
+def untrainable(gm: fx.GraphModule, name: str) -> str | None:
+    """Why calls of ``gm`` (captured from model class ``name``) that record gradients cannot be
+    compiled, or ``None``: ``forward`` applies a ``torch.autograd.Function``, whose backward
+    the traced graph does not hold (:func:`capture`)."""
+    functions = gm.meta.get("autograd_functions")
+    if not functions:
+        return None
+    hint = (" (torch.utils.checkpoint with use_reentrant=False compiles)"
+            if "CheckpointFunction" in functions else "")
+    return (f"{name}.forward applies torch.autograd.Function {', '.join(functions)}, whose "
+            f"backward a traced graph does not keep{hint}")

@@ -16,7 +16,8 @@ import torch
 from torch.fx import _symbolic_trace
 
 from .backends import check_backends
-from .capture import TensorSpec, capture, flatten_inputs, input_specs, unpacked_inputs
+from .capture import (TensorSpec, capture, flatten_inputs, input_specs, unpacked_inputs,
+                      untrainable)
 from .config import CompileOptions, Target
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
 from .ir.ops import writes_in_place
@@ -76,6 +77,7 @@ class CompiledModule(torch.nn.Module):
         self._arity = len(self._names)
         self._writes = any(map(writes_in_place, captured.graph.nodes))
         self._unpacked = unpacked_inputs(captured)  # where a tuple input is taken apart
+        self._untrainable = untrainable(captured, type(model).__name__)
         # a forward that turns gradients off everywhere (@torch.no_grad(), @inference_mode())
         self._grad = captured.meta.get("grad", True)
         self._inference = captured.meta.get("inference", False)
@@ -95,6 +97,14 @@ class CompiledModule(torch.nn.Module):
         self._compiler = SpecializationCompiler(model, self.options,
                                                 functools.partial(_note, self._noted),
                                                 self._names)
+
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        """``torch.jit.script`` scripts the model (TorchScript runs its own code)."""
+        return self.model
+
+    def __reduce__(self) -> tuple:
+        """Pickled (``torch.save``) as its model and options: loading compiles again."""
+        return CompiledModule, (self.model, self.options)
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":
         """A compiled module of a deep copy of the model, same options, no specialization."""
@@ -234,6 +244,10 @@ class CompiledModule(torch.nn.Module):
         self._check_inputs(args)
         args, structure = flatten_inputs(args, self._unpacked)
         grad = self._needs_grad(args)
+        if grad and self._untrainable:
+            raise FusionError(f"{self._untrainable}: calls that record gradients cannot be "
+                              "compiled; train through torch.compile(model, "
+                              "backend='fusion_compiler')")
         requires = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         amp = autocast_dtype(args)
         frozen = tuple(p.requires_grad for p in self._model_params) if grad else ()
@@ -282,7 +296,8 @@ class CompiledModule(torch.nn.Module):
         return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling() or _fx_tracing():  # traced: trace the model
+        if torch.compiler.is_dynamo_compiling() or _fx_tracing() or torch.jit.is_tracing() or \
+                torch.compiler.is_exporting():  # traced (Dynamo, fx, jit, export): the model
             return self.model(*args, **kwargs)
         try:
             if has_hooks(self.model):  # the model's own hooks, as calling it runs them
@@ -298,6 +313,11 @@ class CompiledModule(torch.nn.Module):
             warn_once(f"compiling {type(self.model).__name__}", "two inputs share memory and "
                       "the graph writes in place: such calls run the model uncompiled")
             return self.model.forward(*args)  # (functionalize assumes inputs do not alias)
+        if self._untrainable and self._needs_grad(args):
+            warn_once(f"compiling {type(self.model).__name__}", f"{self._untrainable}: calls "
+                      "that record gradients run the model uncompiled (or train through "
+                      "torch.compile(model, backend='fusion_compiler'))")
+            return self.model.forward(*args)
         try:
             spec, args = self._specialize(args, answer_early=True)
         except InputError as exc:

@@ -80,11 +80,24 @@ class ModeRecordingTracer(fx.Tracer):
     _thread: int | None = None
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        """fx's trace, recording in :attr:`autograd_functions` the ``torch.autograd.Function``
+        classes the traced code applies: fx follows their ``forward`` (under ``no_grad``, as
+        ``apply`` runs it) and their ``backward`` is not in the graph."""
+        self.autograd_functions: list[str] = []
+        original = vars(torch.autograd.Function)["apply"]  # a classmethod
+
+        def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if not self._elsewhere():
+                self.autograd_functions.append(cls.__qualname__)
+            return original.__func__(cls, *args, **kwargs)
+
         with TRACE_LOCK:
             self._thread = threading.get_ident()
+            torch.autograd.Function.apply = classmethod(apply)
             try:
                 return super().trace(root, concrete_args)
             finally:
+                torch.autograd.Function.apply = original
                 self._thread = None
 
     def _elsewhere(self) -> bool:

@@ -816,6 +816,29 @@ def tuple_inputs(s: Session) -> None:
     opt.step()
 
 
+class _Reverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class Adversarial(ConvNet):
+    """A gradient-reversal layer (a custom ``autograd.Function``) between the convolutions."""
+
+    def forward(self, x):
+        return F.relu(self.conv2(_Reverse.apply(F.relu(self.conv1(x)))))
+
+
+def autograd_function(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    infer(s, x16(s))
+
+
 # --------------------------------------------------------------------------- the registry
 
 PATTERNS: list[Pattern] = [
@@ -908,6 +931,8 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, items 1 and 4 (found by a review, session 31)",
             refused={"compile": FusionError}),
     Pattern("tuple_inputs", Recurrent, tuple_inputs, f"{ISSUE}, item 4 (session 32)"),
+    Pattern("autograd_function_in_forward", Adversarial, autograd_function,
+            f"{ISSUE}, item 2 (found by a review, session 32)"),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)

@@ -112,3 +112,31 @@ def test_region_check_narrows_an_image_the_graph_padded_for_cudnn():
     assert len(list(region.graph_module.graph.find_nodes(op="placeholder"))) == 3
     assert _own_args(region, (*own, torch.randn(2, 8, 6, 6)))[2] is own[2]
     assert len(_own_args(region, (*own, torch.randn(2, 8, 6, 6)))) == 3
+
+
+class _DropoutArgmax(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.nn.functional.dropout(self.conv(x), 0.5, self.training)
+        return y, y.argmax(1)
+
+
+def test_check_seeds_random_draws_and_compares_integer_outputs():
+    """Dropout in training mode draws the same mask in each run (an output error of 1.05 passed
+    as "within twice eager's error", eager's own error being as large); an integer output is
+    compared too (it was left out: "check passed" on a model whose only output was argmax)."""
+    torch.manual_seed(0)
+    report = check(_DropoutArgmax().train(), torch.randn(2, 3, 8, 8), train=True)
+    assert report.ok, report.format()
+    by_name = {c.name: c for c in report.comparisons}
+    assert by_name["output 0"].error < 1e-5 and by_name["output 0"].eager_error < 1e-5
+    assert by_name["output 0 (int64)"].error == 0.0
+
+
+def test_check_train_needs_something_to_differentiate():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)).requires_grad_(False)
+    with pytest.raises(ValueError, match="needs a floating output"):
+        check(model.train(), torch.randn(1, 3, 8, 8), train=True)

@@ -133,3 +133,26 @@ def test_bench_cli_on_cpu_times_eager_and_ours(tmp_path):
     # CUDA graphs need CUDA)
     assert result["compile_s"]["fusion_compiler, cold"] > 0
     assert result["compile_s"]["fusion_compiler, warm"] > 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["check", REF, "--input", "1x3x8x8", "--device", "meta"], "is not cpu, cuda or cuda:N"),
+    (["bench", REF, "--input", "1x3x8x8", "--iters", "0"], "0 is not a positive count"),
+    (["bench", REF, "--input", "1x3x8x8", "--reps", "-1"], "-1 is not a positive count"),
+    (["dump", REF, "--input", "1x3x8x8", "--out", "."], "is a folder; give a file name"),
+    (["check", REF, "--input", "1x3x8x8", "--out", "nowhere/x.txt"], "does not exist"),
+    (["bench", REF, "--input", "1x3x8x8", "--out", "README.md"], "bench writes a folder"),
+])
+def test_bad_arguments_are_one_line_before_any_work(argv, says, capsys, monkeypatch):
+    """Checked before the model is loaded (an --out that cannot be written failed after the
+    whole check with a traceback, exit 1, which for check means "mismatch"): exit 2, the
+    reason on the last line (argparse's usage above it for an argument's own value)."""
+    from fusion_compiler.tools import cli
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and says in err.strip().splitlines()[-1], err
+    assert "Traceback" not in err

@@ -275,3 +275,86 @@ def test_tuple_inputs_are_taken_apart_and_containers_refused_in_one_line(tmp_pat
     for container in ([obs, hidden], {"obs": obs, "hidden": hidden}):
         with pytest.raises(TypeError, match="compiled graphs take tensors, numbers and tuples"):
             compiled(container)
+
+
+class _Reverse(torch.autograd.Function):
+    """Gradient reversal (a domain-adversarial layer): identity forward, negated backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class _Adversarial(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.head(_Reverse.apply(torch.relu(self.stem(x))))
+
+
+def test_an_autograd_function_in_forward_trains_uncompiled_with_a_warning(tmp_path, caplog):
+    """fx traces a custom ``autograd.Function``'s forward and loses its backward: the stem's
+    gradients came back ``None``. Calls that record gradients run the model uncompiled (one
+    WARNING naming the function); calls without gradients compile; ``specialize`` for a
+    training call says why it cannot."""
+    torch.manual_seed(0)
+    model = _Adversarial()
+    reference = copy.deepcopy(model)
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    with caplog.at_level("WARNING", logger="fusion_compiler"):
+        compiled(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        assert q.grad is not None and rel_err(q.grad, p.grad) < 1e-6, name
+    assert sum("_Reverse" in r.getMessage() for r in caplog.records) == 1
+    with torch.no_grad():
+        assert rel_err(compiled(x), reference(x)) < 1e-6
+    assert compiled.specializations  # the no-grad call compiled
+    with pytest.raises(fc.FusionError, match="_Reverse"):
+        compiled.specialize(x)
+
+
+class _Optional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if hasattr(self, "shift"):
+            y = y + self.shift
+        scale = getattr(self, "scale", None)
+        if scale is not None:
+            y = y * scale
+        if "post" in self._modules:
+            y = self.post(y)
+        return y
+
+
+@pytest.mark.parametrize("added", ["buffer", "number", "tensor", "submodule"])
+def test_state_added_after_compile_that_forward_looks_for_compiles_again(added, tmp_path):
+    """``forward`` branching on ``hasattr``/``getattr(..., None)``/``in self._modules``: a
+    buffer, attribute or submodule added after the first call changes the branch (the
+    compiled model kept the old one: errors 0.67 to 0.9)."""
+    torch.manual_seed(0)
+    model = _Optional()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        if added == "buffer":
+            model.register_buffer("shift", torch.full((1, 4, 1, 1), 5.0))
+        elif added == "number":
+            model.shift = 5.0
+        elif added == "tensor":
+            model.scale = torch.tensor(3.0)
+        else:
+            model.add_module("post", nn.Tanh())
+        assert rel_err(compiled(x), model(x)) < 1e-6

@@ -127,6 +127,8 @@ class StateGuard:
         self._module_dicts = [d for d, _ in children]
         self._module_names = [n for _, n in children]
         self._children = tuple(map(dict.get, self._module_dicts, self._module_names))
+        self._child_tables = [m._modules for m in modules]  # a submodule added: forward may
+        self._child_counts = list(map(len, self._child_tables))  # iterate them, or test "in"
         self._hook_tables = hook_tables(self.module)
         self._hooks = sum(map(len, self._hook_tables))
         attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
@@ -135,6 +137,12 @@ class StateGuard:
         self._attr_names = [n for _, n, _ in attributes]
         self._attr_values = tuple(_kept(v) for _, _, v in attributes)
         self._plain = sum(not isinstance(v, torch.Tensor) for v in self._attr_values)
+        # names a trace saw forward read that the module did not have (``hasattr(self, "x")``,
+        # a class-level default): one set on the module later changes what forward computes
+        tables = [((vars(m), m._parameters, m._buffers, m._modules), type(m), _READS.get(m, ()))
+                  for m in modules]
+        self._absent = [(t, n) for t, cls, names in tables for n in sorted(names)
+                        if not any(n in d for d in t) and _settable(cls, n)]
 
     def _attributes_changed(self) -> bool:
         now = tuple(map(dict.get, self._attr_dicts, self._attr_names))
@@ -149,18 +157,20 @@ class StateGuard:
 
     def changed(self) -> bool:
         """Whether a parameter, buffer or submodule was replaced or removed since :meth:`take`
-        (a tensor's memory replaced too), a hook added or removed below the root, or a plain
-        attribute (a number, a tensor that is no parameter or buffer) set to another value.
-        Tensors and submodules added since are not looked for: the traced graph does not read
-        them."""
+        (a tensor's memory replaced too), a hook added or removed below the root, a plain
+        attribute (a number, a tensor that is no parameter or buffer) set to another value, or
+        an attribute, parameter, buffer or submodule added under a name a trace saw ``forward``
+        read and not find (``hasattr(self, "shift")``), or a submodule added anywhere. Tensors
+        added under other names are not looked for: the traced graph does not read them."""
         now = tuple(map(dict.get, self._dicts, self._names))
         if not all(map(operator.is_, now, self.tensors)):
             return True
         if not all(map(operator.is_, map(dict.get, self._module_dicts, self._module_names),
-                       self._children)):
+                       self._children)) or list(map(len, self._child_tables)) != self._child_counts:
             return True
         return (list(map(_data_ptr, now)) != self._ptrs
-                or sum(map(len, self._hook_tables)) != self._hooks or self._attributes_changed())
+                or sum(map(len, self._hook_tables)) != self._hooks or self._attributes_changed()
+                or any(n in t for tables, n in self._absent for t in tables))
 
     def describe(self) -> str:
         """Which tensor or submodule changed, for a log line."""
@@ -173,13 +183,28 @@ class StateGuard:
         for d, n, child in zip(self._module_dicts, self._module_names, self._children):
             if d.get(n) is not child:
                 return f"submodule '{n}' was replaced"
+        if list(map(len, self._child_tables)) != self._child_counts:
+            return "a submodule was added"
         if sum(map(len, self._hook_tables)) != self._hooks:
             return "a hook was added or removed on a submodule (or a global one)"
         for d, n, old in zip(self._attr_dicts, self._attr_names, self._attr_values):
             new = d.get(n, _MISSING)
             if not _same(old, new):
                 return f"attribute '{n}' was set to {_short(new)} (was {_short(old)})"
+        for tables, n in self._absent:
+            if any(n in t for t in tables):
+                return f"attribute '{n}' was added (forward looked for it)"
         return "nothing"
+
+
+def _settable(cls: type, name: str) -> bool:
+    """Whether an instance of ``cls`` would hold ``name`` in its own tables if set: not a
+    method, property or Python's own (``__dict__``) of the class; a class-level default value
+    is (an instance may shadow it)."""
+    if name.startswith("__") and name.endswith("__"):
+        return False
+    found = getattr(cls, name, _MISSING)
+    return found is _MISSING or not (callable(found) or hasattr(found, "__get__"))
 
 
 def _short(value: Any) -> str:

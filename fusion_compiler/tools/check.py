@@ -3,7 +3,9 @@
 What is compared (each error is ``max |a - r| / max |r|`` against the fp64 value ``r``):
 
 * the model's outputs: the compiled module as the user calls it (its defaults: CUDA graph, glue
-  backend) against the model run in fp64;
+  backend) against the model run in fp64, each run with the random number generators seeded
+  alike (dropout in training mode draws the same mask); an output that is not floating point
+  (indices, masks) by the fraction of its elements unequal to fp64's;
 * per region, its forward outputs: the lowered kernel on the inputs it received in the compiled
   graph, against the region's own ops (``region.graph_module``) on the same inputs in fp64. Errors
   do not accumulate from one region to the next, so a broken region is named, not its successors;
@@ -12,7 +14,8 @@ What is compared (each error is ``max |a - r| / max |r|`` against the fp64 value
   needs one, from the region's backward (upstream U(0.5, 1.5) on the outputs the graph reads)
   against fp64 autograd of the region's ops. Where the compiled backward fuses a ReLU backward
   across regions (``region.dgrad_drelu``, ``region.masked_outputs``) the reference applies the
-  same mask, so each region is checked for the function its backward computes.
+  same mask, so each region is checked for the function its backward computes. A parameter
+  whose gradient is ``None`` in one and not in the other fails.
 
 A value passes when its error is within the tolerance of its dtype (:func:`tolerance`) or within
 ``EAGER_FACTOR`` times the error of PyTorch's own ops in that dtype on the same inputs (the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -173,6 +177,28 @@ def floating_outputs(out: Any) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
+def _other_outputs(out: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output that are not floating point (indices, masks, counts)."""
+    return [t for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+
+
+def _differing(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """The fraction of elements of ``actual`` unequal to ``reference`` (1 for another shape)."""
+    if actual.shape != reference.shape:
+        return 1.0
+    return (actual.cpu() != reference.cpu()).double().mean().item() if actual.numel() else 0.0
+
+
+def _seeded(module: Any, args: Sequence[Any], seed: int) -> Any:
+    """``module(*args)`` with the random number generators (CPU and CUDA) seeded with ``seed``
+    and given back their state after."""
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())
+                               if torch.cuda.is_initialized() else []):
+        torch.manual_seed(seed)
+        return module(*args)
+
+
 def _double(a: Any, grad: bool = False) -> Any:
     if isinstance(a, torch.Tensor) and a.is_floating_point():
         return a.detach().double().requires_grad_(grad)
@@ -211,7 +237,8 @@ def check(model: torch.nn.Module, *inputs: Any, train: bool | None = None,
         the regions outside tolerance.
 
     Raises:
-        ValueError: the model has no floating parameter or input to take a dtype from.
+        ValueError: the model has no floating parameter or input to take a dtype from; with
+            ``train``, no floating output depends on something requiring grad.
         FusionError: the model cannot be compiled.
     """
     if isinstance(model, CompiledModule):
@@ -233,11 +260,19 @@ def check(model: torch.nn.Module, *inputs: Any, train: bool | None = None,
 
     with torch.set_grad_enabled(train):
         compiled.specialize(*inputs)  # lowered now: a first call might answer from tier 0
-        outs, eager_outs = floating_outputs(compiled(*inputs)), floating_outputs(eager(*inputs))
-        ref_outs = floating_outputs(reference(*(_double(a) for a in inputs)))
+        # each run draws the same random numbers (dropout in training mode)
+        got, want, ref = (_seeded(module, args, seed) for module, args in (
+            (compiled, inputs), (eager, inputs), (reference, [_double(a) for a in inputs])))
+    outs, eager_outs, ref_outs = map(floating_outputs, (got, want, ref))
     for i, (o, e, r) in enumerate(zip(outs, eager_outs, ref_outs)):
         report.comparisons.append(Comparison(f"output {i}", None, relative_error(o, r),
                                              relative_error(e, r), tol))
+    for i, (o, e, r) in enumerate(zip(*map(_other_outputs, (got, want, ref)))):
+        report.comparisons.append(Comparison(f"output {i} ({str(o.dtype)[6:]})", None,
+                                             _differing(o, r), _differing(e, r), 0.0))
+    if train and not any(o.requires_grad for o in outs):
+        raise ValueError("check with train=True (--train) needs a floating output that depends "
+                         "on a parameter or input requiring grad")
     if train:
         grads = _upstream(outs, seed)
         for module, values in ((compiled, outs), (eager, eager_outs), (reference, ref_outs)):
@@ -249,6 +284,10 @@ def check(model: torch.nn.Module, *inputs: Any, train: bool | None = None,
                 report.comparisons.append(Comparison(
                     f"grad {name}", None, relative_error(p.grad, pr.grad),
                     None if pe.grad is None else relative_error(pe.grad, pr.grad), tol))
+            elif (p.grad is None) != (pr.grad is None):  # a gradient lost (or made up)
+                report.comparisons.append(Comparison(
+                    f"grad {name} ({'none' if p.grad is None else 'not none'} where fp64's "
+                    f"is{'' if pr.grad is None else ' not'})", None, math.inf, None, tol))
     _check_regions(compiled, inputs, train, tol, seed, report)
     return report
 

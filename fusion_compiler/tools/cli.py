@@ -90,6 +90,33 @@ def _options(args: argparse.Namespace) -> dict:
             "horizontal_fusion": not args.no_horizontal_fusion}
 
 
+def _device(text: str) -> str:
+    """An ``argparse`` type: ``cpu``, ``cuda`` or ``cuda:N``."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+    return text
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """Raises ValueError before any work when ``--out`` cannot be written: a file in a missing
+    folder, a folder where a file is written (``dump``, ``check``), a file where ``bench``
+    writes a folder."""
+    out = args.out
+    if out is None:
+        return
+    folder = args.func is _bench
+    if folder and out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: bench writes a folder there, and it is a file")
+    if not folder and out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file name")
+    if not folder and not out.parent.is_dir():
+        raise ValueError(f"--out {out}: the folder {out.parent} does not exist")
+
+
 def _emit(text: str, out: Path | None) -> None:
     if out is None:
         sys.stdout.write(text)
@@ -178,7 +205,8 @@ def _common(p: argparse.ArgumentParser, out_help: str) -> None:
                         "inputs")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
                    help="dtype of the model and its inputs (default %(default)s)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", type=_device, default=None,
+                   help="cpu or cuda (default: cuda when available)")
     p.add_argument("--train", action="store_true", help="training mode (default: eval)")
     p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), metavar="NAMES",
                    help="comma-separated backends lowering may give a region, in the order it "
@@ -263,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("FUSION_COMPILER_LOG", "").lower() == "debug"
     try:
+        _check_out(args)
         return args.func(args)
     except (ValueError, FusionError) as exc:
         if debug:

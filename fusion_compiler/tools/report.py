@@ -37,7 +37,12 @@ def describe(spec: Any, stages: Sequence[str] = DEFAULT_STAGES) -> dict:
     codes["lowered"] = gm.code
     unknown = [s for s in stages if s not in codes]
     if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}; choose from {sorted(codes)}")
+        known = {n for names in pass_names().values() for n in names}
+        absent = [s for s in unknown if s in known]
+        raise ValueError(f"stage(s) {absent} did not run for this model, device and mode (a "
+                         "pass runs only where it applies: see docs/architecture.md); "
+                         f"choose from {sorted(codes)}" if absent == unknown else
+                         f"unknown stage(s) {unknown}; choose from {sorted(codes)}")
     return {**coverage(spec), "stages": {s: codes[s] for s in stages}}
 
 

@@ -166,14 +166,22 @@ def write(results: Sequence[dict], out: Path) -> list[Path]:
     return written
 
 
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's own arguments (the model, inputs and compile options are the
     CLI's common ones)."""
     parser.add_argument("--variants", type=lambda s: [x for x in s.split(",") if x], default=None,
                         help="comma-separated (default: all): " + ", ".join(TRAIN_VARIANTS))
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15 on "
-                        "CUDA, 5 on the CPU)")
-    parser.add_argument("--iters", type=int, default=None,
+    parser.add_argument("--reps", type=positive_int, default=None, help="timed repetitions "
+                        "(default 15 on CUDA, 5 on the CPU)")
+    parser.add_argument("--iters", type=positive_int, default=None,
                         help="calls per repetition (default: what fills 20 ms)")
     parser.add_argument("--channels-last", action="store_true",
                         help="store the parameters channels_last (inputs stay NCHW)")

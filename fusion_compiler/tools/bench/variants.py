@@ -201,10 +201,16 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
         operations per call} (CUDA), "first"`` (the label of the first fusion variant) ``}``,
         and the keys below. A variant that fails is
         reported in ``errors`` and the others go on.
+
+    Raises:
+        ValueError: ``train`` for a model without a parameter that requires grad.
     """
     from rich.console import Console  # noqa: PLC0415
 
     console = Console(stderr=True, soft_wrap=True, highlight=False) if progress else None
+    if train and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"bench with train=True (--train) times training steps: "
+                         f"{type(model).__name__} has no parameter that requires grad")
     first = next(t for t in inputs if isinstance(t, torch.Tensor))
     device = first.device
     fusion_variants = fusion_variants or {"fusion_compiler": {}}
@@ -267,7 +273,7 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                 built[name] = fn
             except Exception as exc:  # one broken variant must not hide the others
                 result["ms"][name] = None
-                result["errors"][name] = " ".join(str(exc).split())[:300]
+                result["errors"][name] = " ".join(str(exc).split())[:300] or repr(exc)
             if console is not None:
                 console.print(_verdict(name, result), highlight=False)
         # The profiler runs after all timings, so no variant is timed after a profiler session
