@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from .ir.errors import FusionError, InputTypeError
-from .ir.ops import copy_graph
+from .ir.ops import copy_graph, writes_in_place
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.state import ModuleWrites, note_reads
 from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
@@ -112,6 +112,43 @@ def unpack_inputs(gm: fx.GraphModule, structure: Sequence[int | None]) -> fx.Gra
     return gm
 
 
+def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
+    """Dynamo's activation checkpoint op (``tag_activation_checkpoint``, its body a graph module
+    taking the module's tensors as inputs) whose body writes an input in place (a batch norm's
+    ``num_batches_tracked.add_(1)``): the body's nodes replace the op, so the write is
+    functionalized with the graph's (once per call, as Inductor does; before shape propagation,
+    which gives the body's nodes their values). Run as the op, the write
+    moves the version of an input the checkpoint saved, and the backward's recompute raised
+    "modified by an inplace operation". No memory is saved there; checkpoints that write
+    nothing stay."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if getattr(node.target, "__name__", "") != "tag_activation_checkpoint" or \
+                not node.args or getattr(node.args[0], "op", None) != "get_attr":
+            continue
+        body = getattr(gm, node.args[0].target, None)
+        if not isinstance(body, fx.GraphModule) or not any(map(writes_in_place, body.graph.nodes)) \
+                or any(n.op in ("get_attr", "call_module") for n in body.graph.nodes) \
+                or not all(u.target is operator.getitem for u in node.users):
+            continue
+        env = dict(zip(body.graph.find_nodes(op="placeholder"), node.args[1:]))
+        with graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "output":
+                    outputs = fx.node.map_arg(inner.args[0], env.__getitem__)
+                elif inner.op != "placeholder":
+                    env[inner] = graph.node_copy(inner, env.__getitem__)
+        for use in list(node.users):
+            use.replace_all_uses_with(outputs[use.args[1]])
+            graph.erase_node(use)
+        attr = node.args[0]
+        graph.erase_node(node)
+        if not attr.users:
+            graph.erase_node(attr)
+    gm.recompile()
+    return gm
+
+
 def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
     """Trace ``model`` with ``torch.fx``; a ``GraphModule`` (a Dynamo graph) is not traced again
     but copied: a graph module of its own, with a copy of its graph and the same submodules and
@@ -134,7 +171,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
             ``DistributedDataParallel`` module gets a message naming the fix.
     """
     if isinstance(model, fx.GraphModule):
-        return fx.GraphModule(model, copy_graph(model.graph))
+        return _inline_writing_checkpoints(fx.GraphModule(model, copy_graph(model.graph)))
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise FusionError(
             "fusion_compiler.compile got a DistributedDataParallel module: compile the model "

@@ -358,3 +358,38 @@ def test_state_added_after_compile_that_forward_looks_for_compiles_again(added, 
         else:
             model.add_module("post", nn.Tanh())
         assert rel_err(compiled(x), model(x)) < 1e-6
+
+
+class _CheckpointedBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_batch_norm_inside_a_checkpoint_counts_its_batches(door, tmp_path):
+    """Dynamo's checkpoint op takes the batch norm's buffers as inputs; torch.fx's dead-code
+    elimination (torch 2.13) also runs in its body and dropped ``num_batches_tracked.add_(1)``
+    (the count stayed 0); kept as the op, the write broke the backward's recompute. Both doors
+    now update the statistics once per step, as Inductor does (eager: twice, its recompute
+    too), with eager's gradients."""
+    torch.manual_seed(0)
+    model = _CheckpointedBN().train()
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    run = (fc.compile(model, cache_dir=tmp_path) if door == "compile" else
+           torch.compile(model, backend="fusion_compiler", options={"cache_dir": str(tmp_path)}))
+    for _ in range(2):
+        x = torch.randn(2, 3, 8, 8)
+        run(x).square().mean().backward()
+        reference(x).square().mean().backward()
+    assert int(model.block[1].num_batches_tracked) == 2
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        if name == "block.0.bias":  # before a training-mode batch norm: zero to rounding
+            assert q.grad.abs().max() < 1e-6
+        else:
+            assert rel_err(q.grad, p.grad) < 1e-5, name

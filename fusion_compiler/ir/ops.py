@@ -85,9 +85,15 @@ def foreach_inplace(node: fx.Node) -> bool:
 
 
 def eliminate_dead_code(graph: fx.Graph) -> None:
-    """``graph.eliminate_dead_code()`` that keeps in-place writes (:func:`writes_in_place`), which
-    torch.fx would drop when nothing reads their value."""
-    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_in_place(n))
+    """Remove the nodes of ``graph`` whose value nothing reads, keeping impure ones
+    (``Node.is_impure``) and in-place writes (:func:`writes_in_place`), which torch.fx would drop
+    when nothing reads their value. Not ``graph.eliminate_dead_code()``: torch 2.13's also
+    eliminates in the graph modules of ``get_attr`` nodes (a checkpoint's body, shared with the
+    graph it was copied from) with its own notion of purity, and dropped a batch norm's
+    ``num_batches_tracked.add_(1)`` there."""
+    for node in reversed(graph.nodes):
+        if not node.users and not node.is_impure() and not writes_in_place(node):
+            graph.erase_node(node)
 
 
 BINARY = {torch.add: "add", torch.sub: "sub", torch.mul: "mul", torch.div: "div"}

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ...ir.ops import eliminate_dead_code
+
 __all__ = ["HoistedParameters", "hoist_parameter_subgraphs", "hoist_parameters", "HOISTED",
            "parameter_only"]
 
@@ -120,7 +122,7 @@ def hoist_parameter_subgraphs(gm: fx.GraphModule) -> HoistedParameters | None:
             attr = graph.get_attr(name)
         attr.meta = dict(node.meta)
         node.replace_all_uses_with(attr, delete_user_cb=lambda user: user not in const)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     gm.recompile()
     return hoisted
 
