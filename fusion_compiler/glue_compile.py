@@ -36,12 +36,19 @@ def glue_backend(options: CompileOptions, gm: fx.GraphModule,
     an inference graph with nothing for Inductor to compile
     (:func:`~fusion_compiler.passes.glue.inductor_work`: its glue is this package's kernels and
     views), whose CUDA graph holds the same kernels either way (docs/decisions.md, "The SE
-    block's tail in the gate's kernel").
+    block's tail in the gate's kernel"). Nor for a graph holding Dynamo's
+    ``autograd_function_apply`` op (a custom ``torch.autograd.Function`` the door captured),
+    which Dynamo cannot trace again (torch 2.11: "unsupported HigherOrderOperator").
     """
     if options.glue_backend != "auto":
         return options.glue_backend, ""
     if not target.cuda or (not target.training and not options.cuda_graph):
         return None, ""
+    if any(getattr(n.target, "__name__", "") == "autograd_function_apply"
+           for n in gm.graph.nodes):
+        return None, ("glue_backend='auto': ops between regions run eagerly: the graph holds "
+                      "a torch.autograd.Function (autograd_function_apply), which Dynamo "
+                      "cannot trace again")
     if not target.training and not inductor_work(gm):
         return None, ""
     reason = inductor_reason()

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint
 from torch.fx import _symbolic_trace
 
 __all__ = ["ModeRecordingTracer", "TRACE_LOCK", "mark_grad_modes", "recording_reads"]
@@ -87,7 +88,7 @@ class ModeRecordingTracer(fx.Tracer):
         original = vars(torch.autograd.Function)["apply"]  # a classmethod
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-            if not self._elsewhere():
+            if not self._elsewhere() and cls not in _TRACED_THROUGH:
                 self.autograd_functions.append(cls.__qualname__)
             return original.__func__(cls, *args, **kwargs)
 
@@ -128,6 +129,11 @@ class ModeRecordingTracer(fx.Tracer):
         node.meta["traced_grad"] = torch.is_grad_enabled()
         node.meta["traced_inference"] = torch.is_inference_mode_enabled()
         return node
+
+
+_TRACED_THROUGH = tuple(filter(None, [getattr(torch.utils.checkpoint, "_NoopSaveInputs", None)]))
+"""``autograd.Function`` s whose backward a trace through them keeps: the one the non-reentrant
+checkpoint applies to save its inputs (torch 2.11; its gradients flow through the traced ops)."""
 
 
 class _TracingThread:

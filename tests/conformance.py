@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 import fusion_compiler
+from fusion_compiler.ir.errors import FusionError
 
 DOORS = ("compile", "dynamo")
 
@@ -86,7 +87,10 @@ class Session:
         its background compiles."""
         if self._settle and self.door != "eager":
             if self.door == "compile" and hasattr(self.run, "wait_for_background_compiles"):
-                self.run.specialize(*args, **kwargs)
+                try:
+                    self.run.specialize(*args, **kwargs)
+                except FusionError:  # a call compile() runs uncompiled (an autograd.Function)
+                    pass
                 self.run.wait_for_background_compiles()
             else:
                 fusion_compiler.dynamo.wait_for_background_compiles()

@@ -201,10 +201,12 @@ def _cache_run(cache: Path) -> dict:
 
 def test_disk_cache_round_trip_in_a_second_process(tmp_path):
     first, _ = _cache_run(tmp_path)
-    # the SpaceToDepth stem (r0) is a Triton kernel, no plan: plan_from_cache None; so is the
-    # dense GEMM that layer3's 2x2 images may get (its choice over cuDNN is cached, not its plan)
+    # the SpaceToDepth stem (r0) is usually a Triton kernel, no plan: plan_from_cache None (on a
+    # loaded host its timing may choose cuDNN: not asserted); so is the dense GEMM that layer3's
+    # 2x2 images may get (its choice over cuDNN is cached, not its plan)
     cudnn = [i for i, b in enumerate(first["backends"]) if b == "cudnn"]
-    assert first["backends"][0] == "triton_stem" and len(cudnn) >= 7 and not any(first["cached"])
+    assert first["backends"][0] in ("triton_stem", "cudnn")
+    assert len(cudnn) >= 7 and not any(first["cached"])
     second, _ = _cache_run(tmp_path)
     assert second["backends"] == first["backends"]
     assert [second["cached"][i] for i in cudnn] == [True] * len(cudnn)

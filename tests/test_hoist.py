@@ -86,3 +86,23 @@ def test_nothing_is_hoisted_while_gradients_are_needed():
     assert not _hoisted(compiled)
     grad = model.layer1.downsample[1].weight.grad
     assert grad is not None and grad.abs().sum() > 0
+
+
+def test_hoisted_values_are_refreshed_without_autograd_history():
+    """``refresh`` ran with gradients on (``inference_mode(False)`` inside ``no_grad`` turns them
+    back on): each call without a CUDA graph chained one more copy onto the hoisted values'
+    autograd history (a leak), and a later call with frozen parameters returned an output that
+    required grad where eager's does not."""
+    torch.manual_seed(0)
+    model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
+                                        nn.BatchNorm2d(16), nn.ReLU())).eval()
+    compiled = fc.compile(model, options=CUDA_PIPELINE)
+    x = torch.randn(2, 8, 6, 6)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+    gm = compiled.last.graph_module
+    hoisted = [getattr(gm, name) for name in _hoisted(compiled)]
+    assert hoisted and not any(t.requires_grad or t.grad_fn for t in hoisted)
+    model.requires_grad_(False)
+    assert not compiled(x).requires_grad and not model(x).requires_grad

@@ -52,8 +52,9 @@ class HoistedParameters:
         """Recompute the hoisted values (all of them) into their tensors, in place: a CUDA graph
         that captured their addresses keeps reading the right memory."""
         # normal tensors also under the caller's inference_mode (an inference tensor cannot be
-        # updated in place outside it)
-        with torch.no_grad(), torch.inference_mode(False):
+        # updated in place outside it); no_grad second: inference_mode(False) turns grad mode
+        # back on, and the values then grew an autograd history at every refresh
+        with torch.inference_mode(False), torch.no_grad():
             values = self.graph_module()
             for name, value in zip(self.names, values):
                 current = getattr(self.owner, name, None)
