@@ -167,8 +167,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
             control flow, for instance; the message carries fx's own error), or assigns to
-            the model (``self.count += 1``; the model is left as it was). A
-            ``DistributedDataParallel`` module gets a message naming the fix.
+            the model (``self.count += 1``; the model is left as it was), or enters a
+            ``torch.autocast`` block. A ``DistributedDataParallel`` module gets a message naming
+            the fix.
     """
     if isinstance(model, fx.GraphModule):
         return _inline_writing_checkpoints(fx.GraphModule(model, copy_graph(model.graph)))
@@ -194,6 +195,11 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
             "(data-dependent control flow, item assignment, NumPy values)."
         ) from exc
     assigned = writes.restore()
+    if tracer.autocast_entered:
+        raise FusionError(
+            f"{type(model).__name__}.forward enters torch.autocast: a graph torch.fx traces keeps "
+            "no context manager, so the block's ops would run in the caller's autocast state; "
+            "use torch.compile(model, backend='fusion_compiler'), whose graphs keep it")
     if assigned:
         raise FusionError(
             f"{type(model).__name__}.forward assigns {', '.join(assigned)} on the module: a "

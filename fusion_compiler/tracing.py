@@ -82,23 +82,35 @@ class ModeRecordingTracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """fx's trace, recording in :attr:`autograd_functions` the ``torch.autograd.Function``
-        classes the traced code applies: fx follows their ``forward`` (under ``no_grad``, as
-        ``apply`` runs it) and their ``backward`` is not in the graph."""
+        classes the traced code applies (fx follows their ``forward``, under ``no_grad`` as
+        ``apply`` runs it, and their ``backward`` is not in the graph), and in
+        :attr:`autocast_entered` whether it entered a ``torch.autocast`` block (fx records no
+        context manager: the block's ops would be traced in the caller's autocast state)."""
         self.autograd_functions: list[str] = []
+        self.autocast_entered = False
         original = vars(torch.autograd.Function)["apply"]  # a classmethod
+        autocast = torch.amp.autocast_mode.autocast
+        enter = autocast.__enter__
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
             if not self._elsewhere() and cls not in _TRACED_THROUGH:
                 self.autograd_functions.append(cls.__qualname__)
             return original.__func__(cls, *args, **kwargs)
 
+        def enter_autocast(block: Any) -> Any:
+            if not self._elsewhere():
+                self.autocast_entered = True
+            return enter(block)
+
         with TRACE_LOCK:
             self._thread = threading.get_ident()
             torch.autograd.Function.apply = classmethod(apply)
+            autocast.__enter__ = enter_autocast
             try:
                 return super().trace(root, concrete_args)
             finally:
                 torch.autograd.Function.apply = original
+                autocast.__enter__ = enter
                 self._thread = None
 
     def _elsewhere(self) -> bool:

@@ -77,3 +77,59 @@ def test_cumulative_batch_norm_trains_under_autocast():
     assert int(bn.num_batches_tracked) == int(ref_bn.num_batches_tracked) == 3
     assert rel_err(bn.running_mean, ref_bn.running_mean) < 2e-2
     assert rel_err(bn.running_var, ref_bn.running_var) < 2e-2
+
+
+class _Fp32Block(nn.Module):
+    """A block kept in fp32 under the caller's autocast (``autocast(enabled=False)`` inside
+    forward), then a cancellation that needs fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            z = self.conv(x + 1000.0)
+        return z - z.mean((2, 3), keepdim=True)
+
+
+def test_an_autocast_block_in_forward_is_refused_by_compile_and_kept_by_the_door():
+    """fx records no context manager: the block's ops were traced in the caller's autocast
+    state (bf16 output where eager's is fp32, relative error 1.2). ``compile`` refuses the
+    model in one line; the Dynamo door keeps the block."""
+    torch.manual_seed(0)
+    model = _Fp32Block()
+    with pytest.raises(fc.FusionError, match="enters torch.autocast"):
+        fc.compile(model, cache_dir=False)
+    torch._dynamo.reset()
+    door = torch.compile(model, backend="fusion_compiler", options={"cache_dir": False})
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        got, want = door(x), model(x)
+    assert got.dtype == want.dtype == torch.float32
+    assert rel_err(got, want) < 1e-3  # fp32 rounding of values near 1000, then cancelled
+
+
+class _Bf16Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = self.conv(x)
+        return z * 2
+
+
+def test_a_graph_entering_autocast_runs_as_its_ops_through_the_door():
+    """A Dynamo graph holding a forward's autocast block, called without autocast: eager
+    returns bf16; the graph's conv bias made an add returned fp32. Such a graph runs as its own
+    ops (with one WARNING per process), with eager's dtype and values."""
+    torch.manual_seed(0)
+    model = _Bf16Block()
+    torch._dynamo.reset()
+    door = torch.compile(model, backend="fusion_compiler", options={"cache_dir": False})
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        got, want = door(x), model(x)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)

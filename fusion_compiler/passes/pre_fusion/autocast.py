@@ -48,8 +48,12 @@ def make_autocast_explicit(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphMo
     """Insert ``.to(dtype)`` casts (see module docstring); needs ``meta["val"]`` on nodes.
 
     Dtypes are tracked as the pass goes (a cast changes the dtype of the ops after it); ops the
-    pass does not know keep the dtype fake-tensor propagation recorded under autocast.
+    pass does not know keep the dtype fake-tensor propagation recorded under autocast. A graph
+    run as PyTorch ops (``gm.meta["fusion_off"]``: in-place writes kept, a ``torch.autocast``
+    block of its own) is left to autocast itself.
     """
+    if gm.meta.get("fusion_off"):
+        return gm
     graph = gm.graph
     casts: dict[fx.Node, fx.Node] = {}
     dtypes: dict[fx.Node, torch.dtype] = {}

@@ -55,8 +55,16 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
 
     Needs ``node.meta["val"]`` from :func:`fusion_compiler.shapes.propagate_shapes`. A graph
     whose in-place ops cannot be made out of place (:func:`.functionalize.functionalize`) keeps
-    them and gets ``gm.meta["fusion_off"]``, the reason: no region is formed in it.
+    them and gets ``gm.meta["fusion_off"]``, the reason: no region is formed in it; so does a
+    graph that enters a ``torch.autocast`` block (a Dynamo graph of a forward holding one), left
+    as it is: the autocast pass's casts, and a convolution's bias made an add, would change the
+    dtypes autocast gives it.
     """
+    if any(getattr(n.target, "__name__", "") == "_enter_autocast" for n in gm.graph.nodes):
+        gm.meta["fusion_off"] = ("the graph enters a torch.autocast block (Dynamo keeps a "
+                                 "forward's block as ops): its ops keep autocast's rules as "
+                                 "PyTorch runs them")
+        return gm  # left as it is: a rewrite (conv2d's bias as an add) would change dtypes
     kept = functionalize(gm)
     if kept:  # the graph keeps its in-place ops and runs as PyTorch ops
         gm.meta["fusion_off"] = kept
