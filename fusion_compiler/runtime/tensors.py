@@ -46,7 +46,7 @@ def restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     written through ``.data``, which leaves the tensors' version counters as they were: an
     autograd graph of an earlier call that saved one of them (its values unchanged) still runs
     its backward."""
-    tensors = [t for t in tensors if not t.is_inference()]
+    tensors = [t for t in dict.fromkeys(tensors) if not t.is_inference()]  # each once
     with torch.no_grad():
         saved = [t.clone() for t in tensors]
     try:
