@@ -11,11 +11,10 @@ function"). Another thread that called a module (or a ``torch.compile``'d functi
 trace got proxies or that error. :class:`ModeRecordingTracer` passes calls and reads of other
 threads through to the module untouched, raises the flag for its own thread only, and traces one
 at a time (:data:`TRACE_LOCK`: two traces at once would each restore the other's patches).
-Left: fx raises its flag for every thread a moment before the tracer can make it a flag of one
-thread (while fx lists the model's modules and tensor attributes, before any call is traced); a
-``torch.compile``'d function that another thread calls in that moment still raises Dynamo's
-error (Dynamo's ``error_on_nested_fx_trace`` cannot help: its overrides are per thread in
-torch 2.13).
+fx raises its flag for every thread a few bytecodes before the tracer can make it a flag of one
+thread (the tracer does so when fx sets its ``root``, before fx lists the model's modules): a
+``torch.compile``'d function another thread calls exactly then could still raise Dynamo's error
+(Dynamo's ``error_on_nested_fx_trace`` cannot help: its overrides are per thread in torch 2.13).
 """
 
 from __future__ import annotations
@@ -117,11 +116,18 @@ class ModeRecordingTracer(fx.Tracer):
         """Whether the caller runs on another thread than the trace (see the module docstring)."""
         return threading.get_ident() != self._thread
 
-    def create_args_for_root(self, *args: Any, **kwargs: Any) -> Any:
-        # called by trace() once fx has raised its process-wide flag: the flag becomes one
-        # that reads as raised on the tracing thread only (trace() puts the old value back)
-        _symbolic_trace._is_fx_tracing_flag = _TracingThread(self._thread)
-        return super().create_args_for_root(*args, **kwargs)
+    @property
+    def root(self) -> torch.nn.Module:
+        return self.__dict__["root"]
+
+    @root.setter
+    def root(self, module: torch.nn.Module) -> None:
+        # fx's trace() sets the root a few bytecodes after it raised its process-wide flag,
+        # before anything that could let another thread run: the flag becomes one that reads
+        # as raised on the tracing thread only (trace() puts the old value back)
+        if self._thread is not None:
+            _symbolic_trace._is_fx_tracing_flag = _TracingThread(self._thread)
+        self.__dict__["root"] = module
 
     def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         if self._elsewhere():  # another thread's call: the module runs as it would

@@ -56,6 +56,36 @@ def test_other_threads_call_modules_and_compiled_functions_while_a_model_is_trac
         assert torch.equal(got[1], want[1])
 
 
+def test_compiled_functions_of_other_threads_run_while_fx_lists_the_modules():
+    # fx lists the model's modules (``named_modules``) just after raising its tracing flag;
+    # from then on the flag must read as lowered on every other thread
+    post = torch.compile(lambda t: t.cos() * 2, backend="eager")
+    v = torch.randn(5)
+    want = post(v)
+    seen: list = []
+
+    def elsewhere() -> None:
+        try:
+            seen.append(post(v))
+        except Exception as exc:  # what the thread met, for the assertion below
+            seen.append(exc)
+
+    class Listed(nn.Sequential):
+        def named_modules(self, *args, **kwargs):
+            worker = threading.Thread(target=elsewhere)
+            worker.start()
+            worker.join()
+            return super().named_modules(*args, **kwargs)
+
+    model = Listed(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(fusion_compiler.compile(model)(x), model(x), rtol=1e-5, atol=1e-5)
+    assert seen
+    for got in seen:
+        assert not isinstance(got, Exception), f"{type(got).__name__}: {got}"
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("how", ["real", "meta", "fake"])
 def test_shape_propagation_leaves_the_models_tensors_alone(how):
     """A trainer thread's batch-norm updates made while another thread's call propagates shapes
