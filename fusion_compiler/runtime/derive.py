@@ -134,7 +134,9 @@ class Expr:
 
         Raises:
             NotDerivable: the product has more than two factors."""
-        shape = torch.broadcast_shapes(self.shape, other.shape)
+        # torch.broadcast_shapes would import sympy (a second of a warm start): meta tensors
+        shape = torch.broadcast_tensors(torch.empty(self.shape, device="meta"),
+                                        torch.empty(other.shape, device="meta"))[0].shape
         a, b = (Expr.rearranged(lambda t: t.expand(shape), e) for e in (self, other))
         factors = tuple(f for f in a.factors + b.factors if bool((f[0] != 0).any()))
         if len(factors) > 2:
@@ -223,14 +225,11 @@ class Program:
                      for first in range(0, words, _WORDS)]
         self._fingerprint = torch.tensor(rows or [(0, 0, 0, 0, 4)], dtype=torch.int64,
                                          device=device)
-        table, index, scales = [], [], []
+        table, index, scales = [], _Concatenated(torch.int32), _Concatenated(torch.float32)
         for dst, expr in self.derived:
             table += self._rows(dst, expr, index, scales)
         self._table = torch.tensor(table, dtype=torch.int64, device=device)
-        self._index = torch.cat(index).to(device) if index else torch.zeros(
-            1, dtype=torch.int32, device=device)
-        self._scales = torch.cat(scales).to(device) if scales else torch.zeros(
-            1, dtype=torch.float32, device=device)
+        self._index, self._scales = index.tensor(device), scales.tensor(device)
         slots = max(len(self.sources), 1)
         self._sums = torch.zeros(slots, dtype=torch.int64, device=device)
         # no sum of real contents is stored yet: the first run derives everything
@@ -241,8 +240,8 @@ class Program:
                 dst.copy_(evaluate(expr, self.sources).to(dst.dtype))
         self._slots_block = max(16, 1 << (min(slots, 1024) - 1).bit_length())
 
-    def _rows(self, dst: torch.Tensor, expr: Expr, index: list[torch.Tensor],
-              scales: list[torch.Tensor]) -> list[tuple[int, ...]]:
+    def _rows(self, dst: torch.Tensor, expr: Expr, index: "_Concatenated",
+              scales: "_Concatenated") -> list[tuple[int, ...]]:
         """The derivation table's rows for ``dst``: one per chunk of ``_CHUNK`` elements (in
         ``dst``'s memory order) within a run of the same slots; index and scale tables are
         appended to ``index`` and ``scales``."""
@@ -262,8 +261,7 @@ class Program:
                 if bool((part == part[0]).all()):
                     scale_at, value = -1, float(part[0])
                 else:
-                    scale_at, value = sum(t.numel() for t in scales), 0.0
-                    scales.append(part.to(torch.float32))
+                    scale_at, value = scales.append(part.to(torch.float32)), 0.0
                 fields: list[int] = []
                 for (slots, idx), pattern in zip(factors, patterns):
                     slot = int(slots[first]) - 1
@@ -278,8 +276,7 @@ class Program:
                     chunk = torch.where(part == 0, -1, idx[first:last])
                     if int(chunk.max()) >= 2 ** 31:
                         raise NotDerivable("a source of more than 2**31 elements")
-                    fields += [*head, sum(t.numel() for t in index), 1, 1, 0]
-                    index.append(chunk.to(torch.int32))
+                    fields += [*head, index.append(chunk.to(torch.int32)), 1, 1, 0]
                 bits = struct.unpack("<i", struct.pack("<f", value))[0]
                 rows.append((dst.data_ptr() + first * dst.element_size(), last - first,
                              _CODES[dst.dtype], first, scale_at, bits, *fields))
@@ -306,6 +303,28 @@ class Program:
             self._table, self._index, self._scales, self._sums, self._stored, self._counter,
             rows, self._sums.numel(), BLOCK=_BLOCK, SLOTS=self._slots_block,
             ALWAYS=not self.conditional)
+
+
+class _Concatenated:
+    """1-d tensors appended one after another (a table of the derive kernel), each at an offset
+    known when it is appended."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.parts: list[torch.Tensor] = []
+        self.size, self.dtype = 0, dtype
+
+    def append(self, t: torch.Tensor) -> int:
+        """Append ``t``; returns its offset in elements."""
+        at = self.size
+        self.parts.append(t)
+        self.size += t.numel()
+        return at
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        """The parts as one tensor on ``device`` (one zero when there are none)."""
+        if not self.parts:
+            return torch.zeros(1, dtype=self.dtype, device=device)
+        return torch.cat(self.parts).to(device)
 
 
 def _dense(t: torch.Tensor) -> bool:
