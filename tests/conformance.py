@@ -14,6 +14,7 @@ at once. Adding a pattern is one entry of :data:`PATTERNS` (see :mod:`conformanc
 from __future__ import annotations
 
 import copy
+import faulthandler
 import dataclasses
 from typing import Any, Callable
 
@@ -136,7 +137,11 @@ def run(pattern: Pattern, door: str, device: torch.device, dtype: torch.dtype,
         torch._dynamo.reset()
     session = Session(copy.deepcopy(model), door, device, dtype, dict(options or {}),
                       pattern.dynamic, settle)
-    pattern.script(session)
+    try:
+        pattern.script(session)
+    except torch.AcceleratorError:  # a CUDA error: what every thread was doing, for the report
+        faulthandler.dump_traceback(all_threads=True)
+        raise
     session.state()
     return session
 
