@@ -235,9 +235,12 @@ class Program:
         # no sum of real contents is stored yet: the first run derives everything
         self._stored = torch.full((slots,), 0x5A5A5A5A5A5A5A5, dtype=torch.int64, device=device)
         self._counter = torch.zeros(1, dtype=torch.int32, device=device)
-        with torch.no_grad():  # the chunks without a source (zeros) are written once
-            for dst, expr in self.derived:
-                dst.copy_(evaluate(expr, self.sources).to(dst.dtype))
+        with torch.no_grad():  # the chunks without a source (zeros) are written once; the
+            for dst, expr in self.derived:  # others at the first run (no sum is stored yet)
+                present = torch.zeros(expr.shape, dtype=torch.bool)
+                for factor_slots, _ in expr.factors:
+                    present |= factor_slots != 0
+                dst.copy_(torch.where(present, 0.0, expr.scale).to(dst.dtype))
         self._slots_block = max(16, 1 << (min(slots, 1024) - 1).bit_length())
 
     def _rows(self, dst: torch.Tensor, expr: Expr, index: "_Concatenated",
