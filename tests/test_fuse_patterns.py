@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -297,6 +299,25 @@ def test_residual_that_would_create_a_cycle_is_not_fused():
     spec = _check(Cycle(), torch.randn(2, 8, 6, 6), ["conv3x3 > relu"])
     reasons = spec.graph_module.meta["fusion_reasons"]
     assert any("cycle" in r for r in reasons.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 12), st.integers(0, 2**32 - 1))
+def test_merging_two_groups_is_refused_exactly_when_their_contraction_has_a_cycle(n, seed):
+    import random
+
+    import networkx as nx
+    from fusion_compiler.passes.fusion.fuse import _Quotient
+
+    rng = random.Random(seed)
+    q = _Quotient(torch.fx.Graph())  # an empty fx graph; the DAG is set below
+    q.g.add_nodes_from(range(n))
+    q.g.add_edges_from((i, j) for i in range(n) for j in range(i + 1, n) if rng.random() < 0.3)
+    a, b = rng.sample(range(n), 2)
+    edges = set(q.g.edges)
+    contracted = nx.contracted_nodes(q.g, a, b, self_loops=False, copy=True)
+    assert q.can_merge(a, b) == nx.is_directed_acyclic_graph(contracted)
+    assert set(q.g.edges) == edges  # the search leaves the graph as it was
 
 
 class Unsupported(nn.Module):

@@ -139,11 +139,25 @@ class _Quotient:
         return self.owner.get(node, node)
 
     def can_merge(self, head: fx.Node, node: fx.Node) -> bool:
+        """Whether contracting the groups of ``head`` and ``node`` keeps the graph acyclic: it
+        does unless one group reaches the other through a third node (the graph is acyclic
+        before, so a cycle after must pass through the merged node)."""
         a, b = self.rep(head), self.rep(node)
         if a is b:
             return True
-        merged = nx.contracted_nodes(self.g, a, b, self_loops=False, copy=True)
-        return nx.is_directed_acyclic_graph(merged)
+        return not (self._reaches_around(a, b) or self._reaches_around(b, a))
+
+    def _reaches_around(self, a: fx.Node, b: fx.Node) -> bool:
+        """Whether a path from ``a`` to ``b`` other than the edge ``a -> b`` exists (the edge is
+        left out while ``networkx`` searches, then put back)."""
+        direct = self.g.has_edge(a, b)
+        if direct:
+            self.g.remove_edge(a, b)
+        try:
+            return nx.has_path(self.g, a, b)
+        finally:
+            if direct:
+                self.g.add_edge(a, b)
 
     def merge(self, head: fx.Node, node: fx.Node) -> None:
         a, b = self.rep(head), self.rep(node)
