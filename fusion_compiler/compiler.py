@@ -24,7 +24,7 @@ from .ir.ops import writes_in_place
 from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, unsupported_hook
 from .runtime.state import StateGuard
-from .runtime.state_dict import model_keys, prefixed_keys
+from .runtime.state_dict import ModelAttributes, model_keys, prefixed_keys
 from .runtime.tensors import autocast_dtype, restored, shared_storage
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
@@ -34,11 +34,12 @@ __all__ = ["compile", "CompiledModule", "Specialization"]
 log = logging.getLogger("fusion_compiler")
 
 
-class CompiledModule(torch.nn.Module):
+class CompiledModule(ModelAttributes, torch.nn.Module):
     """What :func:`compile` returns: computes ``model``'s function through fused regions.
 
     It shares ``model``'s parameters and buffers (``parameters()``, ``state_dict()`` and
-    ``train()``/``eval()`` act on the model). A call whose inputs differ in shape, stride, dtype or
+    ``train()``/``eval()`` act on the model); the model's public attributes and other methods are
+    read through it (they run uncompiled). A call whose inputs differ in shape, stride, dtype or
     device from every earlier one compiles a new specialization (``specializations`` lists them, the
     least recently used evicted beyond ``options.max_specializations``). A call under
     ``torch.autocast`` gets its own specialization in which the autocast casts are explicit graph

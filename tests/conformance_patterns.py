@@ -839,6 +839,19 @@ def autograd_function(s: Session) -> None:
     infer(s, x16(s))
 
 
+def model_attributes(s: Session) -> None:
+    """The model's attributes read through what the door returns, and
+    ``torch.func.functional_call`` with the model's own parameter names (its parameters are
+    back after it)."""
+    x = x16(s)
+    infer(s, x)
+    s.record("an attribute", torch.tensor(float(s.run.head.in_features)))
+    params = {k: v * 0.5 for k, v in s.model.named_parameters()}
+    with torch.no_grad():
+        s.record("functional_call", torch.func.functional_call(s.run, params, (x,)))
+    infer(s, x, "after functional_call")
+
+
 # --------------------------------------------------------------------------- the registry
 
 PATTERNS: list[Pattern] = [
@@ -933,6 +946,8 @@ PATTERNS: list[Pattern] = [
     Pattern("tuple_inputs", Recurrent, tuple_inputs, f"{ISSUE}, item 4 (session 32)"),
     Pattern("autograd_function_in_forward", Adversarial, autograd_function,
             f"{ISSUE}, item 2 (found by a review, session 32)"),
+    Pattern("model_attributes_and_functional_call", conv_bn, model_attributes,
+            f"{ISSUE}, item 4 (session 33)"),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)

@@ -393,3 +393,38 @@ def test_batch_norm_inside_a_checkpoint_counts_its_batches(door, tmp_path):
             assert q.grad.abs().max() < 1e-6
         else:
             assert rel_err(q.grad, p.grad) < 1e-5, name
+
+
+class _Agent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(8, 4)
+        self.num_actions = 4
+
+    def forward(self, x):
+        return self.head(self.enc(x))
+
+    def act(self, x):  # a method of the agent's other than forward
+        return self.forward(x).argmax(-1)
+
+
+def test_the_models_attributes_and_methods_are_read_through_the_compiled_module(tmp_path):
+    torch.manual_seed(0)
+    model = _Agent().eval()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        assert compiled.num_actions == 4 and compiled.head is model.head
+        assert torch.equal(compiled.act(x), model.act(x))
+        # functional_call with the model's own parameter names
+        params = {k: v * 2 for k, v in model.named_parameters()}
+        want = torch.func.functional_call(model, params, (x,))
+        assert rel_err(torch.func.functional_call(compiled, params, (x,)), want) < 1e-6
+        assert rel_err(compiled(x), model(x)) < 1e-6  # the parameters back afterwards
+    with pytest.raises(AttributeError, match="'_Agent' object has no attribute 'nothing'"):
+        compiled.nothing
+    assert not hasattr(compiled, "_ddp_params_and_buffers_to_ignore")  # private: the wrapper's
+    assert copy.deepcopy(compiled).num_actions == 4

@@ -84,6 +84,14 @@ def foreach_inplace(node: fx.Node) -> bool:
     return node.op == "call_function" and name.startswith("_foreach_") and name.endswith("_")
 
 
+def attribute(graph: fx.Graph, target: str) -> fx.Node:
+    """A ``get_attr`` node of ``graph`` reading the module attribute ``target`` (a dotted path
+    the caller found on the module). ``fx.Graph.get_attr`` warns when the attribute is a plain
+    tensor, such as a parameter ``torch.func.functional_call`` swapped for a tensor, which a
+    graph reads like any other."""
+    return graph.create_node("get_attr", target)
+
+
 def eliminate_dead_code(graph: fx.Graph) -> None:
     """Remove the nodes of ``graph`` whose value nothing reads, keeping impure ones
     (``Node.is_impure``) and in-place writes (:func:`writes_in_place`), which torch.fx would drop

@@ -1,6 +1,7 @@
-"""The state dict of a compiled module as the model's own: ``compiled.state_dict()`` has the
-model's keys (no ``model.`` prefix) and loads into the model it came from, and the model's state
-dict loads into the compiled module."""
+"""A compiled module as the model it wraps: ``compiled.state_dict()`` has the model's keys (no
+``model.`` prefix) and loads into the model it came from, the model's state dict loads into the
+compiled module, and the model's public attributes and methods are read through it
+(:class:`ModelAttributes`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["model_keys", "prefixed_keys"]
+__all__ = ["ModelAttributes", "model_keys", "prefixed_keys"]
+
+
+class ModelAttributes:
+    """Mixin for an ``nn.Module`` that wraps another as its submodule ``model``: a public
+    attribute it does not have itself is the model's (``compiled.fc``, ``compiled.num_classes``;
+    a method other than ``forward``, such as an agent's ``act``, runs the model's own code,
+    uncompiled), as ``torch.compile``'s module reads its original's. Names starting with ``_``
+    are not looked up in the model: PyTorch's own probes (DDP's, Dynamo's) see the wrapper.
+
+    Raises:
+        AttributeError: neither module has the attribute (the model's message)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]  (nn.Module's)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name.startswith("_"):
+                raise
+            return getattr(model, name)
 
 
 def model_keys(module: torch.nn.Module, state: dict, prefix: str, metadata: dict) -> None:

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
-from ...ir.ops import CONV, HW_DIMS, eliminate_dead_code
+from ...ir.ops import CONV, HW_DIMS, attribute, eliminate_dead_code
 from .batch_norm import cumulative_batch_norm
 from .reparametrized import conv_weight, is_parametrized
 from .functionalize import functionalize, inplace_target
@@ -166,7 +166,7 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
             w = conv_weight(gm, node.target, mod)
             if w is None:
                 return
-            b = g.get_attr(f"{node.target}.bias") if mod.bias is not None else None
+            b = attribute(g, f"{node.target}.bias") if mod.bias is not None else None
             _replace(gm, node, torch.conv2d,
                      (x, w, b, _pair(mod.stride), padding, _pair(mod.dilation), mod.groups))
         elif kind is nn.ReLU:
@@ -188,7 +188,7 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
             g.erase_node(node)
         elif kind is nn.BatchNorm2d:
             def attr(name):
-                return g.get_attr(f"{node.target}.{name}") if getattr(mod, name) is not None else None
+                return attribute(g, f"{node.target}.{name}") if getattr(mod, name) is not None else None
             training = mod.training or mod.running_mean is None
             if mod.training and mod.track_running_stats:
                 if mod.momentum is None:  # its factor is read from a tensor as a float

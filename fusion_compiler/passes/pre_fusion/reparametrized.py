@@ -11,6 +11,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ...ir.ops import attribute
+
 __all__ = ["conv_weight", "is_parametrized"]
 
 
@@ -65,20 +67,20 @@ def conv_weight(gm: fx.GraphModule, path: str, mod: nn.Module) -> fx.Node | None
         if hooks or chain is None or len(chain) != 1 or type(chain[0]).__name__ != "_WeightNorm":
             return None
         base = f"{path}.parametrizations.weight"  # original0: g, original1: v
-        return g.call_function(torch._weight_norm, (g.get_attr(f"{base}.original1"),
-                                                     g.get_attr(f"{base}.original0"), chain[0].dim))
+        return g.call_function(torch._weight_norm, (attribute(g, f"{base}.original1"),
+                                                     attribute(g, f"{base}.original0"), chain[0].dim))
     if not hooks:
-        return g.get_attr(f"{path}.weight")
+        return attribute(g, f"{path}.weight")
     if len(hooks) != 1 or getattr(hooks[0], "name", None) != "weight":
         return None
     hook = hooks[0]
     if isinstance(hook, WeightNorm):
-        return g.call_function(torch._weight_norm, (g.get_attr(f"{path}.weight_v"),
-                                                     g.get_attr(f"{path}.weight_g"), hook.dim))
+        return g.call_function(torch._weight_norm, (attribute(g, f"{path}.weight_v"),
+                                                     attribute(g, f"{path}.weight_g"), hook.dim))
     if isinstance(hook, SpectralNorm):
         name = path.replace(".", "_") + "_spectral_norm_weight"
         if not hasattr(gm, name):
             gm.add_submodule(name, _SpectralNormWeight(mod, hook))
-        return g.call_module(name, tuple(g.get_attr(f"{path}.{hook.name}_{part}")
+        return g.call_module(name, tuple(attribute(g, f"{path}.{hook.name}_{part}")
                                          for part in ("orig", "u", "v")))
     return None
