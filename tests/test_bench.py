@@ -49,6 +49,19 @@ def test_mixed_precision_recipe(train):
         assert 0 < result["rel_err_vs_fp32"]["fusion_compiler"] < 5e-2
 
 
+def test_variants_not_asked_for_are_not_compiled(monkeypatch):
+    from fusion_compiler.tools.bench import variants as module
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("a fusion_compiler variant was compiled")
+
+    monkeypatch.setattr(module, "new_batch_seconds", compiled)
+    monkeypatch.setattr(module, "compile_model", compiled)
+    result = bench(_model().eval(), [torch.randn(2, 3, 8, 8)], variants=["eager"], reps=2,
+                   iters=1, progress=False)
+    assert list(result["ms"]) == ["eager"] and not result["errors"]
+
+
 def test_unknown_variant_is_an_error():
     with pytest.raises(ValueError, match="unknown variant"):
         bench(_model().eval(), [torch.randn(1, 3, 8, 8)], variants=["eagre"], progress=False)

@@ -290,11 +290,13 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
             except Exception as exc:  # reported, the rest goes on
                 result["errors"][f"{name}, profile"] = " ".join(str(exc).split())[:300]
         built.clear()
-        timed = {k: fusion_variants[k] for k in compile_labels or list(fusion_variants)[:1]}
-        if not train and not amp and first.dim() > 0 and first.shape[0] >= 2:
+        # compile times of the fusion variants that ran (none when not asked for)
+        timed = {k: fusion_variants[k] for k in compile_labels or list(fusion_variants)[:1]
+                 if k in names}
+        if timed and not train and not amp and first.dim() > 0 and first.shape[0] >= 2:
             with _status(console, "bench: first call at half the batch"):
                 new_batch_seconds(model, inputs, timed, cache_dir, result)
-    if recipe is not None and not train and not amp:
+    if recipe is not None and timed and not train and not amp:
         if sys.flags.dont_write_bytecode and console is not None:
             console.print("bench: Python writes no bytecode cache here (PYTHONDONTWRITEBYTECODE): "
                           "each new process compiles the sources it imports, and its start-up "
