@@ -118,13 +118,16 @@ class ModeRecordingTracer(fx.Tracer):
 
     @property
     def root(self) -> torch.nn.Module:
-        return self.__dict__["root"]
+        try:
+            return self.__dict__["root"]
+        except KeyError:
+            raise AttributeError("root") from None
 
     @root.setter
     def root(self, module: torch.nn.Module) -> None:
-        # fx's trace() sets the root a few bytecodes after it raised its process-wide flag,
-        # before anything that could let another thread run: the flag becomes one that reads
-        # as raised on the tracing thread only (trace() puts the old value back)
+        # fx's trace() sets the root a few bytecodes after it raised its process-wide flag (the
+        # earliest step of trace() a tracer sees): the flag becomes one that reads as raised on
+        # the tracing thread only (trace() puts the old value back)
         if self._thread is not None:
             _symbolic_trace._is_fx_tracing_flag = _TracingThread(self._thread)
         self.__dict__["root"] = module
