@@ -44,3 +44,34 @@ def test_the_kernel_computes_each_gate_kind_as_the_formula(scale):
     assert len(errors) == len(cases)
     for case, err in errors.items():
         assert err < 1e-5, (case, err)
+
+
+_WIDE_OUTPUT = r"""
+import json, sys
+import torch
+from fusion_compiler.kernels import se_gate as k
+
+k._sm_count = lambda device: 132
+kernel = k._triton_kernel()
+torch.manual_seed(0)
+x = torch.randn(3, 24, 5, 7).half().contiguous(memory_format=torch.channels_last)
+w1, w2 = (torch.randn(6, 24) / 24 ** 0.5).half(), (torch.randn(24, 6) / 6 ** 0.5).half()
+b1, b2 = torch.randn(6).half(), torch.randn(24).half()
+residual, bias = torch.randn(3, 24, 5, 7).half(), torch.full((1,), 0.3)
+got = k._launch(kernel, x, w1, b1, w2, b2, "relu", True, residual, True, bias, "sigmoid",
+                torch.float32)
+d = lambda t: t.double()
+want = k.se_scale_reference(d(x), d(w1), d(b1), d(w2), d(b2), "relu", d(residual), True,
+                            d(bias), dtype=torch.float64)
+print(json.dumps({"dtype": str(got.dtype), "channels_last": got.is_contiguous(
+    memory_format=torch.channels_last), "error": ((got.double() - want).abs().max()
+                                               / want.abs().max()).item()}))
+"""
+
+
+def test_the_scale_kernel_writes_the_dtype_a_graph_casts_its_output_to():
+    """fp16 activations and weights, the block's tail, an fp32 result (the autocast pass's cast
+    of the output, taken by the kernel): fp32 values, not fp16 ones cast up."""
+    out = run_interpreted(_WIDE_OUTPUT, {})
+    assert out["dtype"] == "torch.float32" and out["channels_last"]
+    assert out["error"] < 1e-6, out

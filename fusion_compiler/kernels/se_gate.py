@@ -87,10 +87,10 @@ def se_gate_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tens
 def se_scale_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
                        w2: torch.Tensor, b2: Optional[torch.Tensor], act: str = "relu",
                        residual: Optional[torch.Tensor] = None, relu: bool = False,
-                       bias: Optional[torch.Tensor] = None, gate: str = "sigmoid"
-                       ) -> torch.Tensor:
+                       bias: Optional[torch.Tensor] = None, gate: str = "sigmoid",
+                       dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``y = x * g`` with ``g`` the gate of :func:`se_gate_reference`, then ``+ residual``, ReLU
-    (``relu``), ``+ bias``, in fp32, rounded once to ``x.dtype``.
+    (``relu``), ``+ bias``, in fp32, rounded once to ``dtype`` (``None``: ``x.dtype``).
 
     Args:
         x: ``[N, C, H, W]``, any layout, floating point; ``w1``, ``b1``, ``w2``, ``b2``,
@@ -99,7 +99,7 @@ def se_scale_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Ten
         bias: one element, or ``None``.
 
     Returns:
-        ``[N, C, H, W]`` in ``x``'s dtype and layout (``torch.empty_like``).
+        ``[N, C, H, W]`` in ``dtype`` and ``x``'s layout (``torch.empty_like``).
     """
     y = x.float() * se_gate_reference(x, w1, b1, w2, b2, act, torch.float32,
                                       gate)[:, :, None, None]
@@ -109,7 +109,7 @@ def se_scale_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Ten
         y = torch.relu(y)
     if bias is not None:
         y = y + bias.float().reshape(())
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, dtype=dtype)
     out.copy_(y)
     return out
 
@@ -233,13 +233,14 @@ def _sm_count(device: torch.device) -> int:
 def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
             w2: torch.Tensor, b2: Optional[torch.Tensor], act: str, scale: bool = False,
             residual: Optional[torch.Tensor] = None, relu: bool = False,
-            bias: Optional[torch.Tensor] = None, gate: str = "sigmoid") -> torch.Tensor:
+            bias: Optional[torch.Tensor] = None, gate: str = "sigmoid",
+            dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     n, c, h, w = x.shape
     r = w1.shape[0]
     src = _flat(x)
     w1, w2 = w1.contiguous(), w2.contiguous()
     if scale:
-        result = torch.empty_like(x)
+        result = torch.empty_like(x, dtype=dtype)
         out = _flat(result)  # written in place, or a channels_last buffer copied back below
         res = _flat(residual) if residual is not None else src
         out_strides = (out.stride(0), _hw_stride(out), out.stride(1))
@@ -281,7 +282,8 @@ def _gate(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: tor
 def _scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
            b2: Optional[torch.Tensor], act: str = "relu",
            residual: Optional[torch.Tensor] = None, relu: bool = False,
-           bias: Optional[torch.Tensor] = None, gate: str = "sigmoid") -> torch.Tensor:
+           bias: Optional[torch.Tensor] = None, gate: str = "sigmoid",
+           dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     _check_act("se_scale", act, gate)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"se_scale: residual of shape {tuple(residual.shape)} for x of shape "
@@ -290,8 +292,8 @@ def _scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: to
         raise ValueError(f"se_scale: bias must have one element, got {bias.numel()}")
     kernel = _triton_kernel() if x.is_cuda else None
     if kernel is None:
-        return se_scale_reference(x, w1, b1, w2, b2, act, residual, relu, bias, gate)
-    return _launch(kernel, x, w1, b1, w2, b2, act, True, residual, relu, bias, gate)
+        return se_scale_reference(x, w1, b1, w2, b2, act, residual, relu, bias, gate, dtype)
+    return _launch(kernel, x, w1, b1, w2, b2, act, True, residual, relu, bias, gate, dtype)
 
 
 @torch.library.custom_op("fusion_compiler::se_gate", mutates_args=())
@@ -309,13 +311,14 @@ def _se_gate_fake(x, w1, b1, w2, b2, act="relu", gate="sigmoid"):
 @torch.library.custom_op("fusion_compiler::se_scale", mutates_args=())
 def _se_scale_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
                  b2: Optional[torch.Tensor], act: str, residual: Optional[torch.Tensor],
-                 relu: bool, bias: Optional[torch.Tensor], gate: str = "sigmoid") -> torch.Tensor:
-    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias, gate)
+                 relu: bool, bias: Optional[torch.Tensor], gate: str = "sigmoid",
+                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias, gate, dtype)
 
 
 @_se_scale_op.register_fake
-def _se_scale_fake(x, w1, b1, w2, b2, act, residual, relu, bias, gate="sigmoid"):
-    return torch.empty_like(x)
+def _se_scale_fake(x, w1, b1, w2, b2, act, residual, relu, bias, gate="sigmoid", dtype=None):
+    return torch.empty_like(x, dtype=dtype)
 
 
 OP = torch.ops.fusion_compiler.se_gate.default
@@ -352,17 +355,21 @@ def se_gate(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: t
 def se_scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
              b2: Optional[torch.Tensor], act: str = "relu",
              residual: Optional[torch.Tensor] = None, relu: bool = False,
-             bias: Optional[torch.Tensor] = None, gate: str = "sigmoid") -> torch.Tensor:
+             bias: Optional[torch.Tensor] = None, gate: str = "sigmoid",
+             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``x * g`` with ``g`` the gate of :func:`se_gate` broadcast over H and W, then
-    ``+ residual``, ReLU (``relu``), ``+ bias``, rounded once (see module docstring).
+    ``+ residual``, ReLU (``relu``), ``+ bias``, rounded once to ``dtype`` (see module
+    docstring).
 
     Args:
         x, w1, b1, w2, b2, act, gate: as for :func:`se_gate`.
         residual: ``[N, C, H, W]`` (any layout) or ``None``.
         bias: a tensor of one element (any shape, any floating dtype) or ``None``.
+        dtype: the result's floating dtype (``None``: ``x.dtype``), such as fp32 where a graph
+            casts the block's output up (the autocast pass's cast after the last block).
 
     Returns:
-        ``[N, C, H, W]``, ``x.dtype``, laid out as ``torch.empty_like(x)``. One Triton program
+        ``[N, C, H, W]``, ``dtype``, laid out as ``torch.empty_like(x)``. One Triton program
         per sample on CUDA, torch ops elsewhere (:func:`se_scale_reference`); through
         :data:`SCALE_OP` while ``x`` is traced.
 
@@ -371,8 +378,8 @@ def se_scale(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: 
             elements.
     """
     if is_traced(x):
-        return SCALE_OP(x, w1, b1, w2, b2, act, residual, relu, bias, gate)
-    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias, gate)
+        return SCALE_OP(x, w1, b1, w2, b2, act, residual, relu, bias, gate, dtype)
+    return _scale(x, w1, b1, w2, b2, act, residual, relu, bias, gate, dtype)
 
 
 LIBRARY_OPS = {se_gate: OP, se_scale: SCALE_OP}

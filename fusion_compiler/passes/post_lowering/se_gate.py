@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...ir.ops import eliminate_dead_code, is_call, is_conv, is_hw_sum
+from ...ir.ops import dtype_cast, eliminate_dead_code, is_call, is_conv, is_hw_sum
 from ..glue.linears import graph_value, linear_parts, value_of
 
 __all__ = ["se_gates", "se_scales", "FUSED_SQUEEZE"]
@@ -190,7 +190,9 @@ def se_scales(gm: fx.GraphModule) -> int:
     ``se_gate(x, ...)`` reshaped to ``[N, C, 1, 1]`` (what :func:`se_gates` leaves) into
     ``se_scale(x, ..., residual, relu, bias)``, taking along what follows it when each step's
     result has no other user: ``+ residual`` (a value of ``x``'s shape and dtype), then
-    ReLU, then ``+ bias`` (a one-element tensor of ``x``'s dtype), in that order. A gate computed
+    ReLU, then ``+ bias`` (a one-element tensor of ``x``'s dtype), then a cast to another
+    floating dtype (the autocast pass's cast of the output up to fp32: the kernel writes that
+    dtype, from its fp32 values), in that order. A gate computed
     from the pooled mean (a sample of more than :data:`FUSED_SQUEEZE` values) is left alone: its
     kernel would stream large samples in one program each.
 
@@ -225,9 +227,15 @@ def se_scales(gm: fx.GraphModule) -> int:
         if isinstance(bv, torch.Tensor) and bv.numel() == 1 and bv.dtype == xv.dtype \
                 and _same_value(step, xv):
             bias, last = b, step
+        extra = tuple(gate.args[6:])
+        step = _single_user(last)
+        cast, sv = dtype_cast(step), step.meta.get("val") if step is not None else None
+        if cast is not None and cast.is_floating_point and isinstance(sv, torch.Tensor) \
+                and sv.shape == xv.shape and sv.stride() == xv.stride():
+            extra, last = (extra[0] if extra else "sigmoid", cast), step  # the kernel writes it
         with graph.inserting_before(last):
             fused = graph.call_function(se_scale, (x, *gate.args[1:6], residual, relu, bias,
-                                                   *gate.args[6:]))
+                                                   *extra))
         fused.meta = dict(last.meta)
         last.replace_all_uses_with(fused)
         rewritten += 1
