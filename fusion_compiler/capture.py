@@ -208,6 +208,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
             "torch.compile(model, backend='fusion_compiler'), whose graphs Dynamo guards")
     mark_grad_modes(gm)
     gm.meta["autograd_functions"] = sorted(set(tracer.autograd_functions))
+    gm.meta["checkpoints"] = tracer.checkpoints
     return gm
 
 

@@ -117,6 +117,7 @@ class SpecializationCompiler:
         self.runners = Runners(model, options, note)
         self.shape_cache = PlanCache(default_cache_dir(options.cache_dir))  # shapes per input
         self._warned = False  # about a model without convolutions
+        self._checkpointed = False  # warned that checkpoints are traced through
 
     def build(self, args: Sequence[Any], key: tuple, target: Target,
               requires: tuple[bool, ...], answer_early: bool,
@@ -179,6 +180,12 @@ class SpecializationCompiler:
         given = [next(whole) if n is None else tuple(next(whole) for _ in range(n))
                  for n in structure] if structure else args
         captured = capture(self.model, [n for n, a in zip(self.names, given) if a is None])
+        if target.training and captured.meta.get("checkpoints") and not self._checkpointed:
+            self._checkpointed = True
+            log.warning("%s.forward calls torch.utils.checkpoint: compile(model) traces through "
+                        "it, so training keeps the checkpointed activations for the backward "
+                        "instead of recomputing them (no memory is saved)",
+                        type(self.model).__name__)
         if structure:
             unpack_inputs(captured, structure)
         text = self._shapes_text(captured, key, passes)

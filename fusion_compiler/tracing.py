@@ -82,14 +82,18 @@ class ModeRecordingTracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """fx's trace, recording in :attr:`autograd_functions` the ``torch.autograd.Function``
         classes the traced code applies (fx follows their ``forward``, under ``no_grad`` as
-        ``apply`` runs it, and their ``backward`` is not in the graph), and in
+        ``apply`` runs it, and their ``backward`` is not in the graph), in :attr:`checkpoints`
+        how many non-reentrant ``torch.utils.checkpoint`` calls it traced through, and in
         :attr:`autocast_entered` whether it entered a ``torch.autocast`` block (fx records no
         context manager: the block's ops would be traced in the caller's autocast state)."""
         self.autograd_functions: list[str] = []
+        self.checkpoints = 0
         self.autocast_entered = False
         original = vars(torch.autograd.Function)["apply"]  # a classmethod
         autocast = torch.amp.autocast_mode.autocast
         enter = autocast.__enter__
+        hooks = torch.autograd.graph.saved_tensors_hooks
+        enter_hooks = hooks.__enter__
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
             if not self._elsewhere() and cls not in _TRACED_THROUGH:
@@ -101,15 +105,23 @@ class ModeRecordingTracer(fx.Tracer):
                 self.autocast_entered = True
             return enter(block)
 
+        def enter_saved_tensors_hooks(block: Any) -> Any:
+            # the non-reentrant checkpoint's hooks (torch 2.11 and 2.13 name them so)
+            if not self._elsewhere() and type(block).__name__ == "_checkpoint_hook":
+                self.checkpoints += 1
+            return enter_hooks(block)
+
         with TRACE_LOCK:
             self._thread = threading.get_ident()
             torch.autograd.Function.apply = classmethod(apply)
             autocast.__enter__ = enter_autocast
+            hooks.__enter__ = enter_saved_tensors_hooks
             try:
                 return super().trace(root, concrete_args)
             finally:
                 torch.autograd.Function.apply = original
                 autocast.__enter__ = enter
+                hooks.__enter__ = enter_hooks
                 self._thread = None
 
     def _elsewhere(self) -> bool:

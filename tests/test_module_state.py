@@ -395,6 +395,22 @@ def test_batch_norm_inside_a_checkpoint_counts_its_batches(door, tmp_path):
             assert rel_err(q.grad, p.grad) < 1e-5, name
 
 
+def test_training_through_a_checkpoint_says_no_memory_is_saved(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = _CheckpointedBN().eval()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    with caplog.at_level("WARNING", logger="fusion_compiler"), torch.no_grad():
+        compiled(x)  # inference: nothing to recompute, nothing said
+    assert not [r for r in caplog.records if "checkpoint" in r.getMessage()]
+    model.train()
+    with caplog.at_level("WARNING", logger="fusion_compiler"):
+        for _ in range(2):
+            compiled(x).square().mean().backward()
+    said = [r.getMessage() for r in caplog.records if "checkpoint" in r.getMessage()]
+    assert len(said) == 1 and "no memory is saved" in said[0], said
+
+
 class _Agent(nn.Module):
     def __init__(self):
         super().__init__()
