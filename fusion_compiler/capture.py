@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from .ir.errors import FusionError, InputTypeError
-from .ir.ops import copy_graph, writes_in_place
+from .ir.ops import calls_named, copy_graph, writes_in_place
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.state import ModuleWrites, note_reads
 from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
@@ -123,7 +123,7 @@ def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     nothing stay."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if getattr(node.target, "__name__", "") != "tag_activation_checkpoint" or \
+        if not calls_named(node, "tag_activation_checkpoint") or \
                 not node.args or getattr(node.args[0], "op", None) != "get_attr":
             continue
         body = getattr(gm, node.args[0].target, None)

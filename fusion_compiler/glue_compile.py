@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from .config import CompileOptions, Target
+from .ir.ops import calls_named
 from .kernels import triton_import_error
 from .passes.glue import inductor_work
 from .runtime.background import on_calling_thread
@@ -44,8 +45,7 @@ def glue_backend(options: CompileOptions, gm: fx.GraphModule,
         return options.glue_backend, ""
     if not target.cuda or (not target.training and not options.cuda_graph):
         return None, ""
-    if any(getattr(n.target, "__name__", "") == "autograd_function_apply"
-           for n in gm.graph.nodes):
+    if any(calls_named(n, "autograd_function_apply") for n in gm.graph.nodes):
         return None, ("glue_backend='auto': ops between regions run eagerly: the graph holds "
                       "a torch.autograd.Function (autograd_function_apply), which Dynamo "
                       "cannot trace again")

@@ -117,6 +117,14 @@ def is_call(node: object, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def calls_named(node: object, name: str) -> bool:
+    """True when ``node`` is an fx ``call_function`` node of a function or op named ``name``
+    (for Dynamo's higher-order ops, such as ``tag_activation_checkpoint``, which a torch version
+    may not export under one path)."""
+    return (isinstance(node, fx.Node) and node.op == "call_function"
+            and getattr(node.target, "__name__", "") == name)
+
+
 def is_conv(node: object) -> bool:
     return is_call(node, CONV)
 

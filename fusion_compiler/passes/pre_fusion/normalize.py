@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
-from ...ir.ops import CONV, HW_DIMS, attribute, eliminate_dead_code
+from ...ir.ops import CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code
 from .batch_norm import cumulative_batch_norm
 from .reparametrized import conv_weight, is_parametrized
 from .functionalize import functionalize, inplace_target
@@ -60,7 +60,7 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
     as it is: the autocast pass's casts, and a convolution's bias made an add, would change the
     dtypes autocast gives it.
     """
-    if any(getattr(n.target, "__name__", "") == "_enter_autocast" for n in gm.graph.nodes):
+    if any(calls_named(n, "_enter_autocast") for n in gm.graph.nodes):
         gm.meta["fusion_off"] = ("the graph enters a torch.autocast block (Dynamo keeps a "
                                  "forward's block as ops): its ops keep autocast's rules as "
                                  "PyTorch runs them")
