@@ -816,7 +816,9 @@ def tuple_inputs(s: Session) -> None:
     opt.step()
 
 
-class _Reverse(torch.autograd.Function):
+class GradientReversal(torch.autograd.Function):
+    """Gradient reversal (a domain-adversarial layer): identity forward, negated backward."""
+
     @staticmethod
     def forward(ctx, x):
         return x.view_as(x)
@@ -830,7 +832,7 @@ class Adversarial(ConvNet):
     """A gradient-reversal layer (a custom ``autograd.Function``) between the convolutions."""
 
     def forward(self, x):
-        return F.relu(self.conv2(_Reverse.apply(F.relu(self.conv1(x)))))
+        return F.relu(self.conv2(GradientReversal.apply(F.relu(self.conv1(x)))))
 
 
 def autograd_function(s: Session) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conformance_patterns import GradientReversal
 from conftest import rel_err
 
 import fusion_compiler as fc
@@ -277,25 +278,13 @@ def test_tuple_inputs_are_taken_apart_and_containers_refused_in_one_line(tmp_pat
             compiled(container)
 
 
-class _Reverse(torch.autograd.Function):
-    """Gradient reversal (a domain-adversarial layer): identity forward, negated backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return -grad
-
-
 class _Adversarial(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
 
     def forward(self, x):
-        return self.head(_Reverse.apply(torch.relu(self.stem(x))))
+        return self.head(GradientReversal.apply(torch.relu(self.stem(x))))
 
 
 def test_an_autograd_function_in_forward_trains_uncompiled_with_a_warning(tmp_path, caplog):
@@ -313,11 +302,11 @@ def test_an_autograd_function_in_forward_trains_uncompiled_with_a_warning(tmp_pa
     reference(x).square().mean().backward()
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         assert q.grad is not None and rel_err(q.grad, p.grad) < 1e-6, name
-    assert sum("_Reverse" in r.getMessage() for r in caplog.records) == 1
+    assert sum("GradientReversal" in r.getMessage() for r in caplog.records) == 1
     with torch.no_grad():
         assert rel_err(compiled(x), reference(x)) < 1e-6
     assert compiled.specializations  # the no-grad call compiled
-    with pytest.raises(fc.FusionError, match="_Reverse"):
+    with pytest.raises(fc.FusionError, match="GradientReversal"):
         compiled.specialize(x)
 
 
