@@ -261,10 +261,9 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         if spec is not None:
             self.specializations.move_to_end(key)
             return spec, args
-        hook = unsupported_hook(self.model)
-        if hook:
-            raise FusionError(f"{type(self.model).__name__} has {hook}: a compiled graph cannot "
-                              "call it; remove the hook, or call the model uncompiled")
+        refused = unsupported_hook(self.model)
+        if refused:
+            raise FusionError(refused)
         log.info("compiling %s for inputs %s", type(self.model).__name__,
                  ", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec)))
         target = Target(cuda=any(isinstance(a, torch.Tensor) and a.is_cuda for a in args),

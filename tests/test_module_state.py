@@ -433,3 +433,19 @@ def test_the_models_attributes_and_methods_are_read_through_the_compiled_module(
         compiled.nothing
     assert not hasattr(compiled, "_ddp_params_and_buffers_to_ignore")  # private: the wrapper's
     assert copy.deepcopy(compiled).num_actions == 4
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_a_global_module_hook_is_refused_in_one_line_naming_what_was_compiled(door, tmp_path):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+    torch._dynamo.reset()
+    run = (fc.compile(model, cache_dir=tmp_path) if door == "compile" else
+           torch.compile(model, backend="fusion_compiler", options={"cache_dir": str(tmp_path)}))
+    name = "Sequential" if door == "compile" else "the graph torch.compile handed over"
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: None)
+    try:
+        with pytest.raises(FusionError, match=f"^{name} has a global module hook .*, which would "
+                                              "run for every submodule: a compiled graph"):
+            run(torch.randn(2, 3, 8, 8))
+    finally:
+        handle.remove()

@@ -35,12 +35,24 @@ def _name(hook: Any) -> str:
 
 
 def unsupported_hook(module: torch.nn.Module) -> str:
-    """The first hook a compiled graph of ``module`` cannot run, described (``""``: none): a
-    global module hook, or a hook on a submodule other than :data:`REPARAMETRIZATIONS`."""
+    """Why a compiled graph of ``module`` cannot run, in one sentence naming the first hook it
+    cannot call (``""``: none): a global module hook, or a hook on a submodule other than
+    :data:`REPARAMETRIZATIONS`. A graph ``torch.compile`` handed over is named as such."""
+    what = _hook(module)
+    if not what:
+        return ""
+    name = ("the graph torch.compile handed over" if isinstance(module, torch.fx.GraphModule)
+            else type(module).__name__)
+    return (f"{name} has {what}: a compiled graph cannot call it; remove the hook, or call the "
+            "model uncompiled")
+
+
+def _hook(module: torch.nn.Module) -> str:
+    """The first hook a compiled graph of ``module`` cannot run, described (``""``: none)."""
     for kind in _GLOBALS:
         for hook in getattr(module_globals, kind).values():
-            return (f"a global module hook ({kind.strip('_').replace('_', ' ')} {_name(hook)}) "
-                    "would run for every submodule")
+            return (f"a global module hook ({kind.strip('_').replace('_', ' ')} {_name(hook)}), "
+                    "which would run for every submodule")
     for path, sub in module.named_modules():
         if not path:
             continue
