@@ -162,7 +162,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
     ``False`` (``gm.meta["inference"]`` too for inference mode); one that turns them off for part
     of its code gets ``torch._C._set_grad_enabled`` calls where the mode changes, as Dynamo
     writes them. ``gm.meta["autograd_functions"]`` names the ``torch.autograd.Function``
-    classes ``forward`` applies (fx traced their ``forward``; their ``backward`` is lost).
+    classes ``forward`` applies (fx traced their ``forward``; their ``backward`` is lost);
+    ``gm.meta["checkpoints"]`` counts the non-reentrant ``torch.utils.checkpoint`` calls traced
+    through (their activations are kept, not recomputed).
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent

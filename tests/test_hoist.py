@@ -44,12 +44,17 @@ def test_downsample_weights_are_hoisted_and_follow_parameter_updates(glue_backen
         assert rel_err(compiled(x), model(x)) < 1e-5
 
 
+def _conv_bn_relu() -> nn.Module:
+    """conv (no bias) -> eval batch norm with statistics far from their initial values -> ReLU."""
+    return _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
+                                       nn.BatchNorm2d(16), nn.ReLU())).eval()
+
+
 def test_batch_norm_scale_and_shift_are_hoisted_and_follow_every_kind_of_update():
     """Updates no version counter records (``.data`` writes, running statistics moved by
     train-mode forwards) are seen as well as in-place ones."""
     torch.manual_seed(0)
-    model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
-                                        nn.BatchNorm2d(16), nn.ReLU())).eval()
+    model = _conv_bn_relu()
     compiled = fc.compile(model, options=CUDA_PIPELINE)
     x = torch.randn(2, 8, 6, 6)
     with torch.no_grad():
@@ -69,8 +74,7 @@ def test_batch_norm_scale_and_shift_are_hoisted_and_follow_every_kind_of_update(
 
 def test_without_a_cuda_graph_nothing_is_hoisted_on_the_cpu():
     """The eval batch norm's scale and shift stay in the graph, computed at each call."""
-    model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
-                                        nn.BatchNorm2d(16), nn.ReLU())).eval()
+    model = _conv_bn_relu()
     compiled = fc.compile(model)
     with torch.no_grad():
         compiled(torch.randn(2, 8, 6, 6))
@@ -94,8 +98,7 @@ def test_hoisted_values_are_refreshed_without_autograd_history():
     autograd history (a leak), and a later call with frozen parameters returned an output that
     required grad where eager's does not."""
     torch.manual_seed(0)
-    model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
-                                        nn.BatchNorm2d(16), nn.ReLU())).eval()
+    model = _conv_bn_relu()
     compiled = fc.compile(model, options=CUDA_PIPELINE)
     x = torch.randn(2, 8, 6, 6)
     with torch.no_grad():
