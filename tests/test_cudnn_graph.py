@@ -263,4 +263,4 @@ def test_a_workspace_a_cuda_graph_used_is_kept_when_a_larger_one_replaces_it(mon
     assert larger.numel() == 4096 and backend.workspace(device, 1024) is larger
     backend.workspace(device, 8192)  # the replacement no graph used is freed again
     gc.collect()
-    assert len(backend._retired) == 1
+    assert len(backend._workspaces.retired) == 1

@@ -11,9 +11,9 @@ before they are lowered one by one. Regions with the same graph on the same shap
 A region whose graph was tuned at another batch size (within a factor of 2) reuses that choice of
 engine and knobs and that decision against PyTorch's ops: one build, no timing.
 
-At run time a plan executes with one cuDNN handle per device whose stream follows
-``torch.cuda.current_stream()`` (set only when it changed), and one persistent workspace per device
-that only grows. Inference kernels are called directly (``CudnnKernel.__call__``), without the
+At run time a plan executes with the calling thread's cuDNN handle of its device, whose stream
+follows ``torch.cuda.current_stream()`` (set only when it changed), and a persistent workspace per
+device and stream that only grows (:mod:`.resources`). Inference kernels are called directly (``CudnnKernel.__call__``), without the
 ``fusion_compiler::run_region`` custom op; traced or differentiated calls go through the op.
 
 Layouts: activations and weights are passed to cuDNN channels_last (NHWC); inputs that are NCHW are
@@ -47,6 +47,7 @@ from .graph import graph_json, import_cudnn, output_padding, region_recipe
 from .kernel import CudnnKernel
 from .plan import condense_error
 from .recipe import any_batch_key, recipe_key
+from .resources import HandlePool, Workspaces
 from .support import cudnn_support, known_slow_on_cudnn, slower_than_pytorch
 from .workers import build_candidates, workers_for
 
@@ -55,6 +56,15 @@ __all__ = ["CudnnBackend", "HEURISTICS", "REUSE_BATCH_RATIO"]
 log = logging.getLogger("fusion_compiler")
 HEURISTICS = ("A", "FALLBACK")
 """cuDNN heuristics modes whose ranked plans are candidates, in this order."""
+
+
+def _create_handle(index: int) -> Any:
+    with torch.cuda.device(index):
+        return import_cudnn().create_handle()
+
+
+def _set_stream(handle: Any, stream: int) -> None:
+    import_cudnn().set_stream(handle=handle, stream=stream)
 
 
 class CudnnBackend(Backend):
@@ -73,10 +83,8 @@ class CudnnBackend(Backend):
     def __init__(self, cache_dir=None, autotune: int = CompileOptions.autotune):
         self.cache = PlanCache(default_cache_dir(cache_dir))
         self.autotune = int(autotune)
-        self._handles: dict[int, Any] = {}
-        self._workspaces: dict[int, torch.Tensor] = {}  # by device index
-        self._captured: set[int] = set()  # devices whose workspace a CUDA graph has used
-        self._retired: list[torch.Tensor] = []  # replaced ones a CUDA graph has used: kept
+        self._handles = HandlePool(_create_handle, _set_stream)
+        self._workspaces = Workspaces()
         # recipe key -> (job, its build)
         self._pending: dict[str, list[tuple[dict, concurrent.futures.Future]]] = {}
         self.choices: dict[str, dict] = {}  # any-batch key -> {"engine", "name", records}
@@ -98,38 +106,20 @@ class CudnnBackend(Backend):
 
     # ------------------------------------------------------------------ devices
     def handle(self, device: torch.device) -> Any:
-        """The cuDNN handle of ``device``, its stream set to the current torch stream (the
-        frontend skips ``cudnnSetStream`` when the stream did not change)."""
-        cudnn = import_cudnn()
+        """The calling thread's cuDNN handle of ``device``, its stream set to the current torch
+        stream (the frontend skips ``cudnnSetStream`` when the stream did not change); one per
+        thread (:class:`.resources.HandlePool`)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        h = self._handles.get(index)
-        if h is None:
-            with torch.cuda.device(index):
-                h = self._handles[index] = cudnn.create_handle()
-        cudnn.set_stream(handle=h, stream=torch._C._cuda_getCurrentRawStream(index))
-        return h
+        return self._handles.get(index, torch._C._cuda_getCurrentRawStream(index))
 
     def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        """A workspace of at least ``nbytes`` bytes on ``device`` (uint8), kept and reused: the
-        regions of a device run one after another on its current stream, and share it.
-
-        A workspace asked for while the current stream is being captured into a CUDA graph is
-        never freed: when a larger one replaces it, it is kept alive with the backend. The
-        graph's kernels go on using its address at every replay; freed, its memory would go to
-        other tensors, which those kernels would then overwrite (docs/decisions.md, "cuDNN
-        workspaces a CUDA graph used are kept")."""
+        """A workspace of at least ``nbytes`` bytes (uint8) on ``device`` for the plans run on the
+        current stream, kept and reused; one that a CUDA graph captured is never freed
+        (:class:`.resources.Workspaces`)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        slot = index
-        ws = self._workspaces.get(slot)
-        if ws is None or ws.numel() < nbytes:
-            if ws is not None and slot in self._captured:
-                self._retired.append(ws)
-                self._captured.discard(slot)
-            ws = self._workspaces[slot] = torch.empty(
-                max(nbytes, 1), dtype=torch.uint8, device=torch.device(device.type, index))
-        if torch.cuda.is_current_stream_capturing():
-            self._captured.add(slot)
-        return ws
+        stream = torch._C._cuda_getCurrentRawStream(index) if device.type == "cuda" else 0
+        return self._workspaces.get(torch.device(device.type, index), stream, nbytes,
+                                    torch.cuda.is_current_stream_capturing())
 
     @staticmethod
     def device_fields(device: torch.device) -> dict:

@@ -1,0 +1,127 @@
+"""What executing a cuDNN plan needs besides the plan: a handle and a workspace, safe to use from
+several threads and streams at once.
+
+**Handles: one per thread and device.** A cuDNN handle carries the stream its work is issued on,
+and the cuDNN library is thread-safe only "so long as the threads do not share the same cuDNN
+handle simultaneously" (cuDNN Developer Guide, "Thread Safety"). With one handle per device, any
+other thread asking for the handle (this package's background thread loading plans, a user's
+second thread calling a compiled model) set its own stream between a caller's ``set_stream`` and
+its ``execute``: the plan then ran on the other thread's stream, outside a CUDA graph being
+captured, or out of order with the caller's work. A thread keeps the handles it was given until
+it ends; they then return to a free list for the next thread (as PyTorch's own cuDNN handle pool
+does), so short-lived threads create no more handles than run at once. A plan built or
+deserialized with one handle runs with another of the same device (PyTorch executes the plans of
+its cuDNN benchmark cache that way).
+
+**Workspaces: one per device and stream.** Plans executed on one stream run one after another and
+can share a workspace; plans on two streams (two threads, or a capture stream beside the default
+one) would overwrite each other's scratch. A workspace only grows; it is allocated on the stream
+it serves, so when a larger one replaces it, PyTorch's caching allocator gives its memory again
+only to work ordered after it on that stream; so a device keeps the workspaces of its
+:data:`STREAMS_KEPT` streams used last and frees the others (short-lived streams: the side stream of
+a capture's warm-up, a timing's stream). A workspace handed out while its stream was being captured
+into a CUDA graph is never freed (docs/decisions.md, "cuDNN workspaces a CUDA graph used are
+kept").
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["HandlePool", "Workspaces", "STREAMS_KEPT"]
+
+STREAMS_KEPT = 4
+"""Workspaces a device keeps for streams no CUDA graph captured (the streams used last)."""
+
+
+class _Held:
+    """The handles one thread holds, by device index; back to the pool when the thread ends
+    (``threading.local`` drops a thread's values then)."""
+
+    def __init__(self, pool: "HandlePool"):
+        self.pool = pool
+        self.handles: dict[int, Any] = {}
+
+    def __del__(self) -> None:
+        self.pool._release(self.handles)
+
+
+class HandlePool:
+    """cuDNN handles, one per (thread, device): see the module docstring.
+
+    Args:
+        create: ``create(index)`` makes a new handle for device ``index``
+            (``cudnn.create_handle`` with that device current).
+        set_stream: ``set_stream(handle, raw_stream)`` (``cudnn.set_stream``).
+    """
+
+    def __init__(self, create: Callable[[int], Any], set_stream: Callable[[Any, int], None]):
+        self._create, self._set_stream = create, set_stream
+        self._local = threading.local()
+        self._free: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, index: int, stream: int) -> Any:
+        """The calling thread's handle of device ``index``, its stream set to ``stream`` (a raw
+        ``cudaStream_t``, as ``torch.cuda.current_stream().cuda_stream``)."""
+        held = getattr(self._local, "held", None)
+        if held is None:
+            held = self._local.held = _Held(self)
+        h = held.handles.get(index)
+        if h is None:
+            with self._lock:
+                free = self._free.get(index)
+                h = free.pop() if free else None
+            if h is None:
+                h = self._create(index)
+            held.handles[index] = h
+        self._set_stream(h, stream)
+        return h
+
+    def _release(self, handles: dict[int, Any]) -> None:
+        with self._lock:
+            for index, h in handles.items():
+                self._free.setdefault(index, []).append(h)
+
+
+class Workspaces:
+    """Workspaces by (device index, stream): see the module docstring."""
+
+    def __init__(self) -> None:
+        self._current: dict[tuple[int, int], torch.Tensor] = {}
+        self._captured: set[tuple[int, int]] = set()  # slots a CUDA graph has used
+        self.retired: list[torch.Tensor] = []  # replaced ones a CUDA graph has used: kept
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device, stream: int, nbytes: int, capturing: bool
+            ) -> torch.Tensor:
+        """A workspace of at least ``nbytes`` bytes (uint8) on ``device`` (its index given) for
+        work on ``stream`` (a raw ``cudaStream_t``, the current one of ``device``), kept and
+        reused, and never freed from now on if ``capturing`` (``stream`` is being captured into
+        a CUDA graph); see the module docstring."""
+        index = device.index
+        slot = (index, stream)
+        with self._lock:
+            ws = self._current.pop(slot, None)  # re-inserted last: the order is of last use
+            if ws is None or ws.numel() < nbytes:
+                if ws is not None and slot in self._captured:
+                    self.retired.append(ws)
+                    self._captured.discard(slot)
+                ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+                self._current[slot] = ws
+                self._evict(index)
+            else:
+                self._current[slot] = ws
+            if capturing:
+                self._captured.add(slot)
+            return ws
+
+    def _evict(self, index: int) -> None:
+        """Free the workspaces of ``index``'s streams beyond the :data:`STREAMS_KEPT` used last
+        (captured ones stay)."""
+        free = [slot for slot in self._current if slot[0] == index and slot not in self._captured]
+        for slot in free[:max(0, len(free) - STREAMS_KEPT)]:
+            del self._current[slot]

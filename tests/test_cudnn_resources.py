@@ -1,0 +1,81 @@
+"""cuDNN handles per thread and workspaces per stream (:mod:`fusion_compiler.backends.cudnn.resources`),
+on the CPU with stand-ins for the cuDNN calls and for streams."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import torch
+
+from fusion_compiler.backends.cudnn.resources import STREAMS_KEPT, HandlePool, Workspaces
+
+
+class _FakeCudnn:
+    def __init__(self):
+        self.made: list[dict] = []
+
+    def create(self, index: int) -> dict:
+        handle = {"device": index, "stream": None}
+        self.made.append(handle)
+        return handle
+
+    def set_stream(self, handle: dict, stream: int) -> None:
+        handle["stream"] = stream
+
+
+def _in_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_thread_asking_for_a_handle_does_not_move_another_threads_handle_to_its_stream():
+    """The race this rule removes: the background thread (loading a plan) asked for the one
+    handle of the device between the calling thread's set_stream and its execute, and the
+    calling thread's plan then ran on the background thread's stream."""
+    cudnn = _FakeCudnn()
+    pool = HandlePool(cudnn.create, cudnn.set_stream)
+    mine = pool.get(0, stream=111)  # the calling thread: about to execute on stream 111
+    theirs = _in_thread(lambda: pool.get(0, stream=0))  # another thread, legacy stream
+    assert theirs is not mine
+    assert mine["stream"] == 111
+    assert pool.get(0, stream=111) is mine  # a thread keeps its handle
+    assert pool.get(1, stream=5) is not mine and len(cudnn.made) == 3  # and one per device
+
+
+def test_the_handles_of_a_thread_that_ended_serve_the_next_thread():
+    cudnn = _FakeCudnn()
+    pool = HandlePool(cudnn.create, cudnn.set_stream)
+    first = _in_thread(lambda: pool.get(0, stream=7))
+    gc.collect()
+    second = _in_thread(lambda: pool.get(0, stream=9))
+    assert second is first and second["stream"] == 9
+    assert len(cudnn.made) == 1
+
+
+def test_workspaces_are_per_stream_and_only_the_streams_used_last_keep_theirs():
+    spaces = Workspaces()
+    cpu = torch.device("cpu", 0)
+    default = spaces.get(cpu, 0, 64, False)
+    side = spaces.get(cpu, 1, 64, False)
+    assert side is not default  # two streams never share scratch
+    assert spaces.get(cpu, 0, 32, False) is default  # large enough: reused
+    others = [weakref.ref(spaces.get(cpu, s, 16, False)) for s in range(2, 2 + STREAMS_KEPT)]
+    gc.collect()
+    assert spaces.get(cpu, 0, 1, False) is not default  # stream 0 was used longest ago: freed, new
+    assert all(ref() is not None for ref in others[-(STREAMS_KEPT - 1):])
+
+
+def test_a_captured_streams_workspace_is_never_freed():
+    spaces = Workspaces()
+    cpu = torch.device("cpu", 0)
+    captured = weakref.ref(spaces.get(cpu, 42, 64, capturing=True))
+    for s in range(STREAMS_KEPT + 2):  # other streams come and go
+        spaces.get(cpu, s, 16, False)
+    spaces.get(cpu, 42, 1024, False)  # grown: the captured one is retired, kept
+    gc.collect()
+    assert captured() is not None and spaces.retired == [captured()]
