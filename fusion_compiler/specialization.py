@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from .backends.timing import timing_deferred
 from .capture import capture, unpack_inputs
 from .config import CompileOptions, Target
-from .ir.errors import TimingDeferred
+from .ir.errors import FusionError, TimingDeferred
 from .ir.ops import is_any_conv
 from .ir.region import Region, called_region
 from .kernels import prewarm_triton
@@ -34,6 +34,7 @@ from .runners import Runners, memory_format, with_formats
 from .runtime.plan_cache import PlanCache, default_cache_dir
 from .runtime.background import COMPILE_LOCK, warn_once
 from .runtime.tiered import TieredRunner, unlowered_copy
+from .runtime.tensors import stream_capturing
 
 __all__ = ["Specialization", "SpecializationCompiler"]
 
@@ -126,6 +127,10 @@ class SpecializationCompiler:
         apart as ``structure`` says, :func:`~.capture.flatten_inputs`). With ``answer_early``
         (a call, not ``specialize``) it may answer from tier 0 until lowered
         (:meth:`_tier_before_lowering`)."""
+        if target.cuda and stream_capturing():  # compiling times kernels, which waits
+            raise FusionError(f"{type(self.model).__name__} was first called with these inputs "
+                              "inside a CUDA graph capture, where it cannot compile: call it "
+                              "once before the capture (as torch.cuda.graph's warm-up does)")
         stages: dict[str, str] = {}
         formats: list[torch.memory_format | None] = []
         if target.cuda:  # Triton's first launch (stem, SE and Inductor kernels) pays it

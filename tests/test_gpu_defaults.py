@@ -409,3 +409,62 @@ def test_inductor_glue_makes_region_activations_channels_last_itself(tmp_path):
     copies = [e.name for e in prof.events() if e.device_type.name == "CUDA"
               and "at::native" in e.name and "copy" in e.name.lower()]
     assert not copies, copies
+
+
+def test_a_compiled_model_captured_in_the_callers_own_cuda_graph_reads_the_current_weights(
+        tmp_path):
+    """A user who captures the compiled model in a CUDA graph of their own (after warm-up calls,
+    as ``torch.cuda.graph`` asks) gets the model's forward in that graph, derivation prologue
+    included: a weight updated in place between replays is read by the next replay (before, the
+    call tried to replay its own graph inside the capture and raised). A first call inside a
+    capture is refused in one line: compiling times kernels, which a capture forbids."""
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, autotune=1)
+    x = _x(8)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        compiled(x)
+        compiled.wait_for_background_compiles()
+        compiled(x)
+    torch.cuda.current_stream().wait_stream(side)
+    spec = compiled.last
+    assert spec.cuda_graph == "safe" and spec.run.tier == 2, spec.notes
+    assert all(lowered_on_gpu(r) for r in spec.regions), compiled.report()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = compiled(x)
+    with torch.no_grad():
+        conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+        conv.weight.mul_(0.5)  # in place, between replays
+        x.copy_(_x(8))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out.float().cpu(), _fp64(model, x)) < 2e-2
+    with pytest.raises(fc.FusionError, match="inside a CUDA graph capture"):
+        with torch.no_grad(), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            fc.compile(copy.deepcopy(model), cache_dir=tmp_path)(x)
+
+
+def test_plans_run_on_the_stream_of_the_thread_that_calls_them_while_another_thread_loads_plans(
+        tmp_path):
+    """Each thread executes plans with its own cuDNN handle: another thread asking for a handle
+    (this package's background thread loading plans, a second model called from a second
+    thread) no longer moves the caller's handle to its own stream between ``set_stream`` and
+    ``execute`` (a plan then ran outside the caller's stream or CUDA graph capture)."""
+    import threading
+
+    from fusion_compiler.backends.cudnn.backend import CudnnBackend
+
+    backend = CudnnBackend.shared(tmp_path)
+    device = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        mine = backend.handle(device)
+    theirs = []
+    t = threading.Thread(target=lambda: theirs.append(backend.handle(device)))
+    t.start()
+    t.join()
+    assert theirs[0] != mine
+    with torch.cuda.stream(side):
+        assert backend.handle(device) == mine

@@ -49,6 +49,22 @@ def test_calls_stay_on_the_first_tier_until_the_build_ends_then_switch_and_close
     assert second.closed
 
 
+def test_no_switch_inside_the_callers_cuda_graph_capture(monkeypatch):
+    """The switch captures a graph of its own, which cannot happen inside the caller's capture:
+    calls made there stay on the first tier (it is captured into the caller's graph) and the
+    first call after the capture switches."""
+    import fusion_compiler.runtime.tiered as tiered
+
+    capturing = [True]
+    monkeypatch.setattr(tiered, "stream_capturing", lambda: capturing[0])
+    runner = TieredRunner(_Tier("first"), build=None, finish=lambda a: _Tier("second"),
+                          on_failure=lambda why: None)
+    assert runner(1) == ("first", 1)
+    assert runner(2) == ("first", 2) and runner.tier == 1  # ready, but inside a capture
+    capturing[0] = False
+    assert runner(3) == ("second", 3) and runner.tier == 2
+
+
 def test_wait_follows_a_second_tier_that_is_tiered_itself():
     """Tier 0 (regions as PyTorch ops) switches to a runner that is itself tiered (Inductor's
     glue): ``wait`` and ``pending`` cover both switches."""

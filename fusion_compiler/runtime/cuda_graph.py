@@ -302,6 +302,9 @@ class CudaGraphRunner:
                      for a in args)
 
     def __call__(self, *args: Any) -> Any:
+        if torch.cuda.is_current_stream_capturing():  # the caller's own capture: no replay
+            with self._scope():  # there; the forward (prologue included) joins its graph
+                return self._forward(args)
         key = self._key(args)
         if key == self._last_key:  # the caller refilled its tensors
             # (outside inference mode not over inference tensors it writes: eager refuses too)

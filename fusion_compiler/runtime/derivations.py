@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .derive import Expr, NotDerivable, Program, evaluator
+from .tensors import stream_capturing
 from .weight_cache import WeightCache, cache_key
 
 __all__ = ["Derivations", "expressions"]
@@ -52,10 +53,6 @@ _CASTS = {"to", "float", "half", "bfloat16", "type", "detach"}
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _apply(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -253,7 +250,7 @@ class Derivations:
             self.reads(value if isinstance(value, tuple) else (value,))
             return value
         exprs = [self._expr_of(t) for t in tensors]
-        if any(e is None for e in exprs) or _capturing():
+        if any(e is None for e in exprs) or stream_capturing():
             self.reads(tensors)
             return cache.convert(*tensors)
         value = cache.convert(*tensors)
@@ -329,7 +326,7 @@ class Derivations:
         """Bring the derived tensors up to date with the state: opaque values, fallbacks and the
         early program on the current stream; the fingerprinted program after them, on a side
         stream when capturing (:meth:`reads` and :meth:`join` wait for it), else in turn."""
-        if self.frozen and _capturing():  # constants: derived once, before the capture
+        if self.frozen and stream_capturing():  # constants: derived once, before the capture
             return
         if self._opaque is not None:
             self._opaque()
@@ -339,7 +336,7 @@ class Derivations:
             self.early.run()
         if self.program is None:
             return
-        if not _capturing() or self.program.reason or not self.program.derived:
+        if not stream_capturing() or self.program.reason or not self.program.derived:
             self.program.run()
             return
         main = torch.cuda.current_stream()

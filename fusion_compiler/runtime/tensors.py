@@ -8,8 +8,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["autocast_dtype", "shared_storage", "restored", "inference_graph_modes",
-           "layout_like", "channel_view_strides", "as_channel_view"]
+__all__ = ["stream_capturing", "autocast_dtype", "shared_storage", "restored",
+           "inference_graph_modes", "layout_like", "channel_view_strides", "as_channel_view"]
+
+
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (``False`` without
+    CUDA): then work may only be issued, not waited for, and no graph may be replayed."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def inference_graph_modes(inference: bool) -> contextlib.ExitStack:

@@ -35,6 +35,7 @@ import torch.fx as fx
 from ..ir.ops import copy_graph
 from ..ir.region import Region
 from .background import submit
+from .tensors import stream_capturing
 
 __all__ = ["TieredRunner", "isolated_copy", "unlowered_copy"]
 
@@ -196,8 +197,8 @@ class TieredRunner:
                               runner._build is None else runner._build())
 
     def __call__(self, *args: Any) -> Any:
-        if self._future is not None and self._future.done():
-            self._switch()
+        if self._future is not None and self._future.done() and not stream_capturing():
+            self._switch()  # (not inside the caller's CUDA graph capture: the switch captures)
         out = self.run(*args)
         if self._future is None and self.tier == 1:
             self._start()
