@@ -3,6 +3,7 @@ on the CPU with stand-ins for the cuDNN calls and for streams."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import weakref
@@ -79,3 +80,36 @@ def test_a_captured_streams_workspace_is_never_freed():
     spaces.get(cpu, 42, 1024, False)  # grown: the captured one is retired, kept
     gc.collect()
     assert captured() is not None and spaces.retired == [captured()]
+
+
+def test_on_the_background_thread_plans_build_in_worker_processes(monkeypatch):
+    """cuDNN's plan building in this process, beside the caller's CUDA work, was the one thing
+    running when that work failed with a capture error: on the background thread a plan that no
+    prefetch started goes to the worker processes; on the calling thread it builds here."""
+    from concurrent.futures import Future
+
+    import fusion_compiler.backends.cudnn.backend as backend_module
+    from fusion_compiler.backends.cudnn.backend import CudnnBackend
+    from fusion_compiler.runtime.background import submit
+
+    submitted, built_here = [], []
+
+    class _Pool:
+        def submit(self, job):
+            submitted.append(job)
+            done = Future()
+            done.set_result({"count": 1, "plans": [{"index": 0, "blob": b"plan"}]})
+            return done
+
+    monkeypatch.setattr(CudnnBackend, "_pool", staticmethod(lambda device: _Pool()))
+    monkeypatch.setattr(backend_module, "build_candidates",
+                        lambda job: built_here.append(job) or {"count": 0, "plans": []})
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    backend = CudnnBackend(cache_dir=False, autotune=1)
+    recipe, device = {"io": "HALF"}, torch.device("cuda", 0)
+    monkeypatch.setattr(backend, "choice_for", lambda recipe, device: None)
+
+    plans, _ = submit(lambda: backend.candidates(recipe, "key", device)).result(10)
+    assert len(submitted) == 1 and not built_here and plans[0]["blob"] == b"plan"
+    backend.candidates(recipe, "key", device)  # the calling thread
+    assert len(submitted) == 1 and len(built_here) == 1

@@ -32,8 +32,8 @@ import queue
 import threading
 from typing import Any, Callable
 
-__all__ = ["COMPILE_LOCK", "ThreadFlag", "submit", "drain", "on_calling_thread", "warn_once",
-           "gc_paused"]
+__all__ = ["COMPILE_LOCK", "ThreadFlag", "submit", "drain", "on_calling_thread",
+           "on_background_thread", "warn_once", "gc_paused"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -123,6 +123,11 @@ def drain(timeout: float | None = None) -> bool:
         return True
     done, _ = concurrent.futures.wait([submit(lambda: None)], timeout=timeout)
     return bool(done)
+
+
+def on_background_thread() -> bool:
+    """Whether the caller runs on the package's background thread (inside a job)."""
+    return bool(_BACKGROUND)
 
 
 def on_calling_thread(what: str) -> None:

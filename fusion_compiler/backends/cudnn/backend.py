@@ -40,6 +40,7 @@ from ...config import CompileOptions
 from ...ir.errors import UnsupportedError
 from ...ir.ops import node_device
 from ...ir.region import BackwardPlan, Region
+from ...runtime.background import on_background_thread
 from ...runtime.plan_cache import PlanCache, default_cache_dir
 from ..base import REUSE_BATCH_RATIO, Backend, Lowered, Support
 from .backward import register_cudnn_backward
@@ -49,7 +50,7 @@ from .plan import condense_error
 from .recipe import any_batch_key, recipe_key
 from .resources import HandlePool, Workspaces
 from .support import cudnn_support, known_slow_on_cudnn, slower_than_pytorch
-from .workers import build_candidates, workers_for
+from .workers import PlanWorkers, build_candidates, workers_for
 
 __all__ = ["CudnnBackend", "HEURISTICS", "REUSE_BATCH_RATIO"]
 
@@ -179,15 +180,21 @@ class CudnnBackend(Backend):
             key, device, jobs[key] = needed
         if sum(map(len, jobs.values())) < 2:
             return
-        try:
-            pool = workers_for(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
-            if pool is None:
-                return
+        pool = self._pool(device)
+        if pool is not None:
             for key, group in jobs.items():
                 self._pending[key] = [(job, pool.submit(job)) for job in group]
-        except (OSError, RuntimeError) as exc:  # no worker could start: build in this process
+
+    @staticmethod
+    def _pool(device: torch.device) -> PlanWorkers | None:
+        """The plan-build worker processes of ``device``'s GPU, or ``None`` (too few CPUs, or
+        none could start: plans then build in this process)."""
+        try:
+            return workers_for(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
+        except (OSError, RuntimeError) as exc:
             log.info("plan-build workers unavailable (%s); building plans in this process",
                      condense_error(exc))
+            return None
 
     def plan_work(self, region: Region) -> str:
         """What :meth:`lower` has to do for ``region``'s plan beyond loading it: ``""`` (its plan
@@ -228,7 +235,11 @@ class CudnnBackend(Backend):
                    reuse: bool = True) -> tuple[list[dict], bool]:
         """The built candidate plans of ``recipe`` (see :func:`.workers.build_candidates`)
         and whether they follow a choice made at another batch size (only with ``reuse``); from
-        the jobs :meth:`prefetch` started, else built now in this process.
+        the jobs :meth:`prefetch` started, else, on the background thread, from worker processes
+        (cuDNN's plan building in this process beside the caller's CUDA work was the one thing
+        running when that work failed with "operation would make the legacy stream depend on a
+        capturing blocking stream": docs/decisions.md, "Plans built in worker processes while
+        the caller's work runs"), else built now in this process.
 
         Raises:
             UnsupportedError: cuDNN rejected the graph (its reason).
@@ -236,9 +247,13 @@ class CudnnBackend(Backend):
         pending = self._pending.pop(key, None) if reuse else None
         if pending is None:
             jobs = self._job(recipe, self.choice_for(recipe, device) if reuse else None)
-            if len(jobs) > 1:  # in this process: one graph builds them all
-                jobs = [{**jobs[0], "indices": [i for job in jobs for i in job["indices"]]}]
-            pending = [(job, None) for job in jobs]
+            pool = self._pool(device) if on_background_thread() else None
+            if pool is not None:
+                pending = [(job, pool.submit(job)) for job in jobs]
+            else:
+                if len(jobs) > 1:  # in this process: one graph builds them all
+                    jobs = [{**jobs[0], "indices": [i for job in jobs for i in job["indices"]]}]
+                pending = [(job, None) for job in jobs]
         reused = pending[0][0]["mode"] == "engine"
         results = []
         for job, future in pending:
