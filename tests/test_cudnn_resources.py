@@ -1,5 +1,6 @@
-"""cuDNN handles per thread and workspaces per stream (:mod:`fusion_compiler.backends.cudnn.resources`),
-on the CPU with stand-ins for the cuDNN calls and for streams."""
+"""cuDNN handles per thread and workspaces per stream
+(:mod:`fusion_compiler.backends.cudnn.resources`), and where plans build beside the caller's work,
+on the CPU with stand-ins for the cuDNN calls, streams and worker processes."""
 
 from __future__ import annotations
 

@@ -468,3 +468,40 @@ def test_plans_run_on_the_stream_of_the_thread_that_calls_them_while_another_thr
     assert theirs[0] != mine
     with torch.cuda.stream(side):
         assert backend.handle(device) == mine
+
+
+def test_threads_calling_one_compiled_model_each_get_the_output_of_their_own_input(tmp_path):
+    """Actor threads sharing one policy network: calls from several threads at once each fill
+    the graph's input buffers, replay and take the outputs in turn (before, one thread's input
+    could be replayed for another), also when the threads run on streams of their own."""
+    import threading
+
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, autotune=1)
+    with torch.no_grad():
+        compiled(_x(8))
+        compiled.wait_for_background_compiles()
+    assert compiled.last.cuda_graph == "safe", compiled.last.notes
+    inputs = [_x(8) for _ in range(4)]
+    with torch.no_grad():
+        wanted = [model(x).float() for x in inputs]
+    errors, failures = [], []
+
+    def actor(i: int, own_stream: bool) -> None:
+        try:
+            with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream() if own_stream
+                                                    else torch.cuda.current_stream()):
+                for _ in range(50):
+                    out = compiled(inputs[i]).float()
+                    errors.append(rel_err(out.cpu(), wanted[i].cpu()))
+        except Exception as exc:  # what the thread met, for the assertion below
+            failures.append(exc)
+
+    for own_stream in (False, True):
+        threads = [threading.Thread(target=actor, args=(i, own_stream)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not failures, failures
+    assert len(errors) == 400 and max(errors) < 1e-2, max(errors)

@@ -65,6 +65,41 @@ def test_no_switch_inside_the_callers_cuda_graph_capture(monkeypatch):
     assert runner(3) == ("second", 3) and runner.tier == 2
 
 
+def test_a_tier_is_not_switched_away_and_closed_under_another_threads_call():
+    """Two threads call one model: the one that finds the build done waits for the other's call
+    on the first tier to end before it closes that tier (a closed CUDA-graph tier has freed its
+    graphs), and switches once."""
+    inside, leave = threading.Event(), threading.Event()
+
+    class _Slow(_Tier):
+        def __call__(self, x):
+            if x == "slow":
+                inside.set()
+                leave.wait(10)
+            assert not self.closed, "called after it was closed"
+            return (self.name, x)
+
+    first, made, built = _Slow("first"), [], threading.Event()
+    runner = TieredRunner(first, build=lambda: built.wait(10),
+                          finish=lambda a: made.append(1) or _Tier("second"),
+                          on_failure=lambda why: None)
+    runner(0)  # the build starts
+    other = threading.Thread(target=runner, args=("slow",))
+    other.start()
+    inside.wait(10)  # the other thread's call is on the first tier
+    built.set()
+    assert drain(10)  # the build is done: the next call switches
+    out = []
+    caller = threading.Thread(target=lambda: out.append(runner(1)))
+    caller.start()
+    caller.join(0.2)
+    assert caller.is_alive() and not first.closed  # waits for the call on the first tier
+    leave.set()
+    other.join(10)
+    caller.join(10)
+    assert out == [("second", 1)] and first.closed and made == [1]
+
+
 def test_wait_follows_a_second_tier_that_is_tiered_itself():
     """Tier 0 (regions as PyTorch ops) switches to a runner that is itself tiered (Inductor's
     glue): ``wait`` and ``pending`` cover both switches."""

@@ -33,6 +33,7 @@ runs it without a graph.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -182,6 +183,12 @@ class CudaGraphRunner:
             outside it; gradients off in both. Input buffers and derived tensors are normal
             tensors either way. ``None``: the caller's modes (a captured training step).
 
+    A call made while the current stream is being captured (the caller's own CUDA graph) runs
+    the forward, prologue included, into that capture: a graph cannot be replayed inside one.
+    Calls from several threads run one at a time (each fills the input buffers, replays and
+    hands out the output buffers in turn), and a call on another stream than the last one
+    first waits for that stream's work, which may still read the buffers the replay rewrites.
+
     Raises:
         CaptureError: the forward cannot be captured (the graph is discarded).
     """
@@ -200,6 +207,9 @@ class CudaGraphRunner:
         self._direct_key: tuple | None = None
         self._last_key: tuple | None = None
         self._epochs: list[Any] = []  # the values each capture derived, kept with its graph
+        self._lock = threading.RLock()  # one call at a time
+        self._device = torch.cuda.current_device()
+        self._stream: tuple[int, torch.cuda.Stream] | None = None  # the last call's (raw, stream)
         with self._making():
             self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a
                                   for a in example_args]
@@ -305,6 +315,16 @@ class CudaGraphRunner:
         if torch.cuda.is_current_stream_capturing():  # the caller's own capture: no replay
             with self._scope():  # there; the forward (prologue included) joins its graph
                 return self._forward(args)
+        with self._lock:
+            raw = torch._C._cuda_getCurrentRawStream(self._device)
+            if self._stream is None or self._stream[0] != raw:
+                stream = torch.cuda.current_stream(self._device)
+                if self._stream is not None:
+                    stream.wait_stream(self._stream[1])
+                self._stream = (raw, stream)
+            return self._call(args)
+
+    def _call(self, args: Sequence[Any]) -> Any:
         key = self._key(args)
         if key == self._last_key:  # the caller refilled its tensors
             # (outside inference mode not over inference tensors it writes: eager refuses too)
@@ -344,10 +364,11 @@ class CudaGraphRunner:
 
     def close(self) -> None:
         """Free the graphs, their memory pools and the static buffers (the runner is unusable
-        after)."""
-        self._drop_extra_graphs()
-        if self.main is not None:
-            self.main.reset()
-        self.main = None
-        self.static_inputs = []
-        self._epochs = []
+        after; a call running on another thread ends first)."""
+        with self._lock:
+            self._drop_extra_graphs()
+            if self.main is not None:
+                self.main.reset()
+            self.main = None
+            self.static_inputs = []
+            self._epochs = []

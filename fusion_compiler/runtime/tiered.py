@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -182,6 +183,7 @@ class TieredRunner:
         self.run, self.tier = first, 1
         self._build, self._finish, self._on_failure = build, finish, on_failure
         self._future: concurrent.futures.Future | None = None
+        self._lock = threading.RLock()  # calls and the switch, one thread at a time
 
     def _start(self) -> None:
         """Submit the build (once). Deferred to the end of the first call, so the background
@@ -197,12 +199,13 @@ class TieredRunner:
                               runner._build is None else runner._build())
 
     def __call__(self, *args: Any) -> Any:
-        if self._future is not None and self._future.done() and not stream_capturing():
-            self._switch()  # (not inside the caller's CUDA graph capture: the switch captures)
-        out = self.run(*args)
-        if self._future is None and self.tier == 1:
-            self._start()
-        return out
+        with self._lock:  # a tier is not closed under another thread's call
+            if self._future is not None and self._future.done() and not stream_capturing():
+                self._switch()  # (not inside the caller's own CUDA graph capture: it captures)
+            out = self.run(*args)
+            if self._future is None and self.tier == 1:
+                self._start()
+            return out
 
     @property
     def pending(self) -> bool:
@@ -229,6 +232,12 @@ class TieredRunner:
         return True
 
     def _switch(self) -> None:
+        with self._lock:
+            if self._future is None:  # another thread switched meanwhile
+                return
+            self._switch_now()
+
+    def _switch_now(self) -> None:
         future, self._future = self._future, None
         finish, on_failure = self._finish, self._on_failure
         self._build = self._finish = self._on_failure = None  # their example inputs are freed
@@ -243,10 +252,12 @@ class TieredRunner:
             close()
 
     def close(self) -> None:
-        """Drop the pending compile (its result is discarded) and close the current tier."""
-        if self._future is not None:
-            self._future.cancel()
-        self._future = self._build = self._finish = self._on_failure = None
-        close = getattr(self.run, "close", None)
-        if close is not None:
-            close()
+        """Drop the pending compile (its result is discarded) and close the current tier (after
+        a call running on another thread)."""
+        with self._lock:
+            if self._future is not None:
+                self._future.cancel()
+            self._future = self._build = self._finish = self._on_failure = None
+            close = getattr(self.run, "close", None)
+            if close is not None:
+                close()

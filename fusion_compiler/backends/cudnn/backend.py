@@ -13,8 +13,9 @@ engine and knobs and that decision against PyTorch's ops: one build, no timing.
 
 At run time a plan executes with the calling thread's cuDNN handle of its device, whose stream
 follows ``torch.cuda.current_stream()`` (set only when it changed), and a persistent workspace per
-device and stream that only grows (:mod:`.resources`). Inference kernels are called directly (``CudnnKernel.__call__``), without the
-``fusion_compiler::run_region`` custom op; traced or differentiated calls go through the op.
+device and stream that only grows (:mod:`.resources`). Inference kernels are called directly
+(``CudnnKernel.__call__``), without the ``fusion_compiler::run_region`` custom op; traced or
+differentiated calls go through the op.
 
 Layouts: activations and weights are passed to cuDNN channels_last (NHWC); inputs that are NCHW are
 converted by the kernel, outputs are channels_last. When a convolution's input channel count is not

@@ -15,13 +15,12 @@ its cuDNN benchmark cache that way).
 
 **Workspaces: one per device and stream.** Plans executed on one stream run one after another and
 can share a workspace; plans on two streams (two threads, or a capture stream beside the default
-one) would overwrite each other's scratch. A workspace only grows; it is allocated on the stream
-it serves, so when a larger one replaces it, PyTorch's caching allocator gives its memory again
-only to work ordered after it on that stream; so a device keeps the workspaces of its
-:data:`STREAMS_KEPT` streams used last and frees the others (short-lived streams: the side stream of
-a capture's warm-up, a timing's stream). A workspace handed out while its stream was being captured
-into a CUDA graph is never freed (docs/decisions.md, "cuDNN workspaces a CUDA graph used are
-kept").
+one) would overwrite each other's scratch. A workspace only grows. It is allocated on the stream
+it serves, so once freed, PyTorch's caching allocator gives its memory only to work ordered after
+it on that stream: a device can keep just the workspaces of its :data:`STREAMS_KEPT` streams used
+last and free the others (short-lived streams: the side stream of a capture's warm-up). A
+workspace handed out while its stream was being captured into a CUDA graph is never freed
+(docs/decisions.md, "cuDNN workspaces a CUDA graph used are kept").
 """
 
 from __future__ import annotations
