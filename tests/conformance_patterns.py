@@ -854,6 +854,35 @@ def model_attributes(s: Session) -> None:
     infer(s, x, "after functional_call")
 
 
+def threads_share_the_model(s: Session) -> None:
+    """Actor threads sharing one network: four threads call it at once, 20 calls each on an
+    input of their own; every thread's outputs are its own input's, call after call."""
+    import threading
+
+    xs = [x16(s) for _ in range(4)]
+    infer(s, xs[0], "first")  # the compile, on this thread
+    outs: list[list[torch.Tensor]] = [[] for _ in xs]
+    failures: list[BaseException] = []
+
+    def actor(i: int) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(20):
+                    outs[i].append(s(xs[i]).clone())
+        except BaseException as exc:  # noqa: BLE001 - raised below, on this thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=actor, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+    for i, out in enumerate(outs):
+        s.record(f"thread {i}", torch.stack(out))
+
+
 # --------------------------------------------------------------------------- the registry
 
 PATTERNS: list[Pattern] = [
@@ -950,6 +979,8 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 2 (found by a review, session 32)"),
     Pattern("model_attributes_and_functional_call", conv_bn, model_attributes,
             f"{ISSUE}, item 4 (session 33)"),
+    Pattern("threads_share_the_model", conv_bn, threads_share_the_model,
+            f"{ISSUE}, item 5 (session 34)"),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)
