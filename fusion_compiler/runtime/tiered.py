@@ -173,6 +173,9 @@ class TieredRunner:
         on_failure: called with a one-line reason when ``build`` or ``finish`` raised; calls then
             stay on ``first``.
 
+    Calls from several threads run one at a time, so the switch never closes a tier under
+    another thread's call; no switch happens inside the caller's own CUDA graph capture.
+
     Attributes:
         tier: 1 while calls go to ``first``, 2 after the switch.
     """
@@ -220,9 +223,11 @@ class TieredRunner:
         timeout passed first, else ``True`` (also when a compile failed: calls then stay on the
         tier before it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._start()
-        if self._future is not None:
-            done, _ = concurrent.futures.wait([self._future], timeout=timeout)
+        with self._lock:
+            self._start()
+            future = self._future  # (None once another thread switched)
+        if future is not None:
+            done, _ = concurrent.futures.wait([future], timeout=timeout)
             if not done:
                 return False
             self._switch()
@@ -233,23 +238,20 @@ class TieredRunner:
 
     def _switch(self) -> None:
         with self._lock:
-            if self._future is None:  # another thread switched meanwhile
+            future, self._future = self._future, None
+            if future is None:  # another thread switched meanwhile
                 return
-            self._switch_now()
-
-    def _switch_now(self) -> None:
-        future, self._future = self._future, None
-        finish, on_failure = self._finish, self._on_failure
-        self._build = self._finish = self._on_failure = None  # their example inputs are freed
-        try:
-            second = finish(future.result())
-        except Exception as exc:  # the compile or the capture failed: stay on the first tier
-            on_failure(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
-            return
-        first, self.run, self.tier = self.run, second, 2
-        close = getattr(first, "close", None)
-        if close is not None:
-            close()
+            finish, on_failure = self._finish, self._on_failure
+            self._build = self._finish = self._on_failure = None  # their example inputs: freed
+            try:
+                second = finish(future.result())
+            except Exception as exc:  # the compile or the capture failed: stay on the first tier
+                on_failure(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+                return
+            first, self.run, self.tier = self.run, second, 2
+            close = getattr(first, "close", None)
+            if close is not None:
+                close()
 
     def close(self) -> None:
         """Drop the pending compile (its result is discarded) and close the current tier (after
