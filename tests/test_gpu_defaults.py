@@ -472,8 +472,9 @@ def test_plans_run_on_the_stream_of_the_thread_that_calls_them_while_another_thr
 
 def test_threads_calling_one_compiled_model_each_get_the_output_of_their_own_input(tmp_path):
     """Actor threads sharing one policy network: calls from several threads at once each fill
-    the graph's input buffers, replay and take the outputs in turn (before, one thread's input
-    could be replayed for another), also when the threads run on streams of their own."""
+    the graph's input buffers, replay and take the outputs in turn (without the turns, as read
+    from the code, one thread's input could be replayed for another), also when the threads run
+    on streams of their own."""
     import threading
 
     model = _reference_net()
@@ -505,3 +506,4 @@ def test_threads_calling_one_compiled_model_each_get_the_output_of_their_own_inp
             t.join()
     assert not failures, failures
     assert len(errors) == 400 and max(errors) < 1e-2, max(errors)
+    assert compiled.last.run.tier == 2 and compiled.last.cuda_graph == "safe"  # replays served
