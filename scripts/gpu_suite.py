@@ -9,7 +9,9 @@ A chunk is a group of test files (:data:`CHUNKS`, about 6-8 minutes each on an H
 hold ``gpu`` tests and are in no chunk form the last one, so a new GPU test file is never left
 out. Each chunk writes ``DIR/chunk-<k>.json``: the commit, the hash of the files that ran (``tree``:
 compare with ``git rev-parse --short=12 HEAD^{tree}``), the counts (passed, failed, errors,
-skipped), the failing and skipped tests with their reasons, and the wall time.
+skipped), the failing and skipped tests with their reasons, and the wall time. A test failing
+with a CUDA error appends the CUDA graph captures open and the last ones made, and the live
+threads, to ``DIR/capture-log-chunk-<k>.txt`` (``scripts/capture_log.py``).
 """
 
 from __future__ import annotations
@@ -83,9 +85,12 @@ def run_chunk(k: int, out: Path, extra: list[str]) -> dict:
     xml = out / f"chunk-{k}.xml"
     commit, tree = _commit(), _tree()  # before the tests write anything
     start = time.monotonic()
+    env = {**os.environ, "FUSION_COMPILER_CAPTURE_LOG": str(out / f"capture-log-chunk-{k}.txt"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"),
+                                                       os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p",
-                           "no:cacheprovider", f"--junitxml={xml}", *extra,
-                           *(str(TESTS / f) for f in files)], cwd=ROOT)
+                           "no:cacheprovider", "-p", "capture_log", f"--junitxml={xml}", *extra,
+                           *(str(TESTS / f) for f in files)], cwd=ROOT, env=env)
     result = {"chunk": k, "files": files, "commit": commit, "tree": tree, "exit": proc.returncode,
               "seconds": round(time.monotonic() - start, 1), **_counts(xml)}
     (out / f"chunk-{k}.json").write_text(json.dumps(result, indent=1))

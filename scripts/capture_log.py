@@ -1,0 +1,74 @@
+"""A pytest plugin for the GPU suite (``-p capture_log``, with ``scripts/`` on ``sys.path``;
+:mod:`gpu_suite` loads it): every CUDA graph capture's begin and end through PyTorch's API
+(``torch.cuda.CUDAGraph.capture_begin``/``capture_end``, which ``torch.cuda.graph`` and this
+package's captures use) is kept in memory with its thread, stream, test and caller; when a test
+fails with a CUDA error, the captures still open and the last 60 events, with the names of the
+live threads, are appended to the file ``$FUSION_COMPILER_CAPTURE_LOG``. Made to chase a "capturing
+blocking stream" error that struck one test in a few hundred (docs/decisions.md, "Plans build in
+worker processes while the caller's work runs")."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import traceback
+
+import torch
+
+_EVENTS: collections.deque = collections.deque(maxlen=400)
+_OPEN: dict[int, tuple] = {}
+_TEST = ["?"]
+
+
+def _event(kind: str, caller: str = "") -> tuple:
+    return (time.monotonic(), threading.current_thread().name, kind,
+            torch.cuda.current_stream().cuda_stream, _TEST[0], caller)
+
+
+def _patch() -> None:
+    cls = torch.cuda.CUDAGraph
+    begin, end = cls.capture_begin, cls.capture_end
+
+    def capture_begin(self, *args, **kwargs):
+        frames = traceback.extract_stack(limit=7)[:-1]
+        entry = _event("begin", " < ".join(f"{f.name}:{f.lineno}" for f in reversed(frames)))
+        _EVENTS.append(entry)
+        _OPEN[id(self)] = entry
+        return begin(self, *args, **kwargs)
+
+    def capture_end(self, *args, **kwargs):
+        try:
+            return end(self, *args, **kwargs)
+        finally:
+            _OPEN.pop(id(self), None)
+            _EVENTS.append(_event("end"))
+
+    cls.capture_begin, cls.capture_end = capture_begin, capture_end
+
+
+def pytest_configure(config) -> None:
+    if torch.cuda.is_available():
+        _patch()
+
+
+def pytest_runtest_setup(item) -> None:
+    _TEST[0] = item.nodeid.split("::")[-1]
+
+
+def pytest_runtest_makereport(item, call) -> None:
+    path = os.environ.get("FUSION_COMPILER_CAPTURE_LOG")
+    if not path or call.excinfo is None or call.when != "call":
+        return
+    text = str(call.excinfo.value)
+    if not any(word in text for word in ("CUDA", "cuda", "CUDNN", "capturing")):
+        return
+    now = time.monotonic()
+    with open(path, "a") as out:
+        print(f"\n=== {item.nodeid}: {len(_OPEN)} capture(s) open", file=out)
+        for entry in _OPEN.values():
+            print("OPEN", f"{entry[0] - now:+.3f}s", *entry[1:], file=out)
+        for entry in list(_EVENTS)[-60:]:
+            print(f"{entry[0] - now:+.3f}s", *entry[1:], file=out)
+        print("threads:", [t.name for t in threading.enumerate()], file=out)
