@@ -33,7 +33,6 @@ runs it without a graph.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .tensors import inference_graph_modes, restored
+from .tensors import Turns, inference_graph_modes, restored
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -207,9 +206,7 @@ class CudaGraphRunner:
         self._direct_key: tuple | None = None
         self._last_key: tuple | None = None
         self._epochs: list[Any] = []  # the values each capture derived, kept with its graph
-        self._lock = threading.RLock()  # one call at a time
-        self._device = torch.cuda.current_device()
-        self._stream: tuple[int, torch.cuda.Stream] | None = None  # the last call's (raw, stream)
+        self._turns = Turns(torch.device("cuda", torch.cuda.current_device()))
         with self._making():
             self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a
                                   for a in example_args]
@@ -315,13 +312,7 @@ class CudaGraphRunner:
         if torch.cuda.is_current_stream_capturing():  # the caller's own capture: no replay
             with self._scope():  # there; the forward (prologue included) joins its graph
                 return self._forward(args)
-        with self._lock:
-            raw = torch._C._cuda_getCurrentRawStream(self._device)
-            if self._stream is None or self._stream[0] != raw:
-                stream = torch.cuda.current_stream(self._device)
-                if self._stream is not None:
-                    stream.wait_stream(self._stream[1])
-                self._stream = (raw, stream)
+        with self._turns.turn():
             return self._call(args)
 
     def _call(self, args: Sequence[Any]) -> Any:
@@ -365,7 +356,7 @@ class CudaGraphRunner:
     def close(self) -> None:
         """Free the graphs, their memory pools and the static buffers (the runner is unusable
         after; a call running on another thread ends first)."""
-        with self._lock:
+        with self._turns.lock:
             self._drop_extra_graphs()
             if self.main is not None:
                 self.main.reset()

@@ -18,6 +18,10 @@ What :class:`TrainingGraphRunner` keeps of plain autograd:
 - **Buffers see one update per call.** Warm-up runs (which update BatchNorm's running statistics)
   are undone: the buffers are restored after capture.
 - **Outputs survive later calls**: each forward returns copies of the graph's output buffers.
+- **Threads take turns** (:class:`~.tensors.Turns`): a forward's copies, replay and copies out,
+  and a backward's, run one at a time and in stream order, so two threads' calls never mix their
+  inputs, activations or gradients; a forward of another thread between a forward and its
+  backward makes that backward raise (below), as any later forward does.
 
 Limits (each raises ``RuntimeError`` naming the fix): a backward must follow its own forward
 before the next forward of the same specialization (the forward graph's saved activations are
@@ -31,13 +35,14 @@ replay (the pattern of ``torch.cuda.make_graphed_callables``).
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .tensors import layout_like, restored
+from .tensors import Turns, layout_like, restored
 from ..ir.errors import condense
 from .cuda_graph import CaptureError, _release_rng_capture, capturing
 from .weight_cache import derivation_epoch
@@ -74,6 +79,8 @@ class TrainingGraphRunner:
         self.static_inputs = [a.detach().clone().requires_grad_(a.requires_grad)
                               if isinstance(a, torch.Tensor) else a for a in example_args]
         self.pair: _GraphPair | None = None
+        self._turns = Turns(torch.device("cuda", torch.cuda.current_device()))
+        self._capturing = threading.Lock()  # one capture at a time, none under a replay's turn
         self._capture()
 
     def _token(self) -> tuple:
@@ -129,7 +136,7 @@ class TrainingGraphRunner:
     def _capture_graphs(self, named: dict[str, torch.Tensor],
                         alias_of: dict[int, torch.Tensor]) -> None:
         pool = torch.cuda.graph_pool_handle()
-        self.pair = pair = _GraphPair(self.parameters)  # closed if it fails
+        self.pair = pair = _GraphPair(self.parameters, self._turns)  # closed if it fails
         with torch.enable_grad():
             pair.capture_forward(lambda: self._run(named), self.static_inputs, pool)
         pair.capture_backward([alias_of[id(p)] for p in pair.parameters],
@@ -137,16 +144,18 @@ class TrainingGraphRunner:
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args: Any) -> Any:
-        if self._token() != self.token:
-            self._capture()
-        pair = self.pair
+        with self._capturing:
+            if self._token() != self.token:
+                self._capture()
+            pair = self.pair
         flat = _Replay.apply(pair, len(args), *args, *pair.parameters)
         return tree_unflatten(list(flat), pair.out_spec)
 
     def close(self) -> None:
         """Free the graphs and their memory pool."""
         if self.pair is not None:
-            self.pair.close()
+            with self._turns.lock:  # not under another thread's replay
+                self.pair.close()
         self.pair = None
         self._epoch = None
 
@@ -154,8 +163,9 @@ class TrainingGraphRunner:
 class _GraphPair:
     """The forward and backward graphs of the step, their static buffers and replays."""
 
-    def __init__(self, parameters: list[torch.nn.Parameter]):
-        self.parameters = parameters
+    def __init__(self, parameters: list[torch.nn.Parameter], turns: Turns):
+        self.parameters, self.turns = parameters, turns
+        self.closed = False
         self.fwd_graph: torch.cuda.CUDAGraph | None = None
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
         self.generation = 0  # forward replays so far: a backward must belong to the latest
@@ -203,21 +213,38 @@ class _GraphPair:
         self.param_grads = [None if g is None else g.detach() for g in grads[n:]]
         self.live_outputs, self.inputs = [], []  # the capture's autograd graph is spent
 
-    def forward(self, inputs: Sequence[Any]) -> list[Any]:
+    def forward(self, inputs: Sequence[Any]) -> tuple[list[Any], int]:
         """Copy ``inputs`` into the static buffers (where they are other tensors), replay the
-        forward graph, return copies of the outputs (flattened)."""
-        for static, a in zip(self.static_inputs, inputs):
-            if isinstance(a, torch.Tensor) and a.data_ptr() != static.data_ptr():
-                static.copy_(a)
-        self.fwd_graph.replay()
-        self.generation += 1
-        return [t.clone() if isinstance(t, torch.Tensor) else t for t in self.static_outputs]
+        forward graph; return copies of the outputs (flattened) and the replay's generation."""
+        with self.turns.turn():
+            self._refuse_closed("forward")
+            for static, a in zip(self.static_inputs, inputs):
+                if isinstance(a, torch.Tensor) and a.data_ptr() != static.data_ptr():
+                    static.copy_(a)
+            self.fwd_graph.replay()
+            self.generation += 1
+            return ([t.clone() if isinstance(t, torch.Tensor) else t
+                     for t in self.static_outputs], self.generation)
+
+    def _refuse_closed(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"fusion_compiler: {what} of a CUDA-graphed training call whose graphs were freed "
+                "since its forward (the compiled module captured them again: a parameter was "
+                "replaced or its requires_grad changed; or it was closed). Call backward before "
+                "changing the parameters, or compile with cuda_graph=False.")
 
     def backward(self, generation: int, grad_outputs: Sequence[torch.Tensor | None]
                  ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Replay the backward graph for the forward replay ``generation`` with these output
         gradients (``None``: zero); return fresh copies of the input gradients (by position)
         and of the parameter gradients."""
+        with self.turns.turn():
+            self._refuse_closed("backward")
+            return self._backward(generation, grad_outputs)
+
+    def _backward(self, generation: int, grad_outputs: Sequence[torch.Tensor | None]
+                  ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         if generation != self.generation:
             raise RuntimeError(
                 "fusion_compiler: backward of a CUDA-graphed training call after a later call of "
@@ -244,6 +271,7 @@ class _GraphPair:
                 [None if g is None else next(it) for g in self.param_grads])
 
     def close(self) -> None:
+        self.closed = True
         for graph in (self.fwd_graph, self.bwd_graph):
             if graph is not None:
                 graph.reset()
@@ -278,8 +306,7 @@ class _Replay(torch.autograd.Function):
     def forward(ctx, pair: _GraphPair, n_inputs: int, *tensors: Any):
         ctx.pair = pair
         inputs = tensors[:n_inputs]
-        outs = pair.forward(inputs)
-        ctx.generation = pair.generation
+        outs, ctx.generation = pair.forward(inputs)
         ctx.input_requires = [isinstance(t, torch.Tensor) and t.requires_grad for t in inputs]
         diff = set(pair.diff_positions)
         ctx.mark_non_differentiable(*(t for i, t in enumerate(outs)

@@ -1,14 +1,16 @@
 """Tensor utilities the runners and kernels share: buffers given back their values after work that
-must not move them, gradients laid out like their parameters, channel views of wider tensors."""
+must not move them, gradients laid out like their parameters, channel views of wider tensors, and
+the turns threads take over a graph's buffers."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["stream_capturing", "autocast_dtype", "shared_storage", "restored",
+__all__ = ["Turns", "stream_capturing", "autocast_dtype", "shared_storage", "restored",
            "inference_graph_modes", "layout_like", "channel_view_strides", "as_channel_view"]
 
 
@@ -16,6 +18,38 @@ def stream_capturing() -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph (``False`` without
     CUDA): then work may only be issued, not waited for, and no graph may be replayed."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Turns:
+    """Calls that share buffers (a CUDA graph's static inputs, outputs and activations), one at a
+    time and in stream order.
+
+    :meth:`turn` holds a re-entrant lock, so that one thread's copies into the buffers, replay
+    and copies out are never interleaved with another's; and a turn taken on another CUDA stream
+    than the last one first makes that stream wait for the last (whose replay may still read or
+    write the buffers on the GPU: the host's order alone does not order two streams).
+
+    Args:
+        device: the buffers' device; streams are followed only for a CUDA device.
+    """
+
+    def __init__(self, device: torch.device):
+        self.lock = threading.RLock()
+        self._device = device
+        self._stream: tuple[int, torch.cuda.Stream] | None = None  # the last turn's (raw, stream)
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold the buffers for one call, on the current stream."""
+        with self.lock:
+            if self._device.type == "cuda":
+                raw = torch._C._cuda_getCurrentRawStream(self._device.index)
+                if self._stream is None or self._stream[0] != raw:
+                    stream = torch.cuda.current_stream(self._device)
+                    if self._stream is not None:
+                        stream.wait_stream(self._stream[1])
+                    self._stream = (raw, stream)
+            yield
 
 
 def inference_graph_modes(inference: bool) -> contextlib.ExitStack:
