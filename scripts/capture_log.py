@@ -119,11 +119,13 @@ def pytest_runtest_makereport(item, call) -> None:
         return
     now = time.monotonic()
     with open(path, "a") as out:
-        print(f"\n=== {item.nodeid}: {len(_OPEN)} capture(s) open", file=out)
+        print(f"\n=== {item.nodeid} at {time.strftime('%H:%M:%S')}.{int(time.time() % 1 * 1000):03d}:"
+              f" {len(_OPEN)} capture(s) open", file=out)
         for entry in _OPEN.values():
             print("OPEN", f"{entry[0] - now:+.3f}s", *entry[1:], file=out)
         for entry in list(_EVENTS)[-60:]:
             print(f"{entry[0] - now:+.3f}s", *entry[1:], file=out)
-        print("threads:", [t.name for t in threading.enumerate()], file=out)
+        print("threads (name, native id as in CUDA's log):",
+              [(t.name, t.native_id) for t in threading.enumerate()], file=out)
         for entry in [e for e in list(_STACKS) if e[0] > now - 3.0]:
             print(f"{entry[0] - now:+.4f}s", entry[1], " < ".join(entry[2]), file=out)

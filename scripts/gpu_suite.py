@@ -11,8 +11,9 @@ out. Each chunk writes ``DIR/chunk-<k>.json``: the commit, the hash of the files
 compare with ``git rev-parse --short=12 HEAD^{tree}``), the counts (passed, failed, errors,
 skipped), the failing and skipped tests with their reasons, and the wall time. A test failing
 with a CUDA error appends the CUDA graph captures open and the last ones made, and the live
-threads, to ``DIR/capture-log-chunk-<k>.txt`` (``scripts/capture_log.py``).
-"""
+threads, to ``DIR/capture-log-chunk-<k>.txt`` (``scripts/capture_log.py``); CUDA itself writes
+every failing API call (time, thread id, entry point, reason) to ``DIR/cuda-log-chunk-<k>.txt``
+(its ``CUDA_LOG_FILE``, CUDA 12.9 and later; unless the variable is set already)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def run_chunk(k: int, out: Path, extra: list[str]) -> dict:
     xml = out / f"chunk-{k}.xml"
     commit, tree = _commit(), _tree()  # before the tests write anything
     start = time.monotonic()
-    env = {**os.environ, "FUSION_COMPILER_CAPTURE_LOG": str(out / f"capture-log-chunk-{k}.txt"),
+    env = {"CUDA_LOG_FILE": str(out / f"cuda-log-chunk-{k}.txt"),  # CUDA's own error log
+           **os.environ, "FUSION_COMPILER_CAPTURE_LOG": str(out / f"capture-log-chunk-{k}.txt"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"),
                                                        os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p",
