@@ -7,17 +7,24 @@ live threads, are appended to the file ``$FUSION_COMPILER_CAPTURE_LOG``. Made to
 blocking stream" error that struck one test in a few hundred (docs/decisions.md, "Plans build in
 worker processes while the caller's work runs").
 
-With ``FUSION_COMPILER_CAPTURE_WATCH=1`` a watcher thread also asks CUDA every 2 ms whether the
-legacy stream would join a capture (``cudaStreamIsCapturing`` on it fails with
-``cudaErrorStreamCaptureImplicit`` while any blocking stream of the device is capturing, whatever
-API began the capture), and keeps what every thread was doing when its stack last changed; each
-time the answer is yes, every thread's stack is appended to the log at once."""
+With ``FUSION_COMPILER_CAPTURE_WATCH=1`` two watchers run as well. A Python thread samples every
+thread's stack every 2 ms and keeps each change. A C thread (``legacy_watch.c``, built here with
+``cc``; skipped without one) asks the CUDA driver every ~10 us whether the legacy stream would join
+a capture: ``cuStreamIsCapturing`` on it returns ``CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`` while any
+blocking stream of the context is capturing, whatever API began the capture. It needs no GIL,
+which matters: the cuDNN frontend's Python calls (plan building, deserialization, execution) hold
+the GIL, so no Python thread runs while they do. A failure prints the last 3 s of stack changes
+and such answers in time order; the end of the session appends how many answers were yes, and in
+which tests."""
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -66,15 +73,13 @@ def _stack(frame, depth: int = 12) -> tuple:
     return tuple(names)
 
 
-def _watch(path: str) -> None:
-    """Sample every thread's stack and ask CUDA whether a blocking stream is capturing."""
+def _watch() -> None:
+    """Sample every thread's stack every 2 ms; keep each change."""
     me, names, last = threading.get_ident(), {}, {}
-    seen_at = 0.0
     while True:
         time.sleep(0.002)
         now = time.monotonic()
-        frames = sys._current_frames()
-        for ident, frame in frames.items():
+        for ident, frame in sys._current_frames().items():
             if ident == me:
                 continue
             stack = _stack(frame)
@@ -83,18 +88,40 @@ def _watch(path: str) -> None:
                 if ident not in names:
                     names = {t.ident: t.name for t in threading.enumerate()}
                 _STACKS.append((now, names.get(ident, str(ident)), stack))
-        try:
-            torch.cuda.is_current_stream_capturing()  # on this thread's legacy stream
-        except Exception as error:  # noqa: BLE001 - any error is what we look for
-            if now - seen_at > 0.05:
-                seen_at = now
-                names = {t.ident: t.name for t in threading.enumerate()}
-                with open(path, "a") as out:
-                    print(f"\n=== WATCH {time.time():.3f} during {_TEST[0]}: {error!s:.120}",
-                          file=out)
-                    for ident, frame in frames.items():
-                        print(f"--- {names.get(ident, ident)}:",
-                              " < ".join(_stack(frame, 40)), file=out)
+
+
+_C: list = []  # the C watcher's library, once started
+_STARTS: list[tuple[float, str]] = []  # (monotonic time, test) of every test's start
+
+
+def _c_watcher(path: str):
+    """Build and start ``legacy_watch.c``; ``None`` (said in the log) where that fails."""
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "legacy_watch.c")
+    library = os.path.join(tempfile.mkdtemp(prefix="legacy_watch"), "legacy_watch.so")
+    try:
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, source, "-ldl",
+                        "-lpthread"], check=True, capture_output=True, timeout=60)
+        lib = ctypes.CDLL(library)
+        torch.ones(1, device="cuda")  # the primary context exists before the watcher takes it
+        if lib.watch_start(torch.cuda.current_device()) != 0:
+            raise OSError("pthread_create failed")
+    except (OSError, subprocess.SubprocessError) as error:
+        with open(path, "a") as out:
+            print(f"capture_log: no C watcher ({error!s:.200})", file=out)
+        return None
+    return lib
+
+
+def _c_hits() -> tuple[list[int], list[float]]:
+    """The C watcher's counts (polls, yes, other errors, last other error) and yes times."""
+    counts, times = (ctypes.c_long * 4)(), (ctypes.c_double * 256)()
+    _C[0].watch_read(counts, times)
+    return list(counts), list(times)[:min(counts[1], 256)]
+
+
+def _test_at(when: float) -> str:
+    tests = [name for start, name in _STARTS if start <= when]
+    return tests[-1] if tests else "?"
 
 
 def pytest_configure(config) -> None:
@@ -102,12 +129,27 @@ def pytest_configure(config) -> None:
         _patch()
         path = os.environ.get("FUSION_COMPILER_CAPTURE_LOG")
         if path and os.environ.get("FUSION_COMPILER_CAPTURE_WATCH") == "1":
-            threading.Thread(target=_watch, args=(path,), name="capture_log watcher",
-                             daemon=True).start()
+            threading.Thread(target=_watch, name="capture_log watcher", daemon=True).start()
+            lib = _c_watcher(path)
+            if lib is not None:
+                _C.append(lib)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    path = os.environ.get("FUSION_COMPILER_CAPTURE_LOG")
+    if not (_C and path):
+        return
+    (polls, yes, other, last), times = _c_hits()
+    with open(path, "a") as out:
+        print(f"\n=== C watcher: {polls} polls, {yes} answered that a blocking stream was "
+              f"capturing, {other} other errors (last {last})", file=out)
+        for when in times:
+            print(f"  yes at {when:.6f} during {_test_at(when)}", file=out)
 
 
 def pytest_runtest_setup(item) -> None:
     _TEST[0] = item.nodeid.split("::")[-1]
+    _STARTS.append((time.monotonic(), _TEST[0]))
 
 
 def pytest_runtest_makereport(item, call) -> None:
@@ -127,5 +169,11 @@ def pytest_runtest_makereport(item, call) -> None:
             print(f"{entry[0] - now:+.3f}s", *entry[1:], file=out)
         print("threads (name, native id as in CUDA's log):",
               [(t.name, t.native_id) for t in threading.enumerate()], file=out)
-        for entry in [e for e in list(_STACKS) if e[0] > now - 3.0]:
-            print(f"{entry[0] - now:+.4f}s", entry[1], " < ".join(entry[2]), file=out)
+        recent = [(e[0], e[1], " < ".join(e[2])) for e in list(_STACKS) if e[0] > now - 3.0]
+        if _C:
+            counts, times = _c_hits()
+            print(f"C watcher: {counts[0]} polls, {counts[1]} yes so far", file=out)
+            recent += [(t, "C watcher", "a blocking stream is capturing") for t in times
+                       if t > now - 3.0]
+        for when, thread, what in sorted(recent, key=lambda e: e[0]):
+            print(f"{when - now:+.4f}s", thread, what, file=out)
