@@ -185,6 +185,10 @@ def run_all(out: Path, gpus: list[str], extra: list[str]) -> int:
                 print(f"GPU {','.join(take)}: {tail[0] if tail else f'chunk {k}: no output'}",
                       flush=True)
     print(summary(out))
+    for k in range(1, len(chunks()) + 1):
+        result = out / f"chunk-{k}.json"
+        for name in json.loads(result.read_text())["failures"] if result.exists() else []:
+            print(f"  chunk {k} failed: {name} (log-chunk-{k}.txt)")
     return int(failed)
 
 
