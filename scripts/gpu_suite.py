@@ -19,9 +19,10 @@ out. Each chunk writes ``DIR/chunk-<k>.json``: the commit, the hash of the files
 compare with ``git rev-parse --short=12 HEAD^{tree}``), the counts (passed, failed, errors,
 skipped), the failing and skipped tests with their reasons, and the wall time. A test failing
 with a CUDA error appends the CUDA graph captures open and the last ones made, and the live
-threads, to ``DIR/capture-log-chunk-<k>.txt`` (``scripts/capture_log.py``); CUDA itself writes
-every failing API call (time, thread id, entry point, reason) to ``DIR/cuda-log-chunk-<k>.txt``
-(its ``CUDA_LOG_FILE``, CUDA 12.9 and later; unless the variable is set already)."""
+threads, to ``DIR/capture-log-chunk-<k>.txt`` (``scripts/capture_log.py``). With
+``FUSION_COMPILER_CAPTURE_WATCH=1`` that plugin's watchers run too, and CUDA itself writes every
+failing API call (time, thread id, entry point, reason) to ``DIR/cuda-log-chunk-<k>.txt`` (its
+``CUDA_LOG_FILE``, CUDA 12.9 and later; unless the variable is set already)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def run_chunk(k: int, out: Path, extra: list[str]) -> dict:
     xml = out / f"chunk-{k}.xml"
     commit, tree = _commit(), _tree()  # before the tests write anything
     start = time.monotonic()
-    env = {"CUDA_LOG_FILE": str(out / f"cuda-log-chunk-{k}.txt"),  # CUDA's own error log
+    watch = os.environ.get("FUSION_COMPILER_CAPTURE_WATCH") == "1"
+    env = {**({"CUDA_LOG_FILE": str(out / f"cuda-log-chunk-{k}.txt")} if watch else {}),
            **os.environ, "FUSION_COMPILER_CAPTURE_LOG": str(out / f"capture-log-chunk-{k}.txt"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"),
                                                        os.environ.get("PYTHONPATH")]))}
