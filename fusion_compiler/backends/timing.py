@@ -13,7 +13,7 @@ import torch
 from ..ir.errors import TimingDeferred
 from ..ir.ops import node_device
 from ..ir.region import channel_view_total
-from ..runtime.tensors import channel_view_strides
+from ..runtime.tensors import channel_view_strides, side_stream
 from ..runtime.background import COMPILE_LOCK, ThreadFlag, gc_paused
 from ..runtime.weight_cache import derivation_epoch
 
@@ -121,18 +121,6 @@ def _captured(run: Callable[[], object], iters: int, stream: torch.cuda.Stream
     return graph
 
 
-_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _timing_stream() -> torch.cuda.Stream:
-    """The stream timed graphs are captured on, one per device (one cuDNN workspace serves all
-    of them: :mod:`.cudnn.resources` keeps one per stream)."""
-    device = torch.cuda.current_device()
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
-
-
 def paired_time_ms(runs: Sequence[Callable[[], object]], reps: int = 3, iters: int = 10
                    ) -> list[float]:
     """GPU time of one call of each of ``runs`` in ms, as :func:`gpu_time_ms` takes it, with the
@@ -144,7 +132,7 @@ def paired_time_ms(runs: Sequence[Callable[[], object]], reps: int = 3, iters: i
         TimingDeferred: inside :func:`timing_deferred`.
     """
     ensure_timing_allowed()
-    stream = _timing_stream()
+    stream = side_stream("timing")  # one cuDNN workspace serves it (:mod:`.cudnn.resources`)
     stream.wait_stream(torch.cuda.current_stream())
     with derivation_epoch() as epoch:  # held until the graphs are timed
         with torch.cuda.stream(stream):

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .tensors import Turns, inference_graph_modes, restored
+from .tensors import Turns, inference_graph_modes, restored, side_stream
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -51,19 +51,12 @@ class CaptureError(RuntimeError):
     """The forward could not be captured in a CUDA graph; the message says why (CUDA's error)."""
 
 
-_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
 def _capture_stream() -> torch.cuda.Stream:
     """The stream graphs are captured on, one per device, of the highest priority: its kernels
     become graph nodes of that priority (torch instantiates graphs with node priorities), which
     the GPU schedules before those of the derivation running beside the forward on a stream of
     the default priority (:meth:`.derivations.Derivations.prologue`)."""
-    device = torch.cuda.current_device()
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(
-            device, priority=torch.cuda.Stream.priority_range()[1])
-    return _CAPTURE_STREAMS[device]
+    return side_stream("capture", high_priority=True)
 
 
 def _normal_tensors(state: Sequence[torch.Tensor] = ()) -> contextlib.AbstractContextManager:

@@ -1,6 +1,7 @@
 """Tensor utilities the runners and kernels share: buffers given back their values after work that
 must not move them, gradients laid out like their parameters, channel views of wider tensors, and
-the turns threads take over a graph's buffers."""
+the turns threads take over a graph's buffers, and the side streams this package issues its own work
+on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["Turns", "stream_capturing", "autocast_dtype", "shared_storage", "restored",
+__all__ = ["Turns", "side_stream", "stream_capturing", "autocast_dtype", "shared_storage", "restored",
            "inference_graph_modes", "layout_like", "channel_view_strides", "as_channel_view"]
 
 
@@ -18,6 +19,27 @@ def stream_capturing() -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph (``False`` without
     CUDA): then work may only be issued, not waited for, and no graph may be replayed."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_SIDE_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def side_stream(purpose: str, high_priority: bool = False) -> torch.cuda.Stream:
+    """This package's own stream for ``purpose`` on the current device, made once and kept (every
+    thread gets the same one). Like every stream torch makes, it is a non-blocking stream
+    (``cudaStreamNonBlocking``): work on it never orders itself against the legacy default stream,
+    and a capture on it never makes a legacy-stream call of another thread fail (CUDA Runtime API,
+    "Stream synchronization behavior"; docs/decisions.md, "cuDNN deserialization captures").
+    ``high_priority`` takes the highest priority the device offers
+    (``torch.cuda.Stream.priority_range()``); kernels captured on it keep that priority."""
+    key = (purpose, torch.cuda.current_device())
+    with _SIDE_LOCK:
+        stream = _SIDE_STREAMS.get(key)
+        if stream is None:
+            priority = torch.cuda.Stream.priority_range()[1] if high_priority else 0
+            stream = _SIDE_STREAMS[key] = torch.cuda.Stream(key[1], priority=priority)
+    return stream
 
 
 class Turns:

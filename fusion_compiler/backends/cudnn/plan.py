@@ -19,6 +19,7 @@ import torch
 
 from ...ir.errors import UnsupportedError, condense
 from ...runtime.plan_cache import PlanCache, StaleEntry
+from ...runtime.tensors import side_stream
 from ..timing import ensure_timing_allowed, gpu_time_ms
 from .autotune import PlanTiming, fastest, sample_pack
 from .graph import import_cudnn
@@ -124,10 +125,14 @@ class CudnnPlan:
         self._ordered = "tensor_uids" in inspect.signature(self.graph.execute).parameters
 
     def _deserialize(self, blob: bytes) -> Any:
+        # the handle on a side stream, never the legacy one: deserializing with a handle on the
+        # legacy stream keeps a blocking stream capturing, and another thread's legacy-stream
+        # work then fails (docs/decisions.md, "cuDNN deserialization captures")
         cudnn = import_cudnn()
-        handle = self.backend.handle(self.device)
-        graph = cudnn.pygraph(handle=handle)
-        graph.deserialize(handle, blob)
+        with torch.cuda.device(self.device), torch.cuda.stream(side_stream("cudnn-load")):
+            handle = self.backend.handle(self.device)
+            graph = cudnn.pygraph(handle=handle)
+            graph.deserialize(handle, blob)
         return graph
 
     def _load(self) -> Any:

@@ -76,11 +76,18 @@ _HANDLE: list = []
 
 
 def _handle() -> Any:
-    """This process's cuDNN handle for building (created on first use, on the current device)."""
+    """This process's cuDNN handle for building (created on first use, on the current device). In
+    the compiling process its stream is a side stream, never the legacy one, as for deserializing
+    (:meth:`.plan.CudnnPlan._deserialize`)."""
     if not _HANDLE:
         import cudnn  # noqa: PLC0415
 
-        _HANDLE.append(cudnn.create_handle())
+        handle = cudnn.create_handle()
+        if __package__:  # not a worker: torch is loaded
+            from ...runtime.tensors import side_stream  # noqa: PLC0415
+
+            cudnn.set_stream(handle=handle, stream=side_stream("cudnn-load").cuda_stream)
+        _HANDLE.append(handle)
     return _HANDLE[0]
 
 
