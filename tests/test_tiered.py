@@ -400,6 +400,24 @@ def test_tritons_cache_key_is_computed_once_on_the_background_thread(monkeypatch
     assert len(threads) == 1 and threads[0] is not threading.main_thread()
 
 
+
+@pytest.mark.parametrize("error", ["", "ImportError: no triton"])
+def test_triton_is_imported_on_the_calling_thread_before_any_background_warm_up(monkeypatch, error):
+    """Two threads importing Triton at once can each see it half imported (a kernel then
+    reported "Triton does not import" for the whole process, seen on an H200): the warm-up
+    imports it on the calling thread first, and starts nothing where it does not import."""
+    import fusion_compiler.kernels as kernels
+
+    events = []
+    monkeypatch.setattr(kernels, "triton_import_error",
+                        lambda: events.append(("import", threading.current_thread())) or error)
+    monkeypatch.setattr("fusion_compiler.runtime.background.submit",
+                        lambda work: events.append(("submit", work)))
+    monkeypatch.setattr(kernels, "_prewarm_started", False)
+    kernels.prewarm_triton()
+    assert events[0] == ("import", threading.current_thread())
+    assert [e[0] for e in events] == (["import"] if error else ["import", "submit"])
+
 _BACKWARD_CHOICE_SCRIPT = """
 import json, sys, torch
 from torch._dynamo.utils import counters

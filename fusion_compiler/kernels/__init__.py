@@ -3,29 +3,16 @@ implementation on CUDA and a PyTorch one elsewhere."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import torch
 
 from ..ir.errors import condense
+from ..runtime.triton_import import triton_import_error
 
 __all__ = ["triton_unavailable", "triton_import_error", "load_kernel", "prewarm_triton"]
 
 _prewarm_started = False
-
-
-@functools.cache
-def triton_import_error() -> str:
-    """Why Triton does not import here, as one line (``""``: it imports): the one test of it
-    that the kernel loaders (:func:`load_kernel`), the backends and passes (through
-    :func:`triton_unavailable`) and the glue's Inductor check consult."""
-    try:
-        import triton  # noqa: F401, PLC0415
-        import triton.language  # noqa: F401, PLC0415
-    except Exception as exc:  # ImportError, or a broken install
-        return condense(f"{type(exc).__name__}: {exc}", limit=200)
-    return ""
 
 
 def load_kernel(what: str, load: Callable[[], Any]) -> Any:
@@ -71,6 +58,8 @@ def prewarm_triton() -> None:
     if _prewarm_started:
         return
     _prewarm_started = True
+    if triton_import_error():  # Triton is imported here, on the calling thread, not beside it
+        return
     from ..runtime.background import submit  # noqa: PLC0415
 
     submit(_triton_cache_key)

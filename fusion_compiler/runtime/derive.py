@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .triton_import import triton_import_error
+
 __all__ = ["Expr", "Program", "NotDerivable", "derive_reason", "evaluator", "evaluate"]
 
 _WORDS = 2048  # words per fingerprint program (one load each: many programs in flight)
@@ -48,6 +50,8 @@ class NotDerivable(Exception):
 
 @functools.cache
 def _kernels() -> Any:
+    if triton_import_error():  # (Triton imported under its lock first)
+        return None
     try:
         from . import derive_triton  # noqa: PLC0415
     except Exception:  # noqa: BLE001 - ImportError, or a broken Triton install
