@@ -302,6 +302,32 @@ def test_dead_plan_workers_fail_their_jobs_instead_of_hanging():
         workers.close()
 
 
+def test_plan_workers_that_cannot_start_are_tried_once_and_said_once(monkeypatch, caplog):
+    """Starting the worker processes spawns processes: where that fails it is not tried at every
+    compile, and the plans building in this process instead is one WARNING, not a silent note."""
+    from fusion_compiler.backends.cudnn import backend, workers
+    from fusion_compiler.runtime import background
+
+    starts = []
+
+    def no_processes(gpu_uuid, size, command=None):
+        starts.append(gpu_uuid)
+        raise OSError("[Errno 11] Resource temporarily unavailable")
+
+    monkeypatch.setattr(workers, "PlanWorkers", no_processes)
+    monkeypatch.setattr(workers, "_START_FAILED", {})
+    monkeypatch.setattr(background, "_warned", set())
+    monkeypatch.setenv(workers.ENV_VAR, "2")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Properties", (), {"uuid": "test-gpu"})())
+    caplog.set_level(logging.INFO, logger="fusion_compiler")
+    for _ in range(3):
+        assert backend.CudnnBackend._pool(torch.device("cuda", 0)) is None
+    assert starts == ["GPU-test-gpu"]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "Resource temporarily unavailable" in warned[0].getMessage()
+    assert "plans build in this process" in warned[0].getMessage()
+
 def test_weight_copies_are_made_at_every_call_outside_a_derivation_scope():
     """A kernel's weight copy is never remembered across calls outside a scope: writes that no
     version counter records (``p.data``, a fused optimizer) must not leave it stale. Within one

@@ -31,7 +31,6 @@ Precision: fp16 and bf16 I/O with fp32 intermediate and compute types; fp32 I/O 
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 from typing import Any, Sequence
 
@@ -41,7 +40,7 @@ from ...config import CompileOptions
 from ...ir.errors import UnsupportedError
 from ...ir.ops import node_device
 from ...ir.region import BackwardPlan, Region
-from ...runtime.background import on_background_thread
+from ...runtime.background import on_background_thread, warn_once
 from ...runtime.plan_cache import PlanCache, default_cache_dir
 from ..base import REUSE_BATCH_RATIO, Backend, Lowered, Support
 from .backward import register_cudnn_backward
@@ -55,7 +54,6 @@ from .workers import PlanWorkers, build_candidates, workers_for
 
 __all__ = ["CudnnBackend", "HEURISTICS", "REUSE_BATCH_RATIO"]
 
-log = logging.getLogger("fusion_compiler")
 HEURISTICS = ("A", "FALLBACK")
 """cuDNN heuristics modes whose ranked plans are candidates, in this order."""
 
@@ -193,8 +191,8 @@ class CudnnBackend(Backend):
         try:
             return workers_for(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
         except (OSError, RuntimeError) as exc:
-            log.info("plan-build workers unavailable (%s); building plans in this process",
-                     condense_error(exc))
+            warn_once("starting the plan-build worker processes",
+                      f"{condense_error(exc)}; plans build in this process")
             return None
 
     def plan_work(self, region: Region) -> str:
@@ -237,10 +235,9 @@ class CudnnBackend(Backend):
         """The built candidate plans of ``recipe`` (see :func:`.workers.build_candidates`)
         and whether they follow a choice made at another batch size (only with ``reuse``); from
         the jobs :meth:`prefetch` started, else, on the background thread, from worker processes
-        (cuDNN's plan building in this process beside the caller's CUDA work was the one thing
-        running when that work failed with "operation would make the legacy stream depend on a
-        capturing blocking stream": docs/decisions.md, "Plans built in worker processes while
-        the caller's work runs"), else built now in this process.
+        (the frontend holds the GIL while it builds, which would stall the caller's thread:
+        docs/decisions.md, "Plans build in worker processes while the caller's work runs"), else
+        built now in this process (one WARNING names why, where workers should have built them).
 
         Raises:
             UnsupportedError: cuDNN rejected the graph (its reason).
@@ -263,8 +260,8 @@ class CudnnBackend(Backend):
                 try:
                     result = future.result()
                 except Exception as exc:  # a worker died: build this one here
-                    log.info("plan-build worker failed (%s); building in this process",
-                             condense_error(exc))
+                    warn_once("building a plan in a worker process",
+                              f"{condense_error(exc)}; such plans build in this process")
             if result is None:
                 with torch.cuda.device(device):
                     result = build_candidates(job)

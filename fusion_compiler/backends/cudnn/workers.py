@@ -303,6 +303,7 @@ def _loaded_libcudnn() -> str:
 
 _POOLS: dict[str, PlanWorkers] = {}
 _POOLS_LOCK = threading.Lock()
+_START_FAILED: dict[str, str] = {}  # GPU UUID: why its workers could not start
 
 
 def pool_size() -> int:
@@ -316,14 +317,25 @@ def pool_size() -> int:
 def workers_for(gpu_uuid: str) -> PlanWorkers | None:
     """The shared pool for the GPU ``gpu_uuid``, started on first use; ``None`` when the pool size
     is below 2 (then plans build in the compiling process). A pool idle for ``IDLE_SECONDS`` is
-    shut down by a watcher thread (its CUDA contexts freed) and a later call starts a new one."""
+    shut down by a watcher thread (its CUDA contexts freed) and a later call starts a new one.
+
+    Raises:
+        OSError: the workers could not be started; not tried again in this process (each try
+            spawns processes), later calls raise the same error at once.
+    """
     size = pool_size()
     if size < 2:
         return None
     with _POOLS_LOCK:
+        if gpu_uuid in _START_FAILED:
+            raise OSError(_START_FAILED[gpu_uuid])
         pool = _POOLS.get(gpu_uuid)
         if pool is None:
-            pool = _POOLS[gpu_uuid] = PlanWorkers(gpu_uuid, size)
+            try:
+                pool = _POOLS[gpu_uuid] = PlanWorkers(gpu_uuid, size)
+            except OSError as exc:
+                _START_FAILED[gpu_uuid] = str(exc) or type(exc).__name__
+                raise
             threading.Thread(target=_reap, args=(gpu_uuid, pool), daemon=True,
                              name="fusion_compiler plan worker reaper").start()
         return pool
