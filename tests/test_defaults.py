@@ -300,6 +300,8 @@ def test_dead_plan_workers_fail_their_jobs_instead_of_hanging():
                 future.result(timeout=60)
     finally:
         workers.close()
+    with pytest.raises(EOFError):  # a pool closed (idle) after a caller took it
+        workers.submit({"mode": "first"}).result(timeout=1)
 
 
 def test_plan_workers_that_cannot_start_are_tried_once_and_said_once(monkeypatch, caplog):

@@ -193,7 +193,8 @@ class PlanWorkers:
     :meth:`submit` queues a job and returns a ``Future`` of its result; a thread per worker feeds
     it jobs (blocked on the pipe, it holds no GIL). A worker that dies fails its job with
     ``EOFError`` (the caller builds that job itself) and is not replaced; when the last one dies,
-    every queued job fails likewise, so no caller waits forever.
+    every queued job fails likewise, so no caller waits forever; so does a job submitted after
+    :meth:`close` (the idle reaper may close a pool a caller has just taken).
 
     Args:
         command: the worker's command line (default: this file run by this Python).
@@ -223,8 +224,9 @@ class PlanWorkers:
     def submit(self, job: dict) -> Future:
         future: Future = Future()
         with self._cond:
-            if self._closed:
-                raise RuntimeError("the plan-build workers were shut down")
+            if self._closed:  # shut down (idle) after the caller took the pool: build elsewhere
+                future.set_exception(EOFError("the plan-build workers were shut down"))
+                return future
             self._jobs.append((future, job))
             self._last_used = time.monotonic()
             self._cond.notify()
