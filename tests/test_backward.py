@@ -176,6 +176,21 @@ def test_gradcheck_float64_through_the_custom_op():
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7)
 
 
+def test_a_second_derivative_through_a_region_raises_instead_of_dropping_terms():
+    """``create_graph=True`` (a gradient penalty): the first gradients are the usual ones, and
+    differentiating them raises at once; silently, the region's non-differentiable backward
+    kernels would make them constants and drop the penalty's terms."""
+    region = _fixup_region(1)
+    train, key = _region_op(region)
+    inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
+              for ph in train.graph_module.graph.find_nodes(op="placeholder")]
+    first = torch.autograd.grad(run_region(key, inputs)[0].sum(), inputs)
+    again = torch.autograd.grad(run_region(key, inputs)[0].sum(), inputs, create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    penalty = sum(g.square().sum() for g in again)
+    with pytest.raises(RuntimeError, match="second derivative through a fused region"):
+        penalty.backward()
+
 class _Counting(TorchConvGradients):
     def __init__(self, conv):
         super().__init__(conv)

@@ -144,7 +144,27 @@ def _backward(ctx, grads):
                            "gradients enabled to get a training specialization")
     saved = ctx.saved_tensors
     inputs, outputs = saved[:ctx.n_inputs], saved[ctx.n_inputs:]
-    return None, list(backward(list(ctx.needs_input_grad[1]), inputs, outputs, list(grads)))
+    if not torch.is_grad_enabled():  # the usual backward (``create_graph=False``)
+        return None, list(backward(list(ctx.needs_input_grad[1]), inputs, outputs, list(grads)))
+    # create_graph=True (a gradient penalty): the backward's kernels are not differentiable, so
+    # its gradients would silently count as constants in a second derivative. They are returned
+    # as they are, but differentiating them raises, as PyTorch's @once_differentiable does
+    with torch.no_grad():
+        result = list(backward(list(ctx.needs_input_grad[1]), inputs, outputs, list(grads)))
+    tensors = [i for i, g in enumerate(result) if isinstance(g, torch.Tensor)]
+    if tensors:
+        marked = _NOT_TWICE(_SECOND_DERIVATIVE, len(tensors))(
+            *[result[i].detach().requires_grad_() for i in tensors])
+        for i, g in zip(tensors, marked if isinstance(marked, tuple) else (marked,)):
+            result[i] = g
+    return None, result
+
+
+_SECOND_DERIVATIVE = (b"fusion_compiler: a second derivative through a fused region (a backward "
+                      b"with create_graph=True, then a backward through its gradients, as a "
+                      b"gradient penalty does) is not supported: the region's backward kernels "
+                      b"are not differentiable. Compute this loss with the uncompiled module")
+_NOT_TWICE = torch._C._functions.DelayedError  # what @once_differentiable marks gradients with
 
 
 run_region.register_autograd(_backward, setup_context=_setup_context)
