@@ -170,8 +170,8 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
             control flow, for instance; the message carries fx's own error), or assigns to
             the model (``self.count += 1``; the model is left as it was), or enters a
-            ``torch.autocast`` block. A ``DistributedDataParallel`` module gets a message naming
-            the fix.
+            ``torch.autocast`` block, or has a ``forward`` replaced on the instance (fx traces
+            the class's). A ``DistributedDataParallel`` module gets a message naming the fix.
     """
     if isinstance(model, fx.GraphModule):
         return _inline_writing_checkpoints(fx.GraphModule(model, copy_graph(model.graph)))
@@ -181,6 +181,13 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
             "inside it and wrap the result, DDP(fusion_compiler.compile(model)), so DDP still "
             "all-reduces the gradients (or use torch.compile(DDP(model), "
             "backend='fusion_compiler'))")
+    if "forward" in vars(model):  # fx traces type(model).forward, not what __call__ runs
+        raise FusionError(
+            f"{type(model).__name__}.forward was replaced on the instance "
+            f"({_short_name(vars(model)['forward'])}), and compile(model) traces the class's "
+            "forward: define it in a subclass, or use torch.compile(model, "
+            "backend='fusion_compiler'), which follows it (a forward replaced on a submodule "
+            "is followed)")
     on_calling_thread("torch.fx tracing")
     tracer = ModeRecordingTracer()
     writes = ModuleWrites(model)  # the trace runs forward's Python code: the model is put back
@@ -225,3 +232,9 @@ def untrainable(gm: fx.GraphModule, name: str) -> str | None:
             if "CheckpointFunction" in functions else "")
     return (f"{name}.forward applies torch.autograd.Function {', '.join(functions)}, whose "
             f"backward a traced graph does not keep{hint}")
+
+
+def _short_name(value: Any) -> str:
+    """A callable's qualified name, for a message."""
+    inner = getattr(value, "__func__", None) or getattr(value, "func", None) or value
+    return getattr(inner, "__qualname__", type(value).__name__)

@@ -144,6 +144,15 @@ class ModeRecordingTracer(fx.Tracer):
             _symbolic_trace._is_fx_tracing_flag = _TracingThread(self._thread)
         self.__dict__["root"] = module
 
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        """fx's rule (``torch.nn``'s own modules are leaves, kept as ``call_module`` nodes),
+        except that a module whose ``forward`` was replaced on the instance (a user's wrapper,
+        an offloading library's hook) is traced through: ``nn.Module.__call__`` runs that
+        ``forward``, not the class's that a leaf node stands for."""
+        if "forward" in vars(m):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
     def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         if self._elsewhere():  # another thread's call: the module runs as it would
             return forward(*args, **kwargs)

@@ -400,6 +400,27 @@ def submodule_hook(s: Session) -> None:
     s.record("hook calls", len(seen))
 
 
+def forward_replaced_on_a_submodule(s: Session) -> None:
+    """A submodule's ``forward`` wrapped on the instance, before the first call and after it
+    (what offloading libraries' hooks do: ``module.forward = wrapper``); then put back."""
+    conv1, conv2 = s.model.conv1, s.model.conv2
+    conv1.forward = lambda x, inner=conv1.forward: inner(x) * 0.5
+    infer(s, x16(s))
+    conv2.forward = lambda x, inner=conv2.forward: F.relu(inner(x)) + 0.25
+    infer(s, x16(s), "second wrapped")
+    del conv1.forward
+    infer(s, x16(s), "first put back")
+
+
+def forward_replaced_on_the_model(s: Session) -> None:
+    """The model's own ``forward`` replaced on the instance after calls: ``compile(model)``
+    traces the class's forward, so it refuses at the next call (Dynamo follows it)."""
+    infer(s, x16(s))
+    model = s.model
+    model.forward = lambda x, inner=model.forward: inner(x) * 2.0
+    infer(s, x16(s), "replaced")
+
+
 def weight_norm_legacy(s: Session) -> None:
     torch.nn.utils.weight_norm(s.model.conv2)
     opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
@@ -927,6 +948,11 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 4; pytorch/pytorch #91665, #117758"),
     Pattern("submodule_hook", conv_bn, submodule_hook,
             f"{ISSUE}, item 4; pytorch/pytorch #149502", refused={"compile": FusionError}),
+    Pattern("forward_replaced_on_a_submodule", conv_bn, forward_replaced_on_a_submodule,
+            f"{ISSUE}, item 4; huggingface/accelerate's hooks (add_hook_to_module) "
+            "(found in session 36)"),
+    Pattern("forward_replaced_on_the_model", conv_bn, forward_replaced_on_the_model,
+            f"{ISSUE}, item 4 (found in session 36)", refused={"compile": FusionError}),
     Pattern("weight_norm_legacy", ConvNet, weight_norm_legacy, f"{ISSUE}, item 4"),
     Pattern("spectral_norm_legacy", ConvNet, spectral_norm_legacy, f"{ISSUE}, item 4"),
     Pattern("weight_norm_parametrization", ConvNet, parametrized_weight_norm, DYNAMO_TESTS),

@@ -24,6 +24,7 @@ import copy
 import operator
 import types
 import weakref
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -129,6 +130,9 @@ class StateGuard:
         self._children = tuple(map(dict.get, self._module_dicts, self._module_names))
         self._child_tables = [m._modules for m in modules]  # a submodule added: forward may
         self._child_counts = list(map(len, self._child_tables))  # iterate them, or test "in"
+        # a forward replaced on an instance (``m.forward = ...``) is what nn.Module.__call__ runs
+        self._vars = [vars(m) for m in modules]
+        self._forwards = list(map(dict.get, self._vars, repeat("forward")))
         self._hook_tables = hook_tables(self.module)
         self._hooks = sum(map(len, self._hook_tables))
         attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
@@ -157,7 +161,8 @@ class StateGuard:
 
     def changed(self) -> bool:
         """Whether a parameter, buffer or submodule was replaced or removed since :meth:`take`
-        (a tensor's memory replaced too), a hook added or removed below the root, a plain
+        (a tensor's memory replaced too), a hook added or removed below the root, a module's
+        ``forward`` replaced (or put back) on the instance, a plain
         attribute (a number, a tensor that is no parameter or buffer) set to another value, or
         an attribute, parameter, buffer or submodule added under a name a trace saw ``forward``
         read and not find (``hasattr(self, "shift")``), or a submodule added anywhere. Tensors
@@ -169,7 +174,9 @@ class StateGuard:
                        self._children)) or list(map(len, self._child_tables)) != self._child_counts:
             return True
         return (list(map(_data_ptr, now)) != self._ptrs
-                or sum(map(len, self._hook_tables)) != self._hooks or self._attributes_changed()
+                or sum(map(len, self._hook_tables)) != self._hooks
+                or list(map(dict.get, self._vars, repeat("forward"))) != self._forwards
+                or self._attributes_changed()
                 or any(n in t for tables, n in self._absent for t in tables))
 
     def describe(self) -> str:
@@ -187,6 +194,8 @@ class StateGuard:
             return "a submodule was added"
         if sum(map(len, self._hook_tables)) != self._hooks:
             return "a hook was added or removed on a submodule (or a global one)"
+        if list(map(dict.get, self._vars, repeat("forward"))) != self._forwards:
+            return "a module's forward was replaced on the instance"
         for d, n, old in zip(self._attr_dicts, self._attr_names, self._attr_values):
             new = d.get(n, _MISSING)
             if not _same(old, new):
