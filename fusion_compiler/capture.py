@@ -15,6 +15,7 @@ import torch.fx as fx
 from .ir.errors import FusionError, InputTypeError
 from .ir.ops import calls_named, copy_graph, writes_in_place
 from .runtime.background import on_calling_thread, warn_once
+from .runtime.hooks import instance_forward
 from .runtime.state import ModuleWrites, note_reads
 from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
 
@@ -181,10 +182,11 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
             "inside it and wrap the result, DDP(fusion_compiler.compile(model)), so DDP still "
             "all-reduces the gradients (or use torch.compile(DDP(model), "
             "backend='fusion_compiler'))")
-    if "forward" in vars(model):  # fx traces type(model).forward, not what __call__ runs
+    replaced = instance_forward(model)
+    if replaced is not None:  # fx traces type(model).forward, not what __call__ runs
         raise FusionError(
             f"{type(model).__name__}.forward was replaced on the instance "
-            f"({_short_name(vars(model)['forward'])}), and compile(model) traces the class's "
+            f"({_short_name(replaced)}), and compile(model) traces the class's "
             "forward: define it in a subclass, or use torch.compile(model, "
             "backend='fusion_compiler'), which follows it (a forward replaced on a submodule "
             "is followed)")

@@ -29,6 +29,8 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx import _symbolic_trace
 
+from .runtime.hooks import instance_forward
+
 __all__ = ["ModeRecordingTracer", "TRACE_LOCK", "mark_grad_modes", "recording_reads"]
 
 TRACE_LOCK = threading.Lock()
@@ -149,7 +151,7 @@ class ModeRecordingTracer(fx.Tracer):
         except that a module whose ``forward`` was replaced on the instance (a user's wrapper,
         an offloading library's hook) is traced through: ``nn.Module.__call__`` runs that
         ``forward``, not the class's that a leaf node stands for."""
-        if "forward" in vars(m):
+        if instance_forward(m) is not None:
             return False
         return super().is_leaf_module(m, module_qualified_name)
 

@@ -28,6 +28,8 @@ _KINDS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backw
 _GLOBALS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
             "_global_backward_hooks")
 _swap = threading.RLock()
+_SWAPPED: dict[int, tuple[Any, Any]] = {}  # id(module): (forward set for a call, the one before)
+_NONE = object()
 
 
 def _name(hook: Any) -> str:
@@ -89,8 +91,25 @@ def call_with_hooks(module: torch.nn.Module, forward: Callable[..., Any], args: 
     ``nn.Module.__call__`` does it, with ``forward`` in place of ``module.forward`` for this one
     call (an instance attribute, set and removed under a lock)."""
     with _swap:
+        before = vars(module).get("forward", _NONE)  # a forward the user set on the instance
+        _SWAPPED[id(module)] = (forward, before)
         module.forward = forward
         try:
             return module(*args, **kwargs)
         finally:
-            del module.forward
+            if before is _NONE:
+                del module.forward
+            else:
+                module.forward = before
+            del _SWAPPED[id(module)]
+
+
+def instance_forward(module: torch.nn.Module) -> Any:
+    """The ``forward`` set on ``module``'s instance (``module.forward = f``: what
+    ``nn.Module.__call__`` runs instead of the class's), or ``None``; the one
+    :func:`call_with_hooks` sets for the length of a call is seen through."""
+    forward = vars(module).get("forward")
+    swapped = _SWAPPED.get(id(module))
+    if swapped is not None and swapped[0] is forward:
+        return None if swapped[1] is _NONE else swapped[1]
+    return forward

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..ir.errors import FusionError, condense
-from .hooks import hook_tables
+from .hooks import hook_tables, instance_forward
 
 __all__ = ["StateGuard", "ModuleWrites", "plain", "note_reads"]
 
@@ -131,8 +131,9 @@ class StateGuard:
         self._child_tables = [m._modules for m in modules]  # a submodule added: forward may
         self._child_counts = list(map(len, self._child_tables))  # iterate them, or test "in"
         # a forward replaced on an instance (``m.forward = ...``) is what nn.Module.__call__ runs
+        self._modules = modules
         self._vars = [vars(m) for m in modules]
-        self._forwards = list(map(dict.get, self._vars, repeat("forward")))
+        self._forwards = list(map(instance_forward, modules))
         self._hook_tables = hook_tables(self.module)
         self._hooks = sum(map(len, self._hook_tables))
         attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
@@ -147,6 +148,11 @@ class StateGuard:
                   for m in modules]
         self._absent = [(t, n) for t, cls, names in tables for n in sorted(names)
                         if not any(n in d for d in t) and _settable(cls, n)]
+
+    def _forward_changed(self) -> bool:
+        # the instance dictionaries first (in C); a difference may be the hook swap of one call
+        return (list(map(dict.get, self._vars, repeat("forward"))) != self._forwards
+                and list(map(instance_forward, self._modules)) != self._forwards)
 
     def _attributes_changed(self) -> bool:
         now = tuple(map(dict.get, self._attr_dicts, self._attr_names))
@@ -175,8 +181,7 @@ class StateGuard:
             return True
         return (list(map(_data_ptr, now)) != self._ptrs
                 or sum(map(len, self._hook_tables)) != self._hooks
-                or list(map(dict.get, self._vars, repeat("forward"))) != self._forwards
-                or self._attributes_changed()
+                or self._forward_changed() or self._attributes_changed()
                 or any(n in t for tables, n in self._absent for t in tables))
 
     def describe(self) -> str:
@@ -194,7 +199,7 @@ class StateGuard:
             return "a submodule was added"
         if sum(map(len, self._hook_tables)) != self._hooks:
             return "a hook was added or removed on a submodule (or a global one)"
-        if list(map(dict.get, self._vars, repeat("forward"))) != self._forwards:
+        if self._forward_changed():
             return "a module's forward was replaced on the instance"
         for d, n, old in zip(self._attr_dicts, self._attr_names, self._attr_values):
             new = d.get(n, _MISSING)
