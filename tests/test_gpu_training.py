@@ -167,3 +167,26 @@ def test_autocast_training_tracks_eager(precision, monkeypatch):
                    log_every=1)
     for step, eager, ours in curve:
         assert abs(ours - eager) <= 0.03 * abs(eager), (step, eager, ours)
+
+
+@pytest.mark.parametrize("cuda_graph", ["auto", False])
+def test_a_gradient_penalty_through_cudnn_regions_raises_at_the_second_backward(cuda_graph):
+    """A gradient penalty (``torch.autograd.grad(..., create_graph=True)``, then a backward
+    through the result): the first gradients equal those of a plain backward, and the backward
+    through them raises (the captured backward and the cuDNN dgrad/wgrad kernels are not
+    differentiable), never silently dropping the regions' terms. Written in session 36, not
+    yet run on a GPU."""
+    torch.manual_seed(0)
+    factory, shape = PATTERNS["conv_relu_chain"]
+    model = factory().cuda().half().train()
+    compiled = fc.compile(model, cache_dir=False, autotune=1, cuda_graph=cuda_graph)
+    for _ in range(3):  # past tier 0 (PyTorch ops), whose double backward is eager's
+        compiled.wait_for_background_compiles()
+        x = torch.randn(shape, device="cuda", dtype=torch.half, requires_grad=True)
+        out = compiled(x)
+        plain, = torch.autograd.grad(out.float().square().mean(), x, retain_graph=True)
+        first, = torch.autograd.grad(out.float().square().mean(), x, create_graph=True)
+    assert all(r.backend == "cudnn" for r in compiled.last.regions)
+    assert _l2_err(first.float(), plain.float()) < 1e-3
+    with pytest.raises(RuntimeError, match="second derivative|differentiate twice|double backward"):
+        first.float().square().sum().backward()
