@@ -188,8 +188,8 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
             f"{type(model).__name__}.forward was replaced on the instance "
             f"({_short_name(replaced)}), and compile(model) traces the class's "
             "forward: define it in a subclass, or use torch.compile(model, "
-            "backend='fusion_compiler'), which follows it (a forward replaced on a submodule "
-            "is followed)")
+            "backend='fusion_compiler'), which follows it (one replaced on a submodule is "
+            "traced through)")
     on_calling_thread("torch.fx tracing")
     tracer = ModeRecordingTracer()
     writes = ModuleWrites(model)  # the trace runs forward's Python code: the model is put back
@@ -200,8 +200,13 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         writes.restore()
+        detail = str(exc)
+        replaced = [path for path, m in model.named_modules() if instance_forward(m) is not None]
+        if replaced:  # traced through instead of kept as fx leaves: say so
+            detail += (f" (the forward replaced on the instance of {', '.join(replaced)} is "
+                       "traced through, and a torch.nn module's own forward may not trace)")
         raise FusionError(
-            f"torch.fx.symbolic_trace failed for {type(model).__name__}: {exc}. "
+            f"torch.fx.symbolic_trace failed for {type(model).__name__}: {detail}. "
             "Use torch.compile(model, backend='fusion_compiler') for code fx cannot trace "
             "(data-dependent control flow, item assignment, NumPy values)."
         ) from exc

@@ -22,7 +22,7 @@ from .config import CompileOptions, Target
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
 from .ir.ops import writes_in_place
 from .runtime.background import warn_once
-from .runtime.hooks import call_with_hooks, has_hooks, unsupported_hook
+from .runtime.hooks import call_with_hooks, has_hooks, uncompiled_forward, unsupported_hook
 from .runtime.state import StateGuard
 from .runtime.state_dict import ModelAttributes, model_keys, prefixed_keys
 from .runtime.tensors import autocast_dtype, restored, shared_storage
@@ -256,7 +256,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         # inference tensors as eager does; a no_grad call gets normal ones (it may write them)
         inference = not grad and (torch.is_inference_mode_enabled() or self._inference)
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
-               frozen, inference, structure)
+               frozen, inference, structure, self._guard.training_flags())
         spec = self.specializations.get(key)
         if spec is not None:
             self.specializations.move_to_end(key)
@@ -312,12 +312,12 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         if self._writes and shared_storage(flatten_inputs(args, self._unpacked)[0]):
             warn_once(f"compiling {type(self.model).__name__}", "two inputs share memory and "
                       "the graph writes in place: such calls run the model uncompiled")
-            return self.model.forward(*args)  # (functionalize assumes inputs do not alias)
+            return uncompiled_forward(self.model)(*args)  # (functionalize: inputs never alias)
         if self._untrainable and self._needs_grad(args):
             warn_once(f"compiling {type(self.model).__name__}", f"{self._untrainable}: calls "
                       "that record gradients run the model uncompiled (or train through "
                       "torch.compile(model, backend='fusion_compiler'))")
-            return self.model.forward(*args)
+            return uncompiled_forward(self.model)(*args)
         try:
             spec, args = self._specialize(args, answer_early=True)
         except InputError as exc:

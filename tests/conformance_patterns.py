@@ -421,6 +421,104 @@ def forward_replaced_on_the_model(s: Session) -> None:
     infer(s, x16(s), "replaced")
 
 
+class DropPath(nn.Module):
+    """Stochastic depth as timm writes it: the sample mask only in training mode."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1 - self.p
+        return x * x.new_empty((x.shape[0], 1, 1, 1)).bernoulli_(keep) / keep
+
+
+class DropPathBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = DropPath(0.5)
+
+    def forward(self, x):
+        return F.relu(x + self.drop(self.bn(self.conv(x))))
+
+
+class Backbone(nn.Module):
+    """A backbone of DropPath blocks and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), DropPathBlock(),
+                                      DropPathBlock())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.backbone(x).mean((2, 3)))
+
+
+def backbone_frozen_in_eval_mode(s: Session) -> None:
+    """Linear probing: the backbone put in eval mode (its own DropPath code reads
+    ``self.training``) while the model trains; then all in train mode again."""
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    s.model.train()
+    torch.manual_seed(5)
+    step(s, opt, x16(s))
+    s.model.backbone.eval()
+    for p in s.model.backbone.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(6)
+    step(s, opt, x16(s))
+    s.model.backbone.train()
+    torch.manual_seed(7)
+    step(s, opt, x16(s))
+
+
+class Configured(nn.Module):
+    """A forward that reads objects of many kinds: an activation as a ``functools.partial``, a
+    mode as an enum member, scales as a list of tensors and a tuple, a NumPy scalar."""
+
+    def __init__(self):
+        super().__init__()
+        import enum
+        import functools
+
+        import numpy as np
+
+        self.Mode = enum.Enum("Mode", "PLAIN DOUBLED")
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+        self.mode = self.Mode.PLAIN
+        self.scales = [torch.tensor(1.0), torch.tensor(2.0)]
+        self.pair = (torch.tensor(1.0), torch.tensor(3.0))
+        self.gain = np.float32(0.5)
+
+    def forward(self, x):
+        y = self.act(self.conv(x)) * self.scales[1] + self.pair[1] * float(self.gain)
+        return y * 2 if self.mode is self.Mode.DOUBLED else y
+
+
+def attributes_of_other_kinds_changed(s: Session) -> None:
+    import functools
+
+    import numpy as np
+
+    m = s.model
+    infer(s, x16(s))
+    m.act = functools.partial(F.leaky_relu, negative_slope=0.3)
+    infer(s, x16(s), "partial")
+    m.mode = m.Mode.DOUBLED
+    infer(s, x16(s), "enum")
+    m.scales[1] = torch.tensor(-1.0)
+    infer(s, x16(s), "list item")
+    m.pair = (torch.tensor(1.0), torch.tensor(0.5))
+    infer(s, x16(s), "tuple")
+    m.gain = np.float32(2.0)
+    infer(s, x16(s), "numpy scalar")
+
+
 def weight_norm_legacy(s: Session) -> None:
     torch.nn.utils.weight_norm(s.model.conv2)
     opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
@@ -951,6 +1049,10 @@ PATTERNS: list[Pattern] = [
     Pattern("forward_replaced_on_a_submodule", conv_bn, forward_replaced_on_a_submodule,
             f"{ISSUE}, item 4; huggingface/accelerate's hooks (add_hook_to_module) "
             "(found in session 36)"),
+    Pattern("backbone_frozen_in_eval_mode", Backbone, backbone_frozen_in_eval_mode,
+            f"{ISSUE}, item 1; timm's DropPath (found by a probe, session 36)"),
+    Pattern("attributes_of_other_kinds_changed", Configured, attributes_of_other_kinds_changed,
+            f"{ISSUE}, item 1 (found by a probe, session 36)"),
     Pattern("forward_replaced_on_the_model", conv_bn, forward_replaced_on_the_model,
             f"{ISSUE}, item 4 (found in session 36)", refused={"compile": FusionError}),
     Pattern("weight_norm_legacy", ConvNet, weight_norm_legacy, f"{ISSUE}, item 4"),

@@ -449,3 +449,52 @@ def test_a_global_module_hook_is_refused_in_one_line_naming_what_was_compiled(do
             run(torch.randn(2, 3, 8, 8))
     finally:
         handle.remove()
+
+
+def test_a_forward_bound_back_to_the_class_s_own_is_no_replacement():
+    """Removing an offloading library's hook leaves ``m.forward = m.forward`` (the class's own,
+    bound) on every module: that compiles as the class's forward, torch.nn leaves kept."""
+    from conformance_patterns import conv_bn
+
+    model = conv_bn()
+    for m in model.modules():
+        m.forward = m.forward
+    compiled = fc.compile(model)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), model(x), atol=1e-5)
+
+
+def test_a_hooked_root_that_runs_uncompiled_calls_its_own_forward():
+    """A root with a forward hook whose call runs uncompiled (an autograd.Function in forward,
+    called with gradients) runs the module's forward, not the compiled call the hook path set
+    on the instance for that call (which recursed)."""
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            return Square.apply(self.conv(x))
+
+    model = Net()
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(1))
+    compiled = fc.compile(model)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    out = compiled(x)
+    out.sum().backward()
+    assert seen == [1] and torch.allclose(out, model(x), atol=1e-6)
+    assert "forward" not in vars(model)

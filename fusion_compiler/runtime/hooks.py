@@ -19,7 +19,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 __all__ = ["REPARAMETRIZATIONS", "unsupported_hook", "hook_tables", "has_hooks",
-           "call_with_hooks"]
+           "call_with_hooks", "instance_forward", "uncompiled_forward"]
 
 REPARAMETRIZATIONS = (WeightNorm, SpectralNorm)
 """Forward pre-hooks the graph computes itself (their weight, from the module's parameters)."""
@@ -89,9 +89,10 @@ def call_with_hooks(module: torch.nn.Module, forward: Callable[..., Any], args: 
     ``module.forward``: its pre-hooks first (which may replace the arguments), its forward hooks
     after (which may replace the output), its backward hooks on the gradients. PyTorch's own
     ``nn.Module.__call__`` does it, with ``forward`` in place of ``module.forward`` for this one
-    call (an instance attribute, set and removed under a lock)."""
+    call (an instance attribute, set under a lock, then put back as it was)."""
     with _swap:
         before = vars(module).get("forward", _NONE)  # a forward the user set on the instance
+        outer = _SWAPPED.get(id(module))  # a hook calling the model again nests the swaps
         _SWAPPED[id(module)] = (forward, before)
         module.forward = forward
         try:
@@ -101,15 +102,28 @@ def call_with_hooks(module: torch.nn.Module, forward: Callable[..., Any], args: 
                 del module.forward
             else:
                 module.forward = before
-            del _SWAPPED[id(module)]
+            if outer is None:
+                del _SWAPPED[id(module)]
+            else:
+                _SWAPPED[id(module)] = outer
 
 
 def instance_forward(module: torch.nn.Module) -> Any:
     """The ``forward`` set on ``module``'s instance (``module.forward = f``: what
-    ``nn.Module.__call__`` runs instead of the class's), or ``None``; the one
+    ``nn.Module.__call__`` runs instead of the class's), or ``None``: none, or one that is the
+    class's own bound to the module (what removing an offloading hook leaves). The one
     :func:`call_with_hooks` sets for the length of a call is seen through."""
     forward = vars(module).get("forward")
     swapped = _SWAPPED.get(id(module))
     if swapped is not None and swapped[0] is forward:
-        return None if swapped[1] is _NONE else swapped[1]
+        forward = None if swapped[1] is _NONE else swapped[1]
+    if (forward is not None and getattr(forward, "__self__", None) is module
+            and getattr(forward, "__func__", None) is getattr(type(module), "forward", None)):
+        return None
     return forward
+
+
+def uncompiled_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    """What ``module.forward`` is outside :func:`call_with_hooks`: the forward to run a call
+    uncompiled with, also from inside that call (where ``module.forward`` is the compiled one)."""
+    return instance_forward(module) or type(module).forward.__get__(module)

@@ -20,9 +20,7 @@ such an assignment at each call.
 
 from __future__ import annotations
 
-import copy
 import operator
-import types
 import weakref
 from itertools import repeat
 from typing import Any
@@ -38,6 +36,7 @@ _data_ptr = torch.Tensor.data_ptr
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
           torch.memory_format, torch.layout)
 _MISSING = object()
+_TRAINING = operator.attrgetter("training")
 
 
 def plain(value: Any) -> bool:
@@ -55,14 +54,37 @@ def _container(value: Any) -> bool:
     return isinstance(value, list) and all(map(plain, value))
 
 
+def _holds_objects(value: Any) -> bool:
+    """A list, tuple or dict (nested too) holding tensors or other objects than plain values:
+    compared item by item, objects by identity (:func:`_same`)."""
+    return isinstance(value, (list, tuple, dict)) and not plain(value) and not _container(value)
+
+
 def _same(old: Any, new: Any) -> bool:
-    return old is new or ((plain(old) or _container(old)) and type(old) is type(new)
-                          and old == new)
+    """Whether ``new`` is what ``old`` (kept by :func:`_kept`) was: plain values and lists or
+    dicts of them by value; lists, tuples and dicts holding other objects item by item; any
+    other object (a tensor, a ``functools.partial``, a config object) by identity."""
+    if old is new:
+        return True
+    if (plain(old) or _container(old)) and type(old) is type(new):
+        return old == new
+    if isinstance(old, (list, tuple)) and type(old) is type(new) and len(old) == len(new):
+        return all(map(_same, old, new))
+    if isinstance(old, dict) and type(new) is dict and old.keys() == new.keys():
+        return all(_same(v, new[k]) for k, v in old.items())
+    return False
 
 
 def _kept(value: Any) -> Any:
-    """What the guard keeps of ``value``: a copy of a list or dict (it may change in place)."""
-    return copy.copy(value) if isinstance(value, (list, dict)) else value
+    """What the guard keeps of ``value``: a copy of a list or dict, nested ones too (they may
+    change in place), the items themselves."""
+    if isinstance(value, list):
+        return [_kept(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _kept(v) for k, v in value.items()}
+    if isinstance(value, tuple) and _holds_objects(value):
+        return tuple(_kept(v) for v in value)
+    return value
 
 
 _UNREAD = frozenset({"training", "in_channels", "out_channels", "kernel_size", "transposed",
@@ -85,16 +107,25 @@ def note_reads(reads: dict[torch.nn.Module, set[str]]) -> None:
 def _guarded(module: torch.nn.Module) -> list[tuple[str, Any]]:
     """The attributes of ``module`` the guard compares: tensors that are neither parameters nor
     buffers; for ``torch.nn``'s own modules their public plain values less :data:`_UNREAD`; for
-    others every plain value, list or dict of them and function (not nn.Module's own) that a
-    trace saw its code read (:func:`note_reads`), or all of them where no trace ran its code."""
+    others every value (not nn.Module's own) that a trace saw its code read
+    (:func:`note_reads`), or all of them where no trace ran its code: plain values, lists and
+    dicts by value, other objects (a ``functools.partial``, an enum member, a config object, a
+    list of tensors) by identity, item by item in containers. What an object holds inside is not
+    looked at (a field of a config object set in place is not seen)."""
     if type(module).__module__.startswith("torch.nn."):
         return [(n, v) for n, v in vars(module).items() if n not in _UNREAD and (
             isinstance(v, torch.Tensor) or (not n.startswith("_") and plain(v)))]
     read = _READS.get(module)
     return [(n, v) for n, v in vars(module).items() if n not in _INTERNAL and (
-        isinstance(v, torch.Tensor) or ((read is None or n in read) and (
-            isinstance(v, (types.FunctionType, types.BuiltinFunctionType)) or plain(v)
-            or _container(v))))]
+        isinstance(v, torch.Tensor) or read is None or n in read)]
+
+
+def _order(value: Any) -> int:
+    """Where an attribute goes in the guard's comparison: 0 by ``==`` (plain values, lists and
+    dicts of them), 1 by identity (tensors, other objects), 2 item by item."""
+    if plain(value) or _container(value):
+        return 0
+    return 2 if _holds_objects(value) else 1
 
 
 class StateGuard:
@@ -137,17 +168,27 @@ class StateGuard:
         self._hook_tables = hook_tables(self.module)
         self._hooks = sum(map(len, self._hook_tables))
         attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
-        attributes.sort(key=lambda a: isinstance(a[2], torch.Tensor))  # plain values first
+        attributes.sort(key=lambda a: _order(a[2]))  # by ==, then by identity, then item by item
         self._attr_dicts = [d for d, _, _ in attributes]
         self._attr_names = [n for _, n, _ in attributes]
         self._attr_values = tuple(_kept(v) for _, _, v in attributes)
-        self._plain = sum(not isinstance(v, torch.Tensor) for v in self._attr_values)
+        orders = [_order(v) for v in self._attr_values]
+        self._plain, self._objects = orders.count(0), orders.count(0) + orders.count(1)
+        # the training flags of modules whose own code a trace runs (``if self.training:`` in
+        # it is traced as a constant); torch.nn's modules read theirs when they run
+        self._traced = [m for m in modules if not type(m).__module__.startswith("torch.nn.")]
         # names a trace saw forward read that the module did not have (``hasattr(self, "x")``,
         # a class-level default): one set on the module later changes what forward computes
         tables = [((vars(m), m._parameters, m._buffers, m._modules), type(m), _READS.get(m, ()))
                   for m in modules]
         self._absent = [(t, n) for t, cls, names in tables for n in sorted(names)
                         if not any(n in d for d in t) and _settable(cls, n)]
+
+    def training_flags(self) -> tuple[bool, ...]:
+        """The ``training`` flags of the modules whose own ``forward`` code a trace runs (not
+        ``torch.nn``'s): part of a specialization's key, since ``if self.training:`` in that
+        code is traced as a constant (a backbone put in eval mode under a training root)."""
+        return tuple(map(_TRAINING, self._traced))
 
     def _forward_changed(self) -> bool:
         # the instance dictionaries first (in C); a difference may be the hook swap of one call
@@ -156,9 +197,10 @@ class StateGuard:
 
     def _attributes_changed(self) -> bool:
         now = tuple(map(dict.get, self._attr_dicts, self._attr_names))
-        k = self._plain  # plain values compare with ==, identity first (in C); tensors by identity
-        if now[:k] == self._attr_values[:k] and all(map(operator.is_, now[k:],
-                                                        self._attr_values[k:])):
+        k, j = self._plain, self._objects  # ==, identity first (in C); identity; item by item
+        if (now[:k] == self._attr_values[:k]
+                and all(map(operator.is_, now[k:j], self._attr_values[k:j]))
+                and all(map(_same, self._attr_values[j:], now[j:]))):
             return False
         if not all(map(_same, self._attr_values, now)):
             return True
