@@ -181,7 +181,7 @@ def test_a_second_derivative_through_a_region_raises_instead_of_dropping_terms()
     differentiating them raises at once; silently, the region's non-differentiable backward
     kernels would make them constants and drop the penalty's terms."""
     region = _fixup_region(1)
-    train, key = _region_op(region)
+    train, key = _region_op(region, _Opaque(region.conv))
     inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
               for ph in train.graph_module.graph.find_nodes(op="placeholder")]
     first = torch.autograd.grad(run_region(key, inputs)[0].sum(), inputs)
@@ -190,6 +190,30 @@ def test_a_second_derivative_through_a_region_raises_instead_of_dropping_terms()
     penalty = sum(g.square().sum() for g in again)
     with pytest.raises(RuntimeError, match="second derivative through a fused region"):
         penalty.backward()
+
+
+class _Opaque(TorchConvGradients):
+    """dgrad and wgrad as kernels autograd cannot follow (as cuDNN's are)."""
+
+    differentiable = False
+
+    def _backward(self, dy, x, w, mask):
+        with torch.no_grad():
+            return super()._backward(dy, x, w, mask)
+
+
+def test_a_second_derivative_through_pytorch_gradients_is_eager_s():
+    """Where dgrad and wgrad are PyTorch's (a region whose gradients run as PyTorch ops), a
+    second derivative through the region is right: gradgradcheck in float64."""
+    region = _fixup_region(1)
+    train, key = _region_op(region)
+    inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
+              for ph in train.graph_module.graph.find_nodes(op="placeholder")]
+
+    def f(*xs):
+        return tuple(run_region(key, list(xs)))[:len(region.output_nodes)]
+
+    assert torch.autograd.gradgradcheck(f, inputs, eps=1e-6, atol=1e-6)
 
 class _Counting(TorchConvGradients):
     def __init__(self, conv):

@@ -87,6 +87,10 @@ class TorchConvGradients:
     """dgrad/wgrad with PyTorch's ``aten.convolution_backward`` (cuDNN's or the CPU's own
     kernels, as eager autograd uses them) for the convolution node ``conv``."""
 
+    differentiable = True
+    """``aten.convolution_backward`` has a derivative of its own: a backward through these
+    gradients (``create_graph=True``) is eager's."""
+
     def __init__(self, conv: fx.Node):
         _, _, _, self.stride, self.padding, self.dilation, self.groups = conv.args
 
@@ -210,6 +214,12 @@ class RegionBackward:
             raise ValueError(f"region {region.region_id} does not return {missing}, which its "
                              f"backward reads: build it with training_region()")
         self._wanted: dict[tuple[bool, ...], frozenset[fx.Node]] = {}
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether a backward through this backward's gradients is right: its pointwise rules
+        are PyTorch ops, so when its dgrad and wgrad are too (:class:`TorchConvGradients`)."""
+        return getattr(self.conv_grads, "differentiable", False)
 
     def _wanted_nodes(self, needs_grad: Sequence[bool]) -> frozenset[fx.Node]:
         """The inputs that need a gradient and every node whose gradient leads to one; computed

@@ -144,11 +144,12 @@ def _backward(ctx, grads):
                            "gradients enabled to get a training specialization")
     saved = ctx.saved_tensors
     inputs, outputs = saved[:ctx.n_inputs], saved[ctx.n_inputs:]
-    if not torch.is_grad_enabled():  # the usual backward (``create_graph=False``)
+    if not torch.is_grad_enabled() or getattr(backward, "differentiable", False):
+        # the usual backward (``create_graph=False``), or one made of differentiable ops
         return None, list(backward(list(ctx.needs_input_grad[1]), inputs, outputs, list(grads)))
-    # create_graph=True (a gradient penalty): the backward's kernels are not differentiable, so
-    # its gradients would silently count as constants in a second derivative. They are returned
-    # as they are, but differentiating them raises, as PyTorch's @once_differentiable does
+    # create_graph=True (a gradient penalty) through kernels that are not differentiable (cuDNN
+    # dgrad and wgrad): its gradients would silently count as constants in a second derivative.
+    # They are returned as they are, but differentiating them raises, as @once_differentiable
     with torch.no_grad():
         result = list(backward(list(ctx.needs_input_grad[1]), inputs, outputs, list(grads)))
     tensors = [i for i, g in enumerate(result) if isinstance(g, torch.Tensor)]
