@@ -334,6 +334,35 @@ def test_plan_workers_that_cannot_start_are_tried_once_and_said_once(monkeypatch
     assert len(warned) == 1 and "Resource temporarily unavailable" in warned[0].getMessage()
     assert "plans build in this process" in warned[0].getMessage()
 
+def test_plan_workers_that_all_exit_at_start_are_not_started_again(monkeypatch):
+    """Workers that start but exit before answering (no cuDNN handle: a GPU in exclusive
+    mode) fail their jobs, and the GPU gets no new pool in this process."""
+    from fusion_compiler.backends.cudnn import workers
+
+    real, pools = workers.PlanWorkers, []
+
+    def exiting(gpu_uuid, size, command=None):
+        exits = [sys.executable, "-c", "import sys; sys.exit(3)"]
+        pools.append(real(gpu_uuid, size, command=exits))
+        return pools[-1]
+
+    monkeypatch.setattr(workers, "PlanWorkers", exiting)
+    monkeypatch.setattr(workers, "_START_FAILED", {})
+    monkeypatch.setattr(workers, "_POOLS", {})
+    monkeypatch.setenv(workers.ENV_VAR, "2")
+    pool = workers.workers_for("GPU-exiting")
+    try:
+        with pytest.raises(EOFError):
+            pool.submit({"mode": "first"}).result(timeout=60)
+        for proc in pool.procs:  # (the other worker has exited too, or is about to)
+            proc.wait(timeout=60)
+        for _ in range(2):
+            with pytest.raises(OSError, match="exited before answering"):
+                workers.workers_for("GPU-exiting")
+        assert len(pools) == 1
+    finally:
+        pool.close()
+
 def test_weight_copies_are_made_at_every_call_outside_a_derivation_scope():
     """A kernel's weight copy is never remembered across calls outside a scope: writes that no
     version counter records (``p.data``, a fused optimizer) must not leave it stale. Within one

@@ -53,7 +53,9 @@ def prewarm_triton() -> None:
     the calling thread's work; done on the first launch instead, it took 0.43 s of a warm start's
     0.60 s CUDA-graph capture (docs/decisions.md, "Triton's cache key computed in the
     background"). Once per process; a no-op where Triton does not import or has no such
-    function."""
+    function. Triton itself is imported here first, on the calling thread (0.27 s on an H200
+    host where nothing imported it before; docs/architecture.md: two threads importing it at
+    once can each see it half imported)."""
     global _prewarm_started
     if _prewarm_started:
         return

@@ -72,23 +72,30 @@ def _condense(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-_HANDLE: list = []
+_HANDLE: dict[int, Any] = {}  # device index (0 in a worker): handle
 
 
 def _handle() -> Any:
-    """This process's cuDNN handle for building (created on first use, on the current device). In
-    the compiling process its stream is a side stream, never the legacy one, as for deserializing
-    (:meth:`.plan.CudnnPlan._deserialize`)."""
-    if not _HANDLE:
-        import cudnn  # noqa: PLC0415
+    """This process's cuDNN handle for building on the current device (created on first use; a
+    worker sees one GPU). In the compiling process there is one per device, its stream a side
+    stream, never the legacy one, as for deserializing (:meth:`.plan.CudnnPlan._deserialize`)."""
+    if not __package__:  # a worker
+        if not _HANDLE:
+            import cudnn  # noqa: PLC0415
 
+            _HANDLE[0] = cudnn.create_handle()
+        return _HANDLE[0]
+    import cudnn  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from ...runtime.tensors import side_stream  # noqa: PLC0415
+
+    index = torch.cuda.current_device()
+    if index not in _HANDLE:
         handle = cudnn.create_handle()
-        if __package__:  # not a worker: torch is loaded
-            from ...runtime.tensors import side_stream  # noqa: PLC0415
-
-            cudnn.set_stream(handle=handle, stream=side_stream("cudnn-load").cuda_stream)
-        _HANDLE.append(handle)
-    return _HANDLE[0]
+        cudnn.set_stream(handle=handle, stream=side_stream("cudnn-load").cuda_stream)
+        _HANDLE[index] = handle
+    return _HANDLE[index]
 
 
 def build_candidates(job: dict) -> dict:
@@ -211,6 +218,7 @@ class PlanWorkers:
         self._closed = False
         self._busy = 0
         self._alive = size
+        self._answered = 0  # jobs a worker answered
         self._last_used = time.monotonic()
         command = command or [sys.executable, os.path.abspath(__file__)]
         self.procs = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -259,7 +267,14 @@ class PlanWorkers:
                 return
             with self._cond:
                 self._busy -= 1
+                self._answered += 1
                 self._last_used = time.monotonic()
+
+    @property
+    def failed_at_start(self) -> bool:
+        """Every worker exited before answering a job (one that cannot make a cuDNN handle
+        exits at once): :func:`workers_for` starts no pool for that GPU again."""
+        return not self._answered and all(p.poll() is not None for p in self.procs)
 
     @property
     def idle_seconds(self) -> float:
@@ -306,6 +321,7 @@ def _loaded_libcudnn() -> str:
 _POOLS: dict[str, PlanWorkers] = {}
 _POOLS_LOCK = threading.Lock()
 _START_FAILED: dict[str, str] = {}  # GPU UUID: why its workers could not start
+_EXITED = "every plan-build worker exited before answering a job"
 
 
 def pool_size() -> int:
@@ -322,16 +338,20 @@ def workers_for(gpu_uuid: str) -> PlanWorkers | None:
     shut down by a watcher thread (its CUDA contexts freed) and a later call starts a new one.
 
     Raises:
-        OSError: the workers could not be started; not tried again in this process (each try
-            spawns processes), later calls raise the same error at once.
+        OSError: the workers could not be started, or all of them exited before answering a
+            job; not tried again in this process (each try spawns processes), later calls raise
+            the same error at once.
     """
     size = pool_size()
     if size < 2:
         return None
     with _POOLS_LOCK:
+        pool = _POOLS.get(gpu_uuid)
+        if pool is not None and pool.failed_at_start:
+            _START_FAILED[gpu_uuid] = _EXITED
+            del _POOLS[gpu_uuid]
         if gpu_uuid in _START_FAILED:
             raise OSError(_START_FAILED[gpu_uuid])
-        pool = _POOLS.get(gpu_uuid)
         if pool is None:
             try:
                 pool = _POOLS[gpu_uuid] = PlanWorkers(gpu_uuid, size)
@@ -350,6 +370,8 @@ def _reap(gpu_uuid: str, pool: PlanWorkers) -> None:
             with _POOLS_LOCK:
                 if _POOLS.get(gpu_uuid) is pool:
                     del _POOLS[gpu_uuid]
+                if pool.failed_at_start:
+                    _START_FAILED[gpu_uuid] = _EXITED
             pool.close()
             return
 
