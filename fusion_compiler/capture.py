@@ -150,7 +150,8 @@ def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
+def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool = True
+            ) -> fx.GraphModule:
     """Trace ``model`` with ``torch.fx``; a ``GraphModule`` (a Dynamo graph) is not traced again
     but copied: a graph module of its own, with a copy of its graph and the same submodules and
     tensors, so that the passes, which rewrite the graph they get in place, leave the model's
@@ -165,7 +166,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
     writes them. ``gm.meta["autograd_functions"]`` names the ``torch.autograd.Function``
     classes ``forward`` applies (fx traced their ``forward``; their ``backward`` is lost);
     ``gm.meta["checkpoints"]`` counts the non-reentrant ``torch.utils.checkpoint`` calls traced
-    through (their activations are kept, not recomputed).
+    through (their activations are kept, not recomputed). A forward that reads
+    ``torch.is_grad_enabled()`` sets ``gm.meta["grad_mode_read"]`` and is traced with that
+    answer being ``grad_enabled`` (the caller's grad mode: a specialization's key holds it).
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
@@ -196,6 +199,12 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
     try:
         with torch.enable_grad(), recording_reads(model) as reads:
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
+        if tracer.grad_mode_read and not grad_enabled:  # the branch the caller's mode takes
+            writes.restore()
+            tracer = ModeRecordingTracer()
+            with torch.no_grad(), recording_reads(model) as reads:
+                graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
+            tracer.grad_mode_read = True
         note_reads(reads)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
@@ -225,6 +234,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = ()) -> fx.GraphModule:
     mark_grad_modes(gm)
     gm.meta["autograd_functions"] = sorted(set(tracer.autograd_functions))
     gm.meta["checkpoints"] = tracer.checkpoints
+    gm.meta["grad_mode_read"] = tracer.grad_mode_read
     return gm
 
 

@@ -77,6 +77,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self._names = [n.target for n in captured.graph.find_nodes(op="placeholder")]
         self._arity = len(self._names)
         self._writes = any(map(writes_in_place, captured.graph.nodes))
+        self._reads_grad_mode = captured.meta.get("grad_mode_read", False)
         self._unpacked = unpacked_inputs(captured)  # where a tuple input is taken apart
         self._untrainable = untrainable(captured, type(model).__name__)
         # a forward that turns gradients off everywhere (@torch.no_grad(), @inference_mode())
@@ -255,8 +256,10 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         # inference mode (the caller's or the forward's decorator): graphs captured in it return
         # inference tensors as eager does; a no_grad call gets normal ones (it may write them)
         inference = not grad and (torch.is_inference_mode_enabled() or self._inference)
+        # a forward that reads torch.is_grad_enabled() is traced with the caller's answer
+        grad_mode = torch.is_grad_enabled() if self._reads_grad_mode else True
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
-               frozen, inference, structure, self._guard.training_flags())
+               frozen, inference, structure, self._guard.training_flags(), grad_mode)
         spec = self.specializations.get(key)
         if spec is not None:
             self.specializations.move_to_end(key)
@@ -267,7 +270,8 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         log.info("compiling %s for inputs %s", type(self.model).__name__,
                  ", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec)))
         target = Target(cuda=any(isinstance(a, torch.Tensor) and a.is_cuda for a in args),
-                        training=grad, autocast=amp, inference=inference)
+                        training=grad, autocast=amp, inference=inference,
+                        grad_enabled=grad_mode)
         spec = self._compiler.build(args, key, target, requires, answer_early, structure)
         self._guard.take()  # checked above; the new trace may have read more attributes
         self.specializations[key] = spec

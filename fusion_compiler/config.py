@@ -41,12 +41,15 @@ class Target:
         inference: calls run inside ``torch.inference_mode()`` (the caller's, or the forward's
             own decorator): CUDA graphs are captured in it, so their outputs are inference
             tensors as eager's are there.
+        grad_enabled: the caller's grad mode, what ``torch.is_grad_enabled()`` in ``forward``
+            is traced as (:func:`~fusion_compiler.capture.capture`).
     """
 
     cuda: bool
     training: bool = False
     autocast: torch.dtype | None = None
     inference: bool = False
+    grad_enabled: bool = True
 
 
 @dataclass(frozen=True)

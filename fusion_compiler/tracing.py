@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 import threading
 from typing import Any, Iterator
 
@@ -87,10 +88,13 @@ class ModeRecordingTracer(fx.Tracer):
         ``apply`` runs it, and their ``backward`` is not in the graph), in :attr:`checkpoints`
         how many non-reentrant ``torch.utils.checkpoint`` calls it traced through, and in
         :attr:`autocast_entered` whether it entered a ``torch.autocast`` block (fx records no
-        context manager: the block's ops would be traced in the caller's autocast state)."""
+        context manager: the block's ops would be traced in the caller's autocast state), and in
+        :attr:`grad_mode_read` whether the traced code called ``torch.is_grad_enabled()`` (its
+        answer is traced as a constant)."""
         self.autograd_functions: list[str] = []
         self.checkpoints = 0
         self.autocast_entered = False
+        self.grad_mode_read = False
         original = vars(torch.autograd.Function)["apply"]  # a classmethod
         autocast = torch.amp.autocast_mode.autocast
         enter = autocast.__enter__
@@ -107,6 +111,16 @@ class ModeRecordingTracer(fx.Tracer):
                 self.autocast_entered = True
             return enter(block)
 
+        is_grad_enabled = torch.is_grad_enabled
+
+        def grad_mode() -> bool:
+            # read by the traced code itself (not torch's own, as checkpoint's): a branch on it
+            # is traced as a constant
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not self._elsewhere() and not caller.startswith(("torch", "fusion_compiler")):
+                self.grad_mode_read = True
+            return is_grad_enabled()
+
         def enter_saved_tensors_hooks(block: Any) -> Any:
             # the non-reentrant checkpoint's hooks (torch 2.11 and 2.13 name them so)
             if not self._elsewhere() and type(block).__name__ == "_checkpoint_hook":
@@ -118,12 +132,14 @@ class ModeRecordingTracer(fx.Tracer):
             torch.autograd.Function.apply = classmethod(apply)
             autocast.__enter__ = enter_autocast
             hooks.__enter__ = enter_saved_tensors_hooks
+            torch.is_grad_enabled = grad_mode
             try:
                 return super().trace(root, concrete_args)
             finally:
                 torch.autograd.Function.apply = original
                 autocast.__enter__ = enter
                 hooks.__enter__ = enter_hooks
+                torch.is_grad_enabled = is_grad_enabled
                 self._thread = None
 
     def _elsewhere(self) -> bool:
@@ -170,7 +186,7 @@ class ModeRecordingTracer(fx.Tracer):
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
-        node.meta["traced_grad"] = torch.is_grad_enabled()
+        node.meta["traced_grad"] = torch._C.is_grad_enabled()
         node.meta["traced_inference"] = torch.is_inference_mode_enabled()
         return node
 

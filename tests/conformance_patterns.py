@@ -519,6 +519,29 @@ def attributes_of_other_kinds_changed(s: Session) -> None:
     infer(s, x16(s), "numpy scalar")
 
 
+class GradModeBranch(nn.Module):
+    """A forward that branches on ``torch.is_grad_enabled()`` (an auxiliary term only when
+    training, a cheaper path under ``no_grad``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        if torch.is_grad_enabled():
+            y = y * 2.0 + 0.5
+        return y.mean((2, 3))
+
+
+def grad_mode_branch(s: Session) -> None:
+    infer(s, x16(s))
+    step(s, torch.optim.SGD(s.model.parameters(), lr=0.05), x16(s))
+    infer(s, x16(s), "after the step")
+    s.model.requires_grad_(False)  # frozen: a call with grad mode on needs no gradients
+    s.record("frozen, grad mode on", s(x16(s)))
+
+
 def weight_norm_legacy(s: Session) -> None:
     torch.nn.utils.weight_norm(s.model.conv2)
     opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
@@ -1053,6 +1076,8 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 1; timm's DropPath (found by a probe, session 36)"),
     Pattern("attributes_of_other_kinds_changed", Configured, attributes_of_other_kinds_changed,
             f"{ISSUE}, item 1 (found by a probe, session 36)"),
+    Pattern("grad_mode_branch", GradModeBranch, grad_mode_branch,
+            f"{ISSUE}, item 4 (found by a probe, session 36)"),
     Pattern("forward_replaced_on_the_model", conv_bn, forward_replaced_on_the_model,
             f"{ISSUE}, item 4 (found in session 36)", refused={"compile": FusionError}),
     Pattern("weight_norm_legacy", ConvNet, weight_norm_legacy, f"{ISSUE}, item 4"),
