@@ -256,8 +256,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         # inference mode (the caller's or the forward's decorator): graphs captured in it return
         # inference tensors as eager does; a no_grad call gets normal ones (it may write them)
         inference = not grad and (torch.is_inference_mode_enabled() or self._inference)
-        # a forward that reads torch.is_grad_enabled() is traced with the caller's answer
-        grad_mode = torch.is_grad_enabled() if self._reads_grad_mode else True
+        grad_mode = torch.is_grad_enabled() or not self._reads_grad_mode  # traced with it
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
                frozen, inference, structure, self._guard.training_flags(), grad_mode)
         spec = self.specializations.get(key)
@@ -270,8 +269,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         log.info("compiling %s for inputs %s", type(self.model).__name__,
                  ", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec)))
         target = Target(cuda=any(isinstance(a, torch.Tensor) and a.is_cuda for a in args),
-                        training=grad, autocast=amp, inference=inference,
-                        grad_enabled=grad_mode)
+                        training=grad, autocast=amp, inference=inference, grad_enabled=grad_mode)
         spec = self._compiler.build(args, key, target, requires, answer_early, structure)
         self._guard.take()  # checked above; the new trace may have read more attributes
         self.specializations[key] = spec
@@ -395,8 +393,7 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _note(noted: set[str], notes: list[str], reason: str) -> None:
-    """Record why a default was not taken on the specialization (``notes``); log it once per
-    module (``noted``: the reasons it logged)."""
+    """Record why a default was not taken in ``notes``; log it once per ``noted`` (module)."""
     notes.append(reason)
     if reason not in noted:
         noted.add(reason)
