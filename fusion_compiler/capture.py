@@ -194,16 +194,19 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "backend='fusion_compiler'), which follows it (one replaced on a submodule is "
             "traced through)")
     on_calling_thread("torch.fx tracing")
-    tracer = ModeRecordingTracer()
+
+    def trace(grad: bool) -> tuple[ModeRecordingTracer, fx.Graph, dict]:
+        tracer = ModeRecordingTracer()
+        with torch.set_grad_enabled(grad), recording_reads(model) as reads:
+            graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
+        return tracer, graph, reads
+
     writes = ModuleWrites(model)  # the trace runs forward's Python code: the model is put back
     try:
-        with torch.enable_grad(), recording_reads(model) as reads:
-            graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
+        tracer, graph, reads = trace(True)
         if tracer.grad_mode_read and not grad_enabled:  # the branch the caller's mode takes
             writes.restore()
-            tracer = ModeRecordingTracer()
-            with torch.no_grad(), recording_reads(model) as reads:
-                graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
+            tracer, graph, reads = trace(False)
             tracer.grad_mode_read = True
         note_reads(reads)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)

@@ -54,12 +54,6 @@ def _container(value: Any) -> bool:
     return isinstance(value, list) and all(map(plain, value))
 
 
-def _holds_objects(value: Any) -> bool:
-    """A list, tuple or dict (nested too) holding tensors or other objects than plain values:
-    compared item by item, objects by identity (:func:`_same`)."""
-    return isinstance(value, (list, tuple, dict)) and not plain(value) and not _container(value)
-
-
 def _same(old: Any, new: Any) -> bool:
     """Whether ``new`` is what ``old`` (kept by :func:`_kept`) was: plain values and lists or
     dicts of them by value; lists, tuples and dicts holding other objects item by item; any
@@ -82,7 +76,7 @@ def _kept(value: Any) -> Any:
         return [_kept(v) for v in value]
     if isinstance(value, dict):
         return {k: _kept(v) for k, v in value.items()}
-    if isinstance(value, tuple) and _holds_objects(value):
+    if isinstance(value, tuple) and not plain(value):  # holding objects: their items kept
         return tuple(_kept(v) for v in value)
     return value
 
@@ -104,6 +98,11 @@ def note_reads(reads: dict[torch.nn.Module, set[str]]) -> None:
         _READS.setdefault(module, set()).update(names)
 
 
+def _torch_nn(module: torch.nn.Module) -> bool:
+    """One of ``torch.nn``'s own modules (its ``forward`` reads its attributes when it runs)."""
+    return type(module).__module__.startswith("torch.nn.")
+
+
 def _guarded(module: torch.nn.Module) -> list[tuple[str, Any]]:
     """The attributes of ``module`` the guard compares: tensors that are neither parameters nor
     buffers; for ``torch.nn``'s own modules their public plain values less :data:`_UNREAD`; for
@@ -112,7 +111,7 @@ def _guarded(module: torch.nn.Module) -> list[tuple[str, Any]]:
     dicts by value, other objects (a ``functools.partial``, an enum member, a config object, a
     list of tensors) by identity, item by item in containers. What an object holds inside is not
     looked at (a field of a config object set in place is not seen)."""
-    if type(module).__module__.startswith("torch.nn."):
+    if _torch_nn(module):
         return [(n, v) for n, v in vars(module).items() if n not in _UNREAD and (
             isinstance(v, torch.Tensor) or (not n.startswith("_") and plain(v)))]
     read = _READS.get(module)
@@ -125,7 +124,7 @@ def _order(value: Any) -> int:
     dicts of them), 1 by identity (tensors, other objects), 2 item by item."""
     if plain(value) or _container(value):
         return 0
-    return 2 if _holds_objects(value) else 1
+    return 2 if isinstance(value, (list, tuple, dict)) else 1
 
 
 class StateGuard:
@@ -176,7 +175,7 @@ class StateGuard:
         self._plain, self._objects = orders.count(0), orders.count(0) + orders.count(1)
         # the training flags of modules whose own code a trace runs (``if self.training:`` in
         # it is traced as a constant); torch.nn's modules read theirs when they run
-        self._traced = [m for m in modules if not type(m).__module__.startswith("torch.nn.")]
+        self._traced = [m for m in modules if not _torch_nn(m)]
         # names a trace saw forward read that the module did not have (``hasattr(self, "x")``,
         # a class-level default): one set on the module later changes what forward computes
         tables = [((vars(m), m._parameters, m._buffers, m._modules), type(m), _READS.get(m, ()))
