@@ -139,6 +139,18 @@ def _region_op(region, conv_grads=None):
     return train, key
 
 
+def _random_inputs(region, requires_grad: bool = True) -> list[torch.Tensor]:
+    """Random float64 tensors shaped like ``region``'s graph inputs."""
+    return [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=requires_grad)
+            for ph in region.graph_module.graph.find_nodes(op="placeholder")]
+
+
+def _outputs_through_op(key: int, region):
+    """The function ``inputs -> region's outputs`` through the custom op (without the values
+    it saves for its backward)."""
+    return lambda *xs: tuple(run_region(key, list(xs)))[:len(region.output_nodes)]
+
+
 def _fixup_region(index: int, **options):
     """Region ``index`` of a small SE-Fixup block (stride 1): 0 is ``conv3x3 > add > relu > add``
     without prologue fusion, 1 is ``[add] conv3x3 > mul > add + sum_hw`` with everything fused."""
@@ -167,13 +179,9 @@ def test_training_region_saves_what_the_backward_reads():
 def test_gradcheck_float64_through_the_custom_op():
     region = _fixup_region(1)
     train, key = _region_op(region)
-    inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
-              for ph in train.graph_module.graph.find_nodes(op="placeholder")]
-
-    def f(*xs):
-        return tuple(run_region(key, list(xs)))[:len(region.output_nodes)]
-
-    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7)
+    inputs = _random_inputs(train)
+    assert torch.autograd.gradcheck(_outputs_through_op(key, region), inputs, eps=1e-6,
+                                    atol=1e-7)
 
 
 def test_a_second_derivative_through_a_region_raises_instead_of_dropping_terms():
@@ -182,8 +190,7 @@ def test_a_second_derivative_through_a_region_raises_instead_of_dropping_terms()
     kernels would make them constants and drop the penalty's terms."""
     region = _fixup_region(1)
     train, key = _region_op(region, _Opaque(region.conv))
-    inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
-              for ph in train.graph_module.graph.find_nodes(op="placeholder")]
+    inputs = _random_inputs(train)
     first = torch.autograd.grad(run_region(key, inputs)[0].sum(), inputs)
     again = torch.autograd.grad(run_region(key, inputs)[0].sum(), inputs, create_graph=True)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
@@ -207,13 +214,10 @@ def test_a_second_derivative_through_pytorch_gradients_is_eager_s():
     second derivative through the region is right: gradgradcheck in float64."""
     region = _fixup_region(1)
     train, key = _region_op(region)
-    inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
-              for ph in train.graph_module.graph.find_nodes(op="placeholder")]
+    inputs = _random_inputs(train)
+    assert torch.autograd.gradgradcheck(_outputs_through_op(key, region), inputs, eps=1e-6,
+                                        atol=1e-6)
 
-    def f(*xs):
-        return tuple(run_region(key, list(xs)))[:len(region.output_nodes)]
-
-    assert torch.autograd.gradgradcheck(f, inputs, eps=1e-6, atol=1e-6)
 
 class _Counting(TorchConvGradients):
     def __init__(self, conv):
@@ -233,8 +237,7 @@ def test_frozen_weight_and_input_get_no_gradient_computed():
     region = _fixup_region(0, fuse_prologue=False)
     counting = _Counting(region.conv)
     train, key = _region_op(region, counting)
-    image, weight, *scalars = [torch.randn(ph.meta["val"].shape, dtype=torch.float64)
-                               for ph in train.graph_module.graph.find_nodes(op="placeholder")]
+    image, weight, *scalars = _random_inputs(train, requires_grad=False)
     for s in scalars:
         s.requires_grad_()
     out = run_region(key, [image, weight, *scalars])[0]
@@ -249,8 +252,7 @@ def test_frozen_weight_and_input_get_no_gradient_computed():
 def test_inference_kernel_refuses_backward():
     region = _fixup_region(0, fuse_prologue=False)
     key = register_kernel(region.graph_module, region.output_specs())
-    inputs = [torch.randn(ph.meta["val"].shape, dtype=torch.float64, requires_grad=True)
-              for ph in region.graph_module.graph.find_nodes(op="placeholder")]
+    inputs = _random_inputs(region)
     out = run_region(key, inputs)[0]
     with pytest.raises(RuntimeError, match="compiled for inference"):
         out.sum().backward()
