@@ -94,14 +94,22 @@ _C: list = []  # the C watcher's library, once started
 _STARTS: list[tuple[float, str]] = []  # (monotonic time, test) of every test's start
 
 
-def _c_watcher(path: str):
-    """Build and start ``legacy_watch.c``; ``None`` (said in the log) where that fails."""
+def build_watcher() -> ctypes.CDLL:
+    """``legacy_watch.c`` built with ``cc`` into a temporary folder and loaded (not started).
+
+    Raises:
+        OSError, subprocess.SubprocessError: no ``cc``, or the build or load failed."""
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "legacy_watch.c")
     library = os.path.join(tempfile.mkdtemp(prefix="legacy_watch"), "legacy_watch.so")
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, source, "-ldl",
+                    "-lpthread"], check=True, capture_output=True, timeout=60)
+    return ctypes.CDLL(library)
+
+
+def _c_watcher(path: str):
+    """Build and start ``legacy_watch.c``; ``None`` (said in the log) where that fails."""
     try:
-        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, source, "-ldl",
-                        "-lpthread"], check=True, capture_output=True, timeout=60)
-        lib = ctypes.CDLL(library)
+        lib = build_watcher()
         torch.ones(1, device="cuda")  # the primary context exists before the watcher takes it
         if lib.watch_start(torch.cuda.current_device()) != 0:
             raise OSError("pthread_create failed")

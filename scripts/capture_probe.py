@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
-import subprocess
-import tempfile
 import threading
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from capture_log import build_watcher  # this folder (the script's) is on sys.path
 
 
 class _TwoConvolutions(nn.Module):
@@ -38,13 +34,6 @@ class _TwoConvolutions(nn.Module):
         return F.relu(self.c2(y) + y)
 
 
-def _watcher() -> ctypes.CDLL:
-    library = os.path.join(tempfile.mkdtemp(prefix="legacy_watch"), "legacy_watch.so")
-    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library,
-                    os.path.join(HERE, "legacy_watch.c"), "-ldl", "-lpthread"], check=True)
-    return ctypes.CDLL(library)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="per kind of work (s)")
@@ -56,7 +45,7 @@ def main() -> None:
     from fusion_compiler.backends.cudnn import workers
     from fusion_compiler.backends.cudnn.graph import region_recipe
 
-    lib = _watcher()
+    lib = build_watcher()
     device = torch.device("cuda")
     torch.ones(1, device=device)  # the primary context exists before the watcher takes it
     net = _TwoConvolutions().to(device, torch.half).eval()
