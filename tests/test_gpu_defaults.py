@@ -262,6 +262,45 @@ def test_a_caller_refilling_its_input_tensor_gets_a_graph_that_reads_it_in_place
         assert rel_err(y.float().cpu(), _fp64(model, x)) < 2e-3
 
 
+def test_a_replay_waits_for_work_queued_on_outputs_it_handed_out_on_another_stream(tmp_path):
+    """Stream A takes the main graph's output buffers; a call on stream B while A's caller still
+    holds them is served by the spare graph; A's caller then queues work that reads them (behind
+    a sleep) and lets go; the next call on B replays the main graph again. That replay must wait
+    for A's work (before, the turns waited only for the last call's stream, B, and the replay
+    overwrote the buffers A's work was about to read: A's copy held B's output)."""
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, glue_backend=None)
+    xa, xb, xc, xd = (_x(16) for _ in range(4))  # each at its own address: no direct graph
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.inference_mode():
+        compiled.specialize(xa)
+        runner = compiled.last.run
+        held = compiled(xd)
+        compiled(xc)  # the spare graph, captured now
+        del held
+        assert runner._spare, compiled.last.notes
+        torch.cuda.synchronize()
+        with torch.cuda.stream(a):
+            ya = compiled(xa)  # the main graph's buffers, handed out on A
+            main_buffer = ya.data_ptr()
+        with torch.cuda.stream(b):
+            b.wait_stream(a)  # the caller's own ordering of its inputs; nothing of A's after
+            yb = compiled(xb)  # ya is held: the spare graph
+        assert yb.data_ptr() != main_buffer
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s: A's read below runs late
+            copy_a = ya.clone()
+        del ya
+        with torch.cuda.stream(b):
+            yc = compiled(xc)  # the main graph again
+        assert yc.data_ptr() == main_buffer
+        torch.cuda.synchronize()
+    assert all(lowered_or_pytorch_faster(r) for r in compiled.last.regions)
+    assert rel_err(copy_a.float().cpu(), _fp64(model, xa)) < 2e-3
+    assert rel_err(yb.float().cpu(), _fp64(model, xb)) < 2e-3
+    assert rel_err(yc.float().cpu(), _fp64(model, xc)) < 2e-3
+
+
 @torch.fx.wrap
 def _host_sync(x: torch.Tensor) -> torch.Tensor:
     """Waits for the GPU on the host: not allowed while a CUDA graph is being captured."""

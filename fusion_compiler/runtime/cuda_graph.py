@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .tensors import Turns, inference_graph_modes, restored, side_stream
+from .tensors import StreamOrder, Turns, inference_graph_modes, restored, side_stream
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -115,10 +115,17 @@ class _Capture:
     """One captured CUDA graph of the forward and its output buffers, with what handing those
     buffers out needs: their storages (``_cdata`` pointers) and the reference counts they have
     while only the runner holds them (``None`` when they are never handed out: this torch
-    cannot count references, or an output aliases an input of the capture)."""
+    cannot count references, or an output aliases an input of the capture).
+
+    A replay on another stream than the previous replay's first waits for the work queued on
+    that stream (:class:`~.tensors.StreamOrder`): work the caller queued there may still read
+    buffers that replay handed out, though the caller has let go of them since (the runner's
+    turns order its calls, not the caller's work after one; a graph's previous replay may be
+    several calls back, the calls between served by another graph)."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, inputs: Sequence[Any]):
         self.graph, self.outputs = graph, outputs
+        self.order = StreamOrder(torch.device("cuda", torch.cuda.current_device()))
         self.storages: list[int] | None = None
         flat = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
         read = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
@@ -140,6 +147,7 @@ class _Capture:
         """Replay and return the outputs: ``"copies"`` copies of the output buffers, ``"safe"``
         the buffers as new tensor objects (each one held adds to its storage's count) when they
         may be handed out, else copies."""
+        self.order.follow()
         self.graph.replay()
         if outputs == "copies" or self.storages is None:
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
@@ -179,7 +187,9 @@ class CudaGraphRunner:
     the forward, prologue included, into that capture: a graph cannot be replayed inside one.
     Calls from several threads run one at a time (each fills the input buffers, replays and
     hands out the output buffers in turn), and a call on another stream than the last one
-    first waits for that stream's work, which may still read the buffers the replay rewrites.
+    first waits for that stream's work, which may still read the buffers the replay rewrites; a
+    replay also waits for the stream its graph's outputs were last handed out on (work queued
+    there on them may outlive the caller's hold on them).
 
     Raises:
         CaptureError: the forward cannot be captured (the graph is discarded).
@@ -348,8 +358,9 @@ class CudaGraphRunner:
 
     def close(self) -> None:
         """Free the graphs, their memory pools and the static buffers (the runner is unusable
-        after; a call running on another thread ends first)."""
-        with self._turns.lock:
+        after; a call running on another thread ends first, and the current stream waits for the
+        last call's)."""
+        with self._turns.turn():
             self._drop_extra_graphs()
             if self.main is not None:
                 self.main.reset()

@@ -80,7 +80,7 @@ class TrainingGraphRunner:
                               if isinstance(a, torch.Tensor) else a for a in example_args]
         self.pair: _GraphPair | None = None
         self._turns = Turns(torch.device("cuda", torch.cuda.current_device()))
-        self._capturing = threading.Lock()  # one capture at a time, none under a replay's turn
+        self._capturing = threading.RLock()  # one capture at a time, none under a replay's turn
         self._capture()
 
     def _token(self) -> tuple:
@@ -152,12 +152,13 @@ class TrainingGraphRunner:
         return tree_unflatten(list(flat), pair.out_spec)
 
     def close(self) -> None:
-        """Free the graphs and their memory pool."""
-        if self.pair is not None:
-            with self._turns.lock:  # not under another thread's replay
+        """Free the graphs and their memory pool: not during another thread's capture or replay,
+        and after the work of the last replay's stream (the current stream waits for it)."""
+        with self._capturing, self._turns.turn():
+            if self.pair is not None:
                 self.pair.close()
-        self.pair = None
-        self._epoch = None
+            self.pair = None
+            self._epoch = None
 
 
 class _GraphPair:

@@ -1,7 +1,7 @@
 """Tensor utilities the runners and kernels share: buffers given back their values after work that
-must not move them, gradients laid out like their parameters, channel views of wider tensors, and
-the turns threads take over a graph's buffers, and the side streams this package issues its own work
-on."""
+must not move them, gradients laid out like their parameters, channel views of wider tensors, the
+order of uses of memory from several streams, the turns threads take over a graph's buffers, and
+the side streams this package issues its own work on."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["Turns", "side_stream", "stream_capturing", "autocast_dtype", "shared_storage",
+__all__ = ["StreamOrder", "Turns", "side_stream", "stream_capturing", "autocast_dtype", "shared_storage",
            "restored", "inference_graph_modes", "layout_like", "channel_view_strides",
            "as_channel_view"]
 
@@ -43,14 +43,39 @@ def side_stream(purpose: str, high_priority: bool = False) -> torch.cuda.Stream:
     return stream
 
 
+class StreamOrder:
+    """Uses of some GPU memory from whichever CUDA stream is current, kept in order: a use on
+    another stream than the previous use's first makes the current stream wait for the work
+    queued so far on that one (which may still read or write the memory: the host's order alone
+    does not order two streams; CUDA Runtime API, "Stream synchronization behavior").
+
+    Args:
+        device: the memory's device; nothing is followed for a device other than CUDA.
+    """
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._last: tuple[int, torch.cuda.Stream] | None = None  # the previous use's (raw, stream)
+
+    def follow(self) -> None:
+        """Order a use on the current stream after the previous use (call it before the use)."""
+        if self._device.type != "cuda":
+            return
+        raw = torch._C._cuda_getCurrentRawStream(self._device.index)
+        if self._last is None or self._last[0] != raw:
+            stream = torch.cuda.current_stream(self._device)
+            if self._last is not None:
+                stream.wait_stream(self._last[1])
+            self._last = (raw, stream)
+
+
 class Turns:
     """Calls that share buffers (a CUDA graph's static inputs, outputs and activations), one at a
     time and in stream order.
 
     :meth:`turn` holds a re-entrant lock, so that one thread's copies into the buffers, replay
     and copies out are never interleaved with another's; and a turn taken on another CUDA stream
-    than the last one first makes that stream wait for the last (whose replay may still read or
-    write the buffers on the GPU: the host's order alone does not order two streams).
+    than the last one first makes that stream wait for the last (:class:`StreamOrder`).
 
     Args:
         device: the buffers' device; streams are followed only for a CUDA device.
@@ -58,20 +83,13 @@ class Turns:
 
     def __init__(self, device: torch.device):
         self.lock = threading.RLock()
-        self._device = device
-        self._stream: tuple[int, torch.cuda.Stream] | None = None  # the last turn's (raw, stream)
+        self._order = StreamOrder(device)
 
     @contextlib.contextmanager
     def turn(self) -> Iterator[None]:
         """Hold the buffers for one call, on the current stream."""
         with self.lock:
-            if self._device.type == "cuda":
-                raw = torch._C._cuda_getCurrentRawStream(self._device.index)
-                if self._stream is None or self._stream[0] != raw:
-                    stream = torch.cuda.current_stream(self._device)
-                    if self._stream is not None:
-                        stream.wait_stream(self._stream[1])
-                    self._stream = (raw, stream)
+            self._order.follow()
             yield
 
 
