@@ -50,6 +50,8 @@ MODELS = {
     "mobilenet_v2": ("torchvision.models:mobilenet_v2", (32, 3, 224, 224), False),
     "efficientnet_b0": ("torchvision.models:efficientnet_b0", (32, 3, 224, 224), False),
     "regnet_y_400mf": ("torchvision.models:regnet_y_400mf", (32, 3, 224, 224), False),
+    "densenet121": ("torchvision.models:densenet121", (32, 3, 224, 224), False),
+    "convnext_tiny": ("torchvision.models:convnext_tiny", (32, 3, 224, 224), False),
     "seresnet9-rgb-train": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
                             (2048, 3, 64, 64), True),
     "seresnet9-rgb-amp": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
@@ -61,7 +63,8 @@ MODELS = {
 }
 AMP = ["seresnet9-rgb-amp", "seresnet9-rgb-train-amp-n1024", "seresnet9-rgb-train-amp"]
 """``--models amp``: fp32 parameters under autocast (fp16), the recipe most networks run with."""
-ZOO = ["resnet50-n32", "resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y_400mf"]
+ZOO = ["resnet50-n32", "resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y_400mf",
+       "densenet121", "convnext_tiny"]
 """``--models zoo``: the torchvision CNNs (random weights, batch-norm statistics calibrated)."""
 SPELLING_NAMES = ["example", "authors", "torchvision_block", "functional_block", "pooled_se",
                   "view_se", "keepdim_se", "scalars_0d", "scalars_4d", "authors_with_pooled_se"]

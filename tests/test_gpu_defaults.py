@@ -273,9 +273,9 @@ def test_a_replay_waits_for_work_queued_on_outputs_it_handed_out_on_another_stre
     xa, xb, xc, xd = (_x(16) for _ in range(4))  # each at its own address: no direct graph
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.inference_mode():
-        compiled.specialize(xa)
-        runner = compiled.last.run
+        compiled.specialize(xa)  # lowered now (a first call would answer from tier 0)
         held = compiled(xd)
+        runner = compiled.last.run
         compiled(xc)  # the spare graph, captured now
         del held
         assert runner._spare, compiled.last.notes
