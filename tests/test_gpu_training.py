@@ -174,8 +174,7 @@ def test_a_gradient_penalty_through_cudnn_regions_raises_at_the_second_backward(
     """A gradient penalty (``torch.autograd.grad(..., create_graph=True)``, then a backward
     through the result): the first gradients equal those of a plain backward, and the backward
     through them raises (the captured backward and the cuDNN dgrad/wgrad kernels are not
-    differentiable), never silently dropping the regions' terms. Written in session 36, not
-    yet run on a GPU."""
+    differentiable), never silently dropping the regions' terms."""
     torch.manual_seed(0)
     factory, shape = PATTERNS["conv_relu_chain"]
     model = factory().cuda().half().train()
@@ -183,9 +182,9 @@ def test_a_gradient_penalty_through_cudnn_regions_raises_at_the_second_backward(
     for _ in range(3):  # past tier 0 (PyTorch ops), whose double backward is eager's
         compiled.wait_for_background_compiles()
         x = torch.randn(shape, device="cuda", dtype=torch.half, requires_grad=True)
-        out = compiled(x)
-        plain, = torch.autograd.grad(out.float().square().mean(), x, retain_graph=True)
-        first, = torch.autograd.grad(out.float().square().mean(), x, create_graph=True)
+        # a forward for each backward: a CUDA-graphed forward's activations serve one backward
+        plain, = torch.autograd.grad(compiled(x).float().square().mean(), x)
+        first, = torch.autograd.grad(compiled(x).float().square().mean(), x, create_graph=True)
     assert all(r.backend == "cudnn" for r in compiled.last.regions)
     assert _l2_err(first.float(), plain.float()) < 1e-3
     with pytest.raises(RuntimeError, match="second derivative|differentiate twice|double backward"):

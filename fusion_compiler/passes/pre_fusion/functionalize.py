@@ -6,9 +6,11 @@ becomes its out-of-place twin and every later reader of the written value reads 
 graph input or module buffer written in place gets its last value copied back at the end of the
 graph (:func:`~fusion_compiler.ir.ops.write_back`): the caller sees its tensor, the module its
 buffer (batch norm's ``num_batches_tracked``, a counter), updated as eager leaves them. A write
-into memory another value shares (through a view, or into a value of which a view is read later)
-cannot be made out of place without losing that sharing: the graph is then left as it is, every op
-of it run by PyTorch, and :func:`functionalize` says why.
+whose memory is read later through another value (the base of a view written in place, a view
+of a value written in place, an input or buffer written through a view) cannot be made out of
+place without losing that sharing: the graph is then left as it is, every op of it run by
+PyTorch, and :func:`functionalize` says why. A write into a view that nothing else reads later
+(an in-place dropout after a ``flatten``) is rewritten like any other.
 """
 
 from __future__ import annotations
@@ -166,10 +168,31 @@ def _shared_write(gm: fx.GraphModule) -> str:
             continue
         if node.op == "call_method" and not hasattr(torch.Tensor, twin):
             return f"in-place op {node.target} ({node.name}) has no out-of-place twin"
-        root = node.args[0]
-        if _is_view(root) or any(
-                _is_view(u) and u is not node and order[u] < order[node]
-                and any(order[r] > order[node] for r in u.users) for u in root.users):
+        if _read_through_another_alias(node, order):
             return (f"in-place op {node.target} ({node.name}) writes into memory that another "
                     "value of the graph shares (a view)")
     return ""
+
+
+def _read_through_another_alias(node: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether the memory the in-place ``node`` writes is seen after it through another value
+    than the one it writes (which the rewrite makes every later reader read): the base its
+    value is a view of, or a view of that base taken before ``node``, read after it; or the base
+    is a graph input or a buffer (the caller or the module would see the write). A write into a
+    view nothing else reads later (an in-place dropout after a ``flatten``) is made out of place
+    like any other."""
+    written = node.args[0]
+    base = written
+    while _is_view(base):
+        base = base.args[0]
+    if base is not written and base.op in ("placeholder", "get_attr"):
+        return True
+    aliases, stack = set(), [base]
+    while stack:
+        value = stack.pop()
+        if value not in aliases:
+            aliases.add(value)
+            stack.extend(u for u in value.users if _is_view(u) and u.args[0] is value
+                         and order[u] < order[node])
+    return any(order[r] > order[node] for a in aliases if a is not written
+               for r in a.users if r is not node)
