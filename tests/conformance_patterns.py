@@ -1078,8 +1078,11 @@ PATTERNS: list[Pattern] = [
     Pattern("forward_replaced_on_a_submodule", conv_bn, forward_replaced_on_a_submodule,
             f"{ISSUE}, item 4; huggingface/accelerate's hooks (add_hook_to_module) "
             "(found in session 36)"),
+    # fp32 on the GPU: in fp16 the first convolution's weight gradient after three steps through
+    # two train-mode batch norms differed from eager's by 3.5% (last tier; 3% allowed)
     Pattern("backbone_frozen_in_eval_mode", Backbone, backbone_frozen_in_eval_mode,
-            f"{ISSUE}, item 1; timm's DropPath (found by a probe, session 36)"),
+            f"{ISSUE}, item 1; timm's DropPath (found by a probe, session 36)",
+            gpu_dtype=torch.float32),
     Pattern("attributes_of_other_kinds_changed", Configured, attributes_of_other_kinds_changed,
             f"{ISSUE}, item 1 (found by a probe, session 36)"),
     Pattern("grad_mode_branch", GradModeBranch, grad_mode_branch,

@@ -488,3 +488,26 @@ def test_training_glue_traces_its_own_backward_instead_of_another_processs(tmp_p
     own = run("kernel", "ours")
     assert own["factor"] == 3.0, (own, cached)
     assert not own["aot"].get("autograd_cache_hit"), own
+
+
+def test_training_glue_gives_a_first_gradient_with_create_graph():
+    """A first gradient with ``create_graph=True`` through training glue (the first half of a
+    gradient penalty) equals eager's; the backward through it then raises AOTAutograd's own
+    "does not currently support double backward", as under ``torch.compile``. (On a GPU, with
+    AOTAutograd's donated buffers on, its default, the first gradient raised instead, "compiled
+    with non-empty donated buffers": ``test_gpu_training.py``'s gradient-penalty test; this graph
+    on the CPU donates none.)"""
+    from fusion_compiler.glue_compile import inductor_without_autograd_cache
+
+    class Glue(torch.nn.Module):
+        def forward(self, x):
+            return torch.mm(x.sin(), x.t()).cos()
+
+    compiled = torch.compile(torch.fx.symbolic_trace(Glue()), fullgraph=True, dynamic=False,
+                             backend=inductor_without_autograd_cache)
+    x = torch.randn(4, 8, requires_grad=True)
+    first, = torch.autograd.grad(compiled(x).sum(), x, create_graph=True)
+    want, = torch.autograd.grad(Glue()(x).sum(), x)
+    torch.testing.assert_close(first, want)
+    with pytest.raises(RuntimeError, match="double backward"):
+        first.square().sum().backward()
