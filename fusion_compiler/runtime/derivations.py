@@ -9,7 +9,8 @@ Two kinds of derived tensors:
   an :class:`~.derive.Expr` (views, permutes, concatenation, padding, expansion, scaling by a
   constant, products of two tensors, casts); a node outside that algebra, and what depends on it,
   is *opaque*: computed with PyTorch ops at every replay (small values: a batch norm's folded
-  scale and shift);
+  scale and shift), the same op of every batch norm as one multi-tensor op
+  (:mod:`.multi_tensor`);
 - the **kernels' values** (:class:`~.weight_cache.WeightCache`): recorded at the warm-up call
   that precedes capture, where each cache called with state tensors gets a persistent tensor of
   its own, described by applying its conversion to the inputs' expressions.
@@ -30,6 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .multi_tensor import batched
 from .derive import Expr, NotDerivable, Program, evaluator
 from .tensors import stream_capturing
 from .weight_cache import WeightCache, cache_key
@@ -227,13 +229,12 @@ class Derivations:
                     env[node] = sub.node_copy(node, lambda a: env[a])
             sub.output(tuple(env[n] for n, _ in opaque_outputs))
             sub.eliminate_dead_code()
-            compute = fx.GraphModule(gm, sub)
+            compute = fx.GraphModule(gm, batched(sub))  # a batch norm's fold: 6 ops, one chain each
             buffers = [t for _, t in opaque_outputs]
 
             def run_opaque() -> None:
                 with torch.no_grad():
-                    for buffer, value in zip(buffers, compute()):
-                        buffer.copy_(value)
+                    torch._foreach_copy_(buffers, list(compute()))
 
             self._opaque = run_opaque
             for t in buffers:  # what reads them is fingerprinted after they are computed

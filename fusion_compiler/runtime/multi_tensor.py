@@ -1,0 +1,111 @@
+"""Multi-tensor batching: the same elementwise op applied to many small tensors becomes one
+multi-tensor op (``torch._foreach_*``) over the list of them.
+
+What it is for: the hoisted values a CUDA graph recomputes with PyTorch ops at every replay
+(:mod:`fusion_compiler.runtime.derivations`, the values outside its gather algebra) are mostly
+the scale and shift of every eval-mode batch norm, each folded by the same six small ops
+(``var + eps``, ``rsqrt``, two products, a negation, a sum): in ResNet-50, 53 batch norms, 318
+kernels of a few microseconds each and a copy per value at every replay (an H200 profile of
+2026-11-27 counted 485 GPU operations per replay). Batched, that is one multi-tensor launch per
+op and chunk of tensors (``multi_tensor_apply``, ``aten/src/ATen/native/cuda/MultiTensorApply.cuh``).
+
+Each op keeps its arithmetic: ``torch._foreach_add(xs, c)`` computes ``torch.add(x, c)`` for each
+``x`` of ``xs`` (same type promotion; a list of mixed dtypes or devices runs one op per tensor).
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+__all__ = ["batched"]
+
+_UNARY: dict[Any, Callable[..., Any]] = {
+    torch.rsqrt: torch._foreach_rsqrt, torch.sqrt: torch._foreach_sqrt,
+    torch.neg: torch._foreach_neg, operator.neg: torch._foreach_neg,
+    torch.reciprocal: torch._foreach_reciprocal,
+    "rsqrt": torch._foreach_rsqrt, "sqrt": torch._foreach_sqrt, "neg": torch._foreach_neg,
+    "reciprocal": torch._foreach_reciprocal,
+}
+_BINARY: dict[Any, Callable[..., Any]] = {
+    torch.add: torch._foreach_add, operator.add: torch._foreach_add,
+    torch.sub: torch._foreach_sub, operator.sub: torch._foreach_sub,
+    torch.mul: torch._foreach_mul, operator.mul: torch._foreach_mul,
+    torch.div: torch._foreach_div, operator.truediv: torch._foreach_div,
+    "add": torch._foreach_add, "sub": torch._foreach_sub, "mul": torch._foreach_mul,
+    "div": torch._foreach_div,
+}
+
+
+def _tensor(a: Any) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def _batchable(node: fx.Node) -> tuple | None:
+    """``(multi-tensor op, how its second argument is given)`` for an elementwise op on a tensor
+    (a second tensor, ``("tensor",)``; a number, ``("number", value)``; none, ``()``), or
+    ``None``: keyword arguments (``alpha``, ``out``), a number first, no recorded tensor."""
+    if node.op not in ("call_function", "call_method") or node.kwargs or not node.args:
+        return None
+    if not _tensor(node) or not _tensor(node.args[0]):
+        return None
+    if len(node.args) == 1 and node.target in _UNARY:
+        return (_UNARY[node.target],)
+    if len(node.args) == 2 and node.target in _BINARY:
+        other = node.args[1]
+        if _tensor(other):
+            return (_BINARY[node.target], ("tensor",))
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return (_BINARY[node.target], ("number", other))
+    return None
+
+
+def batched(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` (a graph of work on tensors, its nodes' ``meta["val"]`` recorded)
+    whose elementwise ops of the same kind at the same depth (the longest path from the graph's
+    inputs) are one multi-tensor op each, its results taken out by index. Nodes come in order of
+    depth, which keeps every node after what it reads. Ops that appear once stay as they are.
+
+    Args:
+        graph: the graph; it is not changed.
+
+    Returns:
+        The new graph, with the same outputs.
+    """
+    nodes = list(graph.nodes)
+    depth: dict[fx.Node, int] = {}
+    for node in nodes:
+        depth[node] = 1 + max((depth[i] for i in node.all_input_nodes), default=0)
+    groups: dict[tuple, list[fx.Node]] = collections.defaultdict(list)
+    for node in nodes:
+        kind = _batchable(node)
+        if kind is not None:
+            groups[(depth[node], kind)].append(node)
+    group_of = {n: key for key, members in groups.items() if len(members) > 1 for n in members}
+    index = {n: i for i, n in enumerate(nodes)}
+    output = graph.find_nodes(op="output")[0]
+    new, env = fx.Graph(), {}
+    for node in sorted((n for n in nodes if n is not output), key=lambda n: (depth[n], index[n])):
+        if node in env:
+            continue
+        key = group_of.get(node)
+        if key is None:
+            env[node] = new.node_copy(node, lambda a: env[a])
+            continue
+        members = groups[key]
+        fn, *second = key[1]
+        args: tuple = ([env[m.args[0]] for m in members],)
+        if second and second[0][0] == "tensor":
+            args += ([env[m.args[1]] for m in members],)
+        elif second:
+            args += (second[0][1],)
+        batch = new.call_function(fn, args)
+        for i, member in enumerate(members):
+            env[member] = new.call_function(operator.getitem, (batch, i))
+            env[member].meta = dict(member.meta)
+    new.output(fx.node.map_arg(output.args[0], lambda a: env[a]))
+    return new
