@@ -63,11 +63,13 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training specialization
     forward and backward graphs, :mod:`.runtime.cuda_graph_training`), and ``"safe"`` (outputs never
     overwritten by a later call); or ``run`` (after refreshing ``hoisted`` at each call) and
-    ``None`` when it cannot be captured (the reason is noted with ``note``). ``module`` is what
+    ``None`` when it cannot be captured (the reason is noted with ``note``; a capture that failed,
+    an unexpected and slower fallback, is one WARNING too). ``module`` is what
     ``run`` calls (the graph module, or ``torch.compile``'s wrapper of it); an inference graph
     starts with the derivation prologue of the model's state, ``gm``'s tensors and ``hoisted``
     (:mod:`.runtime.derivations`) and is captured inside ``torch.inference_mode()`` with
     ``inference`` (the specialization's mode, whatever the mode of the call that switches tiers)."""
+    from .runtime.background import warn_once  # noqa: PLC0415
     from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
     from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
     from .runtime.derivations import Derivations  # noqa: PLC0415
@@ -93,8 +95,10 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
                                      written=written, inference=inference)
             for text in runner.derivations.notes:
                 note(notes, text)
-    except CaptureError as exc:
+    except CaptureError as exc:  # unexpected, and slower: one WARNING (the report keeps it)
         what = "training step" if training else "forward"
-        note(notes, f"the {what} runs without a CUDA graph: {exc}")
+        notes.append(f"the {what} runs without a CUDA graph: {exc}")
+        warn_once(f"capturing the {what} in a CUDA graph",
+                  f"{exc}; the {what} runs without a CUDA graph")
         return refreshing(run, hoisted), None
     return runner, "safe"

@@ -70,3 +70,28 @@ def test_the_report_says_how_calls_run_and_why_a_default_was_not_taken():
         "runs:           tier 0, the regions as PyTorch ops")
     assert "glue by inductor, a CUDA graph (safe)" in format_runs(
         {"lowered": True, "glue_backend": "inductor", "cuda_graph": "safe"})
+
+
+def test_a_failed_capture_is_one_warning_and_a_note(caplog, monkeypatch):
+    """A forward whose CUDA-graph capture fails runs without a graph, several times slower (the
+    AMP training step of session 37: 11.2 ms a step, host-bound): one WARNING says so, the
+    report's note too. Before, the note alone, logged at INFO."""
+    from fusion_compiler import graphing
+    from fusion_compiler.config import CompileOptions
+    from fusion_compiler.runtime import cuda_graph
+
+    def capture_fails(*args, **kwargs):
+        raise cuda_graph.CaptureError("AcceleratorError: a test's capture error")
+
+    monkeypatch.setattr(cuda_graph, "CudaGraphRunner", capture_fails)
+    model = nn.Conv2d(3, 4, 3)
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        for _ in range(2):
+            notes: list[str] = []
+            run, how = graphing.graphed(model, model, (), notes, model=model,
+                                        options=CompileOptions(), note=lambda n, r: n.append(r))
+            assert run is model and how is None
+            assert notes == ["the forward runs without a CUDA graph: AcceleratorError: a test's "
+                             "capture error"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "a test's capture error" in messages[0], messages
