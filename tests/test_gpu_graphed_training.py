@@ -82,6 +82,31 @@ def test_graphed_sgd_steps_match_the_ungraphed_module(tmp_path):
         assert rel_err(p.float(), q.float()) < TOL, name
 
 
+def test_the_mixed_precision_step_is_captured_and_matches_the_ungraphed_module(tmp_path):
+    """fp32 parameters under ``torch.autocast`` with a ``GradScaler``, the recipe most networks
+    train with: the step is replayed from CUDA graphs (in session 37 its capture failed with
+    ``cudaErrorStreamCaptureInvalidated`` and it ran without one, host-bound), and three steps
+    match the same compiled model without graphs."""
+    model, fast, other, slow = _pair(randomize_(se_resnet9_fixup(3), seed=2).cuda().train(),
+                                     tmp_path)
+    opts = [torch.optim.SGD(m.parameters(), lr=2e-5) for m in (model, other)]
+    scalers = [torch.amp.GradScaler("cuda") for _ in range(2)]
+    for step in range(3):
+        losses = []
+        for c, opt, scaler in zip((fast, slow), opts, scalers):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = _loss(c(_x(seed=0).float()))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 3 * TOL * abs(losses[1]), (step, losses)
+    assert fast.last.cuda_graph == "safe", fast.last.notes
+    assert not any("without a CUDA graph" in n for n in fast.last.notes), fast.last.notes
+    assert _on_cudnn(fast, slow), fast.report()
+
+
 def test_gradients_accumulate_over_micro_batches_and_zero_grad_in_place(tmp_path):
     model, fast, other, slow = _pair(_net(), tmp_path)
     for m, c in ((model, fast), (other, slow)):

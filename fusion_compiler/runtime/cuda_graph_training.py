@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .tensors import Turns, layout_like, restored
 from ..ir.errors import condense
-from .cuda_graph import CaptureError, _release_rng_capture, capturing
+from .cuda_graph import CaptureError, _release_rng_capture, _uncached_autocast, capturing
 from .weight_cache import derivation_epoch
 from .background import COMPILE_LOCK
 
@@ -95,6 +95,7 @@ class TrainingGraphRunner:
         try:
             with restored(self.buffers):
                 self._warm_up(named, wrt + aliases)
+                named, aliases = self._aliases()  # leaves the warm-up never saw (see _warm_up)
                 with derivation_epoch() as self._epoch, COMPILE_LOCK:  # kept with the graphs
                     self._capture_graphs(named, dict(zip(map(id, self.parameters), aliases)))
         except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
@@ -123,9 +124,19 @@ class TrainingGraphRunner:
             f"module.{name}": t for name, t in named.items()}, tuple(self.static_inputs))
 
     def _warm_up(self, named: dict[str, torch.Tensor], wrt: list[torch.Tensor]) -> None:
+        """Forward and backward runs on a side stream, autocast's cast cache off.
+
+        Autograd records the stream on which a leaf's ``AccumulateGrad`` node was made and, in a
+        later backward, makes the producing stream wait for that one. A node made here and kept
+        alive into the capture (autocast's cache keeps the cast of a leaf that requires grad, and
+        with it the leaf's node, until the outermost autocast region exits) pulls this stream,
+        which is not capturing, into the capture: the capture fails with
+        ``cudaErrorStreamCaptureInvalidated`` (pytorch/pytorch#180090). So nothing is cached
+        here, and the capture differentiates with respect to new aliases of the parameters
+        (docs/decisions.md, "Training graphs return copies of the gradients")."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.enable_grad():
+        with torch.cuda.stream(side), torch.enable_grad(), _uncached_autocast():
             for _ in range(self.warmup):
                 outs = _differentiable(tree_flatten(self._run(named))[0])
                 if outs and wrt:
