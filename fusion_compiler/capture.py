@@ -17,7 +17,7 @@ from .ir.ops import calls_named, copy_graph, writes_in_place
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward
 from .runtime.state import ModuleWrites, note_reads
-from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
+from .tracing import ModeRecordingTracer, globals_read, mark_grad_modes, recording_reads
 
 __all__ = ["TensorSpec", "capture", "input_specs", "unpacked_inputs", "flatten_inputs",
            "unpack_inputs", "untrainable"]
@@ -208,7 +208,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             writes.restore()
             tracer, graph, reads = trace(False)
             tracer.grad_mode_read = True
-        note_reads(reads)
+        note_reads(reads, model, globals_read(reads))
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         writes.restore()

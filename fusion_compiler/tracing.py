@@ -20,9 +20,11 @@ thread (the tracer does so when fx sets its ``root``, before fx lists the model'
 from __future__ import annotations
 
 import contextlib
+import dis
 import operator
 import sys
 import threading
+import types
 from typing import Any, Iterator
 
 import torch
@@ -32,7 +34,8 @@ from torch.fx import _symbolic_trace
 
 from .runtime.hooks import instance_forward
 
-__all__ = ["ModeRecordingTracer", "TRACE_LOCK", "mark_grad_modes", "recording_reads"]
+__all__ = ["ModeRecordingTracer", "TRACE_LOCK", "globals_read", "mark_grad_modes",
+           "recording_reads"]
 
 TRACE_LOCK = threading.Lock()
 """Held by :meth:`ModeRecordingTracer.trace` for the whole trace (see the module docstring)."""
@@ -71,6 +74,46 @@ def recording_reads(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, se
     finally:
         for module, cls in swapped:
             module.__class__ = cls
+
+
+def _user_function(value: Any) -> bool:
+    """A Python function of the user's code (not torch's, not this package's)."""
+    return isinstance(value, types.FunctionType) and not (value.__module__ or "").split(".")[
+        0] in ("torch", "fusion_compiler")
+
+
+def globals_read(reads: dict[torch.nn.Module, set[str]]) -> list[tuple[dict, str]]:
+    """The module-level names the code a trace ran may read, as ``(globals dict, name)``: what
+    ``LOAD_GLOBAL`` instructions name (CPython's ``dis``) in the ``forward`` of each module of
+    ``reads`` (whose code the trace ran, :func:`recording_reads`; its instance forward where one
+    replaced it), in the methods the trace saw it read, in the functions of the user's code those
+    call by a global name (followed in turn), and in the code nested in them (closures,
+    comprehensions). Names of builtins are left out. A static reading: a function reached
+    another way (an attribute of an object, an argument) is not followed."""
+    todo: list[tuple[types.CodeType, dict]] = []
+    for module, names in reads.items():
+        for fn in (instance_forward(module), *(getattr(type(module), n, None)
+                                               for n in {"forward", *names})):
+            fn = getattr(fn, "__func__", fn)  # a bound or class method
+            if _user_function(fn):
+                todo.append((fn.__code__, fn.__globals__))
+    seen: set[types.CodeType] = set()
+    found: dict[tuple[int, str], tuple[dict, str]] = {}
+    while todo:
+        code, namespace = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        for instruction in dis.get_instructions(code):
+            name = instruction.argval
+            if instruction.opname != "LOAD_GLOBAL" or name not in namespace:
+                continue
+            found.setdefault((id(namespace), name), (namespace, name))
+            value = namespace[name]
+            if _user_function(value):
+                todo.append((value.__code__, value.__globals__))
+        todo += [(c, namespace) for c in code.co_consts if isinstance(c, types.CodeType)]
+    return list(found.values())
 
 
 class ModeRecordingTracer(fx.Tracer):

@@ -525,6 +525,42 @@ def attributes_of_other_kinds_changed(s: Session) -> None:
     infer(s, x16(s), "numpy scalar")
 
 
+LABEL_SMOOTHING = 0.0
+"""A module-level setting ``ReadsSettings`` reads (the patterns below change it, then put it
+back: each run of a pattern starts from this value)."""
+
+
+def _squash(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * (1 - LABEL_SMOOTHING)
+
+
+class ReadsSettings(nn.Module):
+    """A forward that reads a module-level setting through a helper function and a class-level
+    one through ``self``, as research code often keeps its switches."""
+
+    TEMPERATURE = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        return _squash(self.conv(x) / self.TEMPERATURE)
+
+
+def settings_changed_between_calls(s: Session) -> None:
+    global LABEL_SMOOTHING
+    infer(s, x16(s))
+    try:
+        LABEL_SMOOTHING = 0.5
+        infer(s, x16(s), "module-level value")
+        type(s.model).TEMPERATURE = 4.0
+        infer(s, x16(s), "class attribute")
+    finally:
+        LABEL_SMOOTHING = 0.0
+        type(s.model).TEMPERATURE = 1.0
+
+
 class GradModeBranch(nn.Module):
     """A forward that branches on ``torch.is_grad_enabled()`` (an auxiliary term only when
     training, a cheaper path under ``no_grad``)."""
@@ -1084,6 +1120,8 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 1; timm's DropPath (found by a probe, session 36)",
             gpu_dtype=torch.float32),
     Pattern("attributes_of_other_kinds_changed", Configured, attributes_of_other_kinds_changed,
+            f"{ISSUE}, item 1 (found by a probe, session 36)"),
+    Pattern("settings_changed_between_calls", ReadsSettings, settings_changed_between_calls,
             f"{ISSUE}, item 1 (found by a probe, session 36)"),
     Pattern("grad_mode_branch", GradModeBranch, grad_mode_branch,
             f"{ISSUE}, item 4 (found by a probe, session 36)"),

@@ -74,6 +74,56 @@ def test_values_a_graph_holds_as_constants_compile_again_when_changed(change, tm
         assert rel_err(compiled(x), eager(x)) < 1e-5
 
 
+TEMPERATURE = 1.0
+"""Module-level settings the forward below reads (a global flag, a helper function)."""
+
+
+def _activation(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x) * GAIN
+
+
+GAIN = 1.0
+
+
+class _ReadsGlobals(nn.Module):
+    SHIFT = 0.0  # a class-level setting, read through self
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        return _activation(self.conv(x)) / TEMPERATURE + self.SHIFT
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: globals().__setitem__("TEMPERATURE", 0.25),
+    lambda m: globals().__setitem__("GAIN", 3.0),  # read in a helper forward calls
+    lambda m: globals().__setitem__("_activation", torch.tanh),
+    lambda m: setattr(type(m), "SHIFT", 2.0)],
+    ids=["global_number", "global_in_a_helper", "global_function", "class_attribute"])
+def test_module_level_and_class_level_values_forward_reads_compile_again_when_changed(
+        change, tmp_path, monkeypatch, caplog):
+    """Found by a probe in session 36, fixed in 37: a module-level value or a class attribute
+    read by forward was traced as a constant and never looked at again (compile(model) kept
+    computing with the old value; torch.compile guards them)."""
+    for name in ("TEMPERATURE", "GAIN", "_activation"):  # put back after the test
+        monkeypatch.setitem(globals(), name, globals()[name])
+    monkeypatch.setattr(_ReadsGlobals, "SHIFT", _ReadsGlobals.SHIFT)
+    torch.manual_seed(0)
+    model = _ReadsGlobals()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        compiled(x)
+        spec = compiled.last
+        with caplog.at_level("WARNING", logger="fusion_compiler"):
+            compiled(x)
+        assert compiled.last is spec and not caplog.records  # nothing changed: no compile
+        change(model)
+        assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+
+
 class _InPlace(nn.Module):
     def __init__(self):
         super().__init__()

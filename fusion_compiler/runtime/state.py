@@ -10,7 +10,9 @@ its contents compare. :class:`StateGuard` finds that before each call, by identi
 what is changed *in place* is the derivation program's to find (:mod:`.derive`). A hook added
 to a submodule (or a global one) changes what the model computes too: the specializations are
 made again, and the new one refuses the hook (:mod:`.hooks`). So does a plain attribute a traced
-graph holds as a constant (``self.temperature``, a batch norm's ``eps``) set to another value.
+graph holds as a constant (``self.temperature``, a batch norm's ``eps``) set to another value, a
+class attribute ``forward`` read through ``self``, or a module-level name its code may read
+(a global setting, a helper function; :func:`fusion_compiler.tracing.globals_read`).
 
 :class:`ModuleWrites` keeps tracing from changing the model: ``torch.fx`` runs ``forward``'s
 Python code on proxies, so ``self.count += 1`` (an int) or ``self.n += 1`` (a buffer: the proxy of
@@ -21,9 +23,10 @@ such an assignment at each call.
 from __future__ import annotations
 
 import operator
+import types
 import weakref
 from itertools import repeat
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -91,11 +94,45 @@ _INTERNAL = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping
 _READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> names a trace read
 
 
-def note_reads(reads: dict[torch.nn.Module, set[str]]) -> None:
-    """Add the attribute names a trace saw each module's code read (they accumulate over the
-    traces of a model: each specialization is traced again)."""
+_GLOBALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> globals read
+
+
+def note_reads(reads: dict[torch.nn.Module, set[str]],
+               model: torch.nn.Module | None = None,
+               global_names: Sequence[tuple[dict, str]] = ()) -> None:
+    """Add the attribute names a trace saw each module's code read, and the module-level names
+    (``(globals dict, name)``) the code of ``model``'s trace may read; they accumulate over
+    the traces of a model (each specialization is traced again)."""
     for module, names in reads.items():
         _READS.setdefault(module, set()).update(names)
+    if model is not None:
+        _GLOBALS.setdefault(model, {}).update({(id(g), n): (g, n) for g, n in global_names})
+
+
+def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
+    """``(class, name, value)`` of the values a trace saw ``module``'s code read from its class
+    (``self.SCALE`` of a class-level ``SCALE = 2.0``): not methods, properties or classes, not
+    Python's own names (``__module__``) nor those of torch's classes (``nn.Module``'s
+    ``_compiled_call_impl``, which ``__call__`` reads)."""
+    tables = (vars(module), module._parameters, module._buffers, module._modules)
+    found = []
+    for name in sorted(_READS.get(module, ())):
+        if any(name in t for t in tables) or name.startswith("__"):
+            continue
+        owner = next((k for k in type(module).__mro__ if name in vars(k)), None)
+        if owner is None or owner.__module__.startswith("torch."):
+            continue
+        value = vars(owner)[name]
+        if not (callable(value) or hasattr(value, "__get__")):
+            found.append((owner, name, value))
+    return found
+
+
+def _globals_guarded(model: torch.nn.Module) -> list[tuple[dict, str, Any]]:
+    """``(globals dict, name, value)`` of the module-level names ``model``'s traced code may
+    read (:func:`note_reads`), modules (``torch``, ``F``) left out."""
+    return [(g, n, g[n]) for g, n in _GLOBALS.get(model, {}).values()
+            if n in g and not isinstance(g[n], types.ModuleType)]
 
 
 def _torch_nn(module: torch.nn.Module) -> bool:
@@ -167,6 +204,8 @@ class StateGuard:
         self._hook_tables = hook_tables(self.module)
         self._hooks = sum(map(len, self._hook_tables))
         attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
+        attributes += _globals_guarded(self.module)  # compared as attributes are (dicts too)
+        self._class_values = [a for m in modules for a in _class_attributes(m)]
         attributes.sort(key=lambda a: _order(a[2]))  # by ==, then by identity, then item by item
         self._attr_dicts = [d for d, _, _ in attributes]
         self._attr_names = [n for _, n, _ in attributes]
@@ -212,8 +251,10 @@ class StateGuard:
         ``forward`` replaced (or put back) on the instance, a plain
         attribute (a number, a tensor that is no parameter or buffer) set to another value, or
         an attribute, parameter, buffer or submodule added under a name a trace saw ``forward``
-        read and not find (``hasattr(self, "shift")``), or a submodule added anywhere. Tensors
-        added under other names are not looked for: the traced graph does not read them."""
+        read and not find (``hasattr(self, "shift")``), a submodule added anywhere, a class
+        attribute a trace saw ``forward`` read set on the class, or a module-level name the
+        traced code may read set to another value. Tensors added under other names are not
+        looked for: the traced graph does not read them."""
         now = tuple(map(dict.get, self._dicts, self._names))
         if not all(map(operator.is_, now, self.tensors)):
             return True
@@ -223,7 +264,9 @@ class StateGuard:
         return (list(map(_data_ptr, now)) != self._ptrs
                 or sum(map(len, self._hook_tables)) != self._hooks
                 or self._forward_changed() or self._attributes_changed()
-                or any(n in t for tables, n in self._absent for t in tables))
+                or any(n in t for tables, n in self._absent for t in tables)
+                or bool(self._class_values) and not all(
+                    _same(v, vars(k).get(n, _MISSING)) for k, n, v in self._class_values))
 
     def describe(self) -> str:
         """Which tensor or submodule changed, for a log line."""
@@ -245,10 +288,15 @@ class StateGuard:
         for d, n, old in zip(self._attr_dicts, self._attr_names, self._attr_values):
             new = d.get(n, _MISSING)
             if not _same(old, new):
-                return f"attribute '{n}' was set to {_short(new)} (was {_short(old)})"
+                what = "global" if "__builtins__" in d else "attribute"  # a module's globals
+                return f"{what} '{n}' was set to {_short(new)} (was {_short(old)})"
         for tables, n in self._absent:
             if any(n in t for t in tables):
                 return f"attribute '{n}' was added (forward looked for it)"
+        for k, n, v in self._class_values:
+            now = vars(k).get(n, _MISSING)
+            if not _same(v, now):
+                return f"class attribute {k.__name__}.{n} was set to {_short(now)}"
         return "nothing"
 
 
