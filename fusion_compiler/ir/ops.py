@@ -66,9 +66,14 @@ def inplace_flag(node: fx.Node) -> bool:
 
 def writes_in_place(node: fx.Node) -> bool:
     """Whether ``node`` writes into one of its arguments (``x.relu_()``, ``torch.relu_``,
-    ``x += y``, ``F.relu(x, inplace=True)``): a side effect, even with no reader of its value."""
+    ``x += y``, ``F.relu(x, inplace=True)``, a module made with ``inplace=True``): a side
+    effect, even with no reader of its value."""
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.startswith("_")
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        module = owner.get_submodule(node.target) if owner is not None else None
+        return getattr(module, "inplace", False) is True
     if node.op != "call_function":
         return False
     name = getattr(node.target, "__name__", "")

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ...ir.ops import INPLACE_POSITION, foreach_inplace, inplace_flag, write_back
@@ -62,13 +63,56 @@ _VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze
                    torch.detach}
 
 
+_SELF_METHODS = {"contiguous", "float", "half", "double", "bfloat16", "to", "type", "type_as",
+                 "cpu", "cuda"}
+"""Methods that may return their argument itself (``x.float()`` of an fp32 ``x``)."""
+_ALIASING_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
+"""``torch.nn`` modules that may return their input or a view of it (dropout in eval mode)."""
+_FRESH_MODULES = (nn.modules.conv._ConvNd, nn.Linear, nn.modules.pooling._MaxPoolNd,
+                  nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
+                  nn.modules.pooling._AdaptiveMaxPoolNd, nn.modules.batchnorm._BatchNorm,
+                  nn.GroupNorm, nn.LayerNorm)
+_FRESH_FUNCTIONS = {torch.conv2d, F.conv2d, F.linear, torch.add, torch.sub, torch.mul, torch.div,
+                    operator.add, operator.sub, operator.mul, operator.truediv, torch.cat,
+                    torch.mean, torch.sum, F.adaptive_avg_pool2d, F.avg_pool2d, F.max_pool2d,
+                    torch.relu, torch.sigmoid, torch.tanh}
+_FRESH_METHODS = {"add", "sub", "mul", "div", "mean", "sum", "clone", "relu", "sigmoid", "tanh"}
+"""Ops whose result always has memory of its own (module types, functions, methods)."""
+
+
+def _source(node: object) -> fx.Node | None:
+    """The value ``node``'s result may share memory with: its first argument (or ``input=``)."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method",
+                                                        "call_module"):
+        return None
+    first = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+    return first if isinstance(first, fx.Node) else None
+
+
 def _is_view(node: object) -> bool:
-    """Whether ``node`` may return a view of (memory shared with) its first argument."""
-    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+    """Whether ``node`` may return a view of its source without being an in-place op: a view
+    op, a method that may return its argument itself, ``getattr`` (``x.T``, ``x.data``), or a
+    module that may return its input (``nn.Flatten``, dropout)."""
+    if _source(node) is None:
         return False
     if node.op == "call_method":
-        return node.target in _VIEW_METHODS
-    return node.op == "call_function" and node.target in _VIEW_FUNCTIONS
+        return node.target in _VIEW_METHODS or node.target in _SELF_METHODS
+    if node.op == "call_function":
+        return node.target in _VIEW_FUNCTIONS or node.target is getattr
+    owner = node.graph.owning_module
+    return owner is not None and isinstance(owner.get_submodule(node.target), _ALIASING_MODULES)
+
+
+def _fresh(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node``'s result certainly has memory no other value shares (a convolution's, a
+    sum's, a pooling's output)."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), _FRESH_MODULES)
+    if node.kwargs.get("out") is not None:
+        return False
+    if node.op == "call_function":
+        return node.target in _FRESH_FUNCTIONS
+    return node.op == "call_method" and node.target in _FRESH_METHODS
 
 
 def functionalize(gm: fx.GraphModule) -> str:
@@ -168,31 +212,52 @@ def _shared_write(gm: fx.GraphModule) -> str:
             continue
         if node.op == "call_method" and not hasattr(torch.Tensor, twin):
             return f"in-place op {node.target} ({node.name}) has no out-of-place twin"
-        if _read_through_another_alias(node, order):
+        if _read_through_another_alias(gm, node, order):
             return (f"in-place op {node.target} ({node.name}) writes into memory that another "
                     "value of the graph shares (a view)")
     return ""
 
 
-def _read_through_another_alias(node: fx.Node, order: dict[fx.Node, int]) -> bool:
-    """Whether the memory the in-place ``node`` writes is seen after it through another value
-    than the one it writes (which the rewrite makes every later reader read): the base its
-    value is a view of, or a view of that base taken before ``node``, read after it; or the base
-    is a graph input or a buffer (the caller or the module would see the write). A write into a
-    view nothing else reads later (an in-place dropout after a ``flatten``) is made out of place
-    like any other."""
+def _read_through_another_alias(gm: fx.GraphModule, node: fx.Node,
+                                order: dict[fx.Node, int]) -> bool:
+    """Whether the memory the in-place ``node`` writes may be seen after it through another
+    value than the one it writes. The rewrite makes every later reader of the written value
+    read the new one, and follows chains of in-place ops (``x.sub_(m).div_(s)``); it cannot
+    follow memory shared through a view. So: a view of the written value (or of a value it is
+    a view of) taken before ``node`` and read after it; a write into a view whose base may share
+    memory with anything else (an input, a buffer, an op not known to make new memory); or that
+    base, or another view of it, read after ``node``. A write into a view of new memory that
+    nothing else reads later (an in-place dropout after a ``flatten`` of a pooling) is made out
+    of place like any other."""
     written = node.args[0]
-    base = written
-    while _is_view(base):
-        base = base.args[0]
-    if base is not written and base.op in ("placeholder", "get_attr"):
+
+    def same_value(start: fx.Node) -> set[fx.Node]:  # linked by in-place ops, no view between
+        found, stack = set(), [start]
+        while stack:
+            value = stack.pop()
+            if value in found:
+                continue
+            found.add(value)
+            if inplace_target(gm, value) is not None and _source(value) is not None:
+                stack.append(_source(value))
+            stack += [u for u in value.users if u is not node
+                      and inplace_target(gm, u) is not None and _source(u) is value]
+        return found
+
+    written_value = same_value(written)
+    base, through_view = written, False
+    while _is_view(base) or (inplace_target(gm, base) is not None and _source(base) is not None):
+        through_view |= _is_view(base)
+        base = _source(base)
+    if through_view and (base.op in ("placeholder", "get_attr") or not _fresh(gm, base)):
         return True
     aliases, stack = set(), [base]
     while stack:
         value = stack.pop()
         if value not in aliases:
             aliases.add(value)
-            stack.extend(u for u in value.users if _is_view(u) and u.args[0] is value
-                         and order[u] < order[node])
-    return any(order[r] > order[node] for a in aliases if a is not written
+            stack += [u for u in value.users if u is not node and order[u] < order[node]
+                      and _source(u) is value
+                      and (_is_view(u) or inplace_target(gm, u) is not None)]
+    return any(order[r] > order[node] for a in aliases - written_value
                for r in a.users if r is not node)

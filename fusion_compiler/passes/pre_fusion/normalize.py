@@ -155,6 +155,8 @@ def _string_padding(padding: str, weight: tuple[int, ...] | None,
 
 def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
     mod = gm.get_submodule(node.target)
+    if getattr(mod, "inplace", False) is True:  # a graph functionalize kept as it is: the
+        return  # write stays (functionalize swaps the modules of the graphs it rewrites)
     g = gm.graph
     x = node.args[0] if node.args else None
     kind = type(mod)
