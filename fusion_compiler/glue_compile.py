@@ -113,14 +113,8 @@ def without_custom_op_alias_check() -> contextlib.AbstractContextManager[Any]:
 
 
 def inductor_without_autograd_cache(gm: fx.GraphModule, example: Sequence[Any]) -> Any:
-    """A ``torch.compile`` backend: Inductor (``compile_fx``) with AOTAutograd's cache and donated
-    buffers off for this compile, for glue graphs whose regions are differentiated.
-
-    Donated buffers (AOTAutograd frees saved activations during the backward) make a backward
-    with ``create_graph=True`` or ``retain_graph=True`` raise ("compiled with non-empty donated
-    buffers", PyTorch's message, which names ``torch._functorch.config.donated_buffer``): a
-    gradient penalty through the compiled model raised at its first gradient, where eager
-    computes it (H200, 2026-11-27). Off, the backward keeps them until it ends.
+    """A ``torch.compile`` backend: Inductor (``compile_fx``) with AOTAutograd's cache off for
+    this compile, for glue graphs whose regions are differentiated.
 
     AOTAutograd's cache is keyed by the graph Dynamo hands over, in which each region is
     ``run_region(key, ...)`` with its forward kernel's key. What the region's backward does is not
@@ -136,10 +130,7 @@ def inductor_without_autograd_cache(gm: fx.GraphModule, example: Sequence[Any]) 
     from torch._functorch import config  # noqa: PLC0415
     from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415
 
-    patches = {"enable_autograd_cache": False}
-    if hasattr(config, "donated_buffer"):
-        patches["donated_buffer"] = False
-    with config.patch(patches):
+    with config.patch(enable_autograd_cache=False):
         return compile_fx(gm, list(example))
 
 

@@ -59,12 +59,14 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
             notes: list[str], *, model: torch.nn.Module, options: CompileOptions,
             note: Callable[[list[str], str], None], training: bool = False,
             inference: bool = False, gm: fx.GraphModule | None = None,
-            hoisted: HoistedParameters | None = None) -> tuple[Callable[..., Any], str | None]:
+            hoisted: HoistedParameters | None = None,
+            warn: bool = True) -> tuple[Callable[..., Any], str | None]:
     """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training specialization
     forward and backward graphs, :mod:`.runtime.cuda_graph_training`), and ``"safe"`` (outputs never
     overwritten by a later call); or ``run`` (after refreshing ``hoisted`` at each call) and
     ``None`` when it cannot be captured (the reason is noted with ``note``; a capture that failed,
-    an unexpected and slower fallback, is one WARNING too). ``module`` is what
+    an unexpected and slower fallback, is one WARNING too, unless not ``warn``: a caller that
+    says it itself). ``module`` is what
     ``run`` calls (the graph module, or ``torch.compile``'s wrapper of it); an inference graph
     starts with the derivation prologue of the model's state, ``gm``'s tensors and ``hoisted``
     (:mod:`.runtime.derivations`) and is captured inside ``torch.inference_mode()`` with
@@ -98,7 +100,8 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     except CaptureError as exc:  # unexpected, and slower: one WARNING (the report keeps it)
         what = "training step" if training else "forward"
         notes.append(f"the {what} runs without a CUDA graph: {exc}")
-        warn_once(f"capturing the {what} in a CUDA graph",
-                  f"{exc}; the {what} runs without a CUDA graph")
+        if warn:
+            warn_once(f"capturing the {what} in a CUDA graph",
+                      f"{exc}; the {what} runs without a CUDA graph")
         return refreshing(run, hoisted), None
     return runner, "safe"

@@ -104,12 +104,12 @@ class Runners:
 
     def graphed(self, run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
                 notes: list[str], training: bool = False, inference: bool = False,
-                gm: fx.GraphModule | None = None, hoisted: HoistedParameters | None = None
-                ) -> tuple[Callable[..., Any], str | None]:
+                gm: fx.GraphModule | None = None, hoisted: HoistedParameters | None = None,
+                warn: bool = True) -> tuple[Callable[..., Any], str | None]:
         """:func:`~fusion_compiler.graphing.graphed` for this model and options."""
         return graphing.graphed(run, module, args, notes, model=self.model, options=self.options,
                                 note=self._note, training=training, inference=inference, gm=gm,
-                                hoisted=hoisted)
+                                hoisted=hoisted, warn=warn)
 
     def inductor_tier(self, first: Any, gm: fx.GraphModule,
                       plain: Callable[[Callable[..., Any]], Callable[..., Any]],
@@ -141,9 +141,10 @@ class Runners:
                     compiled = inductor_compile(private, example)
                 with inference_graph_modes(inference), without_custom_op_alias_check():
                     runner, graphed = self.graphed(plain(compiled), compiled, example, notes,
-                                                   inference=inference, gm=gm, hoisted=hoisted)
-            if graphed is None:
-                raise RuntimeError("its CUDA graph could not be captured")
+                                                   inference=inference, gm=gm, hoisted=hoisted,
+                                                   warn=False)  # failed() says it, once
+            if graphed is None:  # the calls stay on the tier before, with its graph
+                raise RuntimeError(f"its CUDA graph could not be captured ({notes[-1]})")
             return runner
 
         def failed(reason: str) -> None:

@@ -47,12 +47,38 @@ def test_each_batch_norms_fold_is_one_multi_tensor_op_per_step_with_the_same_val
         assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
 
 
-def test_a_graph_with_nothing_to_batch_is_copied_as_it_is():
-    graph = fx.symbolic_trace(lambda x: torch.rsqrt(x + 1) * 2).graph
-    for node in graph.nodes:
-        node.meta["val"] = torch.ones(3)
-    copy = batched(graph)
-    assert [n.target for n in copy.nodes] == [n.target for n in graph.nodes]
+def _traced(fn, *shapes_and_dtypes) -> fx.GraphModule:
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    gm = fx.symbolic_trace(fn)
+    args = [torch.ones(s, dtype=d) for s, d in shapes_and_dtypes]
+    ShapeProp(gm).propagate(*args)
+    for node in gm.graph.nodes:
+        meta = node.meta.get("tensor_meta")
+        if hasattr(meta, "shape"):  # a tensor's (not the output tuple's)
+            node.meta["val"] = torch.empty(meta.shape, dtype=meta.dtype)
+    return gm
+
+
+def test_a_graph_with_nothing_to_batch_or_an_in_place_op_is_copied_as_it_is():
+    for fn in (lambda x, y: torch.rsqrt(x + 1) * 2,
+               lambda x, y: (x.add_(1) + 1, y + 1)):  # order matters: not reordered
+        gm = _traced(fn, ((3,), torch.float32), ((3,), torch.float32))
+        assert [n.name for n in batched(gm.graph).nodes] == [n.name for n in gm.graph.nodes]
+
+
+def test_numbers_of_another_type_or_sign_are_not_one_group():
+    """``a + 1`` (an int tensor stays int) and ``b + 1.0`` (becomes float); ``a * 0.0`` and
+    ``b * -0.0`` (the sign of zero): one multi-tensor op each would change a result (found by a
+    review, session 37)."""
+    for fn, dtype in ((lambda a, b: (a + 1, b + 1.0), torch.int64),
+                      (lambda a, b: (a * 0.0, b * -0.0), torch.float32)):
+        gm = _traced(fn, ((3,), dtype), ((3,), dtype))
+        a, b = torch.ones(3, dtype=dtype), torch.ones(3, dtype=dtype)
+        want, got = gm(a, b), fx.GraphModule(gm, batched(gm.graph))(a, b)
+        for w, g in zip(want, got):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+            assert torch.equal(torch.signbit(g.float()), torch.signbit(w.float()))
 
 
 _OPAQUE = r"""

@@ -493,10 +493,10 @@ def test_training_glue_traces_its_own_backward_instead_of_another_processs(tmp_p
 def test_training_glue_gives_a_first_gradient_with_create_graph():
     """A first gradient with ``create_graph=True`` through training glue (the first half of a
     gradient penalty) equals eager's; the backward through it then raises AOTAutograd's own
-    "does not currently support double backward", as under ``torch.compile``. (On a GPU, with
-    AOTAutograd's donated buffers on, its default, the first gradient raised instead, "compiled
-    with non-empty donated buffers": ``test_gpu_training.py``'s gradient-penalty test; this graph
-    on the CPU donates none.)"""
+    "does not currently support double backward", as under ``torch.compile``. (After a plain
+    backward of the same compiled glue, AOTAutograd's donated buffers make the first gradient
+    raise instead, naming ``torch._functorch.config.donated_buffer``, as under
+    ``torch.compile``.)"""
     from fusion_compiler.glue_compile import inductor_without_autograd_cache
 
     class Glue(torch.nn.Module):

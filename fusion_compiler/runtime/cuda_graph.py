@@ -360,7 +360,7 @@ class CudaGraphRunner:
         """Free the graphs, their memory pools and the static buffers (the runner is unusable
         after; a call running on another thread ends first, and the current stream waits for the
         last call's)."""
-        with self._turns.turn():
+        with self._turns.closing():
             self._drop_extra_graphs()
             if self.main is not None:
                 self.main.reset()

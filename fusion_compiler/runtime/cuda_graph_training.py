@@ -165,7 +165,7 @@ class TrainingGraphRunner:
     def close(self) -> None:
         """Free the graphs and their memory pool: not during another thread's capture or replay,
         and after the work of the last replay's stream (the current stream waits for it)."""
-        with self._capturing, self._turns.turn():
+        with self._capturing, self._turns.closing():
             if self.pair is not None:
                 self.pair.close()
             self.pair = None

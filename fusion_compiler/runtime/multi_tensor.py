@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..ir.ops import writes_in_place
+
 __all__ = ["batched"]
 
 _UNARY: dict[Any, Callable[..., Any]] = {
@@ -60,15 +62,17 @@ def _batchable(node: fx.Node) -> tuple | None:
         if _tensor(other):
             return (_BINARY[node.target], ("tensor",))
         if isinstance(other, (int, float)) and not isinstance(other, bool):
-            return (_BINARY[node.target], ("number", other))
+            # by type and spelling: 1 and 1.0 promote differently, 0.0 and -0.0 differ in sign
+            return (_BINARY[node.target], ("number", type(other).__name__, repr(other)))
     return None
 
 
 def batched(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` (a graph of work on tensors, its nodes' ``meta["val"]`` recorded)
-    whose elementwise ops of the same kind at the same depth (the longest path from the graph's
+    """A copy of ``graph`` (pure work on tensors, its nodes' ``meta["val"]`` recorded) whose
+    elementwise ops of the same kind at the same depth (the longest path from the graph's
     inputs) are one multi-tensor op each, its results taken out by index. Nodes come in order of
-    depth, which keeps every node after what it reads. Ops that appear once stay as they are.
+    depth, which keeps every node after what it reads. Ops that appear once stay as they are; a
+    graph with an impure node (an in-place or random op, whose order matters) is copied as it is.
 
     Args:
         graph: the graph; it is not changed.
@@ -77,6 +81,11 @@ def batched(graph: fx.Graph) -> fx.Graph:
         The new graph, with the same outputs.
     """
     nodes = list(graph.nodes)
+    if any(n.op in ("call_function", "call_method", "call_module")
+           and (n.is_impure() or writes_in_place(n)) for n in nodes):
+        copy = fx.Graph()
+        copy.output(copy.graph_copy(graph, {}))
+        return copy
     depth: dict[fx.Node, int] = {}
     for node in nodes:
         depth[node] = 1 + max((depth[i] for i in node.all_input_nodes), default=0)
@@ -102,7 +111,7 @@ def batched(graph: fx.Graph) -> fx.Graph:
         if second and second[0][0] == "tensor":
             args += ([env[m.args[1]] for m in members],)
         elif second:
-            args += (second[0][1],)
+            args += (members[0].args[1],)
         batch = new.call_function(fn, args)
         for i, member in enumerate(members):
             env[member] = new.call_function(operator.getitem, (batch, i))

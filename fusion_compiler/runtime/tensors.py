@@ -92,6 +92,17 @@ class Turns:
             self._order.follow()
             yield
 
+    @contextlib.contextmanager
+    def closing(self) -> Iterator[None]:
+        """Hold the buffers to free them: after any call of another thread, the current stream
+        waiting for the last call's work; not while the current stream is being captured (the
+        caller's own CUDA graph), where a wait on a stream outside the capture would pull that
+        stream into it."""
+        with self.lock:
+            if not stream_capturing():
+                self._order.follow()
+            yield
+
 
 def inference_graph_modes(inference: bool) -> contextlib.ExitStack:
     """Inside ``torch.inference_mode()`` with ``inference`` (else outside it), gradients off: the
