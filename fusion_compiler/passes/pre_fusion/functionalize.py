@@ -56,11 +56,18 @@ def inplace_target(gm: fx.GraphModule, node: fx.Node) -> Callable | str | None:
 _VIEW_METHODS = {"view", "reshape", "expand", "expand_as", "view_as", "reshape_as", "permute",
                  "transpose", "t", "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
                  "select", "as_strided", "detach", "split", "chunk", "unbind", "diagonal",
-                 "movedim", "unfold", "__getitem__"}
+                 "movedim", "unfold", "__getitem__", "ravel", "swapaxes", "swapdims",
+                 "view_as_real", "tensor_split", "split_with_sizes"}
 _VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze,
                    torch.permute, torch.transpose, torch.t, torch.narrow, torch.select,
                    torch.split, torch.chunk, torch.unbind, torch.movedim, torch.diagonal,
-                   torch.detach}
+                   torch.detach, torch.ravel, torch.swapaxes, torch.swapdims, torch.tensor_split,
+                   torch.view_as_real, torch.einsum,
+                   # dropout returns its input itself in eval mode
+                   torch.dropout, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                   F.alpha_dropout, F.feature_alpha_dropout}
+_TENSOR_ATTRIBUTES = {"T", "mT", "H", "mH", "data", "real", "imag"}
+"""Tensor attributes that are views (``x.shape`` and the like are not: no memory)."""
 
 
 _SELF_METHODS = {"contiguous", "float", "half", "double", "bfloat16", "to", "type", "type_as",
@@ -71,21 +78,27 @@ _ALIASING_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._
 _FRESH_MODULES = (nn.modules.conv._ConvNd, nn.Linear, nn.modules.pooling._MaxPoolNd,
                   nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
                   nn.modules.pooling._AdaptiveMaxPoolNd, nn.modules.batchnorm._BatchNorm,
-                  nn.GroupNorm, nn.LayerNorm)
+                  nn.GroupNorm, nn.LayerNorm, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Hardswish,
+                  nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Upsample)
 _FRESH_FUNCTIONS = {torch.conv2d, F.conv2d, F.linear, torch.add, torch.sub, torch.mul, torch.div,
                     operator.add, operator.sub, operator.mul, operator.truediv, torch.cat,
                     torch.mean, torch.sum, F.adaptive_avg_pool2d, F.avg_pool2d, F.max_pool2d,
-                    torch.relu, torch.sigmoid, torch.tanh}
-_FRESH_METHODS = {"add", "sub", "mul", "div", "mean", "sum", "clone", "relu", "sigmoid", "tanh"}
-"""Ops whose result always has memory of its own (module types, functions, methods)."""
+                    torch.relu, torch.sigmoid, torch.tanh, F.relu, F.silu, F.gelu, F.hardswish,
+                    F.hardsigmoid, F.interpolate, torch.matmul, operator.matmul}
+_FRESH_METHODS = {"add", "sub", "mul", "div", "mean", "sum", "clone", "relu", "sigmoid", "tanh",
+                  "matmul"}
+"""Ops whose result always has memory of its own (module types, functions, methods), unless
+made in place (``nn.ReLU(inplace=True)``, ``F.relu(x, inplace=True)``)."""
 
 
 def _source(node: object) -> fx.Node | None:
-    """The value ``node``'s result may share memory with: its first argument (or ``input=``)."""
+    """The value ``node``'s result may share memory with: its first tensor argument (``a`` of
+    ``torch.einsum("ij->ji", a)``), or ``input=``."""
     if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method",
                                                         "call_module"):
         return None
-    first = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+    first = next((a for a in node.args if isinstance(a, fx.Node)),
+                 node.kwargs.get("input", node.kwargs.get("self")))
     return first if isinstance(first, fx.Node) else None
 
 
@@ -96,9 +109,14 @@ def _is_view(node: object) -> bool:
     if _source(node) is None:
         return False
     if node.op == "call_method":
-        return node.target in _VIEW_METHODS or node.target in _SELF_METHODS
+        if node.target in _SELF_METHODS:  # a cast to another dtype or device: new memory
+            new, old = node.meta.get("val"), _source(node).meta.get("val")
+            return not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)
+                        and (new.dtype != old.dtype or new.device != old.device))
+        return node.target in _VIEW_METHODS
     if node.op == "call_function":
-        return node.target in _VIEW_FUNCTIONS or node.target is getattr
+        return node.target in _VIEW_FUNCTIONS or (
+            node.target is getattr and len(node.args) > 1 and node.args[1] in _TENSOR_ATTRIBUTES)
     owner = node.graph.owning_module
     return owner is not None and isinstance(owner.get_submodule(node.target), _ALIASING_MODULES)
 
@@ -107,8 +125,9 @@ def _fresh(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node``'s result certainly has memory no other value shares (a convolution's, a
     sum's, a pooling's output)."""
     if node.op == "call_module":
-        return isinstance(gm.get_submodule(node.target), _FRESH_MODULES)
-    if node.kwargs.get("out") is not None:
+        module = gm.get_submodule(node.target)
+        return isinstance(module, _FRESH_MODULES) and getattr(module, "inplace", False) is not True
+    if node.kwargs.get("out") is not None or inplace_target(gm, node) is not None:
         return False
     if node.op == "call_function":
         return node.target in _FRESH_FUNCTIONS
