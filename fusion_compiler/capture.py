@@ -194,6 +194,14 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "backend='fusion_compiler'), which follows it (one replaced on a submodule is "
             "traced through)")
     on_calling_thread("torch.fx tracing")
+    global_names, stored = globals_read(
+        m for m in dict.fromkeys(model.modules()) if not type(m).__module__.startswith("torch."))
+    if stored:  # the trace would assign it once, the compiled calls never
+        raise FusionError(
+            f"{type(model).__name__}'s forward assigns the module-level name(s) "
+            f"{', '.join(stored)} (a global statement): a compiled graph cannot repeat the "
+            "assignment at each call; keep that state outside forward (or on the module as a "
+            "buffer), or call the model uncompiled")
 
     def trace(grad: bool) -> tuple[ModeRecordingTracer, fx.Graph, dict]:
         tracer = ModeRecordingTracer()
@@ -208,7 +216,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             writes.restore()
             tracer, graph, reads = trace(False)
             tracer.grad_mode_read = True
-        note_reads(reads, model, globals_read(reads))
+        note_reads(reads, model, global_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         writes.restore()

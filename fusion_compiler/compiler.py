@@ -122,12 +122,13 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
 
     def _check_state(self) -> None:
         """Compile again when the model's state changed as :class:`~.runtime.state.StateGuard`
-        finds (a tensor or submodule replaced, a plain attribute set to another value)."""
+        finds (a tensor or submodule replaced, a plain value forward reads set to another)."""
         if not self._guard.changed():
             return
         what, n = self._guard.describe(), len(self.specializations)
-        first = n and what.startswith("attribute") and what.split(" was")[0] not in self._noted
-        self._noted.add(what.split(" was")[0])  # a changed number warns once: graphs hold it
+        key = what.split(" was")[0]  # a changed number warns once: graphs hold it
+        first = n and key.startswith(("attribute", "global", "class")) and key not in self._noted
+        self._noted.update([key] if n else [])  # noted once something was compiled again
         log.log(logging.WARNING if first else logging.INFO if n else logging.DEBUG, "%s: %s "
                 "since it was compiled: its %d specialization(s) are compiled again%s",
                 type(self.model).__name__, what, n, "; pass a value that changes between calls "
@@ -176,8 +177,8 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         return tuple(bound.arguments.values())
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
-        """Whether a call records autograd history: grad mode on (inference mode records none,
-        whatever the grad mode inside it) and a parameter or input requiring grad."""
+        """Whether a call records autograd history: grad mode on, no inference mode, and a
+        parameter or input requiring grad."""
         if not torch.is_grad_enabled() or not self._grad or torch.is_inference_mode_enabled():
             return False
         return any(p.requires_grad for p in self._model_params) or any(
@@ -286,8 +287,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         docs/options.md) has ended, at most ``timeout`` seconds in all, and switch those
         specializations to their last tier now. Returns ``False`` if the timeout passed first.
         Benchmarks call it before timing the steady state. Specializations the model's state
-        no longer matches (a parameter replaced since, :meth:`_check_state`) are dropped first,
-        not finished."""
+        no longer matches (:meth:`_check_state`) are dropped first, not finished."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_state()
         for spec in list(self.specializations.values()):

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
 import operator
 import sys
 import threading
 import types
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -82,38 +83,94 @@ def _user_function(value: Any) -> bool:
         0] in ("torch", "fusion_compiler")
 
 
-def globals_read(reads: dict[torch.nn.Module, set[str]]) -> list[tuple[dict, str]]:
-    """The module-level names the code a trace ran may read, as ``(globals dict, name)``: what
-    ``LOAD_GLOBAL`` instructions name (CPython's ``dis``) in the ``forward`` of each module of
-    ``reads`` (whose code the trace ran, :func:`recording_reads`; its instance forward where one
-    replaced it), in the methods the trace saw it read, in the functions of the user's code those
-    call by a global name (followed in turn), and in the code nested in them (closures,
-    comprehensions). Names of builtins are left out. A static reading: a function reached
-    another way (an attribute of an object, an argument) is not followed."""
-    todo: list[tuple[types.CodeType, dict]] = []
-    for module, names in reads.items():
-        for fn in (instance_forward(module), *(getattr(type(module), n, None)
-                                               for n in {"forward", *names})):
-            fn = getattr(fn, "__func__", fn)  # a bound or class method
-            if _user_function(fn):
-                todo.append((fn.__code__, fn.__globals__))
-    seen: set[types.CodeType] = set()
+def _unwrapped(value: Any) -> list[types.FunctionType]:
+    """The user's functions ``value`` runs: itself, the function a ``functools.partial``
+    wraps, the one a ``functools.wraps`` decorator wraps (``__wrapped__``), a property's getter,
+    a bound method's function."""
+    found, seen = [], set()
+    while value is not None and id(value) not in seen:
+        seen.add(id(value))
+        if _user_function(value):
+            found.append(value)
+        if isinstance(value, functools.partial):
+            value = value.func
+        elif isinstance(value, property):
+            value = value.fget
+        elif isinstance(value, (types.MethodType, staticmethod, classmethod)):
+            value = value.__func__
+        elif isinstance(value, types.FunctionType):  # functools.wraps sets __wrapped__
+            value = vars(value).get("__wrapped__")
+        else:  # any other object: its attributes are not looked up (they may run code)
+            value = None
+    return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...],
+                                          tuple[str, ...], tuple[str, ...]]:
+    """What ``code`` names (CPython's ``dis``): globals it loads, ``(global, attribute)`` pairs
+    it loads (``config.SCALE``), globals it stores or deletes, attributes it loads."""
+    loads, pairs, stores, attributes = [], [], [], []
+    previous = None
+    for instruction in dis.get_instructions(code):
+        name, op = instruction.argval, instruction.opname
+        if op == "LOAD_GLOBAL":
+            loads.append(name)
+        elif op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            stores.append(name)
+        elif op in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(name, str):
+            attributes.append(name)
+            if previous is not None and previous.opname == "LOAD_GLOBAL":
+                pairs.append((previous.argval, name))
+        previous = instruction
+    return tuple(loads), tuple(pairs), tuple(stores), tuple(attributes)
+
+
+def globals_read(modules: Iterable[torch.nn.Module]
+                 ) -> tuple[list[tuple[dict, str]], list[str]]:
+    """The module-level names the code of ``modules`` may read when it runs, as ``(namespace,
+    name)`` (a function's globals, or an imported module's ``__dict__`` for ``config.SCALE``),
+    and the globals it assigns (``global n; n += 1``). A static reading of the bytecode
+    (CPython's ``dis``) of each module's ``forward`` (its instance forward where one replaced
+    it), followed into the user's functions it reaches by a global name, an imported module's
+    attribute, or a method or function-valued attribute of the module (through
+    ``functools.partial``, ``functools.wraps`` and properties), and into nested code. Names of
+    builtins, and torch's and this package's code, are left out. A function reached another
+    way (an argument, an object's attribute) is not followed."""
+    todo: list[tuple[types.CodeType, dict, Any]] = []
+
+    def follow(value: Any, owner: Any) -> None:
+        for fn in _unwrapped(value):
+            todo.append((fn.__code__, fn.__globals__, owner))
+
+    for module in modules:
+        follow(instance_forward(module), module)
+        follow(type(module).forward, module)
+    seen: set[tuple[types.CodeType, int]] = set()
     found: dict[tuple[int, str], tuple[dict, str]] = {}
+    stores: list[str] = []
     while todo:
-        code, namespace = todo.pop()
-        if code in seen:
+        code, namespace, owner = todo.pop()
+        if (code, id(owner)) in seen:
             continue
-        seen.add(code)
-        for instruction in dis.get_instructions(code):
-            name = instruction.argval
-            if instruction.opname != "LOAD_GLOBAL" or name not in namespace:
-                continue
-            found.setdefault((id(namespace), name), (namespace, name))
-            value = namespace[name]
-            if _user_function(value):
-                todo.append((value.__code__, value.__globals__))
-        todo += [(c, namespace) for c in code.co_consts if isinstance(c, types.CodeType)]
-    return list(found.values())
+        seen.add((code, id(owner)))
+        loads, pairs, stored, attributes = _names(code)
+        stores += [n for n in stored if n not in stores]
+        for name in loads:
+            if name in namespace:
+                found.setdefault((id(namespace), name), (namespace, name))
+                follow(namespace[name], None)
+        for name, attribute in pairs:
+            imported = namespace.get(name)
+            if isinstance(imported, types.ModuleType) and not imported.__name__.split(".")[
+                    0] in ("torch", "fusion_compiler") and attribute in vars(imported):
+                found.setdefault((id(vars(imported)), attribute), (vars(imported), attribute))
+                follow(vars(imported)[attribute], None)
+        if isinstance(owner, torch.nn.Module):  # self.helper(), self.f = lambda ...
+            for attribute in attributes:
+                follow(vars(owner).get(attribute, getattr(type(owner), attribute, None)), owner)
+        todo += [(c, namespace, owner) for c in code.co_consts if isinstance(c, types.CodeType)]
+    return list(found.values()), stores
 
 
 class ModeRecordingTracer(fx.Tracer):

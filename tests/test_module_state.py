@@ -7,6 +7,8 @@ cover the doors side by side."""
 from __future__ import annotations
 
 import copy
+import functools
+import types
 
 import pytest
 import torch
@@ -83,33 +85,59 @@ def _activation(x: torch.Tensor) -> torch.Tensor:
 
 
 GAIN = 1.0
+OFFSET = 0.0
+_settings = types.ModuleType("fc_test_settings")  # ``import settings; settings.SCALE``
+_settings.SCALE = 1.0
+
+
+def _offset(y: torch.Tensor) -> torch.Tensor:
+    return y + OFFSET
+
+
+class _Config(dict):
+    """A configuration dictionary of another class (EasyDict- or yacs-style)."""
+
+
+CONFIG = _Config(scale=1.0, nested={"depth": 2})
 
 
 class _ReadsGlobals(nn.Module):
     SHIFT = 0.0  # a class-level setting, read through self
+    TABLE = [1.0]  # a class-level list, read through self
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.post = functools.partial(_offset)  # reads OFFSET
 
     def forward(self, x):
-        return _activation(self.conv(x)) / TEMPERATURE + self.SHIFT
+        y = _activation(self.conv(x)) / TEMPERATURE + self.SHIFT * self.TABLE[0]
+        return self.post(y) * _settings.SCALE * CONFIG["scale"]
 
 
 @pytest.mark.parametrize("change", [
     lambda m: globals().__setitem__("TEMPERATURE", 0.25),
     lambda m: globals().__setitem__("GAIN", 3.0),  # read in a helper forward calls
     lambda m: globals().__setitem__("_activation", torch.tanh),
-    lambda m: setattr(type(m), "SHIFT", 2.0)],
-    ids=["global_number", "global_in_a_helper", "global_function", "class_attribute"])
+    lambda m: setattr(type(m), "SHIFT", 2.0),
+    lambda m: type(m).TABLE.__setitem__(0, 3.0),
+    lambda m: globals().__setitem__("OFFSET", 1.5),
+    lambda m: setattr(_settings, "SCALE", 2.0),
+    lambda m: CONFIG.__setitem__("scale", 0.5)],
+    ids=["global_number", "global_in_a_helper", "global_function", "class_attribute",
+         "class_list_item", "global_in_a_partial", "attribute_of_an_imported_module",
+         "config_dictionary_item"])
 def test_module_level_and_class_level_values_forward_reads_compile_again_when_changed(
         change, tmp_path, monkeypatch, caplog):
     """Found by a probe in session 36, fixed in 37: a module-level value or a class attribute
     read by forward was traced as a constant and never looked at again (compile(model) kept
     computing with the old value; torch.compile guards them)."""
-    for name in ("TEMPERATURE", "GAIN", "_activation"):  # put back after the test
+    for name in ("TEMPERATURE", "GAIN", "_activation", "OFFSET"):  # put back after the test
         monkeypatch.setitem(globals(), name, globals()[name])
     monkeypatch.setattr(_ReadsGlobals, "SHIFT", _ReadsGlobals.SHIFT)
+    monkeypatch.setattr(_ReadsGlobals, "TABLE", [1.0])
+    monkeypatch.setattr(_settings, "SCALE", _settings.SCALE)
+    monkeypatch.setitem(CONFIG, "scale", CONFIG["scale"])
     torch.manual_seed(0)
     model = _ReadsGlobals()
     compiled = fc.compile(model, cache_dir=tmp_path)
@@ -122,6 +150,28 @@ def test_module_level_and_class_level_values_forward_reads_compile_again_when_ch
         assert compiled.last is spec and not caplog.records  # nothing changed: no compile
         change(model)
         assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+
+
+_CALLS = 0
+
+
+class _CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        global _CALLS
+        _CALLS += 1
+        return self.conv(x)
+
+
+def test_a_forward_that_assigns_a_module_level_name_is_refused_before_tracing():
+    """A trace would run the assignment once and the compiled calls never (a review of session
+    37 found the count off by one from eager at every call)."""
+    with pytest.raises(fc.FusionError, match="assigns the module-level name"):
+        fc.compile(_CountsCalls())
+    assert _CALLS == 0
 
 
 class _InPlace(nn.Module):

@@ -67,7 +67,7 @@ def _same(old: Any, new: Any) -> bool:
         return old == new
     if isinstance(old, (list, tuple)) and type(old) is type(new) and len(old) == len(new):
         return all(map(_same, old, new))
-    if isinstance(old, dict) and type(new) is dict and old.keys() == new.keys():
+    if isinstance(old, dict) and isinstance(new, dict) and old.keys() == new.keys():
         return all(_same(v, new[k]) for k, v in old.items())
     return False
 
@@ -111,9 +111,10 @@ def note_reads(reads: dict[torch.nn.Module, set[str]],
 
 def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
     """``(class, name, value)`` of the values a trace saw ``module``'s code read from its class
-    (``self.SCALE`` of a class-level ``SCALE = 2.0``): not methods, properties or classes, not
-    Python's own names (``__module__``) nor those of torch's classes (``nn.Module``'s
-    ``_compiled_call_impl``, which ``__call__`` reads)."""
+    (``self.SCALE`` of a class-level ``SCALE = 2.0``; the class is ``module``'s own, where a
+    subclass may set it later): not methods, properties or classes, not Python's own names
+    (``__module__``) nor those of torch's classes (``nn.Module``'s ``_compiled_call_impl``,
+    which ``__call__`` reads). Lists and dicts are copies (they may change in place)."""
     tables = (vars(module), module._parameters, module._buffers, module._modules)
     found = []
     for name in sorted(_READS.get(module, ())):
@@ -124,13 +125,14 @@ def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
             continue
         value = vars(owner)[name]
         if not (callable(value) or hasattr(value, "__get__")):
-            found.append((owner, name, value))
+            found.append((type(module), name, _kept(value)))
     return found
 
 
 def _globals_guarded(model: torch.nn.Module) -> list[tuple[dict, str, Any]]:
     """``(globals dict, name, value)`` of the module-level names ``model``'s traced code may
-    read (:func:`note_reads`), modules (``torch``, ``F``) left out."""
+    read (:func:`note_reads`), modules (``torch``, ``F``) left out; functions are compared by
+    identity (one replaced is a new object)."""
     return [(g, n, g[n]) for g, n in _GLOBALS.get(model, {}).values()
             if n in g and not isinstance(g[n], types.ModuleType)]
 
@@ -266,7 +268,7 @@ class StateGuard:
                 or self._forward_changed() or self._attributes_changed()
                 or any(n in t for tables, n in self._absent for t in tables)
                 or bool(self._class_values) and not all(
-                    _same(v, vars(k).get(n, _MISSING)) for k, n, v in self._class_values))
+                    _same(v, getattr(k, n, _MISSING)) for k, n, v in self._class_values))
 
     def describe(self) -> str:
         """Which tensor or submodule changed, for a log line."""
@@ -294,7 +296,7 @@ class StateGuard:
             if any(n in t for t in tables):
                 return f"attribute '{n}' was added (forward looked for it)"
         for k, n, v in self._class_values:
-            now = vars(k).get(n, _MISSING)
+            now = getattr(k, n, _MISSING)
             if not _same(v, now):
                 return f"class attribute {k.__name__}.{n} was set to {_short(now)}"
         return "nothing"
