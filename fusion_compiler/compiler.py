@@ -23,7 +23,7 @@ from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
 from .ir.ops import writes_in_place
 from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, uncompiled_forward, unsupported_hook
-from .runtime.state import StateGuard
+from .runtime.state import Recompiles, StateGuard
 from .runtime.state_dict import ModelAttributes, model_keys, prefixed_keys
 from .runtime.tensors import autocast_dtype, restored, shared_storage
 from .runtime.tiered import TieredRunner
@@ -96,6 +96,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self.last: Specialization | None = None
         # reasons logged, once per module (a function of the set: a method would make a cycle)
         self._noted: set[str] = set()
+        self._recompiles = Recompiles(type(model).__name__)
         self._compiler = SpecializationCompiler(model, self.options,
                                                 functools.partial(_note, self._noted),
                                                 self._names)
@@ -125,14 +126,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         finds (a tensor or submodule replaced, a plain value forward reads set to another)."""
         if not self._guard.changed():
             return
-        what, n = self._guard.describe(), len(self.specializations)
-        key = what.split(" was")[0]  # a changed number warns once: graphs hold it
-        first = n and key.startswith(("attribute", "global", "class")) and key not in self._noted
-        self._noted.update([key] if n else [])  # noted once something was compiled again
-        log.log(logging.WARNING if first else logging.INFO if n else logging.DEBUG, "%s: %s "
-                "since it was compiled: its %d specialization(s) are compiled again%s",
-                type(self.model).__name__, what, n, "; pass a value that changes between calls "
-                "as an argument of forward" if first else "")
+        self._recompiles.note(self._guard.describe(), len(self.specializations))
         for spec in self.specializations.values():
             spec.close()
         self.specializations.clear()
@@ -311,6 +305,8 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs or len(args) != self._arity:
             args = self._bind(args, kwargs)
+        if self._recompiles.uncompiled:  # a value forward reads changed at every call
+            return uncompiled_forward(self.model)(*args)
         if self._writes and shared_storage(flatten_inputs(args, self._unpacked)[0]):
             warn_once(f"compiling {type(self.model).__name__}", "two inputs share memory and "
                       "the graph writes in place: such calls run the model uncompiled")

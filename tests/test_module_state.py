@@ -152,6 +152,41 @@ def test_module_level_and_class_level_values_forward_reads_compile_again_when_ch
         assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
 
 
+STEP = 0
+
+
+class _ReadsAStepCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) * (1 + STEP % 3)
+
+
+def test_a_value_that_changes_at_every_call_stops_compiling_after_the_limit(monkeypatch, caplog):
+    """A step counter a forward reads (a global here; an attribute alike) compiles again at
+    each change; after RECOMPILE_LIMIT compiles for it the calls run the model uncompiled, with
+    one WARNING, instead of compiling at every call."""
+    from fusion_compiler.runtime.state import RECOMPILE_LIMIT
+
+    monkeypatch.setitem(globals(), "STEP", 0)
+    model = _ReadsAStepCounter()
+    compiled = fc.compile(model)
+    x = torch.randn(1, 3, 8, 8)
+    compiles = []
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fusion_compiler"):
+        for step in range(RECOMPILE_LIMIT + 5):
+            globals()["STEP"] = step
+            assert rel_err(compiled(x), model(x)) < 1e-6
+            compiles.append(compiled.last)
+    # the first compile, RECOMPILE_LIMIT more, and the one of the call that went past it
+    assert len({id(s) for s in compiles if s is not None}) == RECOMPILE_LIMIT + 2
+    assert compiled._recompiles.uncompiled
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "uncompiled" in warned[1], warned
+
+
 _CALLS = 0
 
 
