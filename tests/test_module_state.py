@@ -110,9 +110,12 @@ class _ReadsGlobals(nn.Module):
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
         self.post = functools.partial(_offset)  # reads OFFSET
 
+    def _scaled(self, y: torch.Tensor) -> torch.Tensor:
+        return y * CONFIG["scale"]
+
     def forward(self, x):
         y = _activation(self.conv(x)) / TEMPERATURE + self.SHIFT * self.TABLE[0]
-        return self.post(y) * _settings.SCALE * CONFIG["scale"]
+        return self._scaled(self.post(y) * _settings.SCALE)
 
 
 @pytest.mark.parametrize("change", [
@@ -123,10 +126,11 @@ class _ReadsGlobals(nn.Module):
     lambda m: type(m).TABLE.__setitem__(0, 3.0),
     lambda m: globals().__setitem__("OFFSET", 1.5),
     lambda m: setattr(_settings, "SCALE", 2.0),
-    lambda m: CONFIG.__setitem__("scale", 0.5)],
+    lambda m: CONFIG.__setitem__("scale", 0.5),
+    lambda m: setattr(type(m), "_scaled", lambda self, y: y * 5.0)],
     ids=["global_number", "global_in_a_helper", "global_function", "class_attribute",
          "class_list_item", "global_in_a_partial", "attribute_of_an_imported_module",
-         "config_dictionary_item"])
+         "config_dictionary_item", "method_replaced_on_the_class"])
 def test_module_level_and_class_level_values_forward_reads_compile_again_when_changed(
         change, tmp_path, monkeypatch, caplog):
     """Found by a probe in session 36, fixed in 37: a module-level value or a class attribute
@@ -138,6 +142,7 @@ def test_module_level_and_class_level_values_forward_reads_compile_again_when_ch
     monkeypatch.setattr(_ReadsGlobals, "TABLE", [1.0])
     monkeypatch.setattr(_settings, "SCALE", _settings.SCALE)
     monkeypatch.setitem(CONFIG, "scale", CONFIG["scale"])
+    monkeypatch.setattr(_ReadsGlobals, "_scaled", _ReadsGlobals._scaled)
     torch.manual_seed(0)
     model = _ReadsGlobals()
     compiled = fc.compile(model, cache_dir=tmp_path)

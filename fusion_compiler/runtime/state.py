@@ -116,7 +116,8 @@ def note_reads(reads: dict[torch.nn.Module, set[str]],
 def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
     """``(class, name, value)`` of the values a trace saw ``module``'s code read from its class
     (``self.SCALE`` of a class-level ``SCALE = 2.0``; the class is ``module``'s own, where a
-    subclass may set it later): not methods, properties or classes, not Python's own names
+    subclass may set it later), and its methods (one replaced on the class is another function
+    object); not properties, classes or other callables, not Python's own names
     (``__module__``) nor those of torch's classes (``nn.Module``'s ``_compiled_call_impl``,
     which ``__call__`` reads). Lists and dicts are copies (they may change in place)."""
     tables = (vars(module), module._parameters, module._buffers, module._modules)
@@ -128,8 +129,9 @@ def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
         if owner is None or owner.__module__.startswith("torch."):
             continue
         value = vars(owner)[name]
-        if not (callable(value) or hasattr(value, "__get__")):
-            found.append((type(module), name, _kept(value)))
+        if isinstance(value, types.FunctionType) or not (callable(value)
+                                                         or hasattr(value, "__get__")):
+            found.append((type(module), name, _kept(value)))  # a method: by identity
     return found
 
 
@@ -212,6 +214,9 @@ class StateGuard:
         attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
         attributes += _globals_guarded(self.module)  # compared as attributes are (dicts too)
         self._class_values = [a for m in modules for a in _class_attributes(m)]
+        self._class_types = [k for k, _, _ in self._class_values]
+        self._class_names = [n for _, n, _ in self._class_values]
+        self._class_kept = tuple(v for _, _, v in self._class_values)
         attributes.sort(key=lambda a: _order(a[2]))  # by ==, then by identity, then item by item
         self._attr_dicts = [d for d, _, _ in attributes]
         self._attr_names = [n for _, n, _ in attributes]
@@ -271,8 +276,15 @@ class StateGuard:
                 or sum(map(len, self._hook_tables)) != self._hooks
                 or self._forward_changed() or self._attributes_changed()
                 or any(n in t for tables, n in self._absent for t in tables)
-                or bool(self._class_values) and not all(
-                    _same(v, getattr(k, n, _MISSING)) for k, n, v in self._class_values))
+                or self._class_changed())
+
+    def _class_changed(self) -> bool:
+        try:  # the same objects (methods, numbers) in C; copies of lists item by item
+            now = tuple(map(getattr, self._class_types, self._class_names))
+        except AttributeError:  # deleted from the class
+            return True
+        return not all(map(operator.is_, now, self._class_kept)) and not all(
+            map(_same, self._class_kept, now))
 
     def describe(self) -> str:
         """Which tensor or submodule changed, for a log line."""
