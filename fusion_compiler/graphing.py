@@ -66,8 +66,8 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     overwritten by a later call); or ``run`` (after refreshing ``hoisted`` at each call) and
     ``None`` when it cannot be captured (the reason is noted with ``note``; a capture that failed,
     an unexpected and slower fallback, is one WARNING too, unless not ``warn``: a caller that
-    says it itself). ``module`` is what
-    ``run`` calls (the graph module, or ``torch.compile``'s wrapper of it); an inference graph
+    says it itself). ``module`` is what ``run`` calls (the graph module, or ``torch.compile``'s
+    wrapper of it); an inference graph
     starts with the derivation prologue of the model's state, ``gm``'s tensors and ``hoisted``
     (:mod:`.runtime.derivations`) and is captured inside ``torch.inference_mode()`` with
     ``inference`` (the specialization's mode, whatever the mode of the call that switches tiers)."""

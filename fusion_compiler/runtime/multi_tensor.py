@@ -7,7 +7,8 @@ the scale and shift of every eval-mode batch norm, each folded by the same six s
 (``var + eps``, ``rsqrt``, two products, a negation, a sum): in ResNet-50, 53 batch norms, 318
 kernels of a few microseconds each and a copy per value at every replay (an H200 profile of
 2026-11-27 counted 485 GPU operations per replay). Batched, that is one multi-tensor launch per
-op and chunk of tensors (``multi_tensor_apply``, ``aten/src/ATen/native/cuda/MultiTensorApply.cuh``).
+op and chunk of tensors (``multi_tensor_apply``,
+``aten/src/ATen/native/cuda/MultiTensorApply.cuh``).
 
 Each op keeps its arithmetic: ``torch._foreach_add(xs, c)`` computes ``torch.add(x, c)`` for each
 ``x`` of ``xs`` (same type promotion; a list of mixed dtypes or devices runs one op per tensor).
@@ -49,8 +50,9 @@ def _tensor(a: Any) -> bool:
 
 def _batchable(node: fx.Node) -> tuple | None:
     """``(multi-tensor op, how its second argument is given)`` for an elementwise op on a tensor
-    (a second tensor, ``("tensor",)``; a number, ``("number", value)``; none, ``()``), or
-    ``None``: keyword arguments (``alpha``, ``out``), a number first, no recorded tensor."""
+    (a second tensor, ``("tensor",)``; a number, ``("number", its type's name, its repr)``; none:
+    the op alone), or ``None``: keyword arguments (``alpha``, ``out``), a number first, no
+    recorded tensor."""
     if node.op not in ("call_function", "call_method") or node.kwargs or not node.args:
         return None
     if not _tensor(node) or not _tensor(node.args[0]):

@@ -101,16 +101,14 @@ _READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> nam
 _GLOBALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> globals read
 
 
-def note_reads(reads: dict[torch.nn.Module, set[str]],
-               model: torch.nn.Module | None = None,
-               global_names: Sequence[tuple[dict, str]] = ()) -> None:
+def note_reads(reads: dict[torch.nn.Module, set[str]], model: torch.nn.Module,
+               global_names: Sequence[tuple[dict, str]]) -> None:
     """Add the attribute names a trace saw each module's code read, and the module-level names
     (``(globals dict, name)``) the code of ``model``'s trace may read; they accumulate over
     the traces of a model (each specialization is traced again)."""
     for module, names in reads.items():
         _READS.setdefault(module, set()).update(names)
-    if model is not None:
-        _GLOBALS.setdefault(model, {}).update({(id(g), n): (g, n) for g, n in global_names})
+    _GLOBALS.setdefault(model, {}).update({(id(g), n): (g, n) for g, n in global_names})
 
 
 def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:

@@ -11,9 +11,9 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["StreamOrder", "Turns", "side_stream", "stream_capturing", "autocast_dtype", "shared_storage",
-           "restored", "inference_graph_modes", "layout_like", "channel_view_strides",
-           "as_channel_view"]
+__all__ = ["StreamOrder", "Turns", "side_stream", "stream_capturing", "autocast_dtype",
+           "shared_storage", "restored", "inference_graph_modes", "layout_like",
+           "channel_view_strides", "as_channel_view"]
 
 
 def stream_capturing() -> bool:

@@ -121,6 +121,11 @@ def _is_view(node: object) -> bool:
     return owner is not None and isinstance(owner.get_submodule(node.target), _ALIASING_MODULES)
 
 
+def _written_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The value an in-place ``node`` writes (its result is that value), else ``None``."""
+    return _source(node) if inplace_target(gm, node) is not None else None
+
+
 def _fresh(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node``'s result certainly has memory no other value shares (a convolution's, a
     sum's, a pooling's output)."""
@@ -257,15 +262,15 @@ def _read_through_another_alias(gm: fx.GraphModule, node: fx.Node,
             if value in found:
                 continue
             found.add(value)
-            if inplace_target(gm, value) is not None and _source(value) is not None:
-                stack.append(_source(value))
-            stack += [u for u in value.users if u is not node
-                      and inplace_target(gm, u) is not None and _source(u) is value]
+            if _written_source(gm, value) is not None:
+                stack.append(_written_source(gm, value))
+            stack += [u for u in value.users
+                      if u is not node and _written_source(gm, u) is value]
         return found
 
     written_value = same_value(written)
     base, through_view = written, False
-    while _is_view(base) or (inplace_target(gm, base) is not None and _source(base) is not None):
+    while _is_view(base) or _written_source(gm, base) is not None:
         through_view |= _is_view(base)
         base = _source(base)
     if through_view and (base.op in ("placeholder", "get_attr") or not _fresh(gm, base)):
@@ -276,7 +281,6 @@ def _read_through_another_alias(gm: fx.GraphModule, node: fx.Node,
         if value not in aliases:
             aliases.add(value)
             stack += [u for u in value.users if u is not node and order[u] < order[node]
-                      and _source(u) is value
-                      and (_is_view(u) or inplace_target(gm, u) is not None)]
+                      and (_written_source(gm, u) is value or _is_view(u) and _source(u) is value)]
     return any(order[r] > order[node] for a in aliases - written_value
                for r in a.users if r is not node)
