@@ -468,7 +468,9 @@ class Backbone(nn.Module):
 def backbone_frozen_in_eval_mode(s: Session) -> None:
     """Linear probing: the backbone put in eval mode (its own DropPath code reads
     ``self.training``) while the model trains; then all in train mode again."""
-    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    # at lr 0.05 the second loss was 1e-5, the difference of two terms of 0.012: the GPU's TF32
+    # rounding of those terms made it 40% off eager's
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.02)
     s.model.train()
     torch.manual_seed(5)
     step(s, opt, x16(s))
