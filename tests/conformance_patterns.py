@@ -527,6 +527,47 @@ def attributes_of_other_kinds_changed(s: Session) -> None:
     infer(s, x16(s), "numpy scalar")
 
 
+class ReadsConfigObject(nn.Module):
+    """A forward that reads a config object's fields (a namespace holding another), a class
+    attribute through ``type(self)`` and an element of a NumPy array."""
+
+    GAIN = 1.0
+
+    def __init__(self):
+        super().__init__()
+        import types
+
+        import numpy as np
+
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.cfg = types.SimpleNamespace(scale=1.0, act="relu",
+                                         head=types.SimpleNamespace(bias=0.0))
+        self.table = np.ones(4, dtype=np.float32)
+
+    def forward(self, x):
+        y = self.conv(x) * self.cfg.scale + self.cfg.head.bias
+        y = F.gelu(y) if self.cfg.act == "gelu" else F.relu(y)
+        return y * type(self).GAIN * float(self.table[2])
+
+
+def config_object_changed_in_place(s: Session) -> None:
+    m = s.model
+    infer(s, x16(s))
+    m.cfg.scale = 2.0
+    infer(s, x16(s), "field")
+    m.cfg.act = "gelu"
+    infer(s, x16(s), "field a branch reads")
+    m.cfg.head.bias = 0.5
+    infer(s, x16(s), "nested field")
+    m.table[2] = 0.25
+    infer(s, x16(s), "numpy element")
+    try:
+        type(m).GAIN = 3.0
+        infer(s, x16(s), "class attribute through type(self)")
+    finally:
+        type(m).GAIN = 1.0
+
+
 LABEL_SMOOTHING = 0.0
 """A module-level setting ``ReadsSettings`` reads (the patterns below change it, then put it
 back: each run of a pattern starts from this value)."""
@@ -1123,6 +1164,8 @@ PATTERNS: list[Pattern] = [
             gpu_dtype=torch.float32),
     Pattern("attributes_of_other_kinds_changed", Configured, attributes_of_other_kinds_changed,
             f"{ISSUE}, item 1 (found by a probe, session 36)"),
+    Pattern("config_object_changed_in_place", ReadsConfigObject, config_object_changed_in_place,
+            f"{ISSUE}, item 1 (found by a probe, session 38)"),
     Pattern("settings_changed_between_calls", ReadsSettings, settings_changed_between_calls,
             f"{ISSUE}, item 1 (found by a probe, session 36)"),
     Pattern("grad_mode_branch", GradModeBranch, grad_mode_branch,

@@ -6,10 +6,13 @@ cover the doors side by side."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import functools
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -19,6 +22,7 @@ from conftest import rel_err
 
 import fusion_compiler as fc
 from fusion_compiler.ir.errors import FusionError
+from fusion_compiler.runtime import snapshots
 
 
 class _Counter(nn.Module):
@@ -155,6 +159,88 @@ def test_module_level_and_class_level_values_forward_reads_compile_again_when_ch
         assert compiled.last is spec and not caplog.records  # nothing changed: no compile
         change(model)
         assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+
+
+@dataclasses.dataclass
+class _BlockConfig:
+    scale: float = 1.0
+    act: str = "relu"
+    head: types.SimpleNamespace = dataclasses.field(
+        default_factory=lambda: types.SimpleNamespace(bias=0.0))
+
+
+@dataclasses.dataclass(slots=True)
+class _Slotted:
+    gain: float = 1.0
+
+
+class _ReadsObjects(nn.Module):
+    """Settings kept as research code keeps them: a config object (a dataclass holding a
+    namespace), one with slots, ``argparse``'s namespace, class attributes read through
+    ``type(self)`` and ``self.__class__``, an element of a NumPy array."""
+
+    GAIN = 1.0
+    BIAS = 0.0
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.cfg = _BlockConfig()
+        self.slotted = _Slotted()
+        self.args = argparse.Namespace(shift=0.0)
+        self.table = np.ones(4, dtype=np.float32)
+
+    def forward(self, x):
+        y = self.conv(x) * self.cfg.scale + self.cfg.head.bias + self.args.shift
+        y = F.gelu(y) if self.cfg.act == "gelu" else F.relu(y)
+        y = y * type(self).GAIN + self.__class__.BIAS
+        return y * self.slotted.gain * float(self.table[2])
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m.cfg, "scale", 2.0), lambda m: setattr(m.cfg, "act", "gelu"),
+    lambda m: setattr(m.cfg.head, "bias", 0.5), lambda m: setattr(m.slotted, "gain", 3.0),
+    lambda m: setattr(m.args, "shift", 1.0), lambda m: setattr(type(m), "GAIN", 3.0),
+    lambda m: setattr(type(m), "BIAS", 0.5), lambda m: m.table.__setitem__(2, 0.25)],
+    ids=["dataclass_field", "field_a_branch_reads", "nested_namespace_field", "slots_field",
+         "argparse_namespace", "class_attribute_through_type", "class_attribute_through_class",
+         "numpy_element"])
+def test_objects_fields_and_class_values_read_without_self_compile_again_when_changed(
+        change, tmp_path, monkeypatch, caplog):
+    """Found by a probe in session 38: a field of a config object set in place, a class
+    attribute read through ``type(self)`` and an element of a NumPy array were traced as
+    constants and never looked at again (``torch.compile`` guards them)."""
+    monkeypatch.setattr(_ReadsObjects, "GAIN", 1.0)
+    monkeypatch.setattr(_ReadsObjects, "BIAS", 0.0)
+    torch.manual_seed(0)
+    model = _ReadsObjects()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        compiled(x)
+        spec = compiled.last
+        compiled(x)
+        assert compiled.last is spec  # nothing changed: nothing compiled
+        change(model)
+        with caplog.at_level("WARNING", logger="fusion_compiler"):
+            assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+    assert any("was changed in place" in r.getMessage() or "was set to" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_large_or_cyclic_object_is_kept_to_a_bound():
+    """The guard keeps an object's fields :data:`~snapshots.DEPTH` levels deep and at most
+    :data:`~snapshots.BUDGET` of them; past that it compares the object by identity."""
+    cfg = types.SimpleNamespace(scale=1.0)
+    cfg.parent = cfg  # a cycle
+    kept = snapshots.kept(cfg)
+    assert snapshots.same(kept, cfg)
+    cfg.scale = 2.0
+    assert not snapshots.same(kept, cfg)
+    big = types.SimpleNamespace(**{f"f{i}": i for i in range(snapshots.BUDGET + 1)})
+    kept = snapshots.kept(big)
+    big.f0 = -1
+    assert kept is big and snapshots.same(kept, big)  # beyond the budget: by identity
 
 
 STEP = 0

@@ -34,58 +34,14 @@ import torch
 
 from ..ir.errors import FusionError, condense
 from .hooks import hook_tables, instance_forward
+from .snapshots import MISSING, kept, order, plain, same, short
 
 __all__ = ["StateGuard", "ModuleWrites", "Recompiles", "RECOMPILE_LIMIT", "plain", "note_reads"]
 
 log = logging.getLogger("fusion_compiler")
 
 _data_ptr = torch.Tensor.data_ptr
-_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
-          torch.memory_format, torch.layout)
-_MISSING = object()
 _TRAINING = operator.attrgetter("training")
-
-
-def plain(value: Any) -> bool:
-    """Whether ``value`` is an immutable Python value (a number, string, ``None``, dtype, device,
-    or a tuple of them): what a traced graph holds as a constant when ``forward`` reads it."""
-    if isinstance(value, tuple):
-        return all(map(plain, value))
-    return isinstance(value, _PLAIN)
-
-
-def _container(value: Any) -> bool:
-    """A list or dict of plain values (compared by value: it may change in place)."""
-    if isinstance(value, dict):
-        return all(map(plain, value)) and all(map(plain, value.values()))
-    return isinstance(value, list) and all(map(plain, value))
-
-
-def _same(old: Any, new: Any) -> bool:
-    """Whether ``new`` is what ``old`` (kept by :func:`_kept`) was: plain values and lists or
-    dicts of them by value; lists, tuples and dicts holding other objects item by item; any
-    other object (a tensor, a ``functools.partial``, a config object) by identity."""
-    if old is new:
-        return True
-    if (plain(old) or _container(old)) and type(old) is type(new):
-        return old == new
-    if isinstance(old, (list, tuple)) and type(old) is type(new) and len(old) == len(new):
-        return all(map(_same, old, new))
-    if isinstance(old, dict) and isinstance(new, dict) and old.keys() == new.keys():
-        return all(_same(v, new[k]) for k, v in old.items())
-    return False
-
-
-def _kept(value: Any) -> Any:
-    """What the guard keeps of ``value``: a copy of a list or dict, nested ones too (they may
-    change in place), the items themselves."""
-    if isinstance(value, list):
-        return [_kept(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _kept(v) for k, v in value.items()}
-    if isinstance(value, tuple) and not plain(value):  # holding objects: their items kept
-        return tuple(_kept(v) for v in value)
-    return value
 
 
 _UNREAD = frozenset({"training", "in_channels", "out_channels", "kernel_size", "transposed",
@@ -112,15 +68,24 @@ def note_reads(reads: dict[torch.nn.Module, set[str]], model: torch.nn.Module,
 
 
 def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
-    """``(class, name, value)`` of the values a trace saw ``module``'s code read from its class
-    (``self.SCALE`` of a class-level ``SCALE = 2.0``; the class is ``module``'s own, where a
-    subclass may set it later), and its methods (one replaced on the class is another function
-    object); not properties, classes or other callables, not Python's own names
-    (``__module__``) nor those of torch's classes (``nn.Module``'s ``_compiled_call_impl``,
-    which ``__call__`` reads). Lists and dicts are copies (they may change in place)."""
+    """``(class, name, value)`` of the values ``module``'s code may read from its class: the
+    ones a trace saw it read through ``self`` (``self.SCALE`` of a class-level ``SCALE = 2.0``)
+    and their methods (one replaced on the class is another function object), and, where a trace
+    ran the module's code, every data value of its classes (``type(self).SCALE`` and
+    ``self.__class__.SCALE`` are not reads through ``self``): the class is ``module``'s own,
+    where a subclass may set it later. Not properties, classes or other callables, not Python's
+    own names (``__module__``) nor those of torch's classes (``nn.Module``'s
+    ``_compiled_call_impl``, which ``__call__`` reads). Lists, dicts and objects' fields are
+    copies (they may change in place)."""
     tables = (vars(module), module._parameters, module._buffers, module._modules)
+    read = _READS.get(module)
+    names = set(read or ())
+    if read is not None:  # the classes' data values: no method, no descriptor
+        names.update(n for k in type(module).__mro__ if not k.__module__.startswith("torch.")
+                     and k is not object for n, v in vars(k).items()
+                     if not (callable(v) or hasattr(v, "__get__")))
     found = []
-    for name in sorted(_READS.get(module, ())):
+    for name in sorted(names):
         if any(name in t for t in tables) or name.startswith("__"):
             continue
         owner = next((k for k in type(module).__mro__ if name in vars(k)), None)
@@ -129,7 +94,7 @@ def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
         value = vars(owner)[name]
         if isinstance(value, types.FunctionType) or not (callable(value)
                                                          or hasattr(value, "__get__")):
-            found.append((type(module), name, _kept(value)))  # a method: by identity
+            found.append((type(module), name, kept(value)))  # a method: by identity
     return found
 
 
@@ -150,24 +115,15 @@ def _guarded(module: torch.nn.Module) -> list[tuple[str, Any]]:
     """The attributes of ``module`` the guard compares: tensors that are neither parameters nor
     buffers; for ``torch.nn``'s own modules their public plain values less :data:`_UNREAD`; for
     others every value (not nn.Module's own) that a trace saw its code read
-    (:func:`note_reads`), or all of them where no trace ran its code: plain values, lists and
-    dicts by value, other objects (a ``functools.partial``, an enum member, a config object, a
-    list of tensors) by identity, item by item in containers. What an object holds inside is not
-    looked at (a field of a config object set in place is not seen)."""
+    (:func:`note_reads`), or all of them where no trace ran its code; compared as
+    :mod:`.snapshots` says (plain values, lists and dicts by value; a config object's fields and
+    a NumPy array's contents copied; other objects by identity)."""
     if _torch_nn(module):
         return [(n, v) for n, v in vars(module).items() if n not in _UNREAD and (
             isinstance(v, torch.Tensor) or (not n.startswith("_") and plain(v)))]
     read = _READS.get(module)
     return [(n, v) for n, v in vars(module).items() if n not in _INTERNAL and (
         isinstance(v, torch.Tensor) or read is None or n in read)]
-
-
-def _order(value: Any) -> int:
-    """Where an attribute goes in the guard's comparison: 0 by ``==`` (plain values, lists and
-    dicts of them), 1 by identity (tensors, other objects), 2 item by item."""
-    if plain(value) or _container(value):
-        return 0
-    return 2 if isinstance(value, (list, tuple, dict)) else 1
 
 
 class StateGuard:
@@ -215,11 +171,11 @@ class StateGuard:
         self._class_types = [k for k, _, _ in self._class_values]
         self._class_names = [n for _, n, _ in self._class_values]
         self._class_kept = tuple(v for _, _, v in self._class_values)
-        attributes.sort(key=lambda a: _order(a[2]))  # by ==, then by identity, then item by item
+        attributes.sort(key=lambda a: order(a[2]))  # by ==, then by identity, then item by item
         self._attr_dicts = [d for d, _, _ in attributes]
         self._attr_names = [n for _, n, _ in attributes]
-        self._attr_values = tuple(_kept(v) for _, _, v in attributes)
-        orders = [_order(v) for v in self._attr_values]
+        self._attr_values = tuple(kept(v) for _, _, v in attributes)
+        orders = [order(v) for v in self._attr_values]
         self._plain, self._objects = orders.count(0), orders.count(0) + orders.count(1)
         # the training flags of modules whose own code a trace runs (``if self.training:`` in
         # it is traced as a constant); torch.nn's modules read theirs when they run
@@ -247,11 +203,11 @@ class StateGuard:
         k, j = self._plain, self._objects  # ==, identity first (in C); identity; item by item
         if (now[:k] == self._attr_values[:k]
                 and all(map(operator.is_, now[k:j], self._attr_values[k:j]))
-                and all(map(_same, self._attr_values[j:], now[j:]))):
+                and all(map(same, self._attr_values[j:], now[j:]))):
             return False
-        if not all(map(_same, self._attr_values, now)):
+        if not all(map(same, self._attr_values, now)):
             return True
-        self._attr_values = tuple(map(_kept, now))  # equal values set again: nothing to compile
+        self._attr_values = tuple(map(kept, now))  # equal values set again: nothing to compile
         return False
 
     def changed(self) -> bool:
@@ -282,7 +238,7 @@ class StateGuard:
         except AttributeError:  # deleted from the class
             return True
         return not all(map(operator.is_, now, self._class_kept)) and not all(
-            map(_same, self._class_kept, now))
+            map(same, self._class_kept, now))
 
     def describe(self) -> str:
         """Which tensor or submodule changed, for a log line."""
@@ -302,18 +258,25 @@ class StateGuard:
         if self._forward_changed():
             return "a module's forward was replaced on the instance"
         for d, n, old in zip(self._attr_dicts, self._attr_names, self._attr_values):
-            new = d.get(n, _MISSING)
-            if not _same(old, new):
+            new = d.get(n, MISSING)
+            if not same(old, new):
                 what = "global" if "__builtins__" in d else "attribute"  # a module's globals
-                return f"{what} '{n}' was set to {_short(new)} (was {_short(old)})"
+                return f"{what} '{n}' was {_change(old, new)}"
         for tables, n in self._absent:
             if any(n in t for t in tables):
                 return f"attribute '{n}' was added (forward looked for it)"
         for k, n, v in self._class_values:
-            now = getattr(k, n, _MISSING)
-            if not _same(v, now):
-                return f"class attribute {k.__name__}.{n} was set to {_short(now)}"
+            now = getattr(k, n, MISSING)
+            if not same(v, now):
+                return f"class attribute {k.__name__}.{n} was {_change(v, now)}"
         return "nothing"
+
+
+def _change(old: Any, new: Any) -> str:
+    """How a guarded value changed, for a log line."""
+    if getattr(old, "obj", MISSING) is new:  # an object's fields or an array's contents
+        return "changed in place"
+    return f"set to {short(new)} (was {short(old)})"
 
 
 def _settable(cls: type, name: str) -> bool:
@@ -322,14 +285,8 @@ def _settable(cls: type, name: str) -> bool:
     is (an instance may shadow it)."""
     if name.startswith("__") and name.endswith("__"):
         return False
-    found = getattr(cls, name, _MISSING)
-    return found is _MISSING or not (callable(found) or hasattr(found, "__get__"))
-
-
-def _short(value: Any) -> str:
-    if value is _MISSING:
-        return "nothing (deleted)"
-    return f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)[:40]
+    found = getattr(cls, name, MISSING)
+    return found is MISSING or not (callable(found) or hasattr(found, "__get__"))
 
 
 RECOMPILE_LIMIT = 8
@@ -390,7 +347,7 @@ class ModuleWrites:
                     continue
                 for name in now.keys() | saved.keys():
                     if not (name.startswith("_tensor_constant") and name not in saved) and \
-                            not _same(saved.get(name, _MISSING), now.get(name, _MISSING)):
+                            not same(saved.get(name, MISSING), now.get(name, MISSING)):
                         assigned.append(f"{path}.{name}" if path else name)
                 now.clear()
                 now.update(saved)
