@@ -568,6 +568,43 @@ def config_object_changed_in_place(s: Session) -> None:
         type(m).GAIN = 1.0
 
 
+class PlainTensors(nn.Module):
+    """Tensors kept as plain attributes, neither parameters nor buffers (moved by ``.to()``
+    through an ``_apply`` override, as some code bases do): a gain multiplied into the weight,
+    batch-norm statistics passed to ``F.batch_norm``, a mask."""
+
+    NAMES = ("gain", "mean", "var", "mask")
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.gain, self.mean = torch.ones(8, 1, 1, 1), torch.zeros(8)
+        self.var, self.mask = torch.ones(8), torch.ones(1, 8, 1, 1)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in self.NAMES:
+            setattr(self, name, fn(getattr(self, name)))
+        return self
+
+    def forward(self, x):
+        y = F.conv2d(x, self.conv.weight * self.gain, self.conv.bias, padding=1)
+        return F.relu(F.batch_norm(y, self.mean, self.var, training=False)) * self.mask
+
+
+def plain_tensors_changed_in_place(s: Session) -> None:
+    m = s.model
+    infer(s, x16(s))
+    with torch.no_grad():
+        m.gain.mul_(3.0)
+        infer(s, x16(s), "gain in the weight")
+        m.mean.add_(0.5)
+        m.var.mul_(4.0)
+        infer(s, x16(s), "statistics")
+        m.mask.mul_(-2.0)
+        infer(s, x16(s), "mask")
+
+
 LABEL_SMOOTHING = 0.0
 """A module-level setting ``ReadsSettings`` reads (the patterns below change it, then put it
 back: each run of a pattern starts from this value)."""
@@ -1166,6 +1203,8 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 1 (found by a probe, session 36)"),
     Pattern("config_object_changed_in_place", ReadsConfigObject, config_object_changed_in_place,
             f"{ISSUE}, item 1 (found by a probe, session 38)"),
+    Pattern("plain_tensors_changed_in_place", PlainTensors, plain_tensors_changed_in_place,
+            f"{ISSUE}, item 1 (session 38)"),
     Pattern("settings_changed_between_calls", ReadsSettings, settings_changed_between_calls,
             f"{ISSUE}, item 1 (found by a probe, session 36)"),
     Pattern("grad_mode_branch", GradModeBranch, grad_mode_branch,
