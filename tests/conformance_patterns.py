@@ -238,6 +238,39 @@ def frozen_parameters(s: Session) -> None:
     step(s, opt, x16(s))
 
 
+def parameter_hook_after_compile(s: Session) -> None:
+    """A gradient hook put on a parameter between steps (gradient scaling of one layer, as
+    layer-wise learning-rate tricks do), then removed."""
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    handle = s.model.conv2.weight.register_hook(lambda g: g * 2.0)
+    step(s, opt, x16(s))
+    handle.remove()
+    step(s, opt, x16(s))
+
+
+def parameters_rewritten_between_steps(s: Session) -> None:
+    """Parameters written by utilities between steps: ``vector_to_parameters`` (it sets each
+    ``param.data`` to a slice of one vector, new memory) and ``module.apply`` of an in-place
+    initializer (a re-initialized layer)."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    m = s.model
+    step(s, opt, x16(s))
+    with torch.no_grad():
+        vector_to_parameters(parameters_to_vector(m.parameters()) * 0.5, m.parameters())
+    step(s, opt, x16(s))
+    generator = torch.Generator(device=next(m.parameters()).device).manual_seed(9)
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Conv2d):
+            nn.init.normal_(module.weight, std=0.1, generator=generator)
+
+    m.apply(init)
+    step(s, opt, x16(s))
+
+
 def gradient_accumulation(s: Session) -> None:
     opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
     step(s, opt, x16(s), zero=False)
@@ -1173,6 +1206,10 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 2; pytorch/pytorch #132986"),
     Pattern("frozen_parameters", conv_bn, frozen_parameters, f"{ISSUE}, item 2"),
     Pattern("gradient_accumulation", conv_bn, gradient_accumulation, f"{ISSUE}, item 2"),
+    Pattern("parameter_hook_after_compile", conv_bn, parameter_hook_after_compile,
+            f"{ISSUE}, item 2 (session 38)"),
+    Pattern("parameters_rewritten_between_steps", conv_bn, parameters_rewritten_between_steps,
+            f"{ISSUE}, item 1 (session 38)"),
     Pattern("activation_checkpointing", Checkpointed, checkpointed, f"{ISSUE}, item 2"),
     Pattern("eval_mode_finetuning", conv_bn, eval_mode_finetune, DYNAMO_TESTS),
     Pattern("bn_momentum_none_training", CumulativeBN, cumulative_bn_training,
