@@ -243,6 +243,33 @@ def test_a_large_or_cyclic_object_is_kept_to_a_bound():
     assert kept is big and snapshots.same(kept, big)  # beyond the budget: by identity
 
 
+class _LargeClassTable(nn.Module):
+    VOCABULARY = list(range(1000))  # not read by forward; too large to compare at every call
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) * type(self).GAIN
+
+    GAIN = 2.0
+
+
+def test_a_large_class_level_table_forward_does_not_read_through_self_is_not_compared(tmp_path):
+    compiled = fc.compile(_LargeClassTable(), cache_dir=tmp_path)
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        spec = compiled.last
+        _LargeClassTable.VOCABULARY.append(-1)
+        try:
+            compiled(x)
+            assert compiled.last is spec
+        finally:
+            _LargeClassTable.VOCABULARY.pop()
+
+
 STEP = 0
 
 

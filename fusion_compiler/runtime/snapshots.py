@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["plain", "kept", "same", "order", "short", "MISSING", "DEPTH", "BUDGET"]
+__all__ = ["plain", "kept", "same", "order", "short", "small", "MISSING", "DEPTH", "BUDGET",
+           "SMALL"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
           torch.memory_format, torch.layout)
@@ -93,6 +94,21 @@ class _Array:
 
     def __init__(self, obj: Any):
         self.obj, self.copy = obj, obj.copy()
+
+
+SMALL = 64
+"""Items of a list, tuple or dict, and elements of a NumPy array, up to which :func:`small` says
+a value is small."""
+
+
+def small(value: Any) -> bool:
+    """Whether comparing ``value`` at every call is cheap: a plain value, an object with fields
+    (bounded by :data:`BUDGET`), a container or NumPy array of at most :data:`SMALL` items."""
+    if isinstance(value, (list, tuple, dict)):
+        return len(value) <= SMALL
+    if _array(value):
+        return value.size <= SMALL
+    return True
 
 
 def kept(value: Any) -> Any:

@@ -34,7 +34,7 @@ import torch
 
 from ..ir.errors import FusionError, condense
 from .hooks import hook_tables, instance_forward
-from .snapshots import MISSING, kept, order, plain, same, short
+from .snapshots import MISSING, kept, order, plain, same, short, small
 
 __all__ = ["StateGuard", "ModuleWrites", "Recompiles", "RECOMPILE_LIMIT", "plain", "note_reads"]
 
@@ -71,8 +71,10 @@ def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
     """``(class, name, value)`` of the values ``module``'s code may read from its class: the
     ones a trace saw it read through ``self`` (``self.SCALE`` of a class-level ``SCALE = 2.0``)
     and their methods (one replaced on the class is another function object), and, where a trace
-    ran the module's code, every data value of its classes (``type(self).SCALE`` and
-    ``self.__class__.SCALE`` are not reads through ``self``): the class is ``module``'s own,
+    ran the module's code, every other data value of its classes that is
+    :func:`~.snapshots.small` (``type(self).SCALE`` and ``self.__class__.SCALE`` are not reads
+    through ``self``; a class-level table of thousands of entries read that way is not
+    compared, to keep each call's check short): the class is ``module``'s own,
     where a subclass may set it later. Not properties, classes or other callables, not Python's
     own names (``__module__``) nor those of torch's classes (``nn.Module``'s
     ``_compiled_call_impl``, which ``__call__`` reads). Lists, dicts and objects' fields are
@@ -80,10 +82,10 @@ def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
     tables = (vars(module), module._parameters, module._buffers, module._modules)
     read = _READS.get(module)
     names = set(read or ())
-    if read is not None:  # the classes' data values: no method, no descriptor
+    if read is not None:  # the classes' data values: no method, no descriptor, none large
         names.update(n for k in type(module).__mro__ if not k.__module__.startswith("torch.")
                      and k is not object for n, v in vars(k).items()
-                     if not (callable(v) or hasattr(v, "__get__")))
+                     if not (callable(v) or hasattr(v, "__get__")) and small(v))
     found = []
     for name in sorted(names):
         if any(name in t for t in tables) or name.startswith("__"):
