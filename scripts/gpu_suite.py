@@ -5,13 +5,16 @@ machine (10 minutes), and summarize them in one line.
     python scripts/gpu_suite.py --chunk 2 --out DIR        # run chunk 2, results to DIR
     python scripts/gpu_suite.py --summary DIR              # one line for every chunk in DIR
     python scripts/gpu_suite.py --all --out DIR            # every chunk, spread over the GPUs
+    python scripts/gpu_suite.py --all --chunks 1,3,7 --out DIR   # some of them
 
 With ``--all`` the chunks run at once on the machine's GPUs (``--gpus``, default every visible
 one), each chunk a process of its own with ``CUDA_VISIBLE_DEVICES`` set, the longest first (times
 of an earlier run in DIR, else :data:`SECONDS`); a chunk of multi-GPU tests gets
 :data:`GPUS_NEEDED` of them. Its output goes to ``DIR/log-chunk-<k>.txt``; a line is printed as
 each chunk ends, then the summary. On four H200s of one host the whole suite took about 8
-minutes (2026-11-27; chunks run 1.3-1.6 times slower beside each other than alone).
+minutes (2026-11-27, session 36; chunks run 1.3-1.6 times slower beside each other than alone);
+in session 38 it no longer fitted one 10-minute command there (chunk 6 did not start): split it
+over two commands with ``--chunks`` (for example 4,5,2 then 1,3,6,7).
 
 A chunk is a group of test files (:data:`CHUNKS`, about 6-8 minutes each on an H100); files that
 hold ``gpu`` tests and are in no chunk form the last one, so a new GPU test file is never left
@@ -52,9 +55,9 @@ CHUNKS: list[list[str]] = [
 ]
 """The chunks, by test file (the order they run in)."""
 
-SECONDS = {1: 150, 2: 140, 3: 145, 4: 200, 5: 340, 6: 125, 7: 240}
-"""Wall seconds of each chunk on an H200 beside other chunks (2026-11-27): the order of ``--all``
-where DIR holds no earlier result."""
+SECONDS = {1: 220, 2: 120, 3: 210, 4: 450, 5: 460, 6: 175, 7: 240}
+"""Wall seconds of each chunk on an H200 beside other chunks (2026-11-27, session 38): the order of
+``--all`` where DIR holds no earlier result."""
 
 GPUS_NEEDED = {"test_gpu_ddp.py": 2, "test_gpu_door_ddp.py": 2}
 """Test files that need several GPUs (their chunk gets that many under ``--all``)."""
@@ -154,15 +157,18 @@ def summary(folder: Path) -> str:
     return line
 
 
-def run_all(out: Path, gpus: list[str], extra: list[str]) -> int:
-    """Run every chunk, as many at once as ``gpus`` allow; returns 1 if a test failed."""
+def run_all(out: Path, gpus: list[str], extra: list[str], only: list[int] | None = None) -> int:
+    """Run every chunk (or those in ``only``), as many at once as ``gpus`` allow; returns 1 if a
+    test failed."""
     out.mkdir(parents=True, exist_ok=True)
 
     def expected(k: int) -> float:
         earlier = out / f"chunk-{k}.json"
-        return json.loads(earlier.read_text())["seconds"] if earlier.exists() else SECONDS.get(k, 300)
+        if earlier.exists():
+            return json.loads(earlier.read_text())["seconds"]
+        return SECONDS.get(k, 300)
 
-    pending = sorted(range(1, len(chunks()) + 1), key=expected, reverse=True)
+    pending = sorted(only or range(1, len(chunks()) + 1), key=expected, reverse=True)
     free, running, failed = list(gpus), {}, False
     while pending or running:
         for k in list(pending):
@@ -207,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--summary", type=Path, help="summarize the results in this folder")
     group.add_argument("--all", action="store_true", help="run every chunk, spread over the GPUs")
     parser.add_argument("--gpus", help="with --all: the GPUs to use, e.g. 0,1 (default: all)")
+    parser.add_argument("--chunks", help="with --all: only these chunks, e.g. 1,3,7")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "gpu_suite",
                         help="where a chunk writes its result (default: bench_out/gpu_suite)")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
@@ -220,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.all:
         gpus = args.gpus.split(",") if args.gpus else _visible_gpus()
-        return run_all(args.out, gpus, args.pytest_args)
+        only = [int(k) for k in args.chunks.split(",")] if args.chunks else None
+        if only and not all(1 <= k <= len(chunks()) for k in only):
+            parser.error(f"--chunks must be between 1 and {len(chunks())}")
+        return run_all(args.out, gpus, args.pytest_args, only)
     if not 1 <= args.chunk <= len(chunks()):
         parser.error(f"--chunk must be between 1 and {len(chunks())}")
     result = run_chunk(args.chunk, args.out, args.pytest_args)
