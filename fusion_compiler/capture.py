@@ -16,7 +16,8 @@ from .ir.errors import FusionError, InputTypeError
 from .ir.ops import calls_named, copy_graph, writes_in_place
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward
-from .runtime.state import ModuleWrites, note_reads
+from .runtime.module_writes import ModuleWrites
+from .runtime.state import note_reads
 from .tracing import ModeRecordingTracer, globals_read, mark_grad_modes, recording_reads
 
 __all__ = ["TensorSpec", "capture", "input_specs", "unpacked_inputs", "flatten_inputs",
@@ -194,7 +195,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "backend='fusion_compiler'), which follows it (one replaced on a submodule is "
             "traced through)")
     on_calling_thread("torch.fx tracing")
-    global_names, stored = globals_read(
+    global_names, stored, attribute_names = globals_read(
         m for m in dict.fromkeys(model.modules()) if not type(m).__module__.startswith("torch."))
     if stored:  # the trace would assign it once, the compiled calls never
         raise FusionError(
@@ -216,7 +217,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             writes.restore()
             tracer, graph, reads = trace(False)
             tracer.grad_mode_read = True
-        note_reads(reads, model, global_names)
+        note_reads(reads, model, global_names, attribute_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         writes.restore()
@@ -238,9 +239,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "use torch.compile(model, backend='fusion_compiler'), whose graphs keep it")
     if assigned:
         raise FusionError(
-            f"{type(model).__name__}.forward assigns {', '.join(assigned)} on the module: a "
-            "compiled graph cannot repeat an assignment at each call (an in-place update of a "
-            "buffer it can: self.n.add_(1)); move it out of forward, or use "
+            f"{type(model).__name__}.forward assigns {', '.join(assigned)} on the module (or an "
+            "object it holds): a compiled graph cannot repeat an assignment at each call (an "
+            "in-place update of a buffer it can: self.n.add_(1)); move it out of forward, or use "
             "torch.compile(model, backend='fusion_compiler'), whose graphs Dynamo guards")
     mark_grad_modes(gm)
     gm.meta["autograd_functions"] = sorted(set(tracer.autograd_functions))

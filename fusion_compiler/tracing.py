@@ -45,36 +45,50 @@ TRACE_LOCK = threading.Lock()
 @contextlib.contextmanager
 def recording_reads(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str]]]:
     """Record the attribute names read on each module of ``model`` whose code the trace runs
-    (all but ``torch.nn``'s own, which fx keeps as leaves): each such module's class is swapped,
-    for the block, for a subclass whose ``__getattribute__`` notes the name. A module whose
-    class cannot be swapped is left out of the mapping."""
+    (all but ``torch.nn``'s own, which fx keeps as leaves): for the block, each such module's
+    class gets a ``__getattribute__`` that notes the names read on those modules (by identity)
+    and then reads as before. The modules keep their class, so ``type(self) is Block`` and
+    ``type(self).__mro__`` in ``forward`` see what they see when it runs. A module whose class
+    cannot take the method is left out of the mapping."""
     reads: dict[torch.nn.Module, set[str]] = {}
-    swapped = []
+    tables: dict[type, dict[int, set[str]]] = {}
     for module in dict.fromkeys(model.modules()):
-        cls = type(module)
-        if cls.__module__.startswith("torch."):
-            continue
-        names: set[str] = set()
+        if not type(module).__module__.startswith("torch."):
+            tables.setdefault(type(module), {})[id(module)] = reads.setdefault(module, set())
+    patched = []
+    for cls, table in tables.items():
+        own = vars(cls).get("__getattribute__")
+        read = cls.__getattribute__  # what its instances run now (its own or inherited)
 
-        def __getattribute__(self: Any, name: str, _names: set[str] = names,
-                             _cls: type = cls) -> Any:
-            _names.add(name)
-            return _cls.__getattribute__(self, name)
+        def __getattribute__(self: Any, name: str, _table: dict = table,
+                             _read: Any = read) -> Any:
+            names = _table.get(id(self))
+            if names is not None:
+                names.add(name)
+            return _read(self, name)
 
-        recording = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                                "__module__": cls.__module__,
-                                                "__qualname__": cls.__qualname__})
         try:
-            module.__class__ = recording
-        except TypeError:  # a layout the subclass does not share
+            cls.__getattribute__ = __getattribute__
+        except TypeError:  # a class that takes no new attributes
+            for module in list(reads):
+                if type(module) is cls:
+                    del reads[module]
             continue
-        swapped.append((module, cls))
-        reads[module] = names
+        patched.append((cls, own))
     try:
         yield reads
     finally:
-        for module, cls in swapped:
-            module.__class__ = cls
+        for cls, own in reversed(patched):
+            if own is None:
+                del cls.__getattribute__
+            else:
+                cls.__getattribute__ = own
+
+
+def _user_class(cls: type) -> bool:
+    """A class of the user's code (not Python's, torch's or this package's)."""
+    top = (cls.__module__ or "").split(".")[0]
+    return top not in ("torch", "fusion_compiler", "builtins", *sys.stdlib_module_names)
 
 
 def _user_function(value: Any) -> bool:
@@ -109,8 +123,10 @@ def _unwrapped(value: Any) -> list[types.FunctionType]:
 def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...],
                                           tuple[str, ...], tuple[str, ...]]:
     """What ``code`` names (CPython's ``dis``): globals it loads, ``(global, attribute)`` pairs
-    it loads (``config.SCALE``), globals it stores or deletes, attributes it loads."""
-    loads, pairs, stores, attributes = [], [], [], []
+    it loads (``config.SCALE``), globals it stores or deletes, attributes it loads (and the
+    strings among its constants: ``getattr(cfg, "scale")``)."""
+    loads, pairs, stores = [], [], []
+    attributes = [c for c in code.co_consts if isinstance(c, str) and c.isidentifier()]
     previous = None
     for instruction in dis.get_instructions(code):
         name, op = instruction.argval, instruction.opname
@@ -127,10 +143,12 @@ def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str]
 
 
 def globals_read(modules: Iterable[torch.nn.Module]
-                 ) -> tuple[list[tuple[dict, str]], list[str]]:
+                 ) -> tuple[list[tuple[Any, str]], list[str], frozenset[str]]:
     """The module-level names the code of ``modules`` may read when it runs, as ``(namespace,
-    name)`` (a function's globals, or an imported module's ``__dict__`` for ``config.SCALE``),
-    and the globals it assigns (``global n; n += 1``). A static reading of the bytecode
+    name)`` (a function's globals, or an imported module's ``__dict__`` for ``config.SCALE``,
+    or a class of the user's for ``Defaults.SCALE``), the globals it assigns (``global n; n +=
+    1``), and the attribute names it may read (of a config object: ``cfg.scale``,
+    ``type(self).GAIN``, ``getattr(cfg, "act")``). A static reading of the bytecode
     (CPython's ``dis``) of each module's ``forward`` (its instance forward where one replaced
     it), followed into the user's functions it reaches by a global name, an imported module's
     attribute, or a method or function-valued attribute of the module (through
@@ -149,6 +167,7 @@ def globals_read(modules: Iterable[torch.nn.Module]
     seen: set[tuple[types.CodeType, int]] = set()
     found: dict[tuple[int, str], tuple[dict, str]] = {}
     stores: list[str] = []
+    read: set[str] = set()
     while todo:
         code, namespace, owner = todo.pop()
         if (code, id(owner)) in seen:
@@ -156,6 +175,7 @@ def globals_read(modules: Iterable[torch.nn.Module]
         seen.add((code, id(owner)))
         loads, pairs, stored, attributes = _names(code)
         stores += [n for n in stored if n not in stores]
+        read.update(attributes)
         for name in loads:
             if name in namespace:
                 found.setdefault((id(namespace), name), (namespace, name))
@@ -166,11 +186,14 @@ def globals_read(modules: Iterable[torch.nn.Module]
                     0] in ("torch", "fusion_compiler") and attribute in vars(imported):
                 found.setdefault((id(vars(imported)), attribute), (vars(imported), attribute))
                 follow(vars(imported)[attribute], None)
+            elif isinstance(imported, type) and _user_class(imported) and any(
+                    attribute in vars(k) for k in imported.__mro__[:-1]):
+                found.setdefault((id(imported), attribute), (imported, attribute))
         if isinstance(owner, torch.nn.Module):  # self.helper(), self.f = lambda ...
             for attribute in attributes:
                 follow(vars(owner).get(attribute, getattr(type(owner), attribute, None)), owner)
         todo += [(c, namespace, owner) for c in code.co_consts if isinstance(c, types.CodeType)]
-    return list(found.values()), stores
+    return list(found.values()), stores, frozenset(read)
 
 
 class ModeRecordingTracer(fx.Tracer):

@@ -10,6 +10,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import logging
 import types
 
 import numpy as np
@@ -182,10 +183,31 @@ class _Slotted:
     gain: float = 1.0
 
 
+class _Defaults:
+    """Settings as a class, read by its global name (``_Defaults.OFFSET``)."""
+
+    OFFSET = 0.0
+
+
+class _Content:
+    """A config object that serves its fields from a dict (as OmegaConf's ``DictConfig`` and
+    EasyDict-like classes do)."""
+
+    def __init__(self, **fields):
+        object.__setattr__(self, "_content", dict(fields))
+
+    def __getattr__(self, name):
+        return self._content[name]
+
+    def __setattr__(self, name, value):
+        self._content[name] = value
+
+
 class _ReadsObjects(nn.Module):
     """Settings kept as research code keeps them: a config object (a dataclass holding a
-    namespace), one with slots, ``argparse``'s namespace, class attributes read through
-    ``type(self)`` and ``self.__class__``, an element of a NumPy array."""
+    namespace), one with slots, ``argparse``'s namespace, one serving fields from a dict, an
+    object set on a ``torch.nn`` submodule, class attributes read through ``type(self)``,
+    ``self.__class__`` and a class's global name, an element of a NumPy array."""
 
     GAIN = 1.0
     BIAS = 0.0
@@ -193,26 +215,33 @@ class _ReadsObjects(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv.extra = types.SimpleNamespace(scale=1.0)
         self.cfg = _BlockConfig()
         self.slotted = _Slotted()
         self.args = argparse.Namespace(shift=0.0)
+        self.content = _Content(width=1.0)
         self.table = np.ones(4, dtype=np.float32)
 
     def forward(self, x):
-        y = self.conv(x) * self.cfg.scale + self.cfg.head.bias + self.args.shift
+        y = self.conv(x) * self.cfg.scale * self.conv.extra.scale + self.cfg.head.bias
         y = F.gelu(y) if self.cfg.act == "gelu" else F.relu(y)
-        y = y * type(self).GAIN + self.__class__.BIAS
-        return y * self.slotted.gain * float(self.table[2])
+        y = y * type(self).GAIN + self.__class__.BIAS + self.args.shift + _Defaults.OFFSET
+        if type(self) is not _ReadsObjects:  # as the module runs, not as it was traced
+            y = y * 0.0
+        return y * self.slotted.gain * self.content.width * float(self.table[2])
 
 
 @pytest.mark.parametrize("change", [
     lambda m: setattr(m.cfg, "scale", 2.0), lambda m: setattr(m.cfg, "act", "gelu"),
     lambda m: setattr(m.cfg.head, "bias", 0.5), lambda m: setattr(m.slotted, "gain", 3.0),
     lambda m: setattr(m.args, "shift", 1.0), lambda m: setattr(type(m), "GAIN", 3.0),
-    lambda m: setattr(type(m), "BIAS", 0.5), lambda m: m.table.__setitem__(2, 0.25)],
+    lambda m: setattr(type(m), "BIAS", 0.5), lambda m: m.table.__setitem__(2, 0.25),
+    lambda m: setattr(m.content, "width", 2.0), lambda m: setattr(m.conv.extra, "scale", 3.0),
+    lambda m: setattr(_Defaults, "OFFSET", 0.5)],
     ids=["dataclass_field", "field_a_branch_reads", "nested_namespace_field", "slots_field",
          "argparse_namespace", "class_attribute_through_type", "class_attribute_through_class",
-         "numpy_element"])
+         "numpy_element", "fields_served_by_getattr", "object_on_a_torch_nn_module",
+         "class_attribute_by_global_name"])
 def test_objects_fields_and_class_values_read_without_self_compile_again_when_changed(
         change, tmp_path, monkeypatch, caplog):
     """Found by a probe in session 38: a field of a config object set in place, a class
@@ -220,6 +249,7 @@ def test_objects_fields_and_class_values_read_without_self_compile_again_when_ch
     constants and never looked at again (``torch.compile`` guards them)."""
     monkeypatch.setattr(_ReadsObjects, "GAIN", 1.0)
     monkeypatch.setattr(_ReadsObjects, "BIAS", 0.0)
+    monkeypatch.setattr(_Defaults, "OFFSET", 0.0)
     torch.manual_seed(0)
     logged = _compiled_again_after(_ReadsObjects(), change, tmp_path, caplog)
     assert any("was changed in place" in m or "was set to" in m for m in logged), logged
@@ -744,3 +774,76 @@ def test_a_hooked_root_that_runs_uncompiled_calls_its_own_forward():
     out.sum().backward()
     assert seen == [1] and torch.allclose(out, model(x), atol=1e-6)
     assert "forward" not in vars(model)
+
+
+def test_an_array_holding_nan_is_the_same_at_every_call():
+    table = np.array([1.0, np.nan, 3.0])
+    kept = snapshots.kept(table)
+    assert snapshots.same(kept, table)
+    table[1] = 2.0
+    assert not snapshots.same(kept, table) and snapshots.changed_in_place(kept, table)
+    words = np.array(["a", "b"])
+    assert snapshots.same(snapshots.kept(words), words)
+
+
+def test_a_field_forward_does_not_read_compiles_nothing_again(tmp_path, caplog):
+    """A config object shared with the training loop, whose step counter forward never reads:
+    found by a review in session 38 (each step compiled again, then the model ran uncompiled)."""
+    model = _ReadsObjects()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        spec = compiled.last
+        with caplog.at_level("WARNING", logger="fusion_compiler"):
+            for step in range(12):
+                model.cfg.step = step  # a field the code never names
+                model.args.lr = 0.1 / (step + 1)
+                compiled(x)
+        assert compiled.last is spec and not caplog.records
+
+
+class _CountsInAnObject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.stats = types.SimpleNamespace(calls=0)
+
+    def forward(self, x):
+        self.stats.calls += 1
+        return self.conv(x)
+
+
+def test_a_forward_that_writes_a_field_of_an_object_it_holds_is_refused_in_one_line():
+    """The trace would count one call, the compiled calls none (a review in session 38)."""
+    model = _CountsInAnObject()
+    with pytest.raises(FusionError, match="assigns stats.calls"):
+        fc.compile(model)(torch.randn(1, 3, 8, 8))
+    assert model.stats.calls == 0  # put back after the trace
+
+
+class _ReadsLargeThings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.table = np.ones(snapshots.ARRAY_LIMIT + 1, dtype=np.float32)
+        self.log = logging.getLogger("fc_test_reads")
+
+    def forward(self, x):
+        self.log.debug("forward")
+        return self.conv(x) * float(self.table[0])
+
+
+def test_large_arrays_are_compared_by_identity_with_one_warning_and_loggers_not_followed(
+        tmp_path, caplog):
+    model = _ReadsLargeThings()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fusion_compiler"):
+        compiled(x)
+        logging.getLogger("fc_test_reads.child")  # the logging tree changes: nothing compiled
+        spec = compiled.last
+        compiled(x)
+        assert compiled.last is spec
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 1 and "NumPy array of 65537 float32 elements" in told[0], told

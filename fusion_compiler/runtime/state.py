@@ -11,13 +11,10 @@ what is changed *in place* is the derivation program's to find (:mod:`.derive`).
 to a submodule (or a global one) changes what the model computes too: the specializations are
 made again, and the new one refuses the hook (:mod:`.hooks`). So does a plain attribute a traced
 graph holds as a constant (``self.temperature``, a batch norm's ``eps``) set to another value, a
-class attribute ``forward`` read through ``self``, or a module-level name its code may read
-(a global setting, a helper function; :func:`fusion_compiler.tracing.globals_read`).
-
-:class:`ModuleWrites` keeps tracing from changing the model: ``torch.fx`` runs ``forward``'s
-Python code on proxies, so ``self.count += 1`` (an int) or ``self.n += 1`` (a buffer: the proxy of
-the add is assigned) would change the module at trace time, and a compiled graph cannot repeat
-such an assignment at each call.
+field of a config object set in place, a class attribute ``forward`` reads, or a module-level
+name its code may read (a global setting, a helper function;
+:func:`fusion_compiler.tracing.globals_read`); how values are kept and compared is
+:mod:`.snapshots`'. What tracing must leave as it was is :mod:`.module_writes`'.
 """
 
 from __future__ import annotations
@@ -34,9 +31,9 @@ import torch
 
 from ..ir.errors import FusionError, condense
 from .hooks import hook_tables, instance_forward
-from .snapshots import MISSING, kept, order, plain, same, short, small
+from .snapshots import MISSING, changed_in_place, kept, order, plain, same, short
 
-__all__ = ["StateGuard", "ModuleWrites", "Recompiles", "RECOMPILE_LIMIT", "plain", "note_reads"]
+__all__ = ["StateGuard", "Recompiles", "RECOMPILE_LIMIT", "plain", "note_reads"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -55,26 +52,31 @@ _READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> nam
 
 
 _GLOBALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> globals read
+_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> attribute names read
+_TOLD: weakref.WeakSet = weakref.WeakSet()  # models told what the guard does not compare
 
 
 def note_reads(reads: dict[torch.nn.Module, set[str]], model: torch.nn.Module,
-               global_names: Sequence[tuple[dict, str]]) -> None:
-    """Add the attribute names a trace saw each module's code read, and the module-level names
-    (``(globals dict, name)``) the code of ``model``'s trace may read; they accumulate over
-    the traces of a model (each specialization is traced again)."""
+               global_names: Sequence[tuple[dict, str]],
+               attribute_names: frozenset[str] = frozenset()) -> None:
+    """Add the attribute names a trace saw each module's code read, the module-level names
+    (``(globals dict, name)``) the code of ``model``'s trace may read, and the attribute names
+    that code may read of other objects (a config object's fields); they accumulate over the
+    traces of a model (each specialization is traced again)."""
     for module, names in reads.items():
         _READS.setdefault(module, set()).update(names)
     _GLOBALS.setdefault(model, {}).update({(id(g), n): (g, n) for g, n in global_names})
+    _NAMES[model] = _NAMES.get(model, frozenset()) | attribute_names
 
 
-def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
+def _class_attributes(module: torch.nn.Module, names_read: frozenset[str]
+                      ) -> list[tuple[type, str, Any]]:
     """``(class, name, value)`` of the values ``module``'s code may read from its class: the
     ones a trace saw it read through ``self`` (``self.SCALE`` of a class-level ``SCALE = 2.0``)
     and their methods (one replaced on the class is another function object), and, where a trace
-    ran the module's code, every other data value of its classes that is
-    :func:`~.snapshots.small` (``type(self).SCALE`` and ``self.__class__.SCALE`` are not reads
-    through ``self``; a class-level table of thousands of entries read that way is not
-    compared, to keep each call's check short): the class is ``module``'s own,
+    ran the module's code, its classes' data values named in ``names_read`` (the attribute names
+    the model's code may read: ``type(self).SCALE`` and ``self.__class__.SCALE`` are not reads
+    through ``self``): the class is ``module``'s own,
     where a subclass may set it later. Not properties, classes or other callables, not Python's
     own names (``__module__``) nor those of torch's classes (``nn.Module``'s
     ``_compiled_call_impl``, which ``__call__`` reads). Lists, dicts and objects' fields are
@@ -82,10 +84,10 @@ def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
     tables = (vars(module), module._parameters, module._buffers, module._modules)
     read = _READS.get(module)
     names = set(read or ())
-    if read is not None:  # the classes' data values: no method, no descriptor, none large
+    if read is not None:  # the classes' data values the code may read
         names.update(n for k in type(module).__mro__ if not k.__module__.startswith("torch.")
                      and k is not object for n, v in vars(k).items()
-                     if not (callable(v) or hasattr(v, "__get__")) and small(v))
+                     if n in names_read and not (callable(v) or hasattr(v, "__get__")))
     found = []
     for name in sorted(names):
         if any(name in t for t in tables) or name.startswith("__"):
@@ -96,7 +98,11 @@ def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
         value = vars(owner)[name]
         if isinstance(value, types.FunctionType) or not (callable(value)
                                                          or hasattr(value, "__get__")):
-            found.append((type(module), name, kept(value)))  # a method: by identity
+            found.append((type(module), name, kept(value, names_read)))  # a method: by identity
+            # a base class's own value (``type(self).__mro__[1].K``, ``Base.K`` in a method)
+            found += [(k, name, kept(vars(k)[name], names_read)) for k in type(module).__mro__[1:]
+                      if name in vars(k) and k is not owner
+                      and not k.__module__.startswith("torch.")]
     return found
 
 
@@ -105,7 +111,18 @@ def _globals_guarded(model: torch.nn.Module) -> list[tuple[dict, str, Any]]:
     read (:func:`note_reads`), modules (``torch``, ``F``) left out; functions are compared by
     identity (one replaced is a new object)."""
     return [(g, n, g[n]) for g, n in _GLOBALS.get(model, {}).values()
-            if n in g and not isinstance(g[n], types.ModuleType)]
+            if isinstance(g, dict) and n in g and not isinstance(g[n], types.ModuleType)]
+
+
+def _global_classes(model: torch.nn.Module) -> list[tuple[type, str, Any]]:
+    """``(class, name, value)`` of the data values the traced code may read from a class of the
+    user's by its global name (``Defaults.SCALE``; :func:`note_reads`)."""
+    found = []
+    for cls, n in _GLOBALS.get(model, {}).values():
+        value = getattr(cls, n, MISSING) if isinstance(cls, type) else MISSING
+        if value is not MISSING and not (callable(value) or hasattr(value, "__get__")):
+            found.append((cls, n, value))
+    return found
 
 
 def _torch_nn(module: torch.nn.Module) -> bool:
@@ -113,16 +130,19 @@ def _torch_nn(module: torch.nn.Module) -> bool:
     return type(module).__module__.startswith("torch.nn.")
 
 
-def _guarded(module: torch.nn.Module) -> list[tuple[str, Any]]:
+def _guarded(module: torch.nn.Module, names_read: frozenset[str]) -> list[tuple[str, Any]]:
     """The attributes of ``module`` the guard compares: tensors that are neither parameters nor
-    buffers; for ``torch.nn``'s own modules their public plain values less :data:`_UNREAD`; for
+    buffers; for ``torch.nn``'s own modules their public plain values less :data:`_UNREAD`, and
+    public values of other kinds named in ``names_read`` (``self.conv.extra.scale`` read in the
+    user's code: an object set on a ``torch.nn`` module); for
     others every value (not nn.Module's own) that a trace saw its code read
     (:func:`note_reads`), or all of them where no trace ran its code; compared as
     :mod:`.snapshots` says (plain values, lists and dicts by value; a config object's fields and
     a NumPy array's contents copied; other objects by identity)."""
     if _torch_nn(module):
         return [(n, v) for n, v in vars(module).items() if n not in _UNREAD and (
-            isinstance(v, torch.Tensor) or (not n.startswith("_") and plain(v)))]
+            isinstance(v, torch.Tensor) or (not n.startswith("_") and (
+                plain(v) or n in names_read)))]
     read = _READS.get(module)
     return [(n, v) for n, v in vars(module).items() if n not in _INTERNAL and (
         isinstance(v, torch.Tensor) or read is None or n in read)]
@@ -167,16 +187,23 @@ class StateGuard:
         self._forwards = list(map(instance_forward, modules))
         self._hook_tables = hook_tables(self.module)
         self._hooks = sum(map(len, self._hook_tables))
-        attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
+        self._names_read = _NAMES.get(self.module, frozenset())
+        attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m, self._names_read)]
         attributes += _globals_guarded(self.module)  # compared as attributes are (dicts too)
-        self._class_values = [a for m in modules for a in _class_attributes(m)]
+        self._class_values = [a for m in modules
+                              for a in _class_attributes(m, self._names_read)]
+        self._class_values += [(k, n, kept(v, self._names_read))
+                               for k, n, v in _global_classes(self.module)]
         self._class_types = [k for k, _, _ in self._class_values]
         self._class_names = [n for _, n, _ in self._class_values]
         self._class_kept = tuple(v for _, _, v in self._class_values)
         attributes.sort(key=lambda a: order(a[2]))  # by ==, then by identity, then item by item
         self._attr_dicts = [d for d, _, _ in attributes]
         self._attr_names = [n for _, n, _ in attributes]
-        self._attr_values = tuple(kept(v) for _, _, v in attributes)
+        unseen: list[str] = []
+        self._attr_values = tuple(kept(v, self._names_read, unseen) for _, _, v in attributes)
+        if unseen:
+            _tell_unseen(self.module, unseen)
         orders = [order(v) for v in self._attr_values]
         self._plain, self._objects = orders.count(0), orders.count(0) + orders.count(1)
         # the training flags of modules whose own code a trace runs (``if self.training:`` in
@@ -209,7 +236,8 @@ class StateGuard:
             return False
         if not all(map(same, self._attr_values, now)):
             return True
-        self._attr_values = tuple(map(kept, now))  # equal values set again: nothing to compile
+        # equal values set again: nothing to compile
+        self._attr_values = tuple(kept(v, self._names_read) for v in now)
         return False
 
     def changed(self) -> bool:
@@ -274,9 +302,22 @@ class StateGuard:
         return "nothing"
 
 
+def _tell_unseen(model: torch.nn.Module, unseen: list[str]) -> None:
+    """One WARNING per model: values ``forward`` reads whose contents the guard does not compare
+    (too large to compare at every call; a change in place will not be seen)."""
+    if model in _TOLD:
+        return
+    _TOLD.add(model)
+    log.warning("%s: forward reads %s; the compiled model compares %s by identity only, so a "
+                "change of %s contents in place is not seen: keep such data in a buffer, or "
+                "pass it as an argument", type(model).__name__, ", ".join(sorted(set(unseen))),
+                "it" if len(set(unseen)) == 1 else "them", "its" if len(set(unseen)) == 1
+                else "their")
+
+
 def _change(old: Any, new: Any) -> str:
     """How a guarded value changed, for a log line."""
-    if getattr(old, "obj", MISSING) is new:  # an object's fields or an array's contents
+    if changed_in_place(old, new):  # an object's fields or an array's contents
         return "changed in place"
     return f"set to {short(new)} (was {short(old)})"
 
@@ -326,31 +367,3 @@ class Recompiles:
             log.warning("%s: %s: from now on its calls run the model uncompiled (pass the value "
                         "as an argument of forward, or keep it constant)", self.name,
                         self.uncompiled)
-
-
-class ModuleWrites:
-    """The attributes, parameters, buffers and submodules of every module of ``model`` as they
-    are now, for :meth:`restore` after tracing."""
-
-    def __init__(self, model: torch.nn.Module):
-        self._saved = [(path, [(d, dict(d)) for d in (vars(m), m._parameters, m._buffers,
-                                                      m._modules)])
-                       for path, m in model.named_modules()]
-
-    def restore(self) -> list[str]:
-        """Put every module's tables back as they were and return what the traced code assigned
-        a different value (``"layer1.count"``); attributes ``torch.fx`` adds to the root for
-        tensor constants (``_tensor_constant0``, copied into the graph module) are removed
-        without a word."""
-        assigned = []
-        for path, tables in self._saved:
-            for now, saved in tables:
-                if now.keys() == saved.keys() and all(now[k] is v for k, v in saved.items()):
-                    continue
-                for name in now.keys() | saved.keys():
-                    if not (name.startswith("_tensor_constant") and name not in saved) and \
-                            not same(saved.get(name, MISSING), now.get(name, MISSING)):
-                        assigned.append(f"{path}.{name}" if path else name)
-                now.clear()
-                now.update(saved)
-        return sorted(set(assigned))
