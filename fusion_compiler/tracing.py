@@ -49,7 +49,16 @@ def recording_reads(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, se
     class gets a ``__getattribute__`` that notes the names read on those modules (by identity)
     and then reads as before. The modules keep their class, so ``type(self) is Block`` and
     ``type(self).__mro__`` in ``forward`` see what they see when it runs. A module whose class
-    cannot take the method is left out of the mapping."""
+    cannot take the method is left out of the mapping. Traces record one at a time (a lock):
+    two threads patching one class would leave it patched."""
+    with _RECORDING:
+        yield from _recording(model)
+
+
+_RECORDING = threading.RLock()
+
+
+def _recording(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str]]]:
     reads: dict[torch.nn.Module, set[str]] = {}
     tables: dict[type, dict[int, set[str]]] = {}
     for module in dict.fromkeys(model.modules()):
