@@ -195,7 +195,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "backend='fusion_compiler'), which follows it (one replaced on a submodule is "
             "traced through)")
     on_calling_thread("torch.fx tracing")
-    global_names, stored, attribute_names = globals_read(
+    global_names, stored = globals_read(
         m for m in dict.fromkeys(model.modules()) if not type(m).__module__.startswith("torch."))
     if stored:  # the trace would assign it once, the compiled calls never
         raise FusionError(
@@ -217,7 +217,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             writes.restore()
             tracer, graph, reads = trace(False)
             tracer.grad_mode_read = True
-        note_reads(reads, model, global_names, attribute_names)
+        note_reads(reads, model, global_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         writes.restore()

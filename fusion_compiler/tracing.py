@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import logging
 import operator
 import sys
 import threading
@@ -38,6 +39,7 @@ from .runtime.hooks import instance_forward
 __all__ = ["ModeRecordingTracer", "TRACE_LOCK", "globals_read", "mark_grad_modes",
            "recording_reads"]
 
+log = logging.getLogger("fusion_compiler")
 TRACE_LOCK = threading.Lock()
 """Held by :meth:`ModeRecordingTracer.trace` for the whole trace (see the module docstring)."""
 
@@ -78,7 +80,7 @@ def _recording(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str
 
         try:
             cls.__getattribute__ = __getattribute__
-        except TypeError:  # a class that takes no new attributes
+        except Exception:  # noqa: BLE001 (a class, or its metaclass, takes no new attribute)
             for module in list(reads):
                 if type(module) is cls:
                     del reads[module]
@@ -88,10 +90,14 @@ def _recording(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str
         yield reads
     finally:
         for cls, own in reversed(patched):
-            if own is None:
-                del cls.__getattribute__
-            else:
-                cls.__getattribute__ = own
+            try:
+                if own is None:
+                    del cls.__getattribute__
+                else:
+                    cls.__getattribute__ = own
+            except Exception:  # noqa: BLE001 (a metaclass that refuses: the others put back)
+                log.warning("could not take the attribute recorder off %s after a trace: its "
+                            "attribute reads stay slower", cls.__qualname__)
 
 
 def _user_class(cls: type) -> bool:
@@ -132,10 +138,8 @@ def _unwrapped(value: Any) -> list[types.FunctionType]:
 def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...],
                                           tuple[str, ...], tuple[str, ...]]:
     """What ``code`` names (CPython's ``dis``): globals it loads, ``(global, attribute)`` pairs
-    it loads (``config.SCALE``), globals it stores or deletes, attributes it loads (and the
-    strings among its constants: ``getattr(cfg, "scale")``)."""
-    loads, pairs, stores = [], [], []
-    attributes = [c for c in code.co_consts if isinstance(c, str) and c.isidentifier()]
+    it loads (``config.SCALE``), globals it stores or deletes, attributes it loads."""
+    loads, pairs, stores, attributes = [], [], [], []
     previous = None
     for instruction in dis.get_instructions(code):
         name, op = instruction.argval, instruction.opname
@@ -152,12 +156,11 @@ def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str]
 
 
 def globals_read(modules: Iterable[torch.nn.Module]
-                 ) -> tuple[list[tuple[Any, str]], list[str], frozenset[str]]:
+                 ) -> tuple[list[tuple[Any, str]], list[str]]:
     """The module-level names the code of ``modules`` may read when it runs, as ``(namespace,
     name)`` (a function's globals, or an imported module's ``__dict__`` for ``config.SCALE``,
-    or a class of the user's for ``Defaults.SCALE``), the globals it assigns (``global n; n +=
-    1``), and the attribute names it may read (of a config object: ``cfg.scale``,
-    ``type(self).GAIN``, ``getattr(cfg, "act")``). A static reading of the bytecode
+    or a class of the user's for ``Defaults.SCALE``), and the globals it assigns (``global n;
+    n += 1``). A static reading of the bytecode
     (CPython's ``dis``) of each module's ``forward`` (its instance forward where one replaced
     it), followed into the user's functions it reaches by a global name, an imported module's
     attribute, or a method or function-valued attribute of the module (through
@@ -176,7 +179,6 @@ def globals_read(modules: Iterable[torch.nn.Module]
     seen: set[tuple[types.CodeType, int]] = set()
     found: dict[tuple[int, str], tuple[dict, str]] = {}
     stores: list[str] = []
-    read: set[str] = set()
     while todo:
         code, namespace, owner = todo.pop()
         if (code, id(owner)) in seen:
@@ -184,7 +186,6 @@ def globals_read(modules: Iterable[torch.nn.Module]
         seen.add((code, id(owner)))
         loads, pairs, stored, attributes = _names(code)
         stores += [n for n in stored if n not in stores]
-        read.update(attributes)
         for name in loads:
             if name in namespace:
                 found.setdefault((id(namespace), name), (namespace, name))
@@ -202,7 +203,7 @@ def globals_read(modules: Iterable[torch.nn.Module]
             for attribute in attributes:
                 follow(vars(owner).get(attribute, getattr(type(owner), attribute, None)), owner)
         todo += [(c, namespace, owner) for c in code.co_consts if isinstance(c, types.CodeType)]
-    return list(found.values()), stores, frozenset(read)
+    return list(found.values()), stores
 
 
 class ModeRecordingTracer(fx.Tracer):

@@ -1,12 +1,16 @@
 """What tracing must leave as it was: ``torch.fx`` runs ``forward``'s Python code on proxies, so
 ``self.count += 1`` (an int), ``self.n += 1`` (a buffer: the proxy of the add is assigned) or
 ``self.stats.calls += 1`` (a field of an object the module holds) would change the model at trace
-time, once, and a compiled graph cannot repeat such an assignment at each call.
-:class:`ModuleWrites` saves the model's tables before the trace, puts them back after it and says
-what the traced code assigned (the capture then refuses the model in one line)."""
+time, once, and a compiled graph cannot repeat such an assignment at each call; so would
+``self.feats.append(y)``. :class:`ModuleWrites` saves the model's tables before the trace, puts
+them back after it and says what the traced code assigned (the capture then refuses the model in
+one line). A field of a held object set where it was ``None`` or absent (a lazy cache, a
+``functools.cached_property``, a ``torch.distributions`` object's lazy ``probs``) is put back
+without a word: the compiled graph computes the value at each call, and the output is eager's."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -18,21 +22,34 @@ __all__ = ["ModuleWrites"]
 
 class ModuleWrites:
     """The attributes, parameters, buffers and submodules of every module of ``model`` as they
-    are now, and the fields of the objects with fields they hold (a config or statistics object,
-    one level down), for :meth:`restore` after tracing."""
+    are now, the fields of the objects with fields they hold (a config or statistics object, one
+    level down) and the items of the lists and dicts they hold, for :meth:`restore` after
+    tracing."""
 
     def __init__(self, model: torch.nn.Module):
         self._saved = [(path, [(d, dict(d)) for d in (vars(m), m._parameters, m._buffers,
                                                       m._modules)])
                        for path, m in model.named_modules()]
         self._objects: list[tuple[str, Any, dict[str, Any]]] = []
+        self._containers: list[tuple[str, Any, Any]] = []
         seen: set[int] = set()
         for path, m in model.named_modules():
             for name, value in vars(m).items():
-                fields = fields_of(value) if id(value) not in seen else None
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+                where = f"{path}.{name}" if path else name
+                fields = fields_of(value)
                 if fields is not None:
-                    seen.add(id(value))
-                    self._objects.append((f"{path}.{name}" if path else name, value, fields))
+                    self._objects.append((where, value, fields))
+                    held = fields.items()
+                else:
+                    held = [(None, value)]
+                for field, item in held:  # lists and dicts, on the module or in an object
+                    if type(item) in (list, dict) and id(item) not in seen:
+                        seen.add(id(item))
+                        self._containers.append((where if field is None else f"{where}.{field}",
+                                                 item, item.copy()))
 
     def restore(self) -> list[str]:
         """Put every module's tables and the held objects' fields back as they were and return
@@ -53,8 +70,9 @@ class ModuleWrites:
         for path, obj, saved in self._objects:
             now = fields_of(obj) or {}
             changed = [n for n in now.keys() | saved.keys()
-                       if now.get(n, MISSING) is not saved.get(n, MISSING)]
-            assigned += [f"{path}.{n}" for n in changed]
+                       if not same(saved.get(n, MISSING), now.get(n, MISSING))]
+            assigned += [f"{path}.{n}" for n in changed  # a lazy value set: eager's output too
+                         if saved.get(n, MISSING) not in (MISSING, None)]
             for n in changed:  # put back (a field the trace added is deleted)
                 try:
                     if n in saved:
@@ -63,4 +81,14 @@ class ModuleWrites:
                         object.__delattr__(obj, n)
                 except (AttributeError, TypeError):  # a read-only field: left as it is
                     pass
+        for path, container, saved in self._containers:
+            if isinstance(container, list):
+                if len(container) != len(saved) or any(map(operator.is_not, container, saved)):
+                    assigned.append(f"{path} (items)")
+                    container[:] = saved
+            else:  # a dict: an item set where there was none is a lazy cache
+                if any(container.get(k, MISSING) is not v for k, v in saved.items()):
+                    assigned.append(f"{path} (items)")
+                container.clear()
+                container.update(saved)
         return sorted(set(assigned))

@@ -9,35 +9,35 @@ value as it was and compares it before every call:
   value (lists and dicts copied: they may change in place);
 - lists, tuples and dicts holding other objects item by item;
 - objects that hold data in fields (a dataclass, ``types.SimpleNamespace``, ``argparse.Namespace``,
-  any instance with a ``__dict__`` or ``__slots__`` that is not a module, tensor, function or
-  class): the same object, and the fields whose names the model's code reads (the guard passes
-  them: a static reading of the bytecode, :func:`fusion_compiler.tracing.globals_read`, with the
-  names the object's own class's methods and properties read) copied and compared in turn, so
-  ``cfg.scale = 2.0`` changes what ``forward`` computes and a ``cfg.step`` that ``forward`` never
-  reads does not; nested objects up to :data:`DEPTH` levels, and at most :data:`BUDGET` fields
-  and container items in all (past that, by identity: :func:`kept` says so);
+  a ``functools.partial``'s function and bound arguments, any instance with a ``__dict__`` or
+  ``__slots__`` that is not a module, tensor, function, class or an object of Python's own
+  library such as a logger): the same object, its fields copied and
+  compared in turn (``cfg.scale = 2.0`` changes what ``forward`` computes; which fields the code
+  reads is not known for sure, through methods, ``vars()`` or names built at run time, so all
+  are compared: a field the code never reads that changes, a step counter, compiles again),
+  nested objects up to :data:`DEPTH` levels, and at most :data:`BUDGET` fields and container
+  items in all (past that, by identity: :func:`kept` says so);
 - NumPy arrays of numbers, up to :data:`ARRAY_LIMIT` elements: the same array with the same
   contents (a copy kept; NaN equal to NaN); larger ones and arrays of objects by identity;
-- anything else (a tensor, a ``functools.partial``, an enum member, a function, a weak proxy, a
-  ``threading.local``) by identity.
+- anything else (a tensor, an enum member, a function, a weak proxy, a ``threading.local``) by
+  identity.
 """
 
 from __future__ import annotations
 
 import argparse
-import dis
 import enum
 import functools
 import sys
 import threading
 import types
 import weakref
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["plain", "kept", "same", "order", "short", "changed_in_place", "fields_of", "MISSING",
-           "DEPTH", "BUDGET", "ARRAY_LIMIT"]
+__all__ = ["plain", "kept", "same", "order", "short", "small", "changed_in_place", "fields_of",
+           "MISSING", "DEPTH", "BUDGET", "ARRAY_LIMIT", "SMALL"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
           torch.memory_format, torch.layout)
@@ -51,7 +51,7 @@ ARRAY_LIMIT = 1 << 16
 """Elements of a NumPy array up to which :func:`kept` keeps a copy (comparing 65536 float32
 values costs about 10 µs a call)."""
 _OPAQUE = (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType,
-           types.MethodType, types.BuiltinFunctionType, functools.partial, enum.Enum,
+           types.MethodType, types.BuiltinFunctionType, enum.Enum,
            threading.local, *weakref.ProxyTypes, weakref.ref)
 
 
@@ -77,7 +77,10 @@ def _array(value: Any) -> bool:
 
 def _fields(value: Any) -> dict[str, Any] | None:
     """The fields of an object that holds data (its ``__dict__`` and its ``__slots__``, read
-    past any ``__getattr__``); ``None`` for other objects."""
+    past any ``__getattr__``; a ``functools.partial``'s function and bound arguments, which may
+    hold a config object); ``None`` for other objects."""
+    if isinstance(value, functools.partial):
+        return {"func": value.func, "args": value.args, "keywords": value.keywords}
     if (isinstance(value, _OPAQUE) or plain(value) or _array(value)
             or isinstance(value, (list, tuple, dict, set, frozenset)) or _library_object(value)):
         return None
@@ -104,19 +107,6 @@ def fields_of(value: Any) -> dict[str, Any] | None:
     return None if fields is None else dict(fields)
 
 
-@functools.lru_cache(maxsize=1024)
-def _class_reads(cls: type) -> frozenset[str]:
-    """The attribute names the properties of ``cls`` (and of its bases) read: a property
-    ``cfg.width`` computed from ``self.base`` (a method a forward calls is not followed)."""
-    names: set[str] = set()
-    for k in cls.__mro__:
-        for value in vars(k).values():
-            code = getattr(getattr(value, "fget", None), "__code__", None)
-            if isinstance(code, types.CodeType):
-                names.update(_code_reads(code))
-    return frozenset(names)
-
-
 _CONTAINERS = (types.SimpleNamespace, argparse.Namespace)
 """The standard library's objects that hold a program's settings in fields; its other objects
 (loggers, locks, executors, files) are compared by identity."""
@@ -128,30 +118,18 @@ def _library_object(value: Any) -> bool:
     return module in sys.stdlib_module_names and not isinstance(value, _CONTAINERS)
 
 
-def _code_reads(code: types.CodeType) -> Iterable[str]:
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(
-                instruction.argval, str):
-            yield instruction.argval
-    yield from (c for c in code.co_consts if isinstance(c, str))
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            yield from _code_reads(c)
-
-
 def _slots(cls: type) -> tuple[str, ...]:
     names = vars(cls).get("__slots__", ())
     return (names,) if isinstance(names, str) else tuple(n for n in names if n != "__weakref__")
 
 
 class _Fields:
-    """An object and a copy of the fields the code reads (nested objects' too, to a depth), with
-    the names it reads that the object did not have (``getattr(cfg, "act", "relu")``)."""
+    """An object and a copy of its fields (nested objects' too, to a depth)."""
 
-    __slots__ = ("obj", "fields", "absent")
+    __slots__ = ("obj", "fields")
 
-    def __init__(self, obj: Any, fields: dict[str, Any], absent: tuple[str, ...]):
-        self.obj, self.fields, self.absent = obj, fields, absent
+    def __init__(self, obj: Any, fields: dict[str, Any]):
+        self.obj, self.fields = obj, fields
 
 
 class _Array:
@@ -168,29 +146,48 @@ def _copied(value: Any) -> bool:
     return value.dtype.kind in "biufc" and value.size <= ARRAY_LIMIT
 
 
-def kept(value: Any, names: frozenset[str] | None = None,
-         unseen: list[str] | None = None) -> Any:
+SMALL = 64
+"""Items of a list, tuple or dict, and elements of a NumPy array, up to which :func:`small` says
+a value is small."""
+
+
+def small(value: Any) -> bool:
+    """Whether comparing ``value`` at every call is cheap: a plain value, an object with fields
+    (bounded by :data:`BUDGET`), a container or NumPy array of at most :data:`SMALL` items."""
+    if isinstance(value, (list, tuple, dict)):
+        return len(value) <= SMALL
+    if _array(value):
+        return value.size <= SMALL
+    return True
+
+
+def kept(value: Any, unseen: list[str] | None = None) -> Any:
     """What the guard keeps of ``value``: copies of lists and dicts (nested ones too: they may
-    change in place), of an object's fields named in ``names`` (all where ``None``) and of a
-    NumPy array's contents; the value itself otherwise. Objects within objects are followed
+    change in place), of an object's fields and of a NumPy array's contents; the value itself
+    otherwise. Objects within objects are followed
     :data:`DEPTH` levels deep, and at most :data:`BUDGET` fields and items in all; what is kept
     as itself past those bounds, or as a large array, is described in ``unseen`` (a change of
     its contents will not be seen)."""
-    return _kept(value, names, DEPTH, [BUDGET], [] if unseen is None else unseen)
+    return _kept(value, DEPTH, [BUDGET], [] if unseen is None else unseen, set())
 
 
-def _kept(value: Any, names: frozenset[str] | None, depth: int, budget: list[int],
-          unseen: list[str]) -> Any:
+def _kept(value: Any, depth: int, budget: list[int], unseen: list[str], open_: set[int]) -> Any:
     if isinstance(value, (list, dict)) or (isinstance(value, tuple) and not plain(value)):
         if len(value) > budget[0]:
             unseen.append(f"a {type(value).__name__} of {len(value)} items")
             return value
         budget[0] -= len(value)
-        if isinstance(value, list):
-            return [_kept(v, names, depth, budget, unseen) for v in value]
-        if isinstance(value, dict):
-            return {k: _kept(v, names, depth, budget, unseen) for k, v in value.items()}
-        items = [_kept(v, names, depth, budget, unseen) for v in value]
+        if id(value) in open_:  # a container that holds itself
+            return value
+        open_.add(id(value))
+        try:
+            if isinstance(value, list):
+                return [_kept(v, depth, budget, unseen, open_) for v in value]
+            if isinstance(value, dict):
+                return {k: _kept(v, depth, budget, unseen, open_) for k, v in value.items()}
+            items = [_kept(v, depth, budget, unseen, open_) for v in value]
+        finally:
+            open_.discard(id(value))
         if type(value) is tuple:  # holding objects: their items kept
             return tuple(items)
         make = getattr(type(value), "_make", None)  # a named tuple keeps its class
@@ -206,19 +203,12 @@ def _kept(value: Any, names: frozenset[str] | None, depth: int, budget: list[int
     if depth == 0:
         unseen.append(f"a {type(value).__name__} nested more than {DEPTH} levels deep")
         return value
-    # all fields where reads go through the class's own code (``cfg.scale`` served by a
-    # ``__getattr__`` from a ``_content`` dict) or where the caller names none
-    custom = any(n in vars(k) for k in type(value).__mro__[:-1]
-                 for n in ("__getattr__", "__getattribute__"))
-    wanted = None if names is None or custom else names | _class_reads(type(value))
-    chosen = fields if wanted is None else {k: v for k, v in fields.items() if k in wanted}
-    if len(chosen) > budget[0]:
-        unseen.append(f"a {type(value).__name__} of {len(chosen)} fields")
+    if len(fields) > budget[0]:
+        unseen.append(f"a {type(value).__name__} of {len(fields)} fields")
         return value
-    budget[0] -= len(chosen)
-    absent = () if wanted is None else tuple(sorted(n for n in wanted if n not in fields))
-    return _Fields(value, {k: _kept(v, names, depth - 1, budget, unseen)
-                           for k, v in chosen.items()}, absent)
+    budget[0] -= len(fields)
+    return _Fields(value, {k: _kept(v, depth - 1, budget, unseen, open_)
+                           for k, v in fields.items()})
 
 
 def same(old: Any, new: Any) -> bool:
@@ -230,11 +220,16 @@ def same(old: Any, new: Any) -> bool:
         return True
     if isinstance(old, _Fields):
         fields = _fields(new) if new is old.obj else None
-        return fields is not None and all(
-            same(v, fields.get(k, MISSING)) for k, v in old.fields.items()) and not any(
-            map(fields.__contains__, old.absent))
+        return fields is not None and fields.keys() == old.fields.keys() and all(
+            same(v, fields[k]) for k, v in old.fields.items())
     if isinstance(old, _Array):
         return new is old.obj and _equal_arrays(new, old.copy)
+    if type(old) is type(new) and type(old) in (list, dict):
+        try:  # plain items in C; items kept as copies of objects compare unequal
+            if old == new:
+                return True
+        except Exception:  # noqa: BLE001 (an item that does not compare: a tensor, an array)
+            pass
     if (plain(old) or _container(old)) and type(old) is type(new):
         return old == new
     if isinstance(old, (list, tuple)) and type(old) is type(new) and len(old) == len(new):

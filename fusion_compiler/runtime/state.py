@@ -31,7 +31,7 @@ import torch
 
 from ..ir.errors import FusionError, condense
 from .hooks import hook_tables, instance_forward
-from .snapshots import MISSING, changed_in_place, kept, order, plain, same, short
+from .snapshots import MISSING, changed_in_place, kept, order, plain, same, short, small
 
 __all__ = ["StateGuard", "Recompiles", "RECOMPILE_LIMIT", "plain", "note_reads"]
 
@@ -52,31 +52,29 @@ _READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> nam
 
 
 _GLOBALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> globals read
-_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> attribute names read
 _TOLD: weakref.WeakSet = weakref.WeakSet()  # models told what the guard does not compare
 
 
 def note_reads(reads: dict[torch.nn.Module, set[str]], model: torch.nn.Module,
-               global_names: Sequence[tuple[dict, str]],
-               attribute_names: frozenset[str] = frozenset()) -> None:
-    """Add the attribute names a trace saw each module's code read, the module-level names
-    (``(globals dict, name)``) the code of ``model``'s trace may read, and the attribute names
-    that code may read of other objects (a config object's fields); they accumulate over the
-    traces of a model (each specialization is traced again)."""
+               global_names: Sequence[tuple[Any, str]]) -> None:
+    """Add the attribute names a trace saw each module's code read, and the module-level names
+    the code of ``model``'s trace may read (``(globals dict, name)``, or ``(class, name)`` for
+    ``Defaults.SCALE``); they accumulate over the traces of a model (each specialization is
+    traced again)."""
     for module, names in reads.items():
         _READS.setdefault(module, set()).update(names)
     _GLOBALS.setdefault(model, {}).update({(id(g), n): (g, n) for g, n in global_names})
-    _NAMES[model] = _NAMES.get(model, frozenset()) | attribute_names
 
 
-def _class_attributes(module: torch.nn.Module, names_read: frozenset[str]
-                      ) -> list[tuple[type, str, Any]]:
+def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
     """``(class, name, value)`` of the values ``module``'s code may read from its class: the
     ones a trace saw it read through ``self`` (``self.SCALE`` of a class-level ``SCALE = 2.0``)
     and their methods (one replaced on the class is another function object), and, where a trace
-    ran the module's code, its classes' data values named in ``names_read`` (the attribute names
-    the model's code may read: ``type(self).SCALE`` and ``self.__class__.SCALE`` are not reads
-    through ``self``): the class is ``module``'s own,
+    ran the module's code, every other data value of its classes that is
+    :func:`~.snapshots.small` (``type(self).SCALE`` and ``self.__class__.SCALE`` are not reads
+    through ``self``; a class-level table of thousands of entries read that way is not compared,
+    to keep each call's check short), base classes' own values too (``type(self).__mro__[1]``):
+    the class is ``module``'s own,
     where a subclass may set it later. Not properties, classes or other callables, not Python's
     own names (``__module__``) nor those of torch's classes (``nn.Module``'s
     ``_compiled_call_impl``, which ``__call__`` reads). Lists, dicts and objects' fields are
@@ -84,10 +82,10 @@ def _class_attributes(module: torch.nn.Module, names_read: frozenset[str]
     tables = (vars(module), module._parameters, module._buffers, module._modules)
     read = _READS.get(module)
     names = set(read or ())
-    if read is not None:  # the classes' data values the code may read
+    if read is not None:  # the classes' data values: no method, no descriptor, none large
         names.update(n for k in type(module).__mro__ if not k.__module__.startswith("torch.")
                      and k is not object for n, v in vars(k).items()
-                     if n in names_read and not (callable(v) or hasattr(v, "__get__")))
+                     if not (callable(v) or hasattr(v, "__get__")) and small(v))
     found = []
     for name in sorted(names):
         if any(name in t for t in tables) or name.startswith("__"):
@@ -98,9 +96,9 @@ def _class_attributes(module: torch.nn.Module, names_read: frozenset[str]
         value = vars(owner)[name]
         if isinstance(value, types.FunctionType) or not (callable(value)
                                                          or hasattr(value, "__get__")):
-            found.append((type(module), name, kept(value, names_read)))  # a method: by identity
+            found.append((type(module), name, kept(value)))  # a method: by identity
             # a base class's own value (``type(self).__mro__[1].K``, ``Base.K`` in a method)
-            found += [(k, name, kept(vars(k)[name], names_read)) for k in type(module).__mro__[1:]
+            found += [(k, name, kept(vars(k)[name])) for k in type(module).__mro__[1:]
                       if name in vars(k) and k is not owner
                       and not k.__module__.startswith("torch.")]
     return found
@@ -130,19 +128,17 @@ def _torch_nn(module: torch.nn.Module) -> bool:
     return type(module).__module__.startswith("torch.nn.")
 
 
-def _guarded(module: torch.nn.Module, names_read: frozenset[str]) -> list[tuple[str, Any]]:
+def _guarded(module: torch.nn.Module) -> list[tuple[str, Any]]:
     """The attributes of ``module`` the guard compares: tensors that are neither parameters nor
-    buffers; for ``torch.nn``'s own modules their public plain values less :data:`_UNREAD`, and
-    public values of other kinds named in ``names_read`` (``self.conv.extra.scale`` read in the
-    user's code: an object set on a ``torch.nn`` module); for
+    buffers; for ``torch.nn``'s own modules their public values less :data:`_UNREAD` (plain ones,
+    and an object the user's code set on one: ``self.conv.extra.scale``); for
     others every value (not nn.Module's own) that a trace saw its code read
     (:func:`note_reads`), or all of them where no trace ran its code; compared as
     :mod:`.snapshots` says (plain values, lists and dicts by value; a config object's fields and
     a NumPy array's contents copied; other objects by identity)."""
     if _torch_nn(module):
         return [(n, v) for n, v in vars(module).items() if n not in _UNREAD and (
-            isinstance(v, torch.Tensor) or (not n.startswith("_") and (
-                plain(v) or n in names_read)))]
+            isinstance(v, torch.Tensor) or not n.startswith("_"))]
     read = _READS.get(module)
     return [(n, v) for n, v in vars(module).items() if n not in _INTERNAL and (
         isinstance(v, torch.Tensor) or read is None or n in read)]
@@ -187,13 +183,10 @@ class StateGuard:
         self._forwards = list(map(instance_forward, modules))
         self._hook_tables = hook_tables(self.module)
         self._hooks = sum(map(len, self._hook_tables))
-        self._names_read = _NAMES.get(self.module, frozenset())
-        attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m, self._names_read)]
+        attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
         attributes += _globals_guarded(self.module)  # compared as attributes are (dicts too)
-        self._class_values = [a for m in modules
-                              for a in _class_attributes(m, self._names_read)]
-        self._class_values += [(k, n, kept(v, self._names_read))
-                               for k, n, v in _global_classes(self.module)]
+        self._class_values = [a for m in modules for a in _class_attributes(m)]
+        self._class_values += [(k, n, kept(v)) for k, n, v in _global_classes(self.module)]
         self._class_types = [k for k, _, _ in self._class_values]
         self._class_names = [n for _, n, _ in self._class_values]
         self._class_kept = tuple(v for _, _, v in self._class_values)
@@ -201,7 +194,7 @@ class StateGuard:
         self._attr_dicts = [d for d, _, _ in attributes]
         self._attr_names = [n for _, n, _ in attributes]
         unseen: list[str] = []
-        self._attr_values = tuple(kept(v, self._names_read, unseen) for _, _, v in attributes)
+        self._attr_values = tuple(kept(v, unseen) for _, _, v in attributes)
         if unseen:
             _tell_unseen(self.module, unseen)
         orders = [order(v) for v in self._attr_values]
@@ -237,7 +230,7 @@ class StateGuard:
         if not all(map(same, self._attr_values, now)):
             return True
         # equal values set again: nothing to compile
-        self._attr_values = tuple(kept(v, self._names_read) for v in now)
+        self._attr_values = tuple(map(kept, now))
         return False
 
     def changed(self) -> bool:
