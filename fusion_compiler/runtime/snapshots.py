@@ -89,8 +89,8 @@ def _fields(value: Any) -> dict[str, Any] | None:
     except Exception:  # noqa: BLE001 (no __dict__, or an object that refuses to say)
         found = None
     names = [n for k in type(value).__mro__ for n in _slots(k) if n != "__dict__"]
-    if not isinstance(found, dict) and not names:
-        return None
+    if not names:  # the common case: the instance dictionary itself, read, not copied
+        return found if isinstance(found, dict) else None
     fields = dict(found) if isinstance(found, dict) else {}
     for n in names:
         try:
