@@ -19,6 +19,8 @@ from .snapshots import MISSING, fields_of, same
 
 __all__ = ["ModuleWrites"]
 
+_INTERNAL = frozenset(vars(torch.nn.Module()))  # nn.Module's own tables and hook dictionaries
+
 
 class ModuleWrites:
     """The attributes, parameters, buffers and submodules of every module of ``model`` as they
@@ -35,7 +37,7 @@ class ModuleWrites:
         seen: set[int] = set()
         for path, m in model.named_modules():
             for name, value in vars(m).items():
-                if id(value) in seen:
+                if id(value) in seen or name in _INTERNAL:  # nn.Module's own: in _saved
                     continue
                 seen.add(id(value))
                 where = f"{path}.{name}" if path else name
