@@ -100,16 +100,23 @@ def _recording(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str
                             "attribute reads stay slower", cls.__qualname__)
 
 
+_NOT_USERS = frozenset({"torch", "fusion_compiler"})
+"""Top-level packages whose code is not the user's: what reads it is not guarded."""
+
+
+def _package(module_name: str | None) -> str:
+    return (module_name or "").split(".")[0]
+
+
 def _user_class(cls: type) -> bool:
     """A class of the user's code (not Python's, torch's or this package's)."""
-    top = (cls.__module__ or "").split(".")[0]
-    return top not in ("torch", "fusion_compiler", "builtins", *sys.stdlib_module_names)
+    top = _package(cls.__module__)
+    return top not in _NOT_USERS and top != "builtins" and top not in sys.stdlib_module_names
 
 
 def _user_function(value: Any) -> bool:
     """A Python function of the user's code (not torch's, not this package's)."""
-    return isinstance(value, types.FunctionType) and not (value.__module__ or "").split(".")[
-        0] in ("torch", "fusion_compiler")
+    return isinstance(value, types.FunctionType) and _package(value.__module__) not in _NOT_USERS
 
 
 def _unwrapped(value: Any) -> list[types.FunctionType]:
@@ -160,13 +167,12 @@ def globals_read(modules: Iterable[torch.nn.Module]
     """The module-level names the code of ``modules`` may read when it runs, as ``(namespace,
     name)`` (a function's globals, or an imported module's ``__dict__`` for ``config.SCALE``,
     or a class of the user's for ``Defaults.SCALE``), and the globals it assigns (``global n;
-    n += 1``). A static reading of the bytecode
-    (CPython's ``dis``) of each module's ``forward`` (its instance forward where one replaced
-    it), followed into the user's functions it reaches by a global name, an imported module's
-    attribute, or a method or function-valued attribute of the module (through
-    ``functools.partial``, ``functools.wraps`` and properties), and into nested code. Names of
-    builtins, and torch's and this package's code, are left out. A function reached another
-    way (an argument, an object's attribute) is not followed."""
+    n += 1``). A static reading of the bytecode (CPython's ``dis``) of each module's ``forward``
+    (its instance forward where one replaced it), followed into the user's functions it reaches
+    by a global name, an imported module's attribute, or a method or function-valued attribute
+    of the module (through ``functools.partial``, ``functools.wraps`` and properties), and into
+    nested code. Names of builtins, and torch's and this package's code, are left out. A
+    function reached another way (an argument, an object's attribute) is not followed."""
     todo: list[tuple[types.CodeType, dict, Any]] = []
 
     def follow(value: Any, owner: Any) -> None:
@@ -192,8 +198,8 @@ def globals_read(modules: Iterable[torch.nn.Module]
                 follow(namespace[name], None)
         for name, attribute in pairs:
             imported = namespace.get(name)
-            if isinstance(imported, types.ModuleType) and not imported.__name__.split(".")[
-                    0] in ("torch", "fusion_compiler") and attribute in vars(imported):
+            if isinstance(imported, types.ModuleType) and _package(
+                    imported.__name__) not in _NOT_USERS and attribute in vars(imported):
                 found.setdefault((id(vars(imported)), attribute), (vars(imported), attribute))
                 follow(vars(imported)[attribute], None)
             elif isinstance(imported, type) and _user_class(imported) and any(

@@ -15,11 +15,9 @@ from typing import Any
 
 import torch
 
-from .snapshots import MISSING, fields_of, same
+from .snapshots import MISSING, MODULE_INTERNALS, fields_of, same
 
 __all__ = ["ModuleWrites"]
-
-_INTERNAL = frozenset(vars(torch.nn.Module()))  # nn.Module's own tables and hook dictionaries
 
 
 class ModuleWrites:
@@ -37,7 +35,7 @@ class ModuleWrites:
         seen: set[int] = set()
         for path, m in model.named_modules():
             for name, value in vars(m).items():
-                if id(value) in seen or name in _INTERNAL:  # nn.Module's own: in _saved
+                if id(value) in seen or name in MODULE_INTERNALS:  # nn.Module's own: in _saved
                     continue
                 seen.add(id(value))
                 where = f"{path}.{name}" if path else name

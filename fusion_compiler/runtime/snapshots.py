@@ -37,12 +37,15 @@ from typing import Any
 import torch
 
 __all__ = ["plain", "kept", "same", "order", "short", "small", "changed_in_place", "fields_of",
-           "MISSING", "DEPTH", "BUDGET", "ARRAY_LIMIT", "SMALL"]
+           "MISSING", "MODULE_INTERNALS", "DEPTH", "BUDGET", "ARRAY_LIMIT", "SMALL"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
           torch.memory_format, torch.layout)
 MISSING = object()
 """Stands for a value that is not there (an attribute deleted)."""
+MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+"""The names of ``nn.Module``'s own bookkeeping in a module's ``__dict__`` (its tables of
+parameters, buffers and submodules, its hook dictionaries, ``training``)."""
 DEPTH = 8
 """Levels of objects within objects whose fields :func:`kept` keeps."""
 BUDGET = 4096

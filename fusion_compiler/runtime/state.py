@@ -31,7 +31,8 @@ import torch
 
 from ..ir.errors import FusionError, condense
 from .hooks import hook_tables, instance_forward
-from .snapshots import MISSING, changed_in_place, kept, order, plain, same, short, small
+from .snapshots import (MISSING, MODULE_INTERNALS, changed_in_place, kept, order, plain, same,
+                        short, small)
 
 __all__ = ["StateGuard", "Recompiles", "RECOMPILE_LIMIT", "plain", "note_reads"]
 
@@ -47,12 +48,17 @@ _UNREAD = frozenset({"training", "in_channels", "out_channels", "kernel_size", "
 from the weights' shapes; ``training`` is in the specialization key)."""
 
 
-_INTERNAL = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping
 _READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> names a trace read
 
 
 _GLOBALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> globals read
 _TOLD: weakref.WeakSet = weakref.WeakSet()  # models told what the guard does not compare
+
+
+def _data(value: Any) -> bool:
+    """A data value of a class (a number, a list, a config object): no method, property or
+    other descriptor, nothing callable."""
+    return not (callable(value) or hasattr(value, "__get__"))
 
 
 def note_reads(reads: dict[torch.nn.Module, set[str]], model: torch.nn.Module,
@@ -74,18 +80,17 @@ def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
     :func:`~.snapshots.small` (``type(self).SCALE`` and ``self.__class__.SCALE`` are not reads
     through ``self``; a class-level table of thousands of entries read that way is not compared,
     to keep each call's check short), base classes' own values too (``type(self).__mro__[1]``):
-    the class is ``module``'s own,
-    where a subclass may set it later. Not properties, classes or other callables, not Python's
-    own names (``__module__``) nor those of torch's classes (``nn.Module``'s
-    ``_compiled_call_impl``, which ``__call__`` reads). Lists, dicts and objects' fields are
-    copies (they may change in place)."""
+    the class is ``module``'s own, where a subclass may set it later. Not properties, classes or
+    other callables, not Python's own names (``__module__``) nor those of torch's classes
+    (``nn.Module``'s ``_compiled_call_impl``, which ``__call__`` reads). Lists, dicts and
+    objects' fields are copies (they may change in place)."""
     tables = (vars(module), module._parameters, module._buffers, module._modules)
     read = _READS.get(module)
     names = set(read or ())
     if read is not None:  # the classes' data values: no method, no descriptor, none large
         names.update(n for k in type(module).__mro__ if not k.__module__.startswith("torch.")
                      and k is not object for n, v in vars(k).items()
-                     if not (callable(v) or hasattr(v, "__get__")) and small(v))
+                     if _data(v) and small(v))
     found = []
     for name in sorted(names):
         if any(name in t for t in tables) or name.startswith("__"):
@@ -94,8 +99,7 @@ def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
         if owner is None or owner.__module__.startswith("torch."):
             continue
         value = vars(owner)[name]
-        if isinstance(value, types.FunctionType) or not (callable(value)
-                                                         or hasattr(value, "__get__")):
+        if isinstance(value, types.FunctionType) or _data(value):
             found.append((type(module), name, kept(value)))  # a method: by identity
             # a base class's own value (``type(self).__mro__[1].K``, ``Base.K`` in a method)
             found += [(k, name, kept(vars(k)[name])) for k in type(module).__mro__[1:]
@@ -118,7 +122,7 @@ def _global_classes(model: torch.nn.Module) -> list[tuple[type, str, Any]]:
     found = []
     for cls, n in _GLOBALS.get(model, {}).values():
         value = getattr(cls, n, MISSING) if isinstance(cls, type) else MISSING
-        if value is not MISSING and not (callable(value) or hasattr(value, "__get__")):
+        if value is not MISSING and _data(value):
             found.append((cls, n, value))
     return found
 
@@ -140,7 +144,7 @@ def _guarded(module: torch.nn.Module) -> list[tuple[str, Any]]:
         return [(n, v) for n, v in vars(module).items() if n not in _UNREAD and (
             isinstance(v, torch.Tensor) or not n.startswith("_"))]
     read = _READS.get(module)
-    return [(n, v) for n, v in vars(module).items() if n not in _INTERNAL and (
+    return [(n, v) for n, v in vars(module).items() if n not in MODULE_INTERNALS and (
         isinstance(v, torch.Tensor) or read is None or n in read)]
 
 
@@ -322,7 +326,7 @@ def _settable(cls: type, name: str) -> bool:
     if name.startswith("__") and name.endswith("__"):
         return False
     found = getattr(cls, name, MISSING)
-    return found is MISSING or not (callable(found) or hasattr(found, "__get__"))
+    return found is MISSING or _data(found)
 
 
 RECOMPILE_LIMIT = 8

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
-from ...ir.ops import CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code
+from ...ir.ops import CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code, writes_in_place
 from .batch_norm import cumulative_batch_norm
 from .reparametrized import conv_weight, is_parametrized
 from .functionalize import functionalize, inplace_target
@@ -154,9 +154,9 @@ def _string_padding(padding: str, weight: tuple[int, ...] | None,
 
 
 def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
+    if writes_in_place(node):  # a graph functionalize kept as it is: the write stays
+        return  # (functionalize swaps the modules of the graphs it rewrites)
     mod = gm.get_submodule(node.target)
-    if getattr(mod, "inplace", False) is True:  # a graph functionalize kept as it is: the
-        return  # write stays (functionalize swaps the modules of the graphs it rewrites)
     g = gm.graph
     x = node.args[0] if node.args else None
     kind = type(mod)
