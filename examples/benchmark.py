@@ -81,8 +81,9 @@ FUSION_VARIANTS = {
     "fusion_compiler cuda_graph=False glue=inductor": {"cuda_graph": False,
                                                       "glue_backend": "inductor"},
     "fusion_compiler +triton_conv": {"backends": ("triton_stem", "triton_conv", "dense",
-                                                  "cudnn")},
-    "fusion_compiler -dense": {"backends": ("triton_stem", "cudnn")},
+                                                  "triton_depthwise", "cudnn")},
+    "fusion_compiler -dense": {"backends": ("triton_stem", "triton_depthwise", "cudnn")},
+    "fusion_compiler -triton_depthwise": {"backends": ("triton_stem", "dense", "cudnn")},
     "fusion_compiler horizontal_fusion=False": {"horizontal_fusion": False},
 }
 TRAIN_FUSION_VARIANTS = {"fusion_compiler": {}, "fusion_compiler glue=None": {"glue_backend": None},

@@ -20,7 +20,7 @@ import torch
 __all__ = ["CompileOptions", "Target", "DEFAULT_BACKENDS", "CUDA_GRAPH_MODES", "DYNAMO_MODES",
            "CUSTOM_PASS_PIPELINES"]
 
-DEFAULT_BACKENDS = ("triton_stem", "dense", "cudnn")
+DEFAULT_BACKENDS = ("triton_stem", "dense", "triton_depthwise", "cudnn")
 """The default of :attr:`CompileOptions.backends`."""
 CUDA_GRAPH_MODES = ("auto", True, False)
 """Values of :attr:`CompileOptions.cuda_graph` (``True`` is ``"auto"``)."""
@@ -67,7 +67,8 @@ class CompileOptions:
             convolution in Triton; not in the default: cuDNN was faster on every region
             measured, docs/options.md), ``"dense"`` (a convolution of an image no larger than
             its filter as one dense GEMM, CUDA inference; faster than cuDNN on SE-ResNet9's 2x2
-            layer), ``"cudnn"`` (cuDNN execution plans). With other than the default, each
+            layer), ``"triton_depthwise"`` (a depthwise convolution in Triton, CUDA inference,
+            timed against cuDNN per region), ``"cudnn"`` (cuDNN execution plans). With other than the default, each
             region left to the reference is a warning.
         cuda_graph: ``"auto"`` (``True``): on CUDA each specialization replays its whole forward
             (and a training one its backward) as a CUDA graph, outputs never overwritten by a

@@ -10,7 +10,8 @@ later compile of the same region times nothing. A backend may still
 decline while lowering (:class:`~fusion_compiler.ir.errors.UnsupportedError`: cuDNN rejected the
 graph, or its kernel timed slower than the region's PyTorch ops); the region then runs on the
 reference backend, its record saying why; with other than the default ``backends``, each such
-fallback is a warning.
+fallback is a warning. Where a backend declined because the region's PyTorch ops timed faster
+and another backend's kernel was built, that kernel is timed against the PyTorch ops as well.
 Every region also gets the graph JSON each backend can describe without running anything (cuDNN's,
 also on a machine without a GPU), so dumps show what would run. Each region's record
 (:class:`~fusion_compiler.ir.region.Lowering`) is written once, when every region has its kernel.
@@ -179,13 +180,21 @@ def _choose(region: Region, taking: list[Backend], reason: str, reference: Backe
             fallback = dataclasses.replace(fallback, timing=declined.timing,
                                            nhwc_inputs=declined.nhwc_inputs)
         return _Choice(reference, fallback, reason)
+    if declined is not None and REFERENCE in declined.timing:
+        # a backend timed the region's PyTorch ops faster than its kernel and declined: the
+        # others' kernels are timed against those ops too (as they were against its kernel)
+        backend_of[REFERENCE] = reference
+        lowered[REFERENCE] = dataclasses.replace(
+            reference.lower(region, training, backward), timing=declined.timing,
+            nhwc_inputs=declined.nhwc_inputs)
     if len(lowered) == 1:
         name = next(iter(lowered))
         return _Choice(backend_of[name], lowered[name])
     name, timing = _fastest(region, lowered, cache)
     chosen = lowered[name]
-    return _Choice(backend_of[name], dataclasses.replace(chosen,
-                                                         timing={**chosen.timing, **timing}))
+    return _Choice(backend_of[name],
+                   dataclasses.replace(chosen, timing={**chosen.timing, **timing}),
+                   declined.reason if name == REFERENCE and declined is not None else "")
 
 
 def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False,

@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 FUSE_ALL = {"fuse_prologue": True, "fuse_reduction": True}
-WITH_TRITON_CONV = ("triton_stem", "triton_conv", "dense", "cudnn")
+WITH_TRITON_CONV = ("triton_stem", "triton_conv", "dense", "triton_depthwise", "cudnn")
 """The default backends and the Triton convolution (not among them)."""
 
 

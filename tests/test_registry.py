@@ -157,3 +157,50 @@ def test_backends_option_names_registered_backends_in_order(doubling, caplog):
     region.lowering = None
     lower(gm, CompileOptions(backends=()))
     assert (region.backend, region.status, region.reason) == ("reference", "lowered", "")
+
+
+class _SlowerThanPyTorch(Backend):
+    """A backend for the test that declines every region as cuDNN does when the region's
+    PyTorch ops timed faster than its kernel."""
+
+    name = "slower"
+
+    def supports(self, region):
+        return Support(True)
+
+    def lower(self, region, training=False, backward=None):
+        from fusion_compiler.ir.errors import UnsupportedError
+
+        raise UnsupportedError("PyTorch ops were faster", region.region_id,
+                               timing={"slower": 2.0, "reference": 1.0})
+
+
+@pytest.mark.parametrize("winner", ["doubling", "reference"])
+def test_a_kernel_is_timed_against_the_pytorch_ops_another_backend_lost_to(
+        doubling, winner, monkeypatch):
+    """Where one backend declines because the region's PyTorch ops were faster and another built
+    a kernel, the kernel is timed against those ops (not taken untimed): the faster runs, and
+    PyTorch ops winning keep the decline's reason."""
+    from fusion_compiler import lowering
+
+    registry.register_backend("slower", lambda options: _SlowerThanPyTorch())
+    timed = []
+
+    def fastest(region, lowered, cache):
+        timed.append(sorted(lowered))
+        return winner, {name: 1.0 if name == winner else 3.0 for name in lowered}
+
+    monkeypatch.setattr(lowering, "_fastest", fastest)
+    try:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+        gm = _fused(model, torch.randn(2, 3, 8, 8))
+        regions_of(gm)[0].lowering = None
+        lower(gm, CompileOptions(backends=("doubling", "slower")))
+    finally:
+        del registry._REGISTRY["slower"]
+    region = regions_of(gm)[0]
+    assert timed == [["doubling", "reference"]]
+    assert region.backend == winner
+    assert region.timing["reference"] == (1.0 if winner == "reference" else 3.0)
+    if winner == "reference":
+        assert region.status == "fallback" and "PyTorch ops were faster" in region.reason

@@ -19,7 +19,7 @@ from fusion_compiler.kernels.conv import (TileConfig, candidate_configs, conv_pr
                                           default_config)
 from conftest import CUDA_PIPELINE, WITH_TRITON_CONV, rel_err, run_interpreted, specialize
 
-ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU = range(1, 9)
+ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU, CLAMP = range(1, 10)
 SCALAR, CHANNEL, FULL = range(3)
 
 
@@ -67,6 +67,10 @@ CASES = {
                                              SMALL),
     "1x1, thin input, scalar add, silu": (3, 8, 5, 6, 16, 1, 1, 0, 1, (ADD, SILU), (SCALAR,),
                                           (2,), "nchw", SMALL),
+    "3x3, batch norm, ReLU6 (clamp's bound an operand)": (2, 16, 6, 6, 24, 3, 1, 1, 1,
+                                                          (MUL, ADD, CLAMP),
+                                                          (CHANNEL, CHANNEL, SCALAR), (3,),
+                                                          "channels_last", SMALL),
     "3x3 dilated, residual, sub, div, tanh, sigmoid": (1, 32, 8, 8, 24, 3, 1, 2, 2,
                                                        (ADD, SUB, DIV, TANH, SIGMOID, RELU),
                                                        (FULL, CHANNEL, SCALAR), (6, 1), "nchw",

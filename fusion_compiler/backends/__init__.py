@@ -2,8 +2,9 @@
 
 Registered here: ``triton_stem`` (the SpaceToDepth stem kernel of this package's own,
 :mod:`.triton_stem`), ``triton_conv`` (an implicit-GEMM convolution of this package's own,
-:mod:`.triton`), ``dense`` (a convolution of a small image as one dense GEMM, :mod:`.dense`),
-``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the region's PyTorch ops,
+:mod:`.triton`), ``triton_depthwise`` (a depthwise convolution of this package's own,
+:mod:`.triton_depthwise`), ``dense`` (a convolution of a small image as one dense GEMM,
+:mod:`.dense`), ``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the region's PyTorch ops,
 :mod:`.reference`: takes every region, the fallback). A compile asks those its ``backends``
 option names (:data:`~fusion_compiler.config.DEFAULT_BACKENDS` by default), in that order. A new
 backend is one module plus one :func:`~.registry.register_backend` line below.
@@ -39,6 +40,12 @@ def _triton_conv(options: CompileOptions) -> Backend:
     return TritonConvBackend.for_options(options)
 
 
+def _triton_depthwise(options: CompileOptions) -> Backend:
+    from .triton_depthwise import TritonDepthwiseBackend  # noqa: PLC0415
+
+    return TritonDepthwiseBackend.for_options(options)
+
+
 def _triton_stem(options: CompileOptions) -> Backend:
     from .triton_stem import SpaceToDepthStemBackend  # noqa: PLC0415
 
@@ -48,5 +55,6 @@ def _triton_stem(options: CompileOptions) -> Backend:
 register_backend(REFERENCE, ReferenceBackend.for_options)
 register_backend("triton_stem", _triton_stem)
 register_backend("triton_conv", _triton_conv)
+register_backend("triton_depthwise", _triton_depthwise)
 register_backend("dense", _dense)
 register_backend("cudnn", _cudnn)

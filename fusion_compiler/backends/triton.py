@@ -53,6 +53,10 @@ _FORMAT = 1
 
 class TritonConvBackend(Backend):
     """The convolution kernel (module docstring). Stem regions are declined without a reason.
+    Subclasses run another kernel family through the same tuning and plan cache
+    (:mod:`.triton_depthwise`): they set :attr:`name`, :attr:`record`, :attr:`kernel_class`,
+    :attr:`timing_name` and override :meth:`program`, :meth:`kernel_reason`, :meth:`configs`,
+    :meth:`describe` and :meth:`label`.
 
     Args:
         autotune: ``<= 1``: the default configuration, nothing timed.
@@ -62,6 +66,9 @@ class TritonConvBackend(Backend):
     """
 
     name = "triton_conv"
+    record = _RECORD
+    kernel_class = ConvKernel
+    timing_name = "triton"  # candidates' names in the region table's timings
 
     def __init__(self, autotune: int = 8, cache: PlanCache | None = None, cache_dir=None):
         self.autotune, self.cache_dir = autotune, cache_dir
@@ -76,11 +83,36 @@ class TritonConvBackend(Backend):
     def supports(self, region: Region) -> Support:
         if region.space_to_depth:
             return Support(False)  # the triton_stem backend's kind
-        reason = _conv_triton_reason()
+        reason = self.kernel_reason()
         if not reason:
-            program = conv_program(region, node_device(region.conv))
+            program = self.program(region)
             reason = program if isinstance(program, str) else ""
-        return Support(not reason, f"Triton convolution: {reason}" if reason else "")
+        return Support(not reason, f"{self.describe()}: {reason}" if reason else "")
+
+    # ------------------------------------------------------------------ the kernel family
+    def program(self, region: Region) -> ConvProgram | str:
+        """The kernel's arguments for ``region``, or why it cannot run it."""
+        return conv_program(region, node_device(region.conv))
+
+    def kernel_reason(self) -> str:
+        """Why the kernel cannot run here (``""``: it can)."""
+        return _conv_triton_reason()
+
+    def configs(self, m: int, k: int, c: int, taps: int, timed: bool) -> list[TileConfig]:
+        """Launch configurations for ``m`` output pixels, ``k`` output and ``c`` input
+        channels, ``taps`` filter taps: the candidates to time (``timed``), else one."""
+        return candidate_configs(m, k, c, taps) if timed else [default_config(m, k, c)]
+
+    def describe(self, config: TileConfig | None = None, ops: int = 0) -> str:
+        """The kernel's name in reasons (no ``config``) and in the region table's plan."""
+        if config is None:
+            return "Triton convolution"
+        return (f"implicit-GEMM convolution + {ops} epilogue ops, Triton "
+                f"({self.label(config)})")
+
+    def label(self, config: TileConfig) -> str:
+        """A configuration as the region table and the plan cache's timings show it."""
+        return _label(config)
 
     def plan_work(self, region: Region) -> str:
         """``"tune"`` for a convolution region whose tile configuration is not in the plan cache
@@ -88,10 +120,11 @@ class TritonConvBackend(Backend):
         whether the choice against cuDNN is stored, lowering asks itself)."""
         if region.space_to_depth:
             return ""
-        program = conv_program(region, node_device(region.conv))
+        program = self.program(region)
         if isinstance(program, str) or node_device(region.conv).type != "cuda":
             return ""
-        return "" if _cached_config(self.cache, self._header(region, program)) else "tune"
+        header = self._header(region, program)
+        return "" if _cached_config(self.cache, header, self.record) else "tune"
 
     def lower(self, region: Region, training: bool = False,
               backward: BackwardPlan | None = None) -> Lowered:
@@ -108,14 +141,13 @@ class TritonConvBackend(Backend):
         if region.space_to_depth:
             raise UnsupportedError("a SpaceToDepth stem region (the triton_stem backend's)",
                                    region.region_id)
-        program = conv_program(region, node_device(region.conv))
+        program = self.program(region)
         if isinstance(program, str):
-            raise UnsupportedError(f"Triton convolution: {program}", region.region_id)
+            raise UnsupportedError(f"{self.describe()}: {program}", region.region_id)
         kernel, timing, cached = self._tuned(region, program, direct=not training)
-        config = kernel.config
         gradients = self._register_backward(region, kernel, backward) if training else ()
-        return Lowered(kernel.call, plan=f"implicit-GEMM convolution + {len(program.ops)} "
-                       f"epilogue ops, Triton ({_label(config)})", plan_from_cache=cached,
+        return Lowered(kernel.call, plan=self.describe(kernel.config, len(program.ops)),
+                       plan_from_cache=cached,
                        workspace_bytes=0, timing=timing, gradients=gradients,
                        nhwc_inputs=frozenset({program.image_at, *(
                            at for at, kind in zip(program.operands, program.kinds)
@@ -145,44 +177,42 @@ class TritonConvBackend(Backend):
         outputs = [(tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in region.output_nodes]
         cuda = node_device(conv).type == "cuda"  # off CUDA (tests) the kernel runs torch ops
         header = self._header(region, program) if cuda else None
-        record = _cached_config(self.cache, header)
-        configs = ([record] if record else
-                   [default_config(n * ho * wo, k, c)] if self.autotune <= 1 or not cuda else
-                   candidate_configs(n * ho * wo, k, c, r * s))
+        record = _cached_config(self.cache, header, self.record)
+        configs = [record] if record else self.configs(n * ho * wo, k, c, r * s,
+                                                        timed=self.autotune > 1 and cuda)
         inputs = sample_inputs(region)
         ran: list[ConvKernel] = []
         failures = []
         for config in configs:  # the first launch compiles: a failure drops the candidate
-            kernel = ConvKernel(program, outputs, config, name=f"region {region.region_id}",
-                                direct=direct)
+            kernel = self.kernel_class(program, outputs, config,
+                                       name=f"region {region.region_id}", direct=direct)
             try:
                 kernel(*inputs)
             except Exception as exc:  # Triton's compile errors have no common base class
-                failures.append(f"{_label(config)}: {condense(exc)}")
+                failures.append(f"{self.label(config)}: {condense(exc)}")
                 continue
             ran.append(kernel)
         if not ran:
-            raise UnsupportedError("the Triton convolution failed on the region's shapes: "
+            raise UnsupportedError(f"the {self.describe()} failed on the region's shapes: "
                                    + "; ".join(failures[:2]), region.region_id)
         if record or len(ran) == 1:
             return ran[0], {}, (record is not None) if cuda else None
         times = paired_time_ms([lambda kern=kern: kern(*inputs) for kern in ran])
         best = min(range(len(ran)), key=times.__getitem__)
-        self.cache.store_record(header, _RECORD, {
+        self.cache.store_record(header, self.record, {
             "config": dataclasses.asdict(ran[best].config),
-            "ms": {_label(kern.config): ms for kern, ms in zip(ran, times)}})
-        return (ran[best], {f"triton {_label(kern.config)}": ms for kern, ms in zip(ran, times)},
-                False)
+            "ms": {self.label(kern.config): ms for kern, ms in zip(ran, times)}})
+        return (ran[best], {f"{self.timing_name} {self.label(kern.config)}": ms
+                            for kern, ms in zip(ran, times)}, False)
 
-    @staticmethod
-    def _header(region: Region, program: ConvProgram) -> dict:
+    def _header(self, region: Region, program: ConvProgram) -> dict:
         """The plan-cache header of a region's tile configuration: what the kernel computes
         (shapes, dtype, geometry, epilogue), the GPU and the Triton version."""
         import triton  # noqa: PLC0415  (imports: triton_kernel() returned a kernel)
 
         device = node_device(region.conv)
         placeholders = region.graph_module.graph.find_nodes(op="placeholder")
-        header = {"format": _FORMAT, "kind": _RECORD,
+        header = {"format": _FORMAT, "kind": self.record,
                   "inputs": [[list(p.meta["val"].shape), str(p.meta["val"].dtype)]
                              for p in placeholders],
                   "geometry": [program.stride, program.padding, program.dilation],
@@ -193,9 +223,11 @@ class TritonConvBackend(Backend):
         return json.loads(json.dumps(header))  # tuples as lists: as a stored record reads back
 
 
-def _cached_config(cache: PlanCache, header: dict | None) -> TileConfig | None:
-    """The tile configuration recorded for ``header``; ``None`` when absent or unreadable."""
-    record = cache.load_record(header, _RECORD) if header is not None else None
+def _cached_config(cache: PlanCache, header: dict | None, kind: str = _RECORD
+                   ) -> TileConfig | None:
+    """The tile configuration recorded for ``header`` (a record of ``kind``); ``None`` when
+    absent or unreadable."""
+    record = cache.load_record(header, kind) if header is not None else None
     try:
         return TileConfig(**record["config"]) if record else None
     except (TypeError, KeyError):  # written by another version of this record

@@ -5,10 +5,10 @@ fp16 or bf16 ``x`` ``[N, C, H, W]`` and ``w`` ``[K, C, R, S]`` (any filter size,
 padding and dilation; any channel counts: ragged ones are masked, not padded), accumulates in
 fp32 on tensor cores (``tl.dot``), applies the region's epilogue to the fp32 value (up to
 :data:`MAX_STEPS` ops: add, sub, mul, div with a scalar, per-channel or full operand; ReLU,
-sigmoid, tanh, SiLU) and writes up to :data:`MAX_OUTPUTS` values of the chain channels_last,
-each rounded once, as cuDNN's fp32 intermediates are. ``x`` may have any strides (an input not
-channels_last is converted first); the weight is read channels_last (converted once per weight
-version, :class:`~fusion_compiler.runtime.weight_cache.WeightCache`).
+sigmoid, tanh, SiLU, ``clamp(x, 0, c)``) and writes up to :data:`MAX_OUTPUTS` values of the
+chain channels_last, each rounded once, as cuDNN's fp32 intermediates are. ``x`` may have any
+strides (an input not channels_last is converted first); the weight is read channels_last
+(converted once per weight version, :class:`~fusion_compiler.runtime.weight_cache.WeightCache`).
 
 The region-level pieces: :func:`conv_program` reads a region into the kernel's arguments (or says
 why it cannot), :class:`ConvKernel` is what the ``triton_conv`` backend
@@ -31,11 +31,12 @@ from ..runtime.region_op import (channels_last_specs, in_dry_run, is_traced, reg
                                   run_region)
 from ..runtime.weight_cache import WeightCache
 from . import load_kernel, triton_unavailable
-from .epilogue import BINARY, CODES, binary_operand, epilogue_chain, reference_outputs
+from .epilogue import (BINARY, WITH_CLAMP, WITH_OPERAND, binary_operand, epilogue_chain,
+                       reference_outputs)
 
 __all__ = ["MAX_STEPS", "MAX_OUTPUTS", "ConvProgram", "TileConfig", "conv_program",
            "output_hw", "conv_reference", "SMS", "default_config", "candidate_configs", "launch",
-           "triton_kernel", "triton_reason", "ConvKernel"]
+           "triton_kernel", "triton_reason", "chain_arguments", "ConvKernel"]
 
 MAX_STEPS = 6
 """Most epilogue ops after the convolution."""
@@ -92,14 +93,20 @@ def _pair(v: Any) -> tuple[int, int] | None:
     return None
 
 
-def _geometry(conv: fx.Node) -> tuple[tuple[int, int], ...] | str:
-    """``(stride, padding, dilation)`` of a canonical ``conv2d`` node, or why not taken."""
+def _geometry(conv: fx.Node, depthwise: bool = False) -> tuple[tuple[int, int], ...] | str:
+    """``(stride, padding, dilation)`` of a canonical ``conv2d`` node, or why not taken: groups
+    must be 1, or with ``depthwise`` the input's channel count, each group one output channel."""
     if len(conv.args) != 7 or conv.kwargs:
         return "the convolution is not in canonical form"
     _, _, bias, stride, padding, dilation, groups = conv.args
     if bias is not None:
         return "the convolution has a bias input (the canonical form adds it in the epilogue)"
-    if groups != 1:
+    if depthwise:
+        c, k = conv.args[0].meta["val"].shape[1], conv.args[1].meta["val"].shape[0]
+        if not (groups == c == k and conv.args[1].meta["val"].shape[1] == 1):
+            return (f"not a depthwise convolution ({groups} groups, {c} input and {k} output "
+                    "channels; the kernel takes one group per channel)")
+    elif groups != 1:
         return f"a grouped convolution ({groups} groups); the kernel takes groups=1"
     pairs = tuple(_pair(v) for v in (stride, padding, dilation))
     if None in pairs:
@@ -107,9 +114,11 @@ def _geometry(conv: fx.Node) -> tuple[tuple[int, int], ...] | str:
     return pairs
 
 
-def conv_program(region: Region, device: torch.device) -> ConvProgram | str:
+def conv_program(region: Region, device: torch.device, depthwise: bool = False
+                 ) -> ConvProgram | str:
     """The kernel's arguments for ``region`` (numbers of the graph become one-element fp32
-    tensors on ``device``), or why the kernel cannot run it (a text)."""
+    tensors on ``device``), or why the kernel cannot run it (a text). ``depthwise``: the
+    region's convolution must be depthwise (:mod:`.depthwise`), else ungrouped."""
     names = [n.name for n in region.graph_module.graph.find_nodes(op="placeholder")]
     conv = region.conv
     image, weight = conv.args[0], conv.args[1]
@@ -120,16 +129,16 @@ def conv_program(region: Region, device: torch.device) -> ConvProgram | str:
         return "not a 2-d convolution on a 4-d input"
     if x.dtype not in _DTYPES or w.dtype != x.dtype:
         return f"dtypes {x.dtype} and {w.dtype}; the kernel takes float16 or bfloat16"
-    geometry = _geometry(conv)
+    geometry = _geometry(conv, depthwise)
     if isinstance(geometry, str):
         return geometry
-    chain = epilogue_chain(region, CODES, BINARY, MAX_STEPS, MAX_OUTPUTS, prologue=False)
+    chain = epilogue_chain(region, WITH_CLAMP, BINARY, MAX_STEPS, MAX_OUTPUTS, prologue=False)
     if isinstance(chain, str):
         return chain
     steps, outputs = chain
     operands, kinds = [], []
     for step in steps:
-        if step.code in BINARY:
+        if step.code in WITH_OPERAND:
             operand = binary_operand(step, region, _KINDS, device)
             if operand is None:
                 return (f"{step.node.name}'s operand is not a number, a per-channel or a full "
@@ -233,23 +242,9 @@ def launch(kernels: Any, x: torch.Tensor, weight: torch.Tensor,
     config = config or default_config(m, k, c)
     ys = [torch.empty((n, k, ho, wo), dtype=x.dtype, device=x.device,
                       memory_format=torch.channels_last) for _ in program.outputs]
-    codes = [*program.ops, *[0] * (MAX_STEPS - len(program.ops))]
-    pointers, kinds, it, kit = [], [], iter(operands), iter(program.kinds)
-    for code in codes:
-        if code in BINARY:
-            t, kind = next(it), next(kit)
-            pointers.append(t.contiguous(memory_format=torch.channels_last) if kind == 2
-                            else t.reshape(-1).contiguous())
-            kinds.append(kind)
-        else:
-            pointers.append(weight)  # not read
-            kinds.append(0)
-    stages = [*program.outputs, *[-1] * (MAX_OUTPUTS - len(program.outputs))]
+    pointers, chain = chain_arguments(program, operands, weight)
     (sh, sw), (ph, pw), (dh, dw) = program.stride, program.padding, program.dilation
     tiles = -(-m // config.bm) * -(-k // config.bn)
-    chain = {**{f"OP{i}": code for i, code in enumerate(codes)},
-             **{f"KIND{i}": kind for i, kind in enumerate(kinds)},
-             "OUT0": stages[0], "OUT1": stages[1]}
     ws = (torch.zeros((m, k), dtype=torch.float32, device=x.device) if config.split > 1
           else ys[0])  # not written without split-K
     kernels.conv_nhwc_kernel[(tiles * config.split,)](
@@ -262,6 +257,28 @@ def launch(kernels: Any, x: torch.Tensor, weight: torch.Tensor,
             ws, ys[0], ys[-1], *pointers, m, K=k, BM=config.bm, BN=config.bn, **chain,
             num_warps=4)
     return ys
+
+
+def chain_arguments(program: ConvProgram, operands: Sequence[torch.Tensor],
+                    unread: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """The epilogue's kernel arguments: one pointer per op slot (:data:`MAX_STEPS`; an
+    operand, made contiguous in the layout its kind reads, or ``unread`` where the op takes
+    none) and the constexprs ``OP*``, ``KIND*``, ``OUT0``, ``OUT1``."""
+    codes = [*program.ops, *[0] * (MAX_STEPS - len(program.ops))]
+    pointers, kinds, it, kit = [], [], iter(operands), iter(program.kinds)
+    for code in codes:
+        if code in WITH_OPERAND:
+            t, kind = next(it), next(kit)
+            pointers.append(t.contiguous(memory_format=torch.channels_last) if kind == 2
+                            else t.reshape(-1).contiguous())
+            kinds.append(kind)
+        else:
+            pointers.append(unread)
+            kinds.append(0)
+    stages = [*program.outputs, *[-1] * (MAX_OUTPUTS - len(program.outputs))]
+    return pointers, {**{f"OP{i}": code for i, code in enumerate(codes)},
+                      **{f"KIND{i}": kind for i, kind in enumerate(kinds)},
+                      "OUT0": stages[0], "OUT1": stages[1]}
 
 
 class ConvKernel:

@@ -51,6 +51,8 @@ def step(acc, OP: tl.constexpr, KIND: tl.constexpr, p, offs_k, offs_o, mask_k, m
         acc = 2.0 * tl.sigmoid(2.0 * acc) - 1.0
     elif OP == 8:
         acc = acc * tl.sigmoid(acc)
+    elif OP == 9:  # clamp(acc, 0, bound), the bound a one-element operand
+        acc = tl.minimum(tl.maximum(acc, 0.0), operand(p, KIND, offs_k, offs_o, mask_k, mask))
     return acc
 
 

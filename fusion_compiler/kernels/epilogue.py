@@ -20,16 +20,22 @@ import torch.nn.functional as F
 from ..ir.ops import COMMUTATIVE
 from ..ir.region import Region, operand_kind
 
-__all__ = ["CODES", "BINARY", "SILU", "Step", "epilogue_chain", "binary_operand",
-           "reference_outputs"]
+__all__ = ["CODES", "BINARY", "SILU", "CLAMP", "WITH_CLAMP", "WITH_OPERAND", "Step",
+           "epilogue_chain", "binary_operand", "reference_outputs"]
 
-ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU = range(1, 9)
+ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU, CLAMP = range(1, 10)
 CODES = {torch.add: ADD, torch.sub: SUB, torch.mul: MUL, torch.div: DIV, torch.relu: RELU,
          torch.sigmoid: SIGMOID, torch.tanh: TANH, F.silu: SILU}
 """Epilogue op codes, as the kernels' constexpr arguments take them (0: no op)."""
+WITH_CLAMP = {**CODES, torch.clamp: CLAMP}
+""":data:`CODES` and the clipped ReLU ``clamp(x, 0, c)`` (ReLU6: MobileNet), for the kernels that
+run it (:mod:`.conv`, :mod:`.depthwise`): its bound ``c`` is passed as a one-element operand."""
 BINARY = frozenset({ADD, SUB, MUL, DIV})
 """The codes whose op takes a second operand (the chain value is the first)."""
+WITH_OPERAND = BINARY | {CLAMP}
+"""The codes whose kernel step reads an operand (a binary op's, or the clamp's bound)."""
 _FUNCTIONS = {code: fn for fn, code in CODES.items()}
+_FUNCTIONS[CLAMP] = lambda y, bound: torch.clamp(y, torch.zeros_like(bound), bound)
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,14 @@ def epilogue_chain(region: Region, codes: Mapping[Any, int], binary: Collection[
         code = codes.get(node.target) if node.op == "call_function" else None
         if code is None:
             return f"epilogue op {node.format_node()} is not one the kernel runs"
+        if code == CLAMP:  # clamp(chain, 0, c) (the fusion pass's form): c is the operand
+            if node.kwargs or len(node.args) != 3 or node.args[0] is not chain \
+                    or node.args[1] != 0 or not isinstance(node.args[2], (int, float)):
+                return f"{node.name} is not clamp(x, 0, c) of the chain value"
+            steps.append(Step(node, code, node.args[2]))
+            chain = node
+            stage[node] = len(steps)
+            continue
         if node.kwargs or not node.args or (node.args[0] is not chain and not (
                 code in binary and node.target in COMMUTATIVE and node.args[1] is chain)):
             return f"{node.name} does not take the chain value as its operand"
@@ -104,12 +118,12 @@ def binary_operand(step: Step, region: Region, kinds: Collection[str], device: t
 def reference_outputs(y: torch.Tensor, codes: Sequence[int], operands: Sequence[torch.Tensor],
                       outputs: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """The chain ``codes`` applied to ``y`` (the convolution's value, in the precision to
-    compute in) as torch ops, ``operands`` the binary ops' second operands in order (one
-    element, ``[K]``/``[1, K, 1, 1]`` or full); the values of stages ``outputs`` (0: ``y``)
-    rounded to ``dtype`` once each, channels_last."""
+    compute in) as torch ops, ``operands`` the binary ops' second operands and the clamps'
+    bounds in order (one element, ``[K]``/``[1, K, 1, 1]`` or full); the values of stages
+    ``outputs`` (0: ``y``) rounded to ``dtype`` once each, channels_last."""
     stages, it = [y], iter(operands)
     for code in codes:
-        if code in BINARY:
+        if code in WITH_OPERAND:
             other = next(it).to(y.dtype)
             y = _FUNCTIONS[code](y, other.reshape(1, -1, 1, 1) if other.dim() < 4 else other)
         else:
