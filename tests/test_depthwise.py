@@ -24,7 +24,7 @@ SCALAR, CHANNEL, FULL = range(3)
 _SCRIPT = """
 import json, sys
 import torch
-from fusion_compiler.kernels import depthwise_triton
+from fusion_compiler.kernels import depthwise, depthwise_triton
 from fusion_compiler.kernels.conv import ConvProgram, TileConfig
 from fusion_compiler.kernels.depthwise import depthwise_reference, launch
 
@@ -34,7 +34,8 @@ def rel_err(a, e):
 results = {}
 for name, case in json.loads(sys.argv[1]).items():
     torch.manual_seed(0)
-    (n, c, h, w, r, stride, padding, dilation, ops, kinds, outputs, layout, tile) = case
+    (n, c, h, w, r, stride, padding, dilation, ops, kinds, outputs, layout, tile, wide) = case
+    depthwise.WIDE_OFFSETS = 0 if wide else 2 ** 31  # 64-bit offsets, as for huge tensors
     x = torch.randn(n, c, h, w).half()
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
@@ -59,16 +60,24 @@ print(json.dumps(results))
 SMALL = {"bm": 32, "bn": 16, "bk": 1}
 CASES = {
     # name: (N, C, H, W, R, stride, padding, dilation, ops, kinds, outputs, input layout,
-    #        tile configuration or None for the default one)
-    "3x3, batch norm, ReLU6 (MobileNetV2)": (2, 24, 9, 7, 3, 1, 1, 1, (MUL, ADD, CLAMP),
-                                             (CHANNEL, CHANNEL, SCALAR), (3,), "nchw", SMALL),
-    "5x5/s2, batch norm, SiLU, two outputs (EfficientNet)": (1, 40, 8, 8, 5, 2, 2, 1,
-                                                            (MUL, ADD, SILU), (CHANNEL, CHANNEL),
-                                                            (0, 3), "channels_last", None),
-    "3x3 dilated, residual, ragged channels": (2, 20, 6, 6, 3, 1, 2, 2, (ADD, RELU), (FULL,),
-                                               (2,), "channels_last", {**SMALL, "bn": 8}),
-    "7x7, every other op": (1, 16, 9, 9, 7, 1, 3, 1, (SUB, DIV, TANH, SIGMOID),
-                            (SCALAR, CHANNEL), (4,), "nchw", None),
+    #        tile configuration or None for the default one, 64-bit offsets)
+    "3x3, batch norm, ReLU6 (MobileNetV2)": (
+        2, 24, 9, 7, 3, 1, 1, 1, (MUL, ADD, CLAMP), (CHANNEL, CHANNEL, SCALAR), (3,), "nchw",
+        SMALL, False),
+    "5x5/s2, batch norm, SiLU, two outputs (EfficientNet)": (
+        1, 40, 8, 8, 5, 2, 2, 1, (MUL, ADD, SILU), (CHANNEL, CHANNEL), (0, 3), "channels_last",
+        None, False),
+    "3x3 dilated, residual, ragged channels": (
+        2, 20, 6, 6, 3, 1, 2, 2, (ADD, RELU), (FULL,), (2,), "channels_last",
+        {**SMALL, "bn": 8}, False),
+    "7x7, every other op": (
+        1, 16, 9, 9, 7, 1, 3, 1, (SUB, DIV, TANH, SIGMOID), (SCALAR, CHANNEL), (4,), "nchw",
+        None, False),
+    "64-bit offsets, channels the tile divides": (
+        2, 32, 7, 7, 3, 2, 1, 1, (MUL, ADD, CLAMP), (CHANNEL, FULL, SCALAR), (0, 3),
+        "channels_last", SMALL, True),
+    "64-bit offsets, ragged channels": (
+        1, 24, 6, 5, 3, 1, 1, 1, (ADD, SILU), (CHANNEL,), (2,), "nchw", SMALL, True),
 }
 
 

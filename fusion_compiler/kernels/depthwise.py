@@ -34,8 +34,13 @@ from . import load_kernel, triton_unavailable
 from .conv import ConvKernel, ConvProgram, TileConfig, chain_arguments, conv_program, output_hw
 from .epilogue import reference_outputs
 
-__all__ = ["depthwise_program", "depthwise_reference", "default_config", "candidate_configs",
-           "launch", "triton_kernel", "triton_reason", "DepthwiseKernel"]
+__all__ = ["WIDE_OFFSETS", "depthwise_program", "depthwise_reference", "default_config",
+           "candidate_configs", "launch", "triton_kernel", "triton_reason", "DepthwiseKernel"]
+
+
+WIDE_OFFSETS = 2 ** 31
+"""Elements from which the kernel computes offsets in 64 bits (below it, in 32: fewer
+instructions per loaded value)."""
 
 
 def depthwise_program(region: Region, device: torch.device) -> ConvProgram | str:
@@ -117,11 +122,13 @@ def launch(kernels: Any, x: torch.Tensor, weight: torch.Tensor,
     pointers, chain = chain_arguments(program, operands, weight)
     (sh, sw), (ph, pw), (dh, dw) = program.stride, program.padding, program.dilation
     tiles = -(-m // config.bm) * -(-c // config.bn)
+    spans = [1 + sum((d - 1) * st for d, st in zip(t.shape, t.stride())) for t in (x, weight)]
+    wide = max(*spans, (tiles * config.bm + 1) * c) >= WIDE_OFFSETS
     kernels.depthwise_nhwc_kernel[(tiles,)](
         x, weight, ys[0], ys[-1], *pointers, m, c, h, w, ho, wo, *x.stride(),
         weight.stride(0), weight.stride(2), weight.stride(3),
         R=r, S=s, SH=sh, SW=sw, PH=ph, PW=pw, DH=dh, DW=dw, BM=config.bm, BC=config.bn,
-        **chain, num_warps=config.warps)
+        EVEN_C=c % config.bn == 0, WIDE=wide, **chain, num_warps=config.warps)
     return ys
 
 
