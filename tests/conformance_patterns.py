@@ -67,6 +67,40 @@ class ConvNet(nn.Module):
         return F.relu(self.conv2(F.relu(self.conv1(x))))
 
 
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block after a stem: 1x1 expansion, depthwise 3x3 (one group per channel),
+    1x1 projection, each with batch norm, ReLU6 after the first two, a residual; mean, linear."""
+
+    def __init__(self, c: int = 16, hidden: int = 32):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
+                                  nn.ReLU6())
+        self.block = nn.Sequential(
+            nn.Conv2d(c, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(hidden, c, 1, bias=False), nn.BatchNorm2d(c))
+        self.head = nn.Linear(c, 4)
+
+    def forward(self, x):
+        y = self.stem(x)
+        y = y + self.block(y)
+        return self.head(y.mean((2, 3)))
+
+
+def inverted_residual() -> nn.Module:
+    """:class:`InvertedResidual` in eval mode, batch-norm statistics far from their initial
+    values."""
+    m = InvertedResidual()
+    with torch.no_grad():
+        for bn in (m for m in m.modules() if isinstance(m, nn.BatchNorm2d)):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.3, 0.3)
+    return m.eval()
+
+
 def fixup() -> nn.Module:
     from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 
@@ -1198,6 +1232,10 @@ PATTERNS: list[Pattern] = [
     Pattern("load_state_dict_assign", conv_bn, load_state_dict(True),
             f"{ISSUE}, item 1; pytorch/pytorch #129362"),
     Pattern("parameter_reassigned", conv_bn, parameter_reassigned, f"{ISSUE}, item 1"),
+    Pattern("depthwise_block_sgd_step", inverted_residual, optimizer_step("sgd"),
+            "issue 46 (depthwise convolutions on a kernel of ours, session 39)"),
+    Pattern("depthwise_block_statistics_moved", inverted_residual, bn_stats_moved_eagerly,
+            "issue 46 (depthwise convolutions on a kernel of ours, session 39)"),
     Pattern("buffer_reassigned", conv_bn, buffer_reassigned, f"{ISSUE}, item 1"),
     Pattern("to_dtype_after_compile", conv_bn, to_dtype, f"{ISSUE}, item 1"),
     Pattern("to_channels_last_after_compile", conv_bn, to_channels_last, f"{ISSUE}, item 1"),
