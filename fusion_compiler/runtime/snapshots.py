@@ -252,11 +252,10 @@ def field_holders(roots: Iterable[Any]) -> list[Any]:
 
     def walk(value: Any, depth: int, budget: list[int]) -> None:
         if isinstance(value, (list, tuple, dict)) and not plain(value):
-            items = list(value.values()) if isinstance(value, dict) else list(value)
-            if len(items) <= budget[0] and id(value) not in seen:
-                budget[0] -= len(items)
+            if len(value) <= budget[0] and id(value) not in seen:  # (a replay buffer: not read)
+                budget[0] -= len(value)
                 seen.add(id(value))
-                for item in items:
+                for item in list(value.values() if isinstance(value, dict) else value):
                     walk(item, depth, budget)
             return
         fields = _fields(value)
