@@ -9,9 +9,12 @@ those objects (by identity) and then reads as before. Every attribute read of a 
 goes through it: in ``forward``, in a method or property of the object, in ``getattr`` with a
 name built at run time, ``operator.attrgetter``, ``vars(obj)`` (a read of ``__dict__``),
 ``copy`` and ``dataclasses`` helpers. The objects keep their class (``type(self) is Block``
-sees what it sees when the code runs). A class that cannot take the method (a type of C code,
-``types.SimpleNamespace``, ``functools.partial``) is left out: its objects' fields are all
-compared, as where nothing was recorded. What :class:`~fusion_compiler.runtime.state.StateGuard`
+sees what it sees when the code runs). Left out, their objects' fields all compared as where
+nothing was recorded: classes that cannot take the method or whose reads may pass it
+(:func:`_recordable`: types of C code such as ``types.SimpleNamespace`` and their subclasses,
+classes with ``__getattr__`` or a ``__getattribute__`` of their own), objects that ``torch.nn``'s
+modules hold (their ``forward`` reads them when it runs, not in the trace) and objects the
+traced graph holds as constants (:meth:`Reads.forget_constants`). What :class:`~fusion_compiler.runtime.state.StateGuard`
 makes of the names: :mod:`fusion_compiler.runtime.snapshots`.
 """
 
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .runtime.snapshots import MODULE_INTERNALS, field_holders
 
@@ -40,6 +45,16 @@ class Reads:
 
     modules: dict[torch.nn.Module, set[str]] = field(default_factory=dict)
     fields: dict[int, tuple[Any, set[str]]] = field(default_factory=dict)
+
+    def forget_constants(self, graph: fx.Graph) -> None:
+        """Drop the records of the objects the traced ``graph`` holds as constants (an argument
+        of a node, or within one): the op reads them when it runs, not during the trace, so
+        every field of theirs is compared."""
+        constants = [a for node in graph.nodes for a in pytree.tree_leaves((node.args,
+                                                                             node.kwargs))
+                     if not isinstance(a, fx.Node)]
+        for obj in field_holders(constants):
+            self.fields.pop(id(obj), None)
 
 
 @contextlib.contextmanager
@@ -67,6 +82,18 @@ def _held(modules: list[torch.nn.Module]) -> list[Any]:
     return values + [v for k in classes for v in vars(k).values()]
 
 
+def _recordable(cls: type) -> bool:
+    """Whether every read of an instance's fields goes through its class's
+    ``__getattribute__``: classes of Python code only (no base of C code whose methods read the
+    state directly: a subclass of ``functools.partial`` or ``types.SimpleNamespace``), with no
+    ``__getattr__`` and no ``__getattribute__`` of their own (those usually fetch their storage
+    with ``object.__getattribute__``, past the recorder). A review of session 39 found each."""
+    heap = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
+    return (all(k.__flags__ & heap for k in cls.__mro__[:-1])
+            and cls.__getattribute__ is object.__getattribute__
+            and getattr(cls, "__getattr__", None) is None)
+
+
 def _recording(model: torch.nn.Module, roots: Iterable[Any]) -> Iterator[Reads]:
     reads = Reads()
     tables: dict[type, dict[int, set[str]]] = {}
@@ -75,7 +102,14 @@ def _recording(model: torch.nn.Module, roots: Iterable[Any]) -> Iterator[Reads]:
         if not type(module).__module__.startswith("torch."):
             tables.setdefault(type(module), {})[id(module)] = reads.modules.setdefault(
                 module, set())
+    # what torch's modules hold their forward reads when it runs (a leaf's activation object),
+    # not during the trace: not recorded, every field compared
+    run_time = {id(o) for o in field_holders(
+        [v for m in modules if type(m).__module__.startswith("torch.")
+         for n, v in vars(m).items() if n not in MODULE_INTERNALS])}
     for obj in field_holders([*_held(modules), *roots]):
+        if id(obj) in run_time or not _recordable(type(obj)):
+            continue
         names: set[str] = set()
         reads.fields[id(obj)] = (obj, names)
         tables.setdefault(type(obj), {})[id(obj)] = names

@@ -221,6 +221,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             writes.restore()
             tracer, graph, reads = trace(False)
             tracer.grad_mode_read = True
+        reads.forget_constants(graph)
         note_reads(reads, model, global_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)

@@ -1068,3 +1068,145 @@ def test_a_config_bound_into_a_partial_is_compared(tmp_path, caplog):
     torch.manual_seed(0)
     _compiled_again_after(_BoundConfig(), lambda m: setattr(m.post.keywords["cfg"], "beta", 3.0),
                           tmp_path, caplog)
+
+
+@dataclasses.dataclass
+class _ClassCfg:
+    scale: float = 1.0
+    unread: float = 0.0
+
+
+class _ConfigOnTheClass(nn.Module):
+    CFG = _ClassCfg()
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) * self.CFG.scale
+
+
+class _ServedByGetattr:
+    """The recursion-safe ``__getattr__`` idiom: storage fetched past ``__getattribute__``."""
+
+    def __init__(self, **fields):
+        object.__setattr__(self, "_data", dict(fields))
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattribute__("_data")[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        super().__getattribute__("_data")[name] = value
+
+
+class _Namespace(types.SimpleNamespace):
+    pass
+
+
+class _Activation(functools.partial):
+    pass
+
+
+class _LeafActivation:
+    """Read when a ``torch.nn`` leaf runs (``TransformerEncoderLayer``'s activation)."""
+
+    def __init__(self):
+        self.slope = 0.1
+
+    def __call__(self, y):
+        return F.leaky_relu(y, self.slope)
+
+
+class _ReadsPastTheRecorder(nn.Module):
+    """Objects whose fields are read where the recorder does not see it: storage behind
+    ``__getattr__``, a subclass of a C type compared in C (``SimpleNamespace.__eq__``) or
+    called in C (``partial``), an object a ``torch.nn`` leaf reads when it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.served = _ServedByGetattr(scale=1.0)
+        self.cfg = _Namespace(act="relu")
+        self.act = _Activation(F.leaky_relu, negative_slope=0.1)
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0,
+                                                activation=_LeafActivation(), batch_first=True)
+
+    def forward(self, x):
+        y = self.act(self.conv(x)) * self.served.scale
+        y = y * (2.0 if self.cfg == types.SimpleNamespace(act="relu") else 1.0)
+        return self.layer(y.flatten(2).transpose(1, 2))
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m.served, "scale", 3.0), lambda m: setattr(m.cfg, "act", "gelu"),
+    lambda m: m.act.keywords.update(negative_slope=0.9),
+    lambda m: setattr(m.layer.activation, "slope", 5.0)],
+    ids=["storage_behind_getattr", "namespace_subclass_compared_in_c",
+         "partial_subclass_called_in_c", "object_a_torch_nn_leaf_reads_when_it_runs"])
+def test_objects_read_past_the_recorder_have_every_field_compared(change, tmp_path):
+    """Found by the review of the recorded field reads (session 39): each computed with the old
+    value (on CUDA the leaf's value is in the captured graph). Such objects are not recorded:
+    every field is compared, as before."""
+    torch.manual_seed(0)
+    model = _ReadsPastTheRecorder().eval()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        spec = compiled.last
+        change(model)
+        assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+
+
+def test_a_config_object_on_the_module_class_compiles_and_compiles_again(tmp_path):
+    """A class attribute holding a config object crashed the guard (review, session 39); now a
+    field read compiles again, one not read does not."""
+    model = _ConfigOnTheClass()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(1, 3, 8, 8)
+    try:
+        with torch.no_grad():
+            compiled(x)
+            spec = compiled.last
+            _ConfigOnTheClass.CFG.unread = 1.0
+            compiled(x)
+            assert compiled.last is spec
+            _ConfigOnTheClass.CFG.scale = 2.0
+            assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+    finally:
+        _ConfigOnTheClass.CFG = _ClassCfg()
+
+
+def _scaled_by(y, cfg):
+    return y * cfg.scale
+
+
+torch.fx.wrap("_scaled_by")
+
+
+class _PassesItsConfigToAnOp(nn.Module):
+    """A config object handed to a function fx keeps as one op (``torch.fx.wrap``): the op reads
+    it when the graph runs, the trace never does."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.cfg = _ClassCfg()
+
+    def forward(self, x):
+        return _scaled_by(self.conv(x), self.cfg)
+
+
+def test_an_object_the_graph_holds_as_a_constant_has_every_field_compared(tmp_path):
+    model = _PassesItsConfigToAnOp()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        spec = compiled.last
+        model.cfg.scale = 2.0
+        assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec

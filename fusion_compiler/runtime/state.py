@@ -113,13 +113,13 @@ def _class_attributes(module: torch.nn.Module, names: Any) -> list[tuple[type, s
     objects' fields are copies (they may change in place; ``names``: :func:`_field_names`)."""
     tables = (vars(module), module._parameters, module._buffers, module._modules)
     read = _READS.get(module)
-    names = set(read or ())
+    attrs = set(read or ())
     if read is not None:  # the classes' data values: no method, no descriptor, none large
-        names.update(n for k in type(module).__mro__ if not k.__module__.startswith("torch.")
+        attrs.update(n for k in type(module).__mro__ if not k.__module__.startswith("torch.")
                      and k is not object for n, v in vars(k).items()
                      if _data(v) and small(v))
     found = []
-    for name in sorted(names):
+    for name in sorted(attrs):
         if any(name in t for t in tables) or name.startswith("__"):
             continue
         owner = next((k for k in type(module).__mro__ if name in vars(k)), None)
