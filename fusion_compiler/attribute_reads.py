@@ -14,8 +14,9 @@ nothing was recorded: classes that cannot take the method or whose reads may pas
 (:func:`_recordable`: types of C code such as ``types.SimpleNamespace`` and their subclasses,
 classes with ``__getattr__`` or a ``__getattribute__`` of their own), objects that ``torch.nn``'s
 modules hold (their ``forward`` reads them when it runs, not in the trace) and objects the
-traced graph holds as constants (:meth:`Reads.forget_constants`). What :class:`~fusion_compiler.runtime.state.StateGuard`
-makes of the names: :mod:`fusion_compiler.runtime.snapshots`.
+traced graph holds as constants (:meth:`Reads.forget_constants`). What
+:class:`~fusion_compiler.runtime.state.StateGuard` makes of the names:
+:mod:`fusion_compiler.runtime.snapshots`.
 """
 
 from __future__ import annotations
