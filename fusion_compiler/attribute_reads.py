@@ -46,6 +46,21 @@ class Reads:
 
     modules: dict[torch.nn.Module, set[str]] = field(default_factory=dict)
     fields: dict[int, tuple[Any, set[str]]] = field(default_factory=dict)
+    memoized: bool = False
+    """The trace may have read a value a cache computed earlier (:meth:`forget_if_memoized`):
+    no record of this model's fields is to be trusted."""
+
+    def forget_if_memoized(self, global_values: Iterable[Any]) -> None:
+        """Drop every field record, and set :attr:`memoized`, where the traced code may have
+        called a memoized function (``functools.cache``/``lru_cache``, ``cachetools``; a global
+        the code reads, or a method a recorded name found): a cache hit returns a value computed
+        from fields the trace never read (a review of session 39 found it)."""
+        found = [*global_values]
+        for obj, names in [*self.modules.items(), *self.fields.values()]:
+            found += [vars(k)[n] for n in names for k in type(obj).__mro__ if n in vars(k)]
+        if any(map(_memoizing, found)):
+            self.memoized = True
+            self.fields.clear()
 
     def forget_constants(self, graph: fx.Graph) -> None:
         """Drop the records of the objects the traced ``graph`` holds as constants (an argument
@@ -83,12 +98,20 @@ def _held(modules: list[torch.nn.Module]) -> list[Any]:
     return values + [v for k in classes for v in vars(k).values()]
 
 
+def _memoizing(value: Any) -> bool:
+    """A callable that keeps results between calls: what ``functools.cache`` and ``lru_cache``
+    return (``cache_info``), ``cachetools``' decorators (``cache_clear``, ``cache``)."""
+    return callable(value) and any(hasattr(value, a) for a in ("cache_info", "cache_clear",
+                                                                "cache_parameters"))
+
+
 def _recordable(cls: type) -> bool:
     """Whether every read of an instance's fields goes through its class's
     ``__getattribute__``: classes of Python code only (no base of C code whose methods read the
-    state directly: a subclass of ``functools.partial`` or ``types.SimpleNamespace``), with no
-    ``__getattr__`` and no ``__getattribute__`` of their own (those usually fetch their storage
-    with ``object.__getattribute__``, past the recorder). A review of session 39 found each."""
+    state directly: a subclass of ``types.SimpleNamespace``), with no ``__getattr__`` and no
+    ``__getattribute__`` of their own (those usually fetch their storage with
+    ``object.__getattribute__``, past the recorder; ``functools.partial`` has one). A review of
+    session 39 found each."""
     heap = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
     return (all(k.__flags__ & heap for k in cls.__mro__[:-1])
             and cls.__getattribute__ is object.__getattribute__
@@ -128,6 +151,8 @@ def _recording(model: torch.nn.Module, roots: Iterable[Any]) -> Iterator[Reads]:
 
         try:
             cls.__getattribute__ = __getattribute__
+            if vars(cls).get("__getattribute__") is not __getattribute__:
+                raise TypeError("the metaclass ignored the assignment")
         except Exception:  # noqa: BLE001 (a type of C code, or a metaclass that refuses)
             for module in [m for m in reads.modules if type(m) is cls]:
                 del reads.modules[module]

@@ -222,6 +222,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             tracer, graph, reads = trace(False)
             tracer.grad_mode_read = True
         reads.forget_constants(graph)
+        reads.forget_if_memoized(roots)
         note_reads(reads, model, global_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)

@@ -1210,3 +1210,95 @@ def test_an_object_the_graph_holds_as_a_constant_has_every_field_compared(tmp_pa
         spec = compiled.last
         model.cfg.scale = 2.0
         assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+
+
+@dataclasses.dataclass(eq=False)
+class _Memoized:
+    scale: float = 1.0
+
+    @functools.cache
+    def factor(self):
+        return self.scale * 2
+
+
+@functools.lru_cache(maxsize=1)
+def _gain(cfg):
+    return cfg.scale * 2
+
+
+class _Quiet(type):
+    """A metaclass that ignores assignments of dunder names (the recorder's among them)."""
+
+    def __setattr__(cls, name, value):
+        if not name.startswith("__"):
+            super().__setattr__(name, value)
+
+
+class _QuietConfig(metaclass=_Quiet):
+    def __init__(self):
+        self.scale = 1.0
+
+
+class _Other:
+    scale = 5.0
+
+
+class _ReadsThroughCaches(nn.Module):
+    """Reads a config whose method is memoized (``read == "memo"``), or one a memoized global
+    helper takes."""
+
+    def __init__(self, read: str):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.read = read
+        self.memo = _Memoized()
+        self.helped = _Memoized()
+        self.quiet = _QuietConfig()
+        self.plain = _ClassCfg()
+
+    def forward(self, x):
+        if self.read == "memo":
+            return self.conv(x) * self.memo.factor()
+        return self.conv(x) * _gain(self.helped)
+
+
+class _ReadsAField(nn.Module):
+    """Reads ``self.<read>.scale`` (and no cache)."""
+
+    def __init__(self, read: str):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.read = read
+        self.quiet = _QuietConfig()
+        self.plain = _ClassCfg()
+
+    def forward(self, x):
+        return self.conv(x) * getattr(self, self.read).scale
+
+
+def _evict_gain():
+    _gain(_Memoized())  # other code calls the helper: the model's entry is evicted
+
+
+@pytest.mark.parametrize("read, change", [
+    ("memo", lambda m: (setattr(m.memo, "scale", 3.0), _Memoized.factor.cache_clear())),
+    ("helped", lambda m: (setattr(m.helped, "scale", 3.0), _evict_gain())),
+    ("quiet", lambda m: setattr(m.quiet, "scale", 3.0)),
+    ("plain", lambda m: setattr(m.plain, "__class__", _Other))],
+    ids=["method_cache_cleared", "global_lru_cache_evicted", "metaclass_ignores_the_recorder",
+         "object_given_another_class"])
+def test_values_a_cache_computed_and_other_hidden_reads_compile_again(read, change, tmp_path):
+    """Found by the second review of the recorded field reads (session 39): a trace that hits a
+    cache reads none of the fields the cached value came from, and a metaclass may drop the
+    recorder; such models' fields are all compared. An object whose class is swapped is
+    another object (also wrong before the recorded reads)."""
+    torch.manual_seed(0)
+    model = (_ReadsThroughCaches if read in ("memo", "helped") else _ReadsAField)(read)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        model(x)  # the caches are filled before the compile's trace
+        compiled = fc.compile(model, cache_dir=tmp_path)
+        compiled(x)
+        spec = compiled.last
+        change(model)
+        assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec

@@ -132,13 +132,14 @@ def _slots(cls: type) -> tuple[str, ...]:
 
 
 class _Fields:
-    """An object and a copy of its fields (nested objects' too, to a depth); ``partial``: only
-    the fields read (:data:`MISSING` for a name read that the object did not hold)."""
+    """An object, its class and a copy of its fields (nested objects' too, to a depth);
+    ``partial``: only the fields read (:data:`MISSING` for a name read that the object did not
+    hold)."""
 
-    __slots__ = ("obj", "fields", "partial")
+    __slots__ = ("obj", "cls", "fields", "partial")
 
     def __init__(self, obj: Any, fields: dict[str, Any], partial: bool = False):
-        self.obj, self.fields, self.partial = obj, fields, partial
+        self.obj, self.cls, self.fields, self.partial = obj, type(obj), fields, partial
 
 
 class _Array:
@@ -280,8 +281,8 @@ def same(old: Any, new: Any) -> bool:
     if old is new:
         return True
     if isinstance(old, _Fields):
-        fields = _fields(new) if new is old.obj else None
-        if fields is None:
+        fields = _fields(new) if new is old.obj and type(new) is old.cls else None
+        if fields is None:  # another object, or its class changed (``obj.__class__ = Other``)
             return False
         if old.partial:  # the fields read, each still what it was (absent ones still absent)
             return all(same(v, fields.get(k, MISSING)) for k, v in old.fields.items())

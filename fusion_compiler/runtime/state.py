@@ -73,6 +73,9 @@ def note_reads(reads: Any, model: torch.nn.Module,
     trace read)."""
     for module, names in reads.modules.items():
         _READS.setdefault(module, set()).update(names)
+    if reads.memoized or (model in _FIELDS and _FIELDS[model] is None):
+        _FIELDS[model] = None  # every field compared from now on
+        reads.fields.clear()
     table = _FIELDS.setdefault(model, {})
     for key, (obj, names) in reads.fields.items():
         known = table.get(key)
@@ -83,7 +86,7 @@ def note_reads(reads: Any, model: torch.nn.Module,
             table[key] = (weakref.ref(obj), set(names))
         except TypeError:  # no weak reference (slots without __weakref__): all fields compared
             table.pop(key, None)
-    for key in [k for k, (ref, _) in table.items() if ref() is None]:
+    for key in [k for k, (ref, _) in (table or {}).items() if ref() is None]:
         del table[key]
     _GLOBALS.setdefault(model, {}).update({(id(g), n): (g, n) for g, n in global_names})
 
@@ -91,7 +94,7 @@ def note_reads(reads: Any, model: torch.nn.Module,
 def _field_names(model: torch.nn.Module) -> Any:
     """``names(obj)``: the names ``model``'s traces read on ``obj`` (:func:`note_reads`), or
     ``None`` where they were not recorded (:data:`~.snapshots.Names`)."""
-    table = _FIELDS.get(model, {})
+    table = _FIELDS.get(model) or {}  # None: a trace may have read a memoized value
 
     def names(obj: Any) -> set[str] | None:
         known = table.get(id(obj))
