@@ -79,10 +79,10 @@ def patterns(spec) -> list[str]:
 
 def lowered_on_gpu(region) -> bool:
     """Whether a region of a CUDA specialization got a GPU kernel: a cuDNN plan, the dense GEMM
-    of a small image, or the Triton kernel of a SpaceToDepth stem (``runtime/space_to_depth.py``,
-    CUDA inference)."""
+    of a small image, a Triton convolution (implicit GEMM or depthwise) or the Triton kernel of
+    a SpaceToDepth stem (``runtime/space_to_depth.py``, CUDA inference)."""
     return region.status == "lowered" and (
-        region.backend in ("cudnn", "dense")
+        region.backend in ("cudnn", "dense", "triton_conv", "triton_depthwise")
         or (region.backend == "triton_stem" and region.space_to_depth > 0))
 
 
