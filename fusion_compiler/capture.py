@@ -12,12 +12,12 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from .attribute_reads import recording_reads
 from .ir.errors import FusionError, InputTypeError
 from .ir.ops import calls_named, copy_graph, writes_in_place
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward
 from .runtime.module_writes import ModuleWrites
-from .attribute_reads import recording_reads
 from .runtime.state import note_reads
 from .tracing import ModeRecordingTracer, globals_read, mark_grad_modes
 
