@@ -68,8 +68,8 @@ class CompileOptions:
             measured, docs/options.md), ``"dense"`` (a convolution of an image no larger than
             its filter as one dense GEMM, CUDA inference; faster than cuDNN on SE-ResNet9's 2x2
             layer), ``"triton_depthwise"`` (a depthwise convolution in Triton, CUDA inference,
-            timed against cuDNN per region), ``"cudnn"`` (cuDNN execution plans). With other than the default, each
-            region left to the reference is a warning.
+            timed against cuDNN per region), ``"cudnn"`` (cuDNN execution plans). With other
+            than the default, each region left to the reference is a warning.
         cuda_graph: ``"auto"`` (``True``): on CUDA each specialization replays its whole forward
             (and a training one its backward) as a CUDA graph, outputs never overwritten by a
             later call; ``False``: no CUDA graph.

@@ -4,10 +4,11 @@ Registered here: ``triton_stem`` (the SpaceToDepth stem kernel of this package's
 :mod:`.triton_stem`), ``triton_conv`` (an implicit-GEMM convolution of this package's own,
 :mod:`.triton`), ``triton_depthwise`` (a depthwise convolution of this package's own,
 :mod:`.triton_depthwise`), ``dense`` (a convolution of a small image as one dense GEMM,
-:mod:`.dense`), ``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the region's PyTorch ops,
-:mod:`.reference`: takes every region, the fallback). A compile asks those its ``backends``
-option names (:data:`~fusion_compiler.config.DEFAULT_BACKENDS` by default), in that order. A new
-backend is one module plus one :func:`~.registry.register_backend` line below.
+:mod:`.dense`), ``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the
+region's PyTorch ops, :mod:`.reference`: takes every region, the fallback). A compile asks
+those its ``backends`` option names (:data:`~fusion_compiler.config.DEFAULT_BACKENDS` by
+default), in that order. A new backend is one module plus one
+:func:`~.registry.register_backend` line below.
 """
 
 from __future__ import annotations
