@@ -12,14 +12,13 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .attribute_reads import recording_reads
 from .ir.errors import FusionError, InputTypeError
 from .ir.ops import calls_named, copy_graph, writes_in_place
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import note_reads
-from .tracing import ModeRecordingTracer, globals_read, mark_grad_modes
+from .tracing import ModeRecordingTracer, globals_read, mark_grad_modes, recording_reads
 
 __all__ = ["TensorSpec", "capture", "input_specs", "unpacked_inputs", "flatten_inputs",
            "unpack_inputs", "untrainable"]
@@ -205,12 +204,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "assignment at each call; keep that state outside forward (or on the module as a "
             "buffer), or call the model uncompiled")
 
-    roots = [g[n] if isinstance(g, dict) else getattr(g, n, None) for g, n in global_names
-             if not isinstance(g, dict) or n in g]  # what the code may read by global name
-
-    def trace(grad: bool) -> tuple[ModeRecordingTracer, fx.Graph, Any]:
+    def trace(grad: bool) -> tuple[ModeRecordingTracer, fx.Graph, dict]:
         tracer = ModeRecordingTracer()
-        with torch.set_grad_enabled(grad), recording_reads(model, roots) as reads:
+        with torch.set_grad_enabled(grad), recording_reads(model) as reads:
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
         return tracer, graph, reads
 
@@ -221,8 +217,6 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             writes.restore()
             tracer, graph, reads = trace(False)
             tracer.grad_mode_read = True
-        reads.forget_constants(graph)
-        reads.forget_if_memoized(roots)
         note_reads(reads, model, global_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)

@@ -1,8 +1,7 @@
 """The ``torch.fx`` tracer of :func:`fusion_compiler.capture.capture`: gradient and inference
 modes recorded on every node, buffers traced like parameters, augmented assignments
-(``x += y``) traced as the in-place ops they are, the module-level names ``forward`` may read
-(:func:`globals_read`), and other threads left alone while it traces (the attributes it reads
-are recorded by :mod:`fusion_compiler.attribute_reads`).
+(``x += y``) traced as the in-place ops they are, the attributes ``forward`` reads recorded
+(:func:`recording_reads`), and other threads left alone while it traces.
 
 **Threads.** ``torch.fx``'s ``Tracer.trace`` changes the whole process while it runs: it sets
 ``nn.Module.__call__`` and ``nn.Module.__getattr__`` to wrappers that hand every module call
@@ -20,6 +19,7 @@ thread (the tracer does so when fx sets its ``root``, before fx lists the model'
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
 import logging
@@ -27,7 +27,7 @@ import operator
 import sys
 import threading
 import types
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -36,11 +36,68 @@ from torch.fx import _symbolic_trace
 
 from .runtime.hooks import instance_forward
 
-__all__ = ["ModeRecordingTracer", "TRACE_LOCK", "globals_read", "mark_grad_modes"]
+__all__ = ["ModeRecordingTracer", "TRACE_LOCK", "globals_read", "mark_grad_modes",
+           "recording_reads"]
 
 log = logging.getLogger("fusion_compiler")
 TRACE_LOCK = threading.Lock()
 """Held by :meth:`ModeRecordingTracer.trace` for the whole trace (see the module docstring)."""
+
+
+@contextlib.contextmanager
+def recording_reads(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str]]]:
+    """Record the attribute names read on each module of ``model`` whose code the trace runs
+    (all but ``torch.nn``'s own, which fx keeps as leaves): for the block, each such module's
+    class gets a ``__getattribute__`` that notes the names read on those modules (by identity)
+    and then reads as before. The modules keep their class, so ``type(self) is Block`` and
+    ``type(self).__mro__`` in ``forward`` see what they see when it runs. A module whose class
+    cannot take the method is left out of the mapping. Traces record one at a time (a lock):
+    two threads patching one class would leave it patched."""
+    with _RECORDING:
+        yield from _recording(model)
+
+
+_RECORDING = threading.RLock()
+
+
+def _recording(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str]]]:
+    reads: dict[torch.nn.Module, set[str]] = {}
+    tables: dict[type, dict[int, set[str]]] = {}
+    for module in dict.fromkeys(model.modules()):
+        if not type(module).__module__.startswith("torch."):
+            tables.setdefault(type(module), {})[id(module)] = reads.setdefault(module, set())
+    patched = []
+    for cls, table in tables.items():
+        own = vars(cls).get("__getattribute__")
+        read = cls.__getattribute__  # what its instances run now (its own or inherited)
+
+        def __getattribute__(self: Any, name: str, _table: dict = table,
+                             _read: Any = read) -> Any:
+            names = _table.get(id(self))
+            if names is not None:
+                names.add(name)
+            return _read(self, name)
+
+        try:
+            cls.__getattribute__ = __getattribute__
+        except Exception:  # noqa: BLE001 (a class, or its metaclass, takes no new attribute)
+            for module in list(reads):
+                if type(module) is cls:
+                    del reads[module]
+            continue
+        patched.append((cls, own))
+    try:
+        yield reads
+    finally:
+        for cls, own in reversed(patched):
+            try:
+                if own is None:
+                    del cls.__getattribute__
+                else:
+                    cls.__getattribute__ = own
+            except Exception:  # noqa: BLE001 (a metaclass that refuses: the others put back)
+                log.warning("could not take the attribute recorder off %s after a trace: its "
+                            "attribute reads stay slower", cls.__qualname__)
 
 
 _NOT_USERS = frozenset({"torch", "fusion_compiler"})

@@ -11,16 +11,12 @@ value as it was and compares it before every call:
 - objects that hold data in fields (a dataclass, ``types.SimpleNamespace``, ``argparse.Namespace``,
   a ``functools.partial``'s function and bound arguments, any instance with a ``__dict__`` or
   ``__slots__`` that is not a module, tensor, function, class or an object of Python's own
-  library such as a logger): the same object, its fields copied and compared in turn
-  (``cfg.scale = 2.0`` changes what ``forward`` computes), nested objects up to :data:`DEPTH`
-  levels, and at most :data:`BUDGET` fields and container items in all (past that, by identity:
-  :func:`kept` says so). Where the traces recorded the names read on the object
-  (:mod:`fusion_compiler.attribute_reads`: every attribute read of it went through a recorder,
-  in methods, ``getattr`` with built names and ``vars()`` too), only those fields are kept,
-  a name read but absent as absent (one set later is a change); a step counter ``forward`` never
-  reads changes nothing. Where a read of a dunder name (``__dict__``: ``vars(cfg)``) was
-  recorded, or nothing was (an object of a C type such as ``types.SimpleNamespace``), every
-  field is kept;
+  library such as a logger): the same object, its fields copied and
+  compared in turn (``cfg.scale = 2.0`` changes what ``forward`` computes; which fields the code
+  reads is not known for sure, through methods, ``vars()`` or names built at run time, so all
+  are compared: a field the code never reads that changes, a step counter, compiles again),
+  nested objects up to :data:`DEPTH` levels, and at most :data:`BUDGET` fields and container
+  items in all (past that, by identity: :func:`kept` says so);
 - NumPy arrays of numbers, up to :data:`ARRAY_LIMIT` elements: the same array with the same
   contents (a copy kept; NaN equal to NaN); larger ones and arrays of objects by identity;
 - anything else (a tensor, an enum member, a function, a weak proxy, a ``threading.local``) by
@@ -36,13 +32,12 @@ import sys
 import threading
 import types
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 __all__ = ["plain", "kept", "same", "order", "short", "small", "changed_in_place", "fields_of",
-           "field_holders", "MISSING", "MODULE_INTERNALS", "DEPTH", "BUDGET", "ARRAY_LIMIT",
-           "SMALL"]
+           "MISSING", "MODULE_INTERNALS", "DEPTH", "BUDGET", "ARRAY_LIMIT", "SMALL"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
           torch.memory_format, torch.layout)
@@ -132,14 +127,12 @@ def _slots(cls: type) -> tuple[str, ...]:
 
 
 class _Fields:
-    """An object, its class and a copy of its fields (nested objects' too, to a depth);
-    ``partial``: only the fields read (:data:`MISSING` for a name read that the object did not
-    hold)."""
+    """An object, its class and a copy of its fields (nested objects' too, to a depth)."""
 
-    __slots__ = ("obj", "cls", "fields", "partial")
+    __slots__ = ("obj", "cls", "fields")
 
-    def __init__(self, obj: Any, fields: dict[str, Any], partial: bool = False):
-        self.obj, self.cls, self.fields, self.partial = obj, type(obj), fields, partial
+    def __init__(self, obj: Any, fields: dict[str, Any]):
+        self.obj, self.cls, self.fields = obj, type(obj), fields
 
 
 class _Array:
@@ -171,38 +164,17 @@ def small(value: Any) -> bool:
     return True
 
 
-Names = Callable[[Any], "set[str] | None"]
-"""``names(obj)``: the names the traces read on ``obj``, or ``None`` where they were not
-recorded."""
-
-
-def kept(value: Any, unseen: list[str] | None = None, names: Names | None = None) -> Any:
+def kept(value: Any, unseen: list[str] | None = None) -> Any:
     """What the guard keeps of ``value``: copies of lists and dicts (nested ones too: they may
     change in place), of an object's fields and of a NumPy array's contents; the value itself
-    otherwise. Of an object whose read names ``names`` gives (none of them a dunder but
-    ``__class__``), only the fields read. Objects within objects are followed
+    otherwise. Objects within objects are followed
     :data:`DEPTH` levels deep, and at most :data:`BUDGET` fields and items in all; what is kept
     as itself past those bounds, or as a large array, is described in ``unseen`` (a change of
     its contents will not be seen)."""
-    return _kept(value, DEPTH, [BUDGET], [] if unseen is None else unseen, set(),
-                 names or _unrecorded)
+    return _kept(value, DEPTH, [BUDGET], [] if unseen is None else unseen, set())
 
 
-def _unrecorded(value: Any) -> None:
-    return None
-
-
-def _read_only(fields: dict[str, Any], read: set[str] | None) -> dict[str, Any] | None:
-    """The fields of ``fields`` among the names ``read`` (:data:`MISSING` for one absent), or
-    ``None`` (keep all) where nothing was recorded or a dunder name was read (``vars(obj)``
-    reads ``__dict__``, ``copy.copy`` ``__reduce_ex__``)."""
-    if read is None or any(n.startswith("__") and n != "__class__" for n in read):
-        return None
-    return {n: fields.get(n, MISSING) for n in read if n != "__class__"}
-
-
-def _kept(value: Any, depth: int, budget: list[int], unseen: list[str], open_: set[int],
-          names: Names) -> Any:
+def _kept(value: Any, depth: int, budget: list[int], unseen: list[str], open_: set[int]) -> Any:
     if isinstance(value, (list, dict)) or (isinstance(value, tuple) and not plain(value)):
         if len(value) > budget[0]:
             unseen.append(f"a {type(value).__name__} of {len(value)} items")
@@ -213,11 +185,10 @@ def _kept(value: Any, depth: int, budget: list[int], unseen: list[str], open_: s
         open_.add(id(value))
         try:
             if isinstance(value, list):
-                return [_kept(v, depth, budget, unseen, open_, names) for v in value]
+                return [_kept(v, depth, budget, unseen, open_) for v in value]
             if isinstance(value, dict):
-                return {k: _kept(v, depth, budget, unseen, open_, names)
-                        for k, v in value.items()}
-            items = [_kept(v, depth, budget, unseen, open_, names) for v in value]
+                return {k: _kept(v, depth, budget, unseen, open_) for k, v in value.items()}
+            items = [_kept(v, depth, budget, unseen, open_) for v in value]
         finally:
             open_.discard(id(value))
         if type(value) is tuple:  # holding objects: their items kept
@@ -232,8 +203,6 @@ def _kept(value: Any, depth: int, budget: list[int], unseen: list[str], open_: s
     fields = _fields(value)
     if fields is None:
         return value
-    read = _read_only(fields, names(value))
-    fields = fields if read is None else read
     if depth == 0:
         unseen.append(f"a {type(value).__name__} nested more than {DEPTH} levels deep")
         return value
@@ -241,36 +210,8 @@ def _kept(value: Any, depth: int, budget: list[int], unseen: list[str], open_: s
         unseen.append(f"a {type(value).__name__} of {len(fields)} fields")
         return value
     budget[0] -= len(fields)
-    return _Fields(value, {k: _kept(v, depth - 1, budget, unseen, open_, names)
-                           for k, v in fields.items()}, read is not None)
-
-
-def field_holders(roots: Iterable[Any]) -> list[Any]:
-    """The objects with fields (see the module docstring) among ``roots`` and within them, as
-    :func:`kept` follows them: through lists, tuples, dicts and fields, :data:`DEPTH` levels of
-    objects deep and :data:`BUDGET` fields and items per root; each object once."""
-    found: dict[int, Any] = {}
-
-    def walk(value: Any, depth: int, budget: list[int]) -> None:
-        if isinstance(value, (list, tuple, dict)) and not plain(value):
-            if len(value) <= budget[0] and id(value) not in seen:  # (a replay buffer: not read)
-                budget[0] -= len(value)
-                seen.add(id(value))
-                for item in list(value.values() if isinstance(value, dict) else value):
-                    walk(item, depth, budget)
-            return
-        fields = _fields(value)
-        if fields is None or depth == 0 or id(value) in found or len(fields) > budget[0]:
-            return
-        budget[0] -= len(fields)
-        found[id(value)] = value
-        for item in list(fields.values()):
-            walk(item, depth - 1, budget)
-
-    seen: set[int] = set()
-    for root in roots:
-        walk(root, DEPTH, [BUDGET])
-    return list(found.values())
+    return _Fields(value, {k: _kept(v, depth - 1, budget, unseen, open_)
+                           for k, v in fields.items()})
 
 
 def same(old: Any, new: Any) -> bool:
@@ -280,13 +221,9 @@ def same(old: Any, new: Any) -> bool:
     contents; any other object by identity."""
     if old is new:
         return True
-    if isinstance(old, _Fields):
+    if isinstance(old, _Fields):  # the same object, of the same class (``obj.__class__ = B``)
         fields = _fields(new) if new is old.obj and type(new) is old.cls else None
-        if fields is None:  # another object, or its class changed (``obj.__class__ = Other``)
-            return False
-        if old.partial:  # the fields read, each still what it was (absent ones still absent)
-            return all(same(v, fields.get(k, MISSING)) for k, v in old.fields.items())
-        return fields.keys() == old.fields.keys() and all(
+        return fields is not None and fields.keys() == old.fields.keys() and all(
             same(v, fields[k]) for k, v in old.fields.items())
     if isinstance(old, _Array):
         return new is old.obj and _equal_arrays(new, old.copy)

@@ -52,7 +52,6 @@ _READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> nam
 
 
 _GLOBALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> globals read
-_FIELDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {id: (ref, names)}
 _TOLD: weakref.WeakSet = weakref.WeakSet()  # models told what the guard does not compare
 
 
@@ -62,47 +61,18 @@ def _data(value: Any) -> bool:
     return not (callable(value) or hasattr(value, "__get__"))
 
 
-def note_reads(reads: Any, model: torch.nn.Module,
+def note_reads(reads: dict[torch.nn.Module, set[str]], model: torch.nn.Module,
                global_names: Sequence[tuple[Any, str]]) -> None:
-    """Add what a trace of ``model`` read (``reads``, a
-    :class:`fusion_compiler.attribute_reads.Reads`): the attribute names each module's code read,
-    the names read on objects with fields (kept by weak reference: an object that cannot be
-    referenced so has all its fields compared), and the module-level names the code may read
-    (``(globals dict, name)``, or ``(class, name)`` for ``Defaults.SCALE``). They accumulate over
-    the traces of a model (each specialization is traced again, and each holds what its own
-    trace read)."""
-    for module, names in reads.modules.items():
+    """Add the attribute names a trace saw each module's code read, and the module-level names
+    the code of ``model``'s trace may read (``(globals dict, name)``, or ``(class, name)`` for
+    ``Defaults.SCALE``); they accumulate over the traces of a model (each specialization is
+    traced again)."""
+    for module, names in reads.items():
         _READS.setdefault(module, set()).update(names)
-    if reads.memoized or (model in _FIELDS and _FIELDS[model] is None):
-        _FIELDS[model] = None  # every field compared from now on
-        reads.fields.clear()
-    table = _FIELDS.setdefault(model, {})
-    for key, (obj, names) in reads.fields.items():
-        known = table.get(key)
-        if known is not None and known[0]() is obj:
-            known[1].update(names)
-            continue
-        try:
-            table[key] = (weakref.ref(obj), set(names))
-        except TypeError:  # no weak reference (slots without __weakref__): all fields compared
-            table.pop(key, None)
-    for key in [k for k, (ref, _) in (table or {}).items() if ref() is None]:
-        del table[key]
     _GLOBALS.setdefault(model, {}).update({(id(g), n): (g, n) for g, n in global_names})
 
 
-def _field_names(model: torch.nn.Module) -> Any:
-    """``names(obj)``: the names ``model``'s traces read on ``obj`` (:func:`note_reads`), or
-    ``None`` where they were not recorded (:data:`~.snapshots.Names`)."""
-    table = _FIELDS.get(model) or {}  # None: a trace may have read a memoized value
-
-    def names(obj: Any) -> set[str] | None:
-        known = table.get(id(obj))
-        return known[1] if known is not None and known[0]() is obj else None
-    return names
-
-
-def _class_attributes(module: torch.nn.Module, names: Any) -> list[tuple[type, str, Any]]:
+def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
     """``(class, name, value)`` of the values ``module``'s code may read from its class: the
     ones a trace saw it read through ``self`` (``self.SCALE`` of a class-level ``SCALE = 2.0``)
     and their methods (one replaced on the class is another function object), and, where a trace
@@ -113,16 +83,16 @@ def _class_attributes(module: torch.nn.Module, names: Any) -> list[tuple[type, s
     the class is ``module``'s own, where a subclass may set it later. Not properties, classes or
     other callables, not Python's own names (``__module__``) nor those of torch's classes
     (``nn.Module``'s ``_compiled_call_impl``, which ``__call__`` reads). Lists, dicts and
-    objects' fields are copies (they may change in place; ``names``: :func:`_field_names`)."""
+    objects' fields are copies (they may change in place)."""
     tables = (vars(module), module._parameters, module._buffers, module._modules)
     read = _READS.get(module)
-    attrs = set(read or ())
+    names = set(read or ())
     if read is not None:  # the classes' data values: no method, no descriptor, none large
-        attrs.update(n for k in type(module).__mro__ if not k.__module__.startswith("torch.")
+        names.update(n for k in type(module).__mro__ if not k.__module__.startswith("torch.")
                      and k is not object for n, v in vars(k).items()
                      if _data(v) and small(v))
     found = []
-    for name in sorted(attrs):
+    for name in sorted(names):
         if any(name in t for t in tables) or name.startswith("__"):
             continue
         owner = next((k for k in type(module).__mro__ if name in vars(k)), None)
@@ -130,10 +100,9 @@ def _class_attributes(module: torch.nn.Module, names: Any) -> list[tuple[type, s
             continue
         value = vars(owner)[name]
         if isinstance(value, types.FunctionType) or _data(value):
-            found.append((type(module), name, kept(value, names=names)))  # a method: itself
+            found.append((type(module), name, kept(value)))  # a method: by identity
             # a base class's own value (``type(self).__mro__[1].K``, ``Base.K`` in a method)
-            found += [(k, name, kept(vars(k)[name], names=names))
-                      for k in type(module).__mro__[1:]
+            found += [(k, name, kept(vars(k)[name])) for k in type(module).__mro__[1:]
                       if name in vars(k) and k is not owner
                       and not k.__module__.startswith("torch.")]
     return found
@@ -220,10 +189,8 @@ class StateGuard:
         self._hooks = sum(map(len, self._hook_tables))
         attributes = [(vars(m), n, v) for m in modules for n, v in _guarded(m)]
         attributes += _globals_guarded(self.module)  # compared as attributes are (dicts too)
-        self._read_names = names = _field_names(self.module)
-        self._class_values = [a for m in modules for a in _class_attributes(m, names)]
-        self._class_values += [(k, n, kept(v, names=names))
-                               for k, n, v in _global_classes(self.module)]
+        self._class_values = [a for m in modules for a in _class_attributes(m)]
+        self._class_values += [(k, n, kept(v)) for k, n, v in _global_classes(self.module)]
         self._class_types = [k for k, _, _ in self._class_values]
         self._class_names = [n for _, n, _ in self._class_values]
         self._class_kept = tuple(v for _, _, v in self._class_values)
@@ -231,7 +198,7 @@ class StateGuard:
         self._attr_dicts = [d for d, _, _ in attributes]
         self._attr_names = [n for _, n, _ in attributes]
         unseen: list[str] = []
-        self._attr_values = tuple(kept(v, unseen, names) for _, _, v in attributes)
+        self._attr_values = tuple(kept(v, unseen) for _, _, v in attributes)
         if unseen:
             _tell_unseen(self.module, unseen)
         orders = [order(v) for v in self._attr_values]
@@ -267,7 +234,7 @@ class StateGuard:
         if not all(map(same, self._attr_values, now)):
             return True
         # equal values set again: nothing to compile
-        self._attr_values = tuple(kept(v, names=self._read_names) for v in now)
+        self._attr_values = tuple(map(kept, now))
         return False
 
     def changed(self) -> bool:
