@@ -296,7 +296,18 @@ class ConvKernel:
         direct: :meth:`call` launches the kernel straight from Python (inference) unless its
             inputs are traced; ``False`` (training): always through ``run_region``, whose
             autograd formula runs the backward registered for :attr:`key`.
+
+    A subclass runs another kernel family with the same conventions
+    (:class:`~.depthwise.DepthwiseKernel`): it sets :attr:`kernels`, :attr:`launch` and
+    :attr:`reference` and may override :meth:`weight`.
     """
+
+    kernels = staticmethod(triton_kernel)
+    """The Triton kernels' module, or ``None`` (the reference runs)."""
+    launch = staticmethod(launch)
+    """``launch(kernels, x, weight, operands, program, config)``: the outputs."""
+    reference = staticmethod(conv_reference)
+    """``reference(x, weight, operands, program)``: the outputs as torch ops."""
 
     def __init__(self, program: ConvProgram,
                  outputs: Sequence[tuple[tuple[int, ...], torch.dtype]],
@@ -311,12 +322,17 @@ class ConvKernel:
         if in_dry_run():
             return tuple(torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
                          for shape, stride, dtype in self.specs)
-        weight = self.weight_cache(inputs[self.program.weight_at])
+        weight = self.weight(inputs[self.program.weight_at])
         operands = [inputs[o] if isinstance(o, int) else o for o in self.program.operands]
-        kernels = triton_kernel() if x.is_cuda else None
+        kernels = self.kernels() if x.is_cuda else None
         if kernels is None:
-            return tuple(conv_reference(x, weight, operands, self.program))
-        return tuple(launch(kernels, x, weight, operands, self.program, self.config))
+            return tuple(self.reference(x, weight, operands, self.program))
+        return tuple(self.launch(kernels, x, weight, operands, self.program, self.config))
+
+    def weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight as the kernel reads it: channels_last, converted once per weight version
+        (:class:`~fusion_compiler.runtime.weight_cache.WeightCache`)."""
+        return self.weight_cache(weight)
 
     def call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What graphs call: the kernel directly, or the ``run_region`` op when traced or not

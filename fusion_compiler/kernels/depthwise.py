@@ -16,7 +16,7 @@ channels_last, each rounded once.
 
 :func:`depthwise_program` reads a region (:func:`~.conv.conv_program` with ``depthwise``),
 :class:`DepthwiseKernel` is what the ``triton_depthwise`` backend
-(:mod:`fusion_compiler.backends.triton`) lowers it to, :func:`depthwise_reference` is the same
+(:mod:`fusion_compiler.backends.triton_depthwise`) lowers it to, :func:`depthwise_reference` is the same
 computation as torch ops (an fp64 oracle for fp64 inputs).
 """
 
@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from ..ir.region import Region
-from ..runtime.region_op import in_dry_run
 from . import load_kernel, triton_unavailable
 from .conv import ConvKernel, ConvProgram, TileConfig, chain_arguments, conv_program, output_hw
 from .epilogue import reference_outputs
@@ -133,18 +132,13 @@ def launch(kernels: Any, x: torch.Tensor, weight: torch.Tensor,
 
 
 class DepthwiseKernel(ConvKernel):
-    """A depthwise region's kernel: :func:`launch` on the region's inputs in its order (the
-    calling conventions of :class:`~.conv.ConvKernel`: directly, or through ``run_region`` when
+    """A depthwise region's kernel: :func:`launch` on the region's inputs in its order, with the
+    calling conventions of :class:`~.conv.ConvKernel` (directly, or through ``run_region`` when
     traced; nothing launched in a dry run). The weight is read where it is (no derived copy)."""
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        x = inputs[self.program.image_at]
-        if in_dry_run():
-            return tuple(torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
-                         for shape, stride, dtype in self.specs)
-        weight = inputs[self.program.weight_at]
-        operands = [inputs[o] if isinstance(o, int) else o for o in self.program.operands]
-        kernels = triton_kernel() if x.is_cuda else None
-        if kernels is None:
-            return tuple(depthwise_reference(x, weight, operands, self.program))
-        return tuple(launch(kernels, x, weight, operands, self.program, self.config))
+    kernels = staticmethod(triton_kernel)
+    launch = staticmethod(launch)
+    reference = staticmethod(depthwise_reference)
+
+    def weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
