@@ -152,12 +152,17 @@ def test_module_level_and_class_level_values_forward_reads_compile_again_when_ch
     _compiled_again_after(_ReadsGlobals(), change, tmp_path, caplog)
 
 
-def _compiled_again_after(model: nn.Module, change, tmp_path, caplog) -> list[str]:
+def _compiled_again_after(model: nn.Module, change, tmp_path, caplog,
+                          eager_first: bool = False) -> list[str]:
     """Compile ``model`` and call it twice (nothing compiled again, no WARNING), then
     ``change(model)``: the next call computes what the module computes now, from a new
-    specialization. Returns the messages logged by that call."""
-    compiled = fc.compile(model, cache_dir=tmp_path)
+    specialization. Returns the messages logged by that call. ``eager_first``: call the model
+    once before compiling it (caches its code keeps are filled before the trace)."""
     x = torch.randn(2, 3, 16, 16)
+    if eager_first:
+        with torch.no_grad():
+            model(x)
+    compiled = fc.compile(model, cache_dir=tmp_path)
     with torch.no_grad():
         compiled(x)
         spec = compiled.last
@@ -858,32 +863,20 @@ class _ReadsFieldsIndirectly(nn.Module):
         return y * sum(v for v in vars(self.table).values() if isinstance(v, float))
 
 
-@pytest.mark.parametrize("change, again", [
-    (lambda m: setattr(m.widths, "w_1", 2.0), True),
-    (lambda m: setattr(m.widths.sub, "w", 3.0), True),
-    (lambda m: setattr(m.scaler, "gain", 0.5), True),
-    (lambda m: setattr(m.widths, "shift", 0.25), True),
-    (lambda m: setattr(m.table, "unread", 2.0), True),  # vars(): every field compared
-    (lambda m: setattr(m.widths, "unread", 2.0), True),
-    (lambda m: setattr(m.scaler, "unread", 5), True)],
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m.widths, "w_1", 2.0), lambda m: setattr(m.widths.sub, "w", 3.0),
+    lambda m: setattr(m.scaler, "gain", 0.5), lambda m: setattr(m.widths, "shift", 0.25),
+    lambda m: setattr(m.table, "unread", 2.0), lambda m: setattr(m.widths, "unread", 2.0),
+    lambda m: setattr(m.scaler, "unread", 5)],
     ids=["name_built_at_run_time", "attrgetter_path", "held_object_call_and_property",
          "absent_field_set_later", "field_of_an_object_read_through_vars",
          "unread_field", "unread_field_of_a_called_object"])
-def test_fields_read_where_the_code_does_not_name_them_compile_again(change, again, tmp_path,
-                                                                     caplog):
+def test_fields_read_where_the_code_does_not_name_them_compile_again(change, tmp_path, caplog):
     """The reads review 2 of session 38 found a name-based guard missing, and fields nothing
     read: every field is compared, so each change compiles again and computes what the module
     computes now."""
     torch.manual_seed(0)
-    model = _ReadsFieldsIndirectly()
-    compiled = fc.compile(model, cache_dir=tmp_path)
-    x = torch.randn(2, 3, 8, 8)
-    with torch.no_grad():
-        compiled(x)
-        spec = compiled.last
-        change(model)
-        assert rel_err(compiled(x), model(x)) < 1e-5
-    assert (compiled.last is not spec) == again
+    _compiled_again_after(_ReadsFieldsIndirectly(), change, tmp_path, caplog)
 
 
 class _BranchesOnWidth(nn.Module):
@@ -1120,35 +1113,21 @@ class _ReadsPastTheRecorder(nn.Module):
     lambda m: setattr(m.layer.activation, "slope", 5.0)],
     ids=["storage_behind_getattr", "namespace_subclass_compared_in_c",
          "partial_subclass_called_in_c", "object_a_torch_nn_leaf_reads_when_it_runs"])
-def test_objects_read_past_a_recorder_compile_again(change, tmp_path):
+def test_objects_read_past_a_recorder_compile_again(change, tmp_path, caplog):
     """Found by the review of the recorded field reads (session 39, taken back): each computed
     with the old value there (on CUDA the leaf's value is in the captured graph). Every field is
     compared: each change compiles again."""
     torch.manual_seed(0)
-    model = _ReadsPastTheRecorder().eval()
-    compiled = fc.compile(model, cache_dir=tmp_path)
-    x = torch.randn(2, 3, 8, 8)
-    with torch.no_grad():
-        compiled(x)
-        spec = compiled.last
-        change(model)
-        assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+    _compiled_again_after(_ReadsPastTheRecorder().eval(), change, tmp_path, caplog)
 
 
-def test_a_config_object_on_the_module_class_compiles_and_compiles_again(tmp_path):
+def test_a_config_object_on_the_module_class_compiles_and_compiles_again(tmp_path, caplog,
+                                                                         monkeypatch):
     """A class attribute holding a config object (it crashed the guard of the recorded reads in
     session 39): a change of a field compiles again."""
-    model = _ConfigOnTheClass()
-    compiled = fc.compile(model, cache_dir=tmp_path)
-    x = torch.randn(1, 3, 8, 8)
-    try:
-        with torch.no_grad():
-            compiled(x)
-            spec = compiled.last
-            _ConfigOnTheClass.CFG.scale = 2.0
-            assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
-    finally:
-        _ConfigOnTheClass.CFG = _ClassCfg()
+    monkeypatch.setattr(_ConfigOnTheClass, "CFG", _ClassCfg())  # put back after the test
+    _compiled_again_after(_ConfigOnTheClass(), lambda m: setattr(m.CFG, "scale", 2.0), tmp_path,
+                          caplog)
 
 
 def _scaled_by(y, cfg):
@@ -1171,15 +1150,9 @@ class _PassesItsConfigToAnOp(nn.Module):
         return _scaled_by(self.conv(x), self.cfg)
 
 
-def test_an_object_the_graph_holds_as_a_constant_has_every_field_compared(tmp_path):
-    model = _PassesItsConfigToAnOp()
-    compiled = fc.compile(model, cache_dir=tmp_path)
-    x = torch.randn(1, 3, 8, 8)
-    with torch.no_grad():
-        compiled(x)
-        spec = compiled.last
-        model.cfg.scale = 2.0
-        assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+def test_an_object_the_graph_holds_as_a_constant_has_every_field_compared(tmp_path, caplog):
+    _compiled_again_after(_PassesItsConfigToAnOp(), lambda m: setattr(m.cfg, "scale", 2.0),
+                          tmp_path, caplog)
 
 
 @dataclasses.dataclass(eq=False)
@@ -1257,21 +1230,15 @@ def _evict_gain():
     ("plain", lambda m: setattr(m.plain, "__class__", _Other))],
     ids=["method_cache_cleared", "global_lru_cache_evicted", "metaclass_ignores_the_recorder",
          "object_given_another_class"])
-def test_values_a_cache_computed_and_other_hidden_reads_compile_again(read, change, tmp_path):
+def test_values_a_cache_computed_and_other_hidden_reads_compile_again(read, change, tmp_path,
+                                                                      caplog):
     """Found by the second review of the recorded field reads (session 39, taken back): a trace
     that hits a cache reads none of the fields the cached value came from, and a metaclass may
     drop a recorder. Every field is compared: each change compiles again. An object whose class
     is swapped is another object to the guard (wrong before session 39 too)."""
     torch.manual_seed(0)
     model = (_ReadsThroughCaches if read in ("memo", "helped") else _ReadsAField)(read)
-    x = torch.randn(2, 3, 8, 8)
-    with torch.no_grad():
-        model(x)  # the caches are filled before the compile's trace
-        compiled = fc.compile(model, cache_dir=tmp_path)
-        compiled(x)
-        spec = compiled.last
-        change(model)
-        assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+    _compiled_again_after(model, change, tmp_path, caplog, eager_first=True)
 
 
 @dataclasses.dataclass
@@ -1314,16 +1281,9 @@ class _ReadsThroughABoundMethod(nn.Module):
     lambda m: setattr(m.cfg.act, "slope", 0.5),
     lambda m: (setattr(m.cached, "width", 3.0), _CachedByTheClass.gain.cache_clear())],
     ids=["sub_config_behind_a_bound_method", "static_lru_cache_cleared"])
-def test_values_reached_past_the_fields_read_compile_again(change, tmp_path):
+def test_values_reached_past_the_fields_read_compile_again(change, tmp_path, caplog):
     """Both computed with the old value under the guard of recorded field reads (third review,
     session 39), which is why it was taken back."""
     torch.manual_seed(0)
-    model = _ReadsThroughABoundMethod()
-    x = torch.randn(2, 3, 8, 8)
-    with torch.no_grad():
-        model(x)  # the cache is filled before the compile's trace
-        compiled = fc.compile(model, cache_dir=tmp_path)
-        compiled(x)
-        spec = compiled.last
-        change(model)
-        assert rel_err(compiled(x), model(x)) < 1e-5 and compiled.last is not spec
+    _compiled_again_after(_ReadsThroughABoundMethod(), change, tmp_path, caplog,
+                          eager_first=True)
