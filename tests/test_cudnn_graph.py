@@ -67,15 +67,39 @@ def test_squeeze_is_an_exit_reduction_with_its_own_output(fp16_regions):
     assert squeeze["dtype"] == "data_type.FLOAT"  # cuDNN declines a HALF reduction output
 
 
-def test_three_input_channels_are_padded_to_eight():
-    model = nn.Sequential(nn.Conv2d(3, 64, 4, stride=4, bias=False), nn.ReLU()).half().eval()
-    region = specialize(model, torch.randn(128, 3, 64, 64, dtype=torch.float16)).regions[0]
+def _conv_dims(region) -> tuple[list[int], list[int], dict]:
+    """The cuDNN graph's convolution: image dims, weight dims, parameters."""
     graph = graph_json(region)
-    image = next(t for t in graph["tensors"].values() if t["dim"][0] == 128 and t["dim"][2] == 64)
-    assert image["dim"] == [128, 8, 64, 64]
     conv = next(n for n in graph["nodes"] if n["type"] == "CONV_FPROP")
-    assert graph["tensors"][conv["inputs"]["weight"]]["dim"] == [64, 8, 4, 4]
-    assert conv["params"]["stride"] == [4, 4]
+    return (graph["tensors"][conv["inputs"]["image"]]["dim"],
+            graph["tensors"][conv["inputs"]["weight"]]["dim"], conv["params"])
+
+
+@pytest.mark.parametrize("channels, padded", [(3, 4), (1, 4), (5, 8)])
+def test_few_input_channels_are_padded_to_four_more_to_eight(channels, padded):
+    """fp16 images of 1-3 channels are zero-padded to 4 (the engines take it; a stem ran faster
+    than on 8), others to the next multiple of 8. A 3x3 stride-2 stem is not rewritten as
+    space-to-depth (more multiply-adds than ``STEM_FLOP_RATIO`` allows)."""
+    model = nn.Sequential(nn.Conv2d(channels, 32, 3, stride=2, padding=1, bias=False),
+                          nn.ReLU()).half().eval()
+    region = specialize(model, torch.randn(8, channels, 32, 32, dtype=torch.float16)).regions[0]
+    image, weight, params = _conv_dims(region)
+    assert image == [8, padded, 32, 32] and weight == [32, padded, 3, 3]
+    assert params["stride"] == [2, 2]
+
+
+@pytest.mark.parametrize("kernel, stride, padding, image_dims, weight_dims, conv_stride", [
+    (4, 4, 0, [128, 48, 16, 16], [64, 48, 1, 1], 1),  # patchify (ConvNeXt's): 1x1 on 48 channels
+    (7, 2, 3, [128, 4, 64, 64], [64, 4, 7, 7], 2),  # the ResNet stem: kept, on 4 channels
+])
+def test_three_channel_stems_on_cudnn(kernel, stride, padding, image_dims, weight_dims,
+                                      conv_stride):
+    model = nn.Sequential(nn.Conv2d(3, 64, kernel, stride, padding, bias=False),
+                          nn.ReLU()).half().eval()
+    region = specialize(model, torch.randn(128, 3, 64, 64, dtype=torch.float16)).regions[0]
+    image, weight, params = _conv_dims(region)
+    assert image == image_dims and weight == weight_dims
+    assert params["stride"] == [conv_stride] * 2
 
 
 def test_reference_stem_reads_an_unpadded_channels_last_image(fp16_regions):

@@ -52,6 +52,42 @@ def test_space_to_depth_rewrite_is_exact_in_fp64(channels, pattern):
         assert region.conv.args[0].meta["val"].is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("channels, kernel, stride, padding, size", [
+    (3, 4, 4, 0, (32, 32)),  # ConvNeXt's patchify stem
+    (3, 3, 4, 1, (33, 30)),  # taps padded to 4x4, odd sizes (the pad crops the last rows)
+    (1, 2, 2, 0, (20, 22)),  # a grey image: 2 channels of zeros make 8
+])
+def test_strided_stem_rewrite_is_exact_in_fp64(channels, kernel, stride, padding, size):
+    """A patchify convolution of a few-channel image becomes a 1x1 convolution of its
+    space-to-depth copy: the same values, and in training the same gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(channels, 16, kernel, stride, padding), nn.BatchNorm2d(16),
+                          nn.ReLU()).double()
+    x = torch.randn(2, channels, *size, dtype=torch.float64)
+    compiled = CompiledModule(copy.deepcopy(model).eval(), options=CUDA_PIPELINE)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model.eval()(x)) < 1e-12
+    assert compiled.last.regions[0].pattern.startswith("conv1x1 ")
+    trained, eager = copy.deepcopy(model).train(), copy.deepcopy(model).train()
+    compiled = CompiledModule(trained, options=CUDA_PIPELINE)
+    compiled(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    for (name, got), want in zip(trained.named_parameters(), eager.parameters()):
+        # atol: the conv bias's gradient is zero but for rounding (batch norm subtracts the mean)
+        assert torch.allclose(got.grad, want.grad, rtol=1e-9, atol=1e-11), name
+
+
+@pytest.mark.parametrize("kernel, stride, padding", [(7, 2, 3), (3, 2, 1)])
+def test_strided_stems_with_kernels_larger_than_the_stride_are_kept(kernel, stride, padding):
+    """The ResNet and MobileNet stems: as space-to-depth they would be 4x4 and 2x2 convolutions
+    with more multiply-adds, which ran slower."""
+    model = nn.Sequential(nn.Conv2d(3, 16, kernel, stride, padding), nn.ReLU()).double().eval()
+    compiled = CompiledModule(model, options=CUDA_PIPELINE)
+    with torch.no_grad():
+        compiled(torch.randn(2, 3, 16, 16, dtype=torch.float64))
+    assert compiled.last.regions[0].pattern.startswith(f"conv{kernel}x{kernel}/s{stride}")
+
+
 def test_avgpool_conv_rewrite_is_exact_in_fp64():
     model = nn.Sequential(nn.AvgPool2d(3, 2, padding=1), nn.Conv2d(8, 16, 1, bias=False)).double()
     x = torch.randn(2, 8, 9, 9, dtype=torch.float64)

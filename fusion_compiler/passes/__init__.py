@@ -6,8 +6,10 @@ graph after any pass by its name). In order, with the condition under which each
   bias -> add), ``canonical_views`` (``unsqueeze``/``squeeze`` and chained size-1 reshapes as one
   ``torch.reshape``), ``cse`` (repeated reads and pure calls merged: equivalent spellings, one
   graph), ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
-  ``space_to_depth`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b
-  conv or one channels_last copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
+  ``space_to_depth``, ``strided_stem`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv ->
+  a b x b stride-b conv or one channels_last copy; a strided conv of a 1-4 channel image -> a
+  stride-1 conv of its space-to-depth copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s
+  conv),
   ``horizontal_fusion`` (CUDA inference, with that option, on by default: sibling convolutions
   of one image -> one convolution and channel views of its output), ``autocast`` (under
   ``torch.autocast``: its casts made graph ops), then the user's own passes (option ``passes``,
@@ -62,11 +64,11 @@ from .pre_fusion.views import canonical_views
 from .pre_fusion.fold_bn import fold_batch_norm
 from .pre_fusion.horizontal import horizontal_fusion
 from .pre_fusion.normalize import normalize
-from .pre_fusion.rewrites import avgpool_conv, space_to_depth_conv
+from .pre_fusion.rewrites import avgpool_conv, space_to_depth_conv, strided_stem_conv
 
 __all__ = ["Pass", "PassManager", "PIPELINES", "pipelines", "pass_names", "pre_fusion",
            "fusion", "post_lowering", "glue", "custom_passes", "normalize", "fold_batch_norm",
-           "space_to_depth_conv", "avgpool_conv", "fuse_regions", "verify"]
+           "space_to_depth_conv", "strided_stem_conv", "avgpool_conv", "fuse_regions", "verify"]
 
 log = logging.getLogger("fusion_compiler")
 PIPELINES = ("pre_fusion", "fusion", "post_lowering", "glue")
@@ -96,7 +98,8 @@ def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
                                    "common subexpressions merged")),
               Pass("fold_bn", fold_batch_norm)]
     if cuda:
-        passes += [Pass("space_to_depth", space_to_depth_conv), Pass("avgpool_conv", avgpool_conv)]
+        passes += [Pass("space_to_depth", space_to_depth_conv),
+                   Pass("strided_stem", strided_stem_conv), Pass("avgpool_conv", avgpool_conv)]
         if options.horizontal_fusion and not target.training:
             passes.append(Pass("horizontal_fusion", horizontal_fusion))
     if target.autocast is not None:  # casts before fusion, so regions form in the autocast dtype

@@ -83,8 +83,9 @@ def slower_than_pytorch(region: Region, kernel: CudnnKernel) -> tuple[str, dict[
     when PyTorch is at least 10% faster (else ``""``) and the times, ms per call by backend
     (``{"cudnn": ..., "reference": ...}``).
 
-    A 7x7 stride-2 conv on 3 channels zero-padded to 8 (the resnet stem), for one, runs far slower
-    on cuDNN's runtime-fusion engines than PyTorch's conv + pointwise ops (measurements:
+    A 7x7 stride-2 conv on 3 channels zero-padded to 8 or 4 (the resnet stem, where the pass
+    ``strided_stem`` does not rewrite it), for one, runs slower on cuDNN's runtime-fusion engines
+    than PyTorch's conv + pointwise ops (measurements:
     docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin").
     """
     inputs = sample_inputs(region)

@@ -111,7 +111,7 @@ def four_channel_images(gm: fx.GraphModule) -> int:
     placeholders take the 4-channel shapes. The weight's padding depends on the parameter alone, so
     in inference it is computed once per parameter version (:mod:`.hoist`); the image's fuses, under
     Inductor, with its channels_last conversion (:func:`channels_last_activations`, run after).
-    Regions lowered to cuDNN are left alone: their kernel pads the image to 8 channels itself, and
+    Regions lowered to cuDNN are left alone: their kernel pads the image to 4 channels itself, and
     a 4-channel image before that was one more copy.
 
     Four channels, not 3 or 8: with 3, Inductor's NCHW -> NHWC copy of the image is slower and

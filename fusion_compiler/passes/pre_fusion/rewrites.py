@@ -10,6 +10,10 @@ lowers to cuDNN well.
   :mod:`fusion_compiler.passes.fusion.space_to_depth_stem`, which finds it with
   :func:`space_to_depth_source`) and runs as one Triton kernel (the ``triton_stem`` backend,
   :mod:`fusion_compiler.backends.triton_stem`).
+* :func:`strided_stem_conv` -- a convolution of a few-channel image whose kernel is no larger than
+  its stride (a patchify stem: ConvNeXt's 4x4 stride 4) equals a 1x1 convolution of the image's
+  space-to-depth copy, with the kernel zero-padded to the stride and rearranged the same way;
+  cuDNN runs the second form on ``s*s*C`` channels far faster than the first on 4 or 8.
 * :func:`avgpool_conv` -- ``AvgPool2d(k, s, p, count_include_pad=True)`` followed by a 1x1
   convolution equals a k x k, stride-s, pad-p convolution whose every tap is ``weight / k**2``
   (both are linear; the pool's divisor is always ``k**2`` when padding counts).
@@ -26,7 +30,8 @@ import torch.nn.functional as F
 
 from ...ir.ops import CONV, avg_pool2d_args, eliminate_dead_code, is_call, is_conv
 
-__all__ = ["space_to_depth_conv", "avgpool_conv", "space_to_depth_source", "pointwise_conv"]
+__all__ = ["space_to_depth_conv", "strided_stem_conv", "avgpool_conv", "space_to_depth_source",
+           "pointwise_conv"]
 
 
 def _shape(node: object) -> tuple[int, ...] | None:
@@ -77,8 +82,8 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
     * otherwise: the same values written in one copy straight to channels_last,
       ``x.view(N,C,H/b,b,W/b,b).permute(0,2,4,3,5,1).reshape(N,H/b,W/b,b*b*C).permute(0,3,1,2)``
       (an ``[N, b*b*C, H/b, W/b]`` tensor with NHWC strides), and the 1x1 convolution is kept.
-      The folded form would make cuDNN zero-pad the image to 8 channels and run a strided conv on
-      it, slower than the copy and the 1x1 convolution together (measurements: docs/decisions.md,
+      The folded form would make cuDNN zero-pad the image to 4 or 8 channels and run a strided
+      conv on it, slower than the copy and the 1x1 convolution together (docs/decisions.md,
       "The ``space_to_depth`` and ``avgpool_conv`` rewrites and why CPU inputs skip them").
     """
     g = gm.graph
@@ -154,6 +159,80 @@ def space_to_depth_source(node: object) -> tuple[fx.Node, int, list[fx.Node]] | 
     if b < 1 or ss != (n, c, h // b, b, w // b, b) or out != (n, b * b * c, h // b, w // b):
         return None
     return x, b, [split, *head]
+
+
+def _pair(v: object) -> tuple[int, int] | None:
+    if isinstance(v, int):
+        return v, v
+    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(i, int) for i in v):
+        return int(v[0]), int(v[1])
+    return None
+
+
+def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``conv(x, w, b, stride=s, padding=p)`` of an image ``x`` with ``C`` at most 4
+    channels (a stem) whose kernel is no larger than its stride ``s >= 2`` (a patchify stem, such
+    as ConvNeXt's 4x4 stride 4) as a 1x1 convolution of ``x``'s space-to-depth copy:
+
+    * image: ``x`` zero-padded by ``p`` at the top and left and to ``s*H_out`` rows and
+      ``s*W_out`` columns (a negative pad crops rows no output reads), with zero channels up to
+      ``C'`` (the fewest that make ``s*s*C'`` a multiple of 8, cuDNN's half-precision channel
+      multiple), copied straight to channels_last as SpaceToDepth(s):
+      ``img[n, (dh*s + dw)*C' + c, i, j] = x_pad[n, c, s*i + dh, s*j + dw]``;
+    * weight: ``w`` zero-padded to ``C'`` channels and ``s x s`` taps, rearranged the same way:
+      ``w'[o, (dh*s + dw)*C' + c] = w_pad[o, c, dh, dw]``;
+    * ``conv(img, w', b)``: each output sums the same products as before, plus zeros (a change of
+      summation order only).
+
+    cuDNN runs the 1x1 form as a GEMM on ``s*s*C'`` channels; the strided form, on an image padded
+    to 4 or 8 channels, ran 2-3 times slower. Larger kernels (the 7x7 stride-2 ResNet stem as a 4x4
+    convolution on 16 channels) ran slower than PyTorch's convolution on 4 channels, and are left
+    (measurements: docs/decisions.md, "Patchify stems as space-to-depth"). Matched only without
+    groups or dilation, and where ``C`` is not a multiple of 8 already. Weights are rearranged by
+    graph ops on the live parameter (hoisted in inference)."""
+    g = gm.graph
+    for conv in list(g.nodes):
+        if not is_conv(conv) or len(conv.args) != 7 or conv.kwargs or conv.args[6] != 1:
+            continue
+        x, w = conv.args[0], conv.args[1]
+        xs, ws, ys = _shape(x), _shape(w), _shape(conv)
+        stride, padding, dilation = (_pair(a) for a in conv.args[3:6])
+        if xs is None or ws is None or ys is None or len(xs) != 4 or None in (stride, padding) \
+                or dilation != (1, 1) or stride[0] != stride[1] or stride[0] < 2:
+            continue
+        _, c, h, wd = xs
+        if not all(isinstance(v, int) for v in (c, h, wd, *ws)):
+            continue  # symbolic sizes: the pads below would bake one in
+        s, (kh, kw) = stride[0], ws[2:]
+        taps = (-(-kh // s), -(-kw // s))
+        if c > 4 or c % 8 == 0 or taps != (1, 1):
+            continue
+        channels = c
+        while (s * s * channels) % 8:
+            channels += 1
+        rows, cols = ys[2] + taps[0] - 1, ys[3] + taps[1] - 1  # blocks the outputs read
+        pad = (padding[1], s * cols - wd - padding[1], padding[0], s * rows - h - padding[0],
+               0, channels - c)
+        k = ws[0]
+        with g.inserting_before(conv):
+            xp = g.call_function(F.pad, (x, pad)) if any(pad) else x
+            split = g.call_function(torch.reshape, (xp, (-1, channels, rows, s, cols, s)))
+            nhwc = g.call_function(torch.permute, (split, (0, 2, 4, 3, 5, 1)))
+            flat = g.call_function(torch.reshape, (nhwc, (-1, rows, cols, s * s * channels)))
+            image = g.call_function(torch.permute, (flat, (0, 3, 1, 2)))
+            wpad = (0, s * taps[1] - kw, 0, s * taps[0] - kh, 0, channels - c)
+            wp = g.call_function(F.pad, (w, wpad)) if any(wpad) else w
+            wsplit = g.call_function(torch.reshape, (wp, (k, channels, taps[0], s, taps[1], s)))
+            wperm = g.call_function(torch.permute, (wsplit, (0, 3, 5, 1, 2, 4)))
+            weight = g.call_function(torch.reshape, (wperm, (k, s * s * channels, *taps)))
+            new = g.call_function(CONV, (image, weight, conv.args[2], (1, 1), (0, 0), (1, 1), 1))
+        new.meta.update(conv.meta)
+        conv.replace_all_uses_with(new)
+        g.erase_node(conv)
+    eliminate_dead_code(g)
+    g.lint()
+    gm.recompile()
+    return gm
 
 
 def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
