@@ -54,8 +54,9 @@ def test_space_to_depth_rewrite_is_exact_in_fp64(channels, pattern):
 
 @pytest.mark.parametrize("channels, kernel, stride, padding, size", [
     (3, 4, 4, 0, (32, 32)),  # ConvNeXt's patchify stem
-    (3, 3, 4, 1, (33, 30)),  # taps padded to 4x4, odd sizes (the pad crops the last rows)
-    (1, 2, 2, 0, (20, 22)),  # a grey image: 2 channels of zeros make 8
+    (3, 4, 4, 1, (33, 30)),  # padded, odd sizes (the pad crops the last rows)
+    (1, 4, 4, 0, (20, 24)),  # a grey image
+    (3, 2, 2, 0, (20, 22)),  # a zero fourth channel makes 16
 ])
 def test_strided_stem_rewrite_is_exact_in_fp64(channels, kernel, stride, padding, size):
     """A patchify convolution of a few-channel image becomes a 1x1 convolution of its
@@ -77,14 +78,18 @@ def test_strided_stem_rewrite_is_exact_in_fp64(channels, kernel, stride, padding
         assert torch.allclose(got.grad, want.grad, rtol=1e-9, atol=1e-11), name
 
 
-@pytest.mark.parametrize("kernel, stride, padding", [(7, 2, 3), (3, 2, 1)])
-def test_strided_stems_with_kernels_larger_than_the_stride_are_kept(kernel, stride, padding):
-    """The ResNet and MobileNet stems: as space-to-depth they would be 4x4 and 2x2 convolutions
-    with more multiply-adds, which ran slower."""
-    model = nn.Sequential(nn.Conv2d(3, 16, kernel, stride, padding), nn.ReLU()).double().eval()
+@pytest.mark.parametrize("channels, kernel, stride, padding", [
+    (3, 7, 2, 3), (3, 3, 2, 1),  # ResNet's, MobileNet's: 4x4 and 2x2 convolutions, slower
+    (3, 2, 4, 0),  # a kernel smaller than its stride reads part of the image
+    (3, 3, 3, 0), (1, 2, 2, 0),  # odd stride, one channel: padded to 8 (24, 2) channels
+])
+def test_other_strided_stems_are_kept(channels, kernel, stride, padding):
+    """Strided stems the space-to-depth form does not take (``strided_stem_conv``)."""
+    model = nn.Sequential(nn.Conv2d(channels, 16, kernel, stride, padding),
+                          nn.ReLU()).double().eval()
     compiled = CompiledModule(model, options=CUDA_PIPELINE)
     with torch.no_grad():
-        compiled(torch.randn(2, 3, 16, 16, dtype=torch.float64))
+        compiled(torch.randn(2, channels, 16, 16, dtype=torch.float64))
     assert compiled.last.regions[0].pattern.startswith(f"conv{kernel}x{kernel}/s{stride}")
 
 

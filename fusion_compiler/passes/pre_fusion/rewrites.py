@@ -171,7 +171,7 @@ def _pair(v: object) -> tuple[int, int] | None:
 
 def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``conv(x, w, b, stride=s, padding=p)`` of an image ``x`` with ``C`` at most 4
-    channels (a stem) whose kernel is no larger than its stride ``s >= 2`` (a patchify stem, such
+    channels (a stem) whose ``s x s`` kernel equals its stride ``s >= 2`` (a patchify stem, such
     as ConvNeXt's 4x4 stride 4) as a 1x1 convolution of ``x``'s space-to-depth copy:
 
     * image: ``x`` zero-padded by ``p`` at the top and left and to ``s*H_out`` rows and
@@ -179,7 +179,7 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
       ``C'`` (the fewest that make ``s*s*C'`` a multiple of 8, cuDNN's half-precision channel
       multiple), copied straight to channels_last as SpaceToDepth(s):
       ``img[n, (dh*s + dw)*C' + c, i, j] = x_pad[n, c, s*i + dh, s*j + dw]``;
-    * weight: ``w`` zero-padded to ``C'`` channels and ``s x s`` taps, rearranged the same way:
+    * weight: ``w`` zero-padded to ``C'`` channels, rearranged the same way:
       ``w'[o, (dh*s + dw)*C' + c] = w_pad[o, c, dh, dw]``;
     * ``conv(img, w', b)``: each output sums the same products as before, plus zeros (a change of
       summation order only).
@@ -187,9 +187,12 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
     cuDNN runs the 1x1 form as a GEMM on ``s*s*C'`` channels; the strided form, on an image padded
     to 4 or 8 channels, ran 2-3 times slower. Larger kernels (the 7x7 stride-2 ResNet stem as a 4x4
     convolution on 16 channels) ran slower than PyTorch's convolution on 4 channels, and are left
-    (measurements: docs/decisions.md, "Patchify stems as space-to-depth"). Matched only without
-    groups or dilation, and where ``C`` is not a multiple of 8 already. Weights are rearranged by
-    graph ops on the live parameter (hoisted in inference)."""
+    (measurements: docs/decisions.md, "cuDNN stems on 4 channels; patchify stems as
+    space-to-depth"); a smaller kernel reads only part of the image, which the copy would hold
+    whole. Matched only without groups or dilation, where ``C`` is not a multiple of 8 already
+    and the zero channels add at most a third (``3 * C' <= 4 * C``: not for an odd stride, whose
+    ``s * s * C'`` needs ``C' = 8``). Weights are rearranged by graph ops on the live parameter
+    (hoisted in inference)."""
     g = gm.graph
     for conv in list(g.nodes):
         if not is_conv(conv) or len(conv.args) != 7 or conv.kwargs or conv.args[6] != 1:
@@ -204,13 +207,12 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
         if not all(isinstance(v, int) for v in (c, h, wd, *ws)):
             continue  # symbolic sizes: the pads below would bake one in
         s, (kh, kw) = stride[0], ws[2:]
-        taps = (-(-kh // s), -(-kw // s))
-        if c > 4 or c % 8 == 0 or taps != (1, 1):
-            continue
         channels = c
         while (s * s * channels) % 8:
             channels += 1
-        rows, cols = ys[2] + taps[0] - 1, ys[3] + taps[1] - 1  # blocks the outputs read
+        if c > 4 or c % 8 == 0 or (kh, kw) != (s, s) or 3 * channels > 4 * c:
+            continue  # a smaller kernel reads part of the image; the copy would hold all of it
+        rows, cols = ys[2], ys[3]  # one block of s x s pixels per output
         pad = (padding[1], s * cols - wd - padding[1], padding[0], s * rows - h - padding[0],
                0, channels - c)
         k = ws[0]
@@ -220,11 +222,10 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
             nhwc = g.call_function(torch.permute, (split, (0, 2, 4, 3, 5, 1)))
             flat = g.call_function(torch.reshape, (nhwc, (-1, rows, cols, s * s * channels)))
             image = g.call_function(torch.permute, (flat, (0, 3, 1, 2)))
-            wpad = (0, s * taps[1] - kw, 0, s * taps[0] - kh, 0, channels - c)
-            wp = g.call_function(F.pad, (w, wpad)) if any(wpad) else w
-            wsplit = g.call_function(torch.reshape, (wp, (k, channels, taps[0], s, taps[1], s)))
-            wperm = g.call_function(torch.permute, (wsplit, (0, 3, 5, 1, 2, 4)))
-            weight = g.call_function(torch.reshape, (wperm, (k, s * s * channels, *taps)))
+            wp = g.call_function(F.pad, (w, (0, 0, 0, 0, 0, channels - c))) \
+                if channels > c else w
+            wperm = g.call_function(torch.permute, (wp, (0, 2, 3, 1)))  # [K, dh, dw, C']
+            weight = g.call_function(torch.reshape, (wperm, (k, s * s * channels, 1, 1)))
             new = g.call_function(CONV, (image, weight, conv.args[2], (1, 1), (0, 0), (1, 1), 1))
         new.meta.update(conv.meta)
         conv.replace_all_uses_with(new)
