@@ -69,6 +69,31 @@ def _permutation(node: object) -> tuple[int, ...] | None:
 CHANNEL_MULTIPLE = 8
 
 
+def _nhwc_space_to_depth(g: fx.Graph, split: fx.Node, rows: int, cols: int,
+                         channels: int, b: int) -> fx.Node:
+    """The channels_last copy of SpaceToDepth(``b``) from ``split``, an image viewed as
+    ``[N, channels, rows, b, cols, b]``: ``permute(0,2,4,3,5,1)``, ``reshape(N, rows, cols,
+    b*b*channels)``, ``permute(0,3,1,2)`` (the form :func:`space_to_depth_source` finds)."""
+    nhwc = g.call_function(torch.permute, (split, (0, 2, 4, 3, 5, 1)))
+    flat = g.call_function(torch.reshape, (nhwc, (-1, rows, cols, b * b * channels)))
+    return g.call_function(torch.permute, (flat, (0, 3, 1, 2)))
+
+
+def _replaced(g: fx.Graph, conv: fx.Node, new: fx.Node) -> None:
+    """``new`` (same value) takes over ``conv``'s metadata and users; ``conv`` is erased."""
+    new.meta.update(conv.meta)
+    conv.replace_all_uses_with(new)
+    g.erase_node(conv)
+
+
+def _finished(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` after removing what the rewrites left unused, checked and recompiled."""
+    eliminate_dead_code(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``conv1x1(SpaceToDepth_b(x), w)`` for cuDNN.
 
@@ -105,9 +130,7 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if c % CHANNEL_MULTIPLE:
             with g.inserting_before(conv):
-                nhwc = g.call_function(torch.permute, (split, (0, 2, 4, 3, 5, 1)))
-                flat = g.call_function(torch.reshape, (nhwc, (n, h // b, w // b, b * b * c)))
-                image = g.call_function(torch.permute, (flat, (0, 3, 1, 2)))
+                image = _nhwc_space_to_depth(g, split, h // b, w // b, c, b)
             conv.replace_input_with(folded, image)
             continue
         k = _shape(conv.args[1])[0]
@@ -115,13 +138,8 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
             wr = g.call_function(torch.reshape, (conv.args[1], (k, b, b, c)))
             wp = g.call_function(torch.permute, (wr, (0, 3, 1, 2)))
             new = g.call_function(CONV, (x, wp, None, (b, b), (0, 0), (1, 1), 1))
-        new.meta.update(conv.meta)
-        conv.replace_all_uses_with(new)
-        g.erase_node(conv)
-    eliminate_dead_code(g)
-    g.lint()
-    gm.recompile()
-    return gm
+        _replaced(g, conv, new)
+    return _finished(gm)
 
 
 def space_to_depth_source(node: object) -> tuple[fx.Node, int, list[fx.Node]] | None:
@@ -219,21 +237,14 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
         with g.inserting_before(conv):
             xp = g.call_function(F.pad, (x, pad)) if any(pad) else x
             split = g.call_function(torch.reshape, (xp, (-1, channels, rows, s, cols, s)))
-            nhwc = g.call_function(torch.permute, (split, (0, 2, 4, 3, 5, 1)))
-            flat = g.call_function(torch.reshape, (nhwc, (-1, rows, cols, s * s * channels)))
-            image = g.call_function(torch.permute, (flat, (0, 3, 1, 2)))
+            image = _nhwc_space_to_depth(g, split, rows, cols, channels, s)
             wp = g.call_function(F.pad, (w, (0, 0, 0, 0, 0, channels - c))) \
                 if channels > c else w
             wperm = g.call_function(torch.permute, (wp, (0, 2, 3, 1)))  # [K, dh, dw, C']
             weight = g.call_function(torch.reshape, (wperm, (k, s * s * channels, 1, 1)))
             new = g.call_function(CONV, (image, weight, conv.args[2], (1, 1), (0, 0), (1, 1), 1))
-        new.meta.update(conv.meta)
-        conv.replace_all_uses_with(new)
-        g.erase_node(conv)
-    eliminate_dead_code(g)
-    g.lint()
-    gm.recompile()
-    return gm
+        _replaced(g, conv, new)
+    return _finished(gm)
 
 
 def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
@@ -256,11 +267,7 @@ def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
         with g.inserting_before(conv):
             scaled = g.call_function(torch.mul, (conv.args[1], 1.0 / (kh * kw)))
             taps = g.call_method("expand", (scaled, (wshape[0], wshape[1], kh, kw)))
-            new = g.call_function(CONV, (a["input"], taps, None, stride, pair(a["padding"]), (1, 1), 1))
-        new.meta.update(conv.meta)
-        conv.replace_all_uses_with(new)
-        g.erase_node(conv)
-    eliminate_dead_code(g)
-    g.lint()
-    gm.recompile()
-    return gm
+            new = g.call_function(CONV, (a["input"], taps, None, stride, pair(a["padding"]),
+                                         (1, 1), 1))
+        _replaced(g, conv, new)
+    return _finished(gm)
