@@ -86,11 +86,13 @@ def _replaced(g: fx.Graph, conv: fx.Node, new: fx.Node) -> None:
     g.erase_node(conv)
 
 
-def _finished(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` after removing what the rewrites left unused, checked and recompiled."""
-    eliminate_dead_code(gm.graph)
-    gm.graph.lint()
-    gm.recompile()
+def _finished(gm: fx.GraphModule, changed: bool) -> fx.GraphModule:
+    """``gm`` after removing what the rewrites left unused, checked and recompiled (as it was
+    when nothing ``changed``: a recompile costs about 3 ms)."""
+    if changed:
+        eliminate_dead_code(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
     return gm
 
 
@@ -112,6 +114,7 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
       "The ``space_to_depth`` and ``avgpool_conv`` rewrites and why CPU inputs skip them").
     """
     g = gm.graph
+    changed = False
     for conv in list(g.nodes):
         if not pointwise_conv(conv) or not _is_reshape(conv.args[0]):
             continue
@@ -132,6 +135,7 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
             with g.inserting_before(conv):
                 image = _nhwc_space_to_depth(g, split, h // b, w // b, c, b)
             conv.replace_input_with(folded, image)
+            changed = True
             continue
         k = _shape(conv.args[1])[0]
         with g.inserting_before(conv):
@@ -139,7 +143,8 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
             wp = g.call_function(torch.permute, (wr, (0, 3, 1, 2)))
             new = g.call_function(CONV, (x, wp, None, (b, b), (0, 0), (1, 1), 1))
         _replaced(g, conv, new)
-    return _finished(gm)
+        changed = True
+    return _finished(gm, changed)
 
 
 def space_to_depth_source(node: object) -> tuple[fx.Node, int, list[fx.Node]] | None:
@@ -212,6 +217,7 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
     ``s * s * C'`` needs ``C' = 8``). Weights are rearranged by graph ops on the live parameter
     (hoisted in inference)."""
     g = gm.graph
+    changed = False
     for conv in list(g.nodes):
         if not is_conv(conv) or len(conv.args) != 7 or conv.kwargs or conv.args[6] != 1:
             continue
@@ -244,7 +250,8 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
             weight = g.call_function(torch.reshape, (wperm, (k, s * s * channels, 1, 1)))
             new = g.call_function(CONV, (image, weight, conv.args[2], (1, 1), (0, 0), (1, 1), 1))
         _replaced(g, conv, new)
-    return _finished(gm)
+        changed = True
+    return _finished(gm, changed)
 
 
 def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
@@ -254,6 +261,7 @@ def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
     Only ``ceil_mode=False`` and no ``divisor_override`` pools match: otherwise the divisor varies.
     """
     g = gm.graph
+    changed = False
     for conv in list(g.nodes):
         if not pointwise_conv(conv) or not is_call(conv.args[0], F.avg_pool2d):
             continue
@@ -270,4 +278,5 @@ def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
             new = g.call_function(CONV, (a["input"], taps, None, stride, pair(a["padding"]),
                                          (1, 1), 1))
         _replaced(g, conv, new)
-    return _finished(gm)
+        changed = True
+    return _finished(gm, changed)
