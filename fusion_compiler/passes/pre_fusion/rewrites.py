@@ -10,10 +10,10 @@ lowers to cuDNN well.
   :mod:`fusion_compiler.passes.fusion.space_to_depth_stem`, which finds it with
   :func:`space_to_depth_source`) and runs as one Triton kernel (the ``triton_stem`` backend,
   :mod:`fusion_compiler.backends.triton_stem`).
-* :func:`strided_stem_conv` -- a convolution of a few-channel image whose kernel is no larger than
-  its stride (a patchify stem: ConvNeXt's 4x4 stride 4) equals a 1x1 convolution of the image's
-  space-to-depth copy, with the kernel zero-padded to the stride and rearranged the same way;
-  cuDNN runs the second form on ``s*s*C`` channels far faster than the first on 4 or 8.
+* :func:`strided_stem_conv` -- a convolution of a few-channel image whose kernel equals its
+  stride (a patchify stem: ConvNeXt's 4x4 stride 4) equals a 1x1 convolution of the image's
+  space-to-depth copy, with the weight rearranged the same way; cuDNN runs the second form on
+  ``s*s*C`` channels far faster than the first on 4 or 8.
 * :func:`avgpool_conv` -- ``AvgPool2d(k, s, p, count_include_pad=True)`` followed by a 1x1
   convolution equals a k x k, stride-s, pad-p convolution whose every tap is ``weight / k**2``
   (both are linear; the pool's divisor is always ``k**2`` when padding counts).
