@@ -70,12 +70,12 @@ CHANNEL_MULTIPLE = 8
 
 
 def _nhwc_space_to_depth(g: fx.Graph, split: fx.Node, rows: int, cols: int,
-                         channels: int, b: int) -> fx.Node:
+                         channels: int, b: int, batch: int = -1) -> fx.Node:
     """The channels_last copy of SpaceToDepth(``b``) from ``split``, an image viewed as
-    ``[N, channels, rows, b, cols, b]``: ``permute(0,2,4,3,5,1)``, ``reshape(N, rows, cols,
+    ``[N, channels, rows, b, cols, b]``: ``permute(0,2,4,3,5,1)``, ``reshape(batch, rows, cols,
     b*b*channels)``, ``permute(0,3,1,2)`` (the form :func:`space_to_depth_source` finds)."""
     nhwc = g.call_function(torch.permute, (split, (0, 2, 4, 3, 5, 1)))
-    flat = g.call_function(torch.reshape, (nhwc, (-1, rows, cols, b * b * channels)))
+    flat = g.call_function(torch.reshape, (nhwc, (batch, rows, cols, b * b * channels)))
     return g.call_function(torch.permute, (flat, (0, 3, 1, 2)))
 
 
@@ -133,7 +133,7 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if c % CHANNEL_MULTIPLE:
             with g.inserting_before(conv):
-                image = _nhwc_space_to_depth(g, split, h // b, w // b, c, b)
+                image = _nhwc_space_to_depth(g, split, h // b, w // b, c, b, batch=n)
             conv.replace_input_with(folded, image)
             changed = True
             continue
