@@ -31,6 +31,16 @@ import torch.nn.functional as F
 CONV = torch.conv2d
 
 
+def int_pair(v: Any) -> tuple[int, int] | None:
+    """A convolution's stride, padding or dilation argument as ``(height, width)`` integers: an
+    int for both, or a pair of ints; ``None`` for anything else (a string padding, a symbol)."""
+    if isinstance(v, int):
+        return v, v
+    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(i, int) for i in v):
+        return int(v[0]), int(v[1])
+    return None
+
+
 def write_back(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``target.copy_(value)``: how a graph whose in-place ops were made out of place leaves a
     graph input or a module buffer it wrote updated, as eager PyTorch does. A side effect: never

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..ir.ops import int_pair
 from ..ir.region import Region
 from ..runtime.region_op import (channels_last_specs, in_dry_run, is_traced, register_kernel,
                                   run_region)
@@ -85,14 +86,6 @@ class TileConfig:
     split: int = 1
 
 
-def _pair(v: Any) -> tuple[int, int] | None:
-    if isinstance(v, int):
-        return v, v
-    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(i, int) for i in v):
-        return int(v[0]), int(v[1])
-    return None
-
-
 def _geometry(conv: fx.Node, depthwise: bool = False) -> tuple[tuple[int, int], ...] | str:
     """``(stride, padding, dilation)`` of a canonical ``conv2d`` node, or why not taken: groups
     must be 1, or with ``depthwise`` the input's channel count, each group one output channel."""
@@ -108,7 +101,7 @@ def _geometry(conv: fx.Node, depthwise: bool = False) -> tuple[tuple[int, int], 
                     "channels; the kernel takes one group per channel)")
     elif groups != 1:
         return f"a grouped convolution ({groups} groups); the kernel takes groups=1"
-    pairs = tuple(_pair(v) for v in (stride, padding, dilation))
+    pairs = tuple(int_pair(v) for v in (stride, padding, dilation))
     if None in pairs:
         return f"stride {stride}, padding {padding}, dilation {dilation} are not pairs of ints"
     return pairs

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...ir.ops import CONV, avg_pool2d_args, eliminate_dead_code, is_call, is_conv
+from ...ir.ops import CONV, avg_pool2d_args, eliminate_dead_code, int_pair, is_call, is_conv
 
 __all__ = ["space_to_depth_conv", "strided_stem_conv", "avgpool_conv", "space_to_depth_source",
            "pointwise_conv"]
@@ -184,14 +184,6 @@ def space_to_depth_source(node: object) -> tuple[fx.Node, int, list[fx.Node]] | 
     return x, b, [split, *head]
 
 
-def _pair(v: object) -> tuple[int, int] | None:
-    if isinstance(v, int):
-        return v, v
-    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(i, int) for i in v):
-        return int(v[0]), int(v[1])
-    return None
-
-
 def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``conv(x, w, b, stride=s, padding=p)`` of an image ``x`` with ``C`` at most 4
     channels (a stem) whose ``s x s`` kernel equals its stride ``s >= 2`` (a patchify stem, such
@@ -223,7 +215,7 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         x, w = conv.args[0], conv.args[1]
         xs, ws, ys = _shape(x), _shape(w), _shape(conv)
-        stride, padding, dilation = (_pair(a) for a in conv.args[3:6])
+        stride, padding, dilation = (int_pair(a) for a in conv.args[3:6])
         if xs is None or ws is None or ys is None or len(xs) != 4 or None in (stride, padding) \
                 or dilation != (1, 1) or stride[0] != stride[1] or stride[0] < 2:
             continue
