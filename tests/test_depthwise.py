@@ -13,13 +13,12 @@ import torch.nn as nn
 from fusion_compiler.backends import triton_depthwise
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.config import DEFAULT_BACKENDS
-from fusion_compiler.kernels.conv import conv_program
+from fusion_compiler.kernels.conv import CHANNEL, FULL, SCALAR, conv_program
 from fusion_compiler.kernels.depthwise import (candidate_configs, default_config,
                                                depthwise_program)
+from fusion_compiler.kernels.epilogue import ADD, CLAMP, DIV, MUL, RELU, SIGMOID, SILU, SUB, TANH
 from conftest import CUDA_PIPELINE, rel_err, run_interpreted, specialize
 
-ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU, CLAMP = range(1, 10)
-SCALAR, CHANNEL, FULL = range(3)
 
 _SCRIPT = """
 import json, sys

@@ -13,14 +13,13 @@ from conftest import lowered_or_pytorch_faster, rel_err
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomized_se_resnet9_fixup
-from fusion_compiler.kernels.conv import ConvProgram, conv_reference
+from fusion_compiler.kernels.conv import CHANNEL, FULL, SCALAR, ConvProgram, conv_reference
 from fusion_compiler.config import DEFAULT_BACKENDS
 from fusion_compiler.kernels.dense_conv import DenseConvKernel, DenseProgram, folded_ops
+from fusion_compiler.kernels.epilogue import ADD, DIV, MUL, RELU, SILU, SUB, TANH
 
 pytestmark = pytest.mark.gpu
 
-ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU = range(1, 9)
-SCALAR, CHANNEL, FULL = range(3)
 
 SHAPES = {  # N, C, H, W, K, R, stride, padding
     "layer3 3x3 of 2x2": (128, 512, 2, 2, 512, 3, 1, 1),

@@ -14,11 +14,10 @@ import torch.nn as nn
 from conftest import rel_err
 
 import fusion_compiler as fc
+from fusion_compiler.kernels.epilogue import ADD, CLAMP, MUL, RELU, SILU
+from fusion_compiler.kernels.conv import CHANNEL, FULL, SCALAR
 
 pytestmark = pytest.mark.gpu
-
-ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU, CLAMP = range(1, 10)
-SCALAR, CHANNEL, FULL = range(3)
 
 
 @pytest.fixture(autouse=True)

@@ -14,11 +14,10 @@ from conftest import WITH_TRITON_CONV, rel_err
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomized_se_resnet9_fixup
+from fusion_compiler.kernels.epilogue import ADD, DIV, MUL, RELU, SIGMOID, SILU, SUB, TANH
+from fusion_compiler.kernels.conv import CHANNEL, FULL, SCALAR
 
 pytestmark = pytest.mark.gpu
-
-ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU = range(1, 9)
-SCALAR, CHANNEL, FULL = range(3)
 
 
 @pytest.fixture(autouse=True)

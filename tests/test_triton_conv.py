@@ -15,12 +15,10 @@ import torch.nn.functional as F
 from examples.seresnet9_fixup import randomized_se_resnet9_fixup
 from fusion_compiler.backends import triton as triton_backend
 from fusion_compiler.compiler import CompiledModule
-from fusion_compiler.kernels.conv import (TileConfig, candidate_configs, conv_program,
-                                          default_config)
+from fusion_compiler.kernels.conv import (CHANNEL, FULL, SCALAR, TileConfig, candidate_configs,
+                                          conv_program, default_config)
+from fusion_compiler.kernels.epilogue import ADD, CLAMP, DIV, MUL, RELU, SIGMOID, SILU, SUB, TANH
 from conftest import CUDA_PIPELINE, WITH_TRITON_CONV, rel_err, run_interpreted, specialize
-
-ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU, CLAMP = range(1, 10)
-SCALAR, CHANNEL, FULL = range(3)
 
 
 _SCRIPT = """

@@ -37,14 +37,18 @@ from .epilogue import (BINARY, WITH_CLAMP, WITH_OPERAND, binary_operand, epilogu
 
 __all__ = ["MAX_STEPS", "MAX_OUTPUTS", "ConvProgram", "TileConfig", "conv_program",
            "output_hw", "conv_reference", "SMS", "default_config", "candidate_configs", "launch",
-           "triton_kernel", "triton_reason", "chain_arguments", "ConvKernel"]
+           "triton_kernel", "triton_reason", "chain_arguments", "ConvKernel", "SCALAR", "CHANNEL",
+           "FULL"]
 
 MAX_STEPS = 6
 """Most epilogue ops after the convolution."""
 MAX_OUTPUTS = 2
 """Most region outputs (values of the chain: the convolution's or any epilogue op's)."""
 
-_KINDS = {"scalar": 0, "channel": 1, "full": 2}  # operand kinds, as the kernel's constexprs
+SCALAR, CHANNEL, FULL = range(3)
+"""Operand kinds, as the kernel's ``KIND*`` constexprs take them: one element, one value per
+output channel, a full channels_last tensor."""
+_KINDS = {"scalar": SCALAR, "channel": CHANNEL, "full": FULL}
 _DTYPES = (torch.float16, torch.bfloat16)
 
 

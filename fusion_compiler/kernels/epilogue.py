@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from ..ir.ops import COMMUTATIVE
 from ..ir.region import Region, operand_kind
 
-__all__ = ["CODES", "BINARY", "SILU", "CLAMP", "WITH_CLAMP", "WITH_OPERAND", "Step",
-           "epilogue_chain", "binary_operand", "reference_outputs"]
+__all__ = ["CODES", "BINARY", "ADD", "SUB", "MUL", "DIV", "RELU", "SIGMOID", "TANH", "SILU",
+           "CLAMP", "WITH_CLAMP", "WITH_OPERAND", "Step", "epilogue_chain", "binary_operand",
+           "reference_outputs"]
 
 ADD, SUB, MUL, DIV, RELU, SIGMOID, TANH, SILU, CLAMP = range(1, 10)
 CODES = {torch.add: ADD, torch.sub: SUB, torch.mul: MUL, torch.div: DIV, torch.relu: RELU,
