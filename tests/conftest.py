@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -101,6 +102,19 @@ def relowered(region, **changes) -> None:
     import dataclasses
 
     region.lowering = dataclasses.replace(region.lowering, **changes)
+
+
+def needs_triton_kernel(module: str, loader: str, what: str):
+    """An autouse fixture for a GPU test module of one of this package's Triton kernels: Triton
+    must import, and then ``module.loader()`` must load the kernel (assign it at module level).
+    A kernel that fails to load falls back to its PyTorch reference, which the tests would
+    otherwise compare with itself."""
+    @pytest.fixture(autouse=True, name=f"needs_triton_{loader}")
+    def needs() -> None:
+        pytest.importorskip("triton")
+        load = getattr(importlib.import_module(module), loader)
+        assert load() is not None, f"the {what} Triton kernel did not load (see the WARNING)"
+    return needs
 
 
 def run_interpreted(script: str, cases: dict) -> dict:

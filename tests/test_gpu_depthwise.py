@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import rel_err
+from conftest import needs_triton_kernel, rel_err
 
 import fusion_compiler as fc
 from fusion_compiler.kernels.epilogue import ADD, CLAMP, MUL, RELU, SILU
@@ -20,14 +20,8 @@ from fusion_compiler.kernels.conv import CHANNEL, FULL, SCALAR
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _needs_triton():
-    """Triton must import, and then the kernel must load: a kernel that fails to load falls back
-    to its PyTorch reference, which these tests would otherwise compare with itself."""
-    pytest.importorskip("triton")
-    from fusion_compiler.kernels.depthwise import triton_kernel  # noqa: PLC0415
-
-    assert triton_kernel() is not None, "the depthwise Triton kernel did not load (see WARNING)"
+_needs_triton = needs_triton_kernel("fusion_compiler.kernels.depthwise", "triton_kernel",
+                                    "depthwise")
 
 
 SHAPES = {  # N, C, H, W, R, stride, padding

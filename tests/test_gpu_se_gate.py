@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_triton_kernel
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _needs_triton():
-    """Triton must import, and then the kernel must load: a kernel that fails to load falls back
-    to its PyTorch reference, which these tests would otherwise compare with itself."""
-    pytest.importorskip("triton")
-    from fusion_compiler.kernels.se_gate import _triton_kernel  # noqa: PLC0415
-
-    assert _triton_kernel() is not None, "the se_gate Triton kernel did not load (see the WARNING)"
+_needs_triton = needs_triton_kernel("fusion_compiler.kernels.se_gate", "_triton_kernel",
+                                    "se_gate")
 
 
 @pytest.mark.parametrize("n,c,h,w,r", [(128, 64, 16, 16, 4), (512, 512, 2, 2, 32), (5, 96, 7, 7, 6),

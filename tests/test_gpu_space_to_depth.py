@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import needs_triton_kernel, rel_err
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
@@ -16,15 +16,8 @@ from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _needs_triton():
-    """Triton must import, and then the kernel must load: a kernel that fails to load falls back
-    to its PyTorch reference, which these tests would otherwise compare with itself."""
-    pytest.importorskip("triton")
-    from fusion_compiler.kernels.space_to_depth import _triton_kernel  # noqa: PLC0415
-
-    assert _triton_kernel() is not None, \
-        "the space_to_depth_conv Triton kernel did not load (see the WARNING)"
+_needs_triton = needs_triton_kernel("fusion_compiler.kernels.space_to_depth", "_triton_kernel",
+                                    "space_to_depth_conv")
 
 
 EPILOGUES = {  # (ops, outputs, operand kinds): 1 add, 2 sub, 3 mul, 4 div, 5 relu, 6 sigmoid, 7 tanh

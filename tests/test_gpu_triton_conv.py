@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import WITH_TRITON_CONV, rel_err
+from conftest import WITH_TRITON_CONV, needs_triton_kernel, rel_err
 
 import fusion_compiler as fc
 from examples.seresnet9_fixup import randomized_se_resnet9_fixup
@@ -20,14 +20,8 @@ from fusion_compiler.kernels.conv import CHANNEL, FULL, SCALAR
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _needs_triton():
-    """Triton must import, and then the kernel must load: a kernel that fails to load falls back
-    to its PyTorch reference, which these tests would otherwise compare with itself."""
-    pytest.importorskip("triton")
-    from fusion_compiler.kernels.conv import triton_kernel  # noqa: PLC0415
-
-    assert triton_kernel() is not None, "the conv_nhwc Triton kernel did not load (see the WARNING)"
+_needs_triton = needs_triton_kernel("fusion_compiler.kernels.conv", "triton_kernel",
+                                    "conv_nhwc")
 
 
 SHAPES = {  # N, C, H, W, K, R, stride, padding
