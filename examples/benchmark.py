@@ -52,6 +52,7 @@ MODELS = {
     "regnet_y_400mf": ("torchvision.models:regnet_y_400mf", (32, 3, 224, 224), False),
     "densenet121": ("torchvision.models:densenet121", (32, 3, 224, 224), False),
     "convnext_tiny": ("torchvision.models:convnext_tiny", (32, 3, 224, 224), False),
+    "seresnext26d_32x4d": ("timm.models:seresnext26d_32x4d", (32, 3, 224, 224), False),
     "seresnet9-rgb-train": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
                             (2048, 3, 64, 64), True),
     "seresnet9-rgb-amp": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
@@ -95,7 +96,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     ref, shape, train = MODELS[name]
     torch.manual_seed(0)
     model = load_model(ref).cuda()
-    if ref.startswith("torchvision"):
+    if ref.startswith(("torchvision", "timm")):
         calibrate_batch_norm(model, shape)
     amp = name in AMP
     dtype = torch.float32 if amp else torch.half

@@ -19,6 +19,7 @@ also on a machine without a GPU), so dumps show what would run. Each region's re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -32,6 +33,7 @@ from .autograd.backward import training_region
 from .autograd.plan import backward_plans, with_masked_outputs
 from .backends import (PLAN_WORK, REFERENCE, REUSE_BATCH_RATIO, Backend, Lowered, backends_for,
                        registered)
+from .backends.glue_stand_in import eager_glue, pytorch_stand_in, timed_as
 from .backends.timing import paired_time_ms, sample_inputs
 from .config import DEFAULT_BACKENDS, CompileOptions
 from .ir.errors import UnsupportedError, condense
@@ -110,8 +112,11 @@ def _choice_header(region: Region, names) -> tuple[dict, int] | None:
            [node.op, str(node.target), repr(fx.node.map_arg(node.args, ref)),
             repr(fx.node.map_arg(node.kwargs, ref))]
            for node in nodes]
-    return {"format": 1, "kind": _CHOICE, "region": ops, "candidates": sorted(names),
-            "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}, batch
+    header = {"format": 1, "kind": _CHOICE, "region": ops, "candidates": sorted(names),
+              "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    if REFERENCE in names:  # a choice made against eager ops is not one against compiled glue
+        header["reference"] = timed_as()
+    return header, batch
 
 
 def _stored_choices(cache: PlanCache, header: dict) -> dict:
@@ -153,7 +158,9 @@ def _fastest(region: Region, lowered: dict[str, Lowered], cache: PlanCache
     if record is not None:
         return record["winner"], record["ms"]
     inputs = sample_inputs(region)
-    times = paired_time_ms([lambda k=low.kernel: k(*inputs) for low in lowered.values()])
+    runs = [pytorch_stand_in(region) if name == REFERENCE else low.kernel
+            for name, low in lowered.items()]
+    times = paired_time_ms([lambda k=run: k(*inputs) for run in runs])
     timing = dict(zip(lowered, times))
     winner = min(timing, key=timing.__getitem__)
     cache.store_record(header, _CHOICE, {"by_batch": {**choices, str(batch): {
@@ -237,8 +244,9 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
         bar = tqdm(regions, desc="fusion_compiler: building region plans", unit="region",
                    leave=False)
     cache = PlanCache(default_cache_dir(options.cache_dir))
-    choices = {region: _choose(region, *candidates[region], reference, training,
-                               plans.get(region), cache) for region in bar}
+    with contextlib.nullcontext() if options.glue_compiled_expected(training) else eager_glue():
+        choices = {region: _choose(region, *candidates[region], reference, training,
+                                   plans.get(region), cache) for region in bar}
     if training:  # only a derived backward masks: every backend's but PyTorch autograd's
         plans = with_masked_outputs(plans, pairs, lambda consumer: (
             choices[consumer].backend is not reference or options.derived_backward))

@@ -204,3 +204,30 @@ def test_a_kernel_is_timed_against_the_pytorch_ops_another_backend_lost_to(
     assert region.timing["reference"] == (1.0 if winner == "reference" else 3.0)
     if winner == "reference":
         assert region.status == "fallback" and "PyTorch ops were faster" in region.reason
+
+
+@pytest.mark.parametrize("options,timed", [({}, "as compiled glue runs them"),
+                                           ({"glue_backend": None}, "eager ops")])
+def test_the_pytorch_ops_are_timed_as_the_glue_will_run_them(doubling, options, timed,
+                                                             monkeypatch):
+    """Lowering times a region's PyTorch ops as compiled glue runs them (one pass after the
+    convolution) unless the options leave the glue eager: then as the region's own ops."""
+    from fusion_compiler import lowering
+    from fusion_compiler.backends.glue_stand_in import timed_as
+
+    registry.register_backend("slower", lambda options: _SlowerThanPyTorch())
+    seen = []
+
+    def fastest(region, lowered, cache):
+        seen.append(timed_as())
+        return "reference", {name: 1.0 for name in lowered}
+
+    monkeypatch.setattr(lowering, "_fastest", fastest)
+    try:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+        gm = _fused(model, torch.randn(2, 3, 8, 8))
+        regions_of(gm)[0].lowering = None
+        lower(gm, CompileOptions(backends=("doubling", "slower"), **options))
+    finally:
+        del registry._REGISTRY["slower"]
+    assert seen == [timed] and timed_as() == "as compiled glue runs them"

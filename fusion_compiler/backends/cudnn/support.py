@@ -10,6 +10,7 @@ from ...ir.errors import UnsupportedError
 from ...ir.ops import node_device
 from ...ir.region import Region
 from ..base import Support
+from ..glue_stand_in import pytorch_stand_in, pytorch_timing_record, timed_as
 from ..timing import PYTORCH_MARGIN, paired_time_ms, sample_inputs
 from .graph import import_cudnn, output_padding
 from .kernel import CudnnKernel
@@ -79,7 +80,8 @@ def _no_padding_reason(region: Region) -> str:
 
 
 def slower_than_pytorch(region: Region, kernel: CudnnKernel) -> tuple[str, dict[str, float]]:
-    """Time ``kernel`` (input preparation included) against the region's PyTorch ops: a reason
+    """Time ``kernel`` (input preparation included) against the region's PyTorch ops as the glue
+    will run them (:func:`~fusion_compiler.backends.glue_stand_in.pytorch_stand_in`): a reason
     when PyTorch is at least 10% faster (else ``""``) and the times, ms per call by backend
     (``{"cudnn": ..., "reference": ...}``).
 
@@ -95,13 +97,14 @@ def slower_than_pytorch(region: Region, kernel: CudnnKernel) -> tuple[str, dict[
         # timed one after the other, the same region's verdict changed from run to run
         # (measurements: docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin").
         fused, torch_ = paired_time_ms([lambda: kernel(*inputs),
-                                        lambda: region.graph_module(*inputs)], reps=5)
+                                        lambda: pytorch(*inputs)], reps=5)
         return fused, torch_
 
-    fused_ms, torch_ms = kernel.plan.timed_against_pytorch(measure)
+    pytorch = pytorch_stand_in(region)
+    fused_ms, torch_ms = kernel.plan.timed_against_pytorch(measure, pytorch_timing_record())
     timing = {"cudnn": fused_ms, "reference": torch_ms}
     if torch_ms < PYTORCH_MARGIN * fused_ms:
-        return (f"PyTorch ops were faster on this GPU: {torch_ms:.4f} ms against "
+        return (f"PyTorch ops were faster on this GPU: {torch_ms:.4f} ms ({timed_as()}) against "
                 f"{fused_ms:.4f} ms on cuDNN (best timed plan, input preparation included)",
                 timing)
     return "", timing

@@ -1,0 +1,115 @@
+"""What a region's PyTorch ops are timed as while lowering chooses its backend
+(``backends/glue_stand_in.py``), on the CPU: the convolution as it is, then one pointwise pass as
+Inductor's fused epilogue, unless the glue runs eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusion_compiler as fc
+from fusion_compiler import CompileOptions
+from fusion_compiler.backends.glue_stand_in import (eager_glue, pytorch_stand_in,
+                                                    pytorch_timing_record, timed_as)
+from fusion_compiler.lowering import regions_of
+from conftest import CUDA_PIPELINE, FUSE_ALL
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops dispatched inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Block(nn.Module):
+    """conv > batch norm > residual add (the block's input) > ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)) + x)
+
+
+def _region(model, x):
+    with torch.no_grad():
+        gm = fc.compile(model.eval(), glue_backend=None, options=CUDA_PIPELINE,
+                        backends=()).specialize(x).graph_module
+    (region,) = regions_of(gm)
+    return region
+
+
+def _inputs(region):
+    torch.manual_seed(0)
+    return [torch.randn(ph.meta["val"].shape)
+            for ph in region.graph_module.graph.find_nodes(op="placeholder")]
+
+
+def _dispatched(run, inputs):
+    with torch.no_grad(), _Ops() as ops:
+        run(*inputs)
+    return ops.ops
+
+
+def test_a_residual_block_is_timed_as_its_convolution_and_one_pass_reading_the_residual():
+    region = _region(_Block(), torch.randn(2, 8, 6, 6))
+    assert region.pattern == "conv3x3 > add > mul > add > add > relu"
+    inputs = _inputs(region)
+    assert _dispatched(pytorch_stand_in(region), inputs) == [
+        "aten.convolution.default", "aten.add.Tensor"]
+    # eagerly, each op of the region is a pass of its own
+    assert len(_dispatched(region.graph_module, inputs)) == 6
+
+
+def test_the_stand_in_runs_the_regions_own_convolution():
+    from fusion_compiler.backends.glue_stand_in import _up_to_conv
+
+    region = _region(_Block(), torch.randn(2, 8, 6, 6))
+    x, weight = _inputs(region)[:2]
+    prefix = _up_to_conv(region.graph_module, region.conv)
+    torch.testing.assert_close(prefix(x, weight, *_inputs(region)[2:]),
+                               F.conv2d(x, weight, padding=1), rtol=0, atol=0)
+
+
+def test_an_exit_reduction_adds_a_reduction_of_the_output():
+    from examples.seresnet9_fixup import SEFixupBlock
+    from fusion_compiler.compiler import CompiledModule
+
+    compiled = CompiledModule(SEFixupBlock(8, 8, 1, reduction=4).eval(), backends=(), **FUSE_ALL)
+    with torch.no_grad():
+        region = compiled.specialize(torch.randn(2, 8, 4, 4)).regions[1]
+    assert region.pattern == "[add] conv3x3 > mul > add + sum_hw"
+    ops = _dispatched(pytorch_stand_in(region), _inputs(region))
+    # the prologue's add (eagerly, as in the region), the convolution, the pass, the sum
+    assert ops == ["aten.add.Tensor", "aten.convolution.default", "aten.relu.default",
+                   "aten.sum.dim_IntList"]
+
+
+def test_eager_glue_times_the_regions_own_ops_under_a_record_of_its_own():
+    region = _region(_Block(), torch.randn(2, 8, 6, 6))
+    assert timed_as() == "as compiled glue runs them"
+    assert pytorch_timing_record() == "pytorch_timing_glue"
+    with eager_glue():
+        assert pytorch_stand_in(region) is region.graph_module
+        assert timed_as() == "eager ops"
+        assert pytorch_timing_record() == "pytorch_timing_paired"
+    assert pytorch_timing_record() == "pytorch_timing_glue"
+
+
+@pytest.mark.parametrize("options,training,compiled", [
+    ({}, False, True), ({}, True, True), ({"cuda_graph": False}, False, False),
+    ({"cuda_graph": False}, True, True), ({"glue_backend": None}, True, False),
+    ({"glue_backend": "eager"}, False, False), ({"glue_backend": "inductor",
+                                                 "cuda_graph": False}, False, True)])
+def test_the_options_say_whether_the_glue_is_expected_compiled(options, training, compiled):
+    assert CompileOptions(**options).glue_compiled_expected(training) is compiled
