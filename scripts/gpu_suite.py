@@ -201,6 +201,12 @@ def run_all(out: Path, gpus: list[str], extra: list[str], only: list[int] | None
 
 
 def _visible_gpus() -> list[str]:
+    """The GPUs ``--all`` spreads the chunks over by default: those ``CUDA_VISIBLE_DEVICES`` names
+    (a chunk's own ``CUDA_VISIBLE_DEVICES`` is a subset of them, so a run restricted to GPU 1
+    stays on GPU 1), else every GPU torch sees."""
+    named = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if any(named):
+        return [g for g in named if g]
     import torch  # only here: the other modes run without it
     return [str(i) for i in range(torch.cuda.device_count())] or ["0"]
 
@@ -212,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--chunk", type=int, help="run this chunk (1-based)")
     group.add_argument("--summary", type=Path, help="summarize the results in this folder")
     group.add_argument("--all", action="store_true", help="run every chunk, spread over the GPUs")
-    parser.add_argument("--gpus", help="with --all: the GPUs to use, e.g. 0,1 (default: all)")
+    parser.add_argument("--gpus", help="with --all: the GPUs to use, e.g. 0,1 (default: those "
+                        "CUDA_VISIBLE_DEVICES names, else all)")
     parser.add_argument("--chunks", help="with --all: only these chunks, e.g. 1,3,7")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "gpu_suite",
                         help="where a chunk writes its result (default: bench_out/gpu_suite)")

@@ -1,0 +1,33 @@
+"""The GPU suite's runner (``scripts/gpu_suite.py``) on the CPU: which GPUs ``--all`` uses and
+that every test file with GPU tests is in a chunk."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "scripts" / "gpu_suite.py"
+
+
+@pytest.fixture(scope="module")
+def runner():
+    spec = importlib.util.spec_from_file_location("gpu_suite", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_all_stays_on_the_gpus_cuda_visible_devices_names(runner, monkeypatch):
+    """``CUDA_VISIBLE_DEVICES=1 gpu_suite.py --all`` runs its chunks on GPU 1, not on GPU 0 (a
+    chunk's ``CUDA_VISIBLE_DEVICES`` is set from these names)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert runner._visible_gpus() == ["1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert runner._visible_gpus() == ["2", "3"]
+
+
+def test_every_gpu_test_file_is_in_a_chunk(runner):
+    chunked = {f for chunk in runner.chunks() for f in chunk}
+    assert set(runner.gpu_files()) <= chunked
