@@ -254,17 +254,6 @@ class CompileOptions:
         derivation prologue apply to."""
         return target.cuda and not target.training and bool(self.cuda_graph)
 
-    def glue_compiled_expected(self, training: bool) -> bool:
-        """Whether the ops between regions will be compiled (Inductor or another ``torch.compile``
-        backend) rather than run eagerly, as far as the options say before lowering: what a
-        region's PyTorch ops are timed as while lowering chooses its backend
-        (:mod:`fusion_compiler.backends.glue_stand_in`). ``"auto"`` compiles in training and
-        with a CUDA graph; the cases where it still runs eager glue (no Triton, nothing for
-        Inductor to compile) are only known after lowering (``glue_compile.glue_backend``)."""
-        if self.glue_backend is None or self.glue_backend == "eager":
-            return False
-        return self.glue_backend != "auto" or training or bool(self.cuda_graph)
-
     def tiers_before_lowering(self, target: Target) -> bool:
         """Whether a call may answer from tier 0 while the plans build (``tiered``, CUDA
         inference in a CUDA graph, no autocast)."""

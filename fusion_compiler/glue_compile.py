@@ -7,20 +7,16 @@ compiles or patches configuration runs on the calling thread (the rule of
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from .config import CompileOptions, Target
-from .ir.ops import calls_named
-from .kernels import triton_import_error
-from .passes.glue import inductor_work
+from .passes.glue import auto_glue_backend, inductor_reason, inductor_work
 from .runtime.background import on_calling_thread
 
-__all__ = ["glue_backend", "glue_compiled", "inductor_reason", "inductor_compile",
-           "inductor_without_autograd_cache", "without_custom_op_alias_check"]
+__all__ = ["glue_backend", "glue_compiled", "inductor_reason", "inductor_compile", "inductor_without_autograd_cache", "without_custom_op_alias_check"]
 
 
 def glue_backend(options: CompileOptions, gm: fx.GraphModule,
@@ -43,31 +39,10 @@ def glue_backend(options: CompileOptions, gm: fx.GraphModule,
     """
     if options.glue_backend != "auto":
         return options.glue_backend, ""
-    if not target.cuda or (not target.training and not options.cuda_graph):
+    if not target.cuda:
         return None, ""
-    if any(calls_named(n, "autograd_function_apply") for n in gm.graph.nodes):
-        return None, ("glue_backend='auto': ops between regions run eagerly: the graph holds "
-                      "a torch.autograd.Function (autograd_function_apply), which Dynamo "
-                      "cannot trace again")
-    if not target.training and not inductor_work(gm):
-        return None, ""
-    reason = inductor_reason()
-    if reason:
-        return None, f"glue_backend='auto': ops between regions run eagerly: {reason}"
-    return "inductor", ""
-
-
-@functools.cache
-def inductor_reason() -> str:
-    """Why Inductor cannot compile CUDA glue here (``""``: it can): Triton must import and the GPU
-    must have compute capability 7.0 or newer (what Inductor's Triton backend needs)."""
-    error = triton_import_error()
-    if error:
-        return f"Triton does not import ({error})"
-    major, minor = torch.cuda.get_device_capability()
-    if major < 7:
-        return f"the GPU has compute capability {major}.{minor}; Inductor's Triton kernels need 7.0"
-    return ""
+    return auto_glue_backend(options, gm, target.training,
+                             lambda: target.training or bool(inductor_work(gm)))
 
 
 def inductor_compile(gm: fx.GraphModule, example: Sequence[Any]) -> Callable[..., Any]:

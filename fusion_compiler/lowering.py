@@ -39,6 +39,7 @@ from .config import DEFAULT_BACKENDS, CompileOptions
 from .ir.errors import UnsupportedError, condense
 from .ir.ops import node_device
 from .ir.region import BackwardPlan, Lowering, Region, called_region
+from .passes.glue import glue_compiled_expected
 from .runtime.plan_cache import PlanCache, default_cache_dir
 
 __all__ = ["lower", "plan_work", "build_plans", "regions_of"]
@@ -244,7 +245,8 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
         bar = tqdm(regions, desc="fusion_compiler: building region plans", unit="region",
                    leave=False)
     cache = PlanCache(default_cache_dir(options.cache_dir))
-    with contextlib.nullcontext() if options.glue_compiled_expected(training) else eager_glue():
+    compiled = glue_compiled_expected(options, gm, training)
+    with contextlib.nullcontext() if compiled else eager_glue():
         choices = {region: _choose(region, *candidates[region], reference, training,
                                    plans.get(region), cache) for region in bar}
     if training:  # only a derived backward masks: every backend's but PyTorch autograd's
@@ -299,7 +301,8 @@ def plan_work(gm: fx.GraphModule, options: CompileOptions) -> str:
     work), ``"tune"`` when candidates must also be timed on the GPU (also where several backends
     take a region and no choice among them is stored)."""
     asked, taking = _asked_in(gm, options)
-    work = [backend.plan_work(r) for backend, mine in asked.items() for r in mine]
+    with contextlib.nullcontext() if glue_compiled_expected(options, gm, False) else eager_glue():
+        work = [backend.plan_work(r) for backend, mine in asked.items() for r in mine]
     cache = PlanCache(default_cache_dir(options.cache_dir))
     for region, backends in taking.items():
         names = [b.name for b in backends]

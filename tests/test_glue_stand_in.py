@@ -109,7 +109,59 @@ def test_eager_glue_times_the_regions_own_ops_under_a_record_of_its_own():
 @pytest.mark.parametrize("options,training,compiled", [
     ({}, False, True), ({}, True, True), ({"cuda_graph": False}, False, False),
     ({"cuda_graph": False}, True, True), ({"glue_backend": None}, True, False),
-    ({"glue_backend": "eager"}, False, False), ({"glue_backend": "inductor",
-                                                 "cuda_graph": False}, False, True)])
-def test_the_options_say_whether_the_glue_is_expected_compiled(options, training, compiled):
-    assert CompileOptions(**options).glue_compiled_expected(training) is compiled
+    ({"glue_backend": "eager"}, False, False), ({"glue_backend": "aot_eager"}, False, False),
+    ({"glue_backend": "inductor", "cuda_graph": False}, False, True)])
+def test_the_options_say_whether_the_glue_is_expected_compiled(options, training, compiled,
+                                                              monkeypatch):
+    """As ``glue_backend`` decides on CUDA (made to look available here), before lowering:
+    only Inductor fuses the ops after a convolution."""
+    from fusion_compiler.passes.glue import choice
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(choice, "inductor_reason", lambda: "")
+    gm = torch.fx.symbolic_trace(nn.Conv2d(3, 8, 3))
+    assert choice.glue_compiled_expected(CompileOptions(**options), gm, training) is compiled
+    # without Triton (or an old GPU), "auto" runs eager glue
+    monkeypatch.setattr(choice, "inductor_reason", lambda: "Triton does not import")
+    assert choice.glue_compiled_expected(CompileOptions(**options), gm, training) is (
+        compiled and options.get("glue_backend", "auto") != "auto")
+
+
+def test_a_derived_backward_runs_regions_on_pytorch_ops_eagerly():
+    from fusion_compiler.passes.glue import glue_compiled_expected
+    from conftest import DERIVED_BACKWARD
+
+    gm = torch.fx.symbolic_trace(nn.Conv2d(3, 8, 3))
+    assert not glue_compiled_expected(DERIVED_BACKWARD, gm, True)
+    assert glue_compiled_expected(CompileOptions(), gm, True)
+
+
+def test_a_bare_convolution_is_timed_as_the_convolution_alone():
+    region = _region(nn.Sequential(nn.Conv2d(3, 8, 3, bias=False)), torch.randn(2, 3, 8, 8))
+    assert region.pattern == "conv3x3"
+    assert _dispatched(pytorch_stand_in(region), _inputs(region)) == ["aten.convolution.default"]
+
+
+def test_a_cached_plan_not_yet_timed_against_the_ops_as_timed_now_needs_tuning(tmp_path):
+    """``plan_work`` says ``"tune"`` for a cached cuDNN plan without a timing against the
+    region's PyTorch ops under the name of how they are timed now (a cache from before, or for
+    the other kind of glue), so tier 0's background lowering is not started for a "load" that
+    times."""
+    from fusion_compiler.backends.base import Support
+    from fusion_compiler.backends.cudnn.backend import CudnnBackend
+    from fusion_compiler.backends.cudnn.graph import region_recipe
+    from fusion_compiler.backends.cudnn.recipe import recipe_key
+
+    region = _region(_Block(), torch.randn(2, 8, 6, 6))
+    backend = CudnnBackend(cache_dir=tmp_path, autotune=3)
+    backend.supports = lambda region: Support(True)  # as on a GPU
+    backend.device_fields = lambda device: {"gpu": "test"}
+    assert backend._untimed_against_pytorch(region, cached=True)
+    backend.cache.store_record(backend.header(recipe_key(region_recipe(region)), None),
+                               pytorch_timing_record(), {"cudnn_ms": 1.0, "pytorch_ms": 2.0})
+    assert not backend._untimed_against_pytorch(region, cached=True)
+    with eager_glue():  # stored for compiled glue: eager glue's timing is still missing
+        assert backend._untimed_against_pytorch(region, cached=True)
+    assert backend._untimed_against_pytorch(region, cached=False)  # no choice to follow
+    assert not CudnnBackend(cache_dir=tmp_path, autotune=1)._untimed_against_pytorch(
+        region, cached=True)  # nothing is timed with autotune 1

@@ -58,9 +58,9 @@ def pytorch_stand_in(region) -> Callable[..., object]:
       convolution as an extern kernel, and a prologue op is counted as its own pass);
     - then one pointwise pass that reads the convolution's output ``[N, K, P, Q]`` and every
       region input of that shape that an op after the convolution reads (a residual, the
-      block's input included), and writes one tensor of that shape: Inductor's fused epilogue.
-      Each further output of that shape adds a pass, each sum over ``(H, W)`` (an exit
-      reduction) a reduction of the output.
+      block's input included), and writes one tensor of that shape: Inductor's fused epilogue
+      (none where no op follows the convolution). Each further output of that shape adds a
+      pass, each sum over ``(H, W)`` (an exit reduction) a reduction of the output.
 
     Under :func:`eager_glue` it is the region's own graph module.
     """
@@ -73,15 +73,19 @@ def pytorch_stand_in(region) -> Callable[..., object]:
     tail = set(nodes[nodes.index(conv) + 1:])
     full = [i for i, ph in enumerate(gm.graph.find_nodes(op="placeholder"))
             if tuple(ph.meta["val"].shape) == shape and any(u in tail for u in ph.users)]
-    outputs = sum(tuple(n.meta["val"].shape) == shape for n in region.output_nodes
-                  if isinstance(n, fx.Node))
-    sums = sum(is_hw_sum(n) for n in gm.graph.nodes)
+    sums = sum(is_hw_sum(n) for n in tail)
+    pointwise = any(n.op in ("call_function", "call_method") and not is_hw_sum(n) for n in tail)
+    # outputs of the chain after the first (the convolution's own value and sums are no pass)
+    extra = max(0, sum(isinstance(n, fx.Node) and n is not conv and not is_hw_sum(n)
+                       and tuple(n.meta["val"].shape) == shape
+                       for n in region.output_nodes) - 1)
     prefix = _up_to_conv(gm, conv)
 
     def run(*inputs: torch.Tensor) -> None:
         y = prefix(*inputs)
-        _pointwise_pass(y, [inputs[i] for i in full])
-        for _ in range(max(outputs, 1) - 1):
+        if pointwise:
+            _pointwise_pass(y, [inputs[i] for i in full])
+        for _ in range(extra):
             torch.relu(y)
         for _ in range(sums):
             y.sum((2, 3))

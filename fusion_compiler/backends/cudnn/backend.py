@@ -43,6 +43,7 @@ from ...ir.region import BackwardPlan, Region
 from ...runtime.background import on_background_thread, warn_once
 from ...runtime.plan_cache import PlanCache, default_cache_dir
 from ..base import REUSE_BATCH_RATIO, Backend, Lowered, Support
+from ..glue_stand_in import pytorch_timing_record
 from .backward import register_cudnn_backward
 from .graph import graph_json, import_cudnn, output_padding, region_recipe
 from .kernel import CudnnKernel
@@ -200,11 +201,32 @@ class CudnnBackend(Backend):
         is in the cache, or this backend does not take the region), ``"build"`` (one build, of
         the choice made at another batch size within ``REUSE_BATCH_RATIO``, or of heuristics'
         first plan with ``autotune <= 1``: nothing timed) or ``"tune"`` (candidate plans built
-        and timed on the GPU, and the plan timed against PyTorch's ops). Raises nothing."""
+        and timed on the GPU, and the plan timed against PyTorch's ops; also a plan in the cache,
+        or a choice to follow, without a timing against PyTorch's ops as they are timed now).
+        Raises nothing."""
         needed = self._uncached_jobs(region)
-        if needed is None:
-            return ""
-        return "tune" if needed[2][0]["mode"] == "ranked" else "build"
+        if needed is not None and needed[2][0]["mode"] == "ranked":
+            return "tune"
+        if self._untimed_against_pytorch(region, cached=needed is None):
+            return "tune"
+        return "" if needed is None else "build"
+
+    def _untimed_against_pytorch(self, region: Region, cached: bool) -> bool:
+        """Whether lowering ``region`` times its plan against the region's PyTorch ops
+        (``autotune > 1``) and finds no timing stored under the name of how they are timed now
+        (:func:`~fusion_compiler.backends.glue_stand_in.pytorch_timing_record`; a cache written
+        before that way of timing, or for the other kind of glue): beside the ``cached`` plan,
+        or in the choice made at another batch size that a plan to build follows."""
+        if self.autotune <= 1 or not self.supports(region):
+            return False
+        try:
+            recipe = region_recipe(region)
+        except UnsupportedError:
+            return False
+        device, name = node_device(region.conv), pytorch_timing_record()
+        if cached:
+            return self.cache.load_record(self.header(recipe_key(recipe), device), name) is None
+        return name not in (self.choice_for(recipe, device) or {})
 
     def _uncached_jobs(self, region: Region) -> tuple[str, torch.device, list[dict]] | None:
         """``(recipe key, device, worker jobs)`` of ``region``'s plan when it must be built (the

@@ -96,11 +96,11 @@ def slower_than_pytorch(region: Region, kernel: CudnnKernel) -> tuple[str, dict[
         # Paired (replays alternating), so drift during the measurement affects both alike;
         # timed one after the other, the same region's verdict changed from run to run
         # (measurements: docs/decisions.md, "Regions timed against PyTorch ops with a 10% margin").
+        pytorch = pytorch_stand_in(region)
         fused, torch_ = paired_time_ms([lambda: kernel(*inputs),
                                         lambda: pytorch(*inputs)], reps=5)
         return fused, torch_
 
-    pytorch = pytorch_stand_in(region)
     fused_ms, torch_ms = kernel.plan.timed_against_pytorch(measure, pytorch_timing_record())
     timing = {"cudnn": fused_ms, "reference": torch_ms}
     if torch_ms < PYTORCH_MARGIN * fused_ms:

@@ -7,7 +7,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ...ir.ops import dtype_cast
+from ...ir.ops import dtype_cast, node_device
 from ...ir.region import called_region
 
 __all__ = ["inductor_work"]
@@ -20,7 +20,9 @@ _VIEW_METHODS = {"view", "reshape", "flatten", "permute", "squeeze", "unsqueeze"
 
 def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
     """The nodes of the lowered graph ``gm`` that Inductor would compile: every call but a
-    region's, one of this package's glue kernels
+    region's on a kernel of its own (a region on PyTorch ops is work: its ops are traced into
+    the glue, where Inductor fuses its pointwise ops, as lowering timed them), one of this
+    package's glue kernels
     (:func:`~fusion_compiler.kernels.se_gate.se_gate`,
     :func:`~fusion_compiler.kernels.se_gate.se_scale`), an indexing of a region's outputs, a
     view or a layout change (``reshape``, ``permute``, ``contiguous`` and the like: at most a
@@ -33,10 +35,20 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
 
     return [n for n in gm.graph.nodes
             if n.op in ("call_function", "call_method", "call_module")
-            and called_region(gm, n) is None
+            and _on_pytorch_ops(gm, n)
             and not (n.op == "call_function" and (n.target in _VIEWS or n.target in LIBRARY_OPS))
             and not (n.op == "call_method" and n.target in _VIEW_METHODS)
             and not _dtype_cast(n)]
+
+
+def _on_pytorch_ops(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is not a call of a region, or one of a CUDA region on PyTorch ops (the
+    reference backend). A CPU graph's regions all run on PyTorch ops: its glue is never
+    compiled, and what this tells of it (as ``fusion-compiler dump`` shows the CUDA pipeline's
+    graph on the CPU) is what the CUDA graph's would be with the regions on kernels."""
+    region = called_region(gm, node)
+    return region is None or (region.backend == "reference"
+                              and node_device(region.conv).type == "cuda")
 
 
 def _dtype_cast(node: fx.Node) -> bool:
