@@ -3,7 +3,8 @@ doors against eager PyTorch in fp16, with the defaults (cuDNN plans, CUDA graphs
 prologues, tiers). Each pattern runs twice per door: its calls answered as they come (the first
 tiers while plans build), and each call made after its specialization was compiled and the
 background compiles ended (the last tier), where the compile door's regions must run on GPU kernels
-(the fast path, not PyTorch ops). The CPU half: test_conformance.py."""
+(the fast path), or on PyTorch ops only where lowering timed those faster. The CPU half:
+test_conformance.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from conformance import check, run
 from conformance_patterns import PATTERNS
-from conftest import lowered_on_gpu
+from conftest import lowered_or_pytorch_faster
 
 pytestmark = pytest.mark.gpu
 FP16_TOLERANCE = 3e-2
@@ -52,4 +53,7 @@ def test_pattern_through_the_door_matches_eager_on_the_gpu(pattern, door, settle
         compiled.wait_for_background_compiles()
     if settle and door == "compile" and getattr(compiled, "last", None) is not None:
         regions = compiled.last.regions
-        assert not regions or any(lowered_on_gpu(r) for r in regions), compiled.report()
+        # a region runs a GPU kernel or, where lowering timed them faster (as compiled glue runs
+        # them), its PyTorch ops: the one-convolution patterns at N=2 on an H200 (session 41)
+        assert not regions or any(lowered_or_pytorch_faster(r) for r in regions), \
+            compiled.report()
