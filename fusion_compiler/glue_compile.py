@@ -16,7 +16,8 @@ from .config import CompileOptions, Target
 from .passes.glue import auto_glue_backend, inductor_reason, inductor_work
 from .runtime.background import on_calling_thread
 
-__all__ = ["glue_backend", "glue_compiled", "inductor_reason", "inductor_compile", "inductor_without_autograd_cache", "without_custom_op_alias_check"]
+__all__ = ["glue_backend", "glue_compiled", "inductor_reason", "inductor_compile",
+           "inductor_without_autograd_cache", "without_custom_op_alias_check"]
 
 
 def glue_backend(options: CompileOptions, gm: fx.GraphModule,

@@ -165,3 +165,18 @@ def test_a_cached_plan_not_yet_timed_against_the_ops_as_timed_now_needs_tuning(t
     assert backend._untimed_against_pytorch(region, cached=False)  # no choice to follow
     assert not CudnnBackend(cache_dir=tmp_path, autotune=1)._untimed_against_pytorch(
         region, cached=True)  # nothing is timed with autotune 1
+
+
+def test_a_cuda_region_on_pytorch_ops_is_inductors_work(monkeypatch):
+    """A region left to PyTorch ops on CUDA is work for Inductor (its ops are traced into the
+    glue, and lowering timed them as Inductor runs them); on the CPU, as a dump shows the CUDA
+    pipeline's graph, regions are not."""
+    from fusion_compiler.passes.glue import inductor_work, work
+
+    with torch.no_grad():
+        gm = fc.compile(_Block().eval(), glue_backend=None, options=CUDA_PIPELINE,
+                        backends=()).specialize(torch.randn(2, 8, 6, 6)).graph_module
+    (region,) = regions_of(gm)
+    assert region.backend == "reference" and inductor_work(gm) == []
+    monkeypatch.setattr(work, "node_device", lambda node: torch.device("cuda", 0))
+    assert [gm.get_submodule(n.target) for n in inductor_work(gm)] == [region]

@@ -33,7 +33,8 @@ _EAGER = ThreadFlag()
 @contextlib.contextmanager
 def eager_glue():
     """Within it, on this thread, a region's PyTorch ops are timed as themselves, one kernel per
-    op: the glue will run eagerly (``glue_backend=None``, or ``"auto"`` without a CUDA graph)."""
+    op: the glue will run eagerly (lowering enters it where
+    :func:`~fusion_compiler.passes.glue.glue_compiled_expected` says so)."""
     with _EAGER.raised():
         yield
 
