@@ -14,7 +14,8 @@ of an earlier run in DIR, else :data:`SECONDS`); a chunk of multi-GPU tests gets
 each chunk ends, then the summary. On four H200s of one host the whole suite took about 8
 minutes (2026-11-27, session 36; chunks run 1.3-1.6 times slower beside each other than alone);
 in session 38 it no longer fitted one 10-minute command there (chunk 6 did not start): split it
-over two commands with ``--chunks`` (for example 4,5,2 then 1,3,6,7).
+over two commands with ``--chunks``. On two H200s (session 41's times, :data:`SECONDS`):
+``--chunks 5,4,6,2`` (about 540 s), then ``--chunks 1,3,7`` (about 360 s).
 
 A chunk is a group of test files (:data:`CHUNKS`, about 6-8 minutes each on an H100); files that
 hold ``gpu`` tests and are in no chunk form the last one, so a new GPU test file is never left
@@ -55,9 +56,9 @@ CHUNKS: list[list[str]] = [
 ]
 """The chunks, by test file (the order they run in)."""
 
-SECONDS = {1: 220, 2: 120, 3: 210, 4: 450, 5: 460, 6: 175, 7: 240}
-"""Wall seconds of each chunk on an H200 beside other chunks (2026-11-27, session 38): the order of
-``--all`` where DIR holds no earlier result."""
+SECONDS = {1: 145, 2: 102, 3: 127, 4: 296, 5: 428, 6: 228, 7: 205}
+"""Wall seconds of each chunk on an H200 of an H200x2 host beside another chunk (2026-11-28,
+session 41): the order of ``--all`` where DIR holds no earlier result."""
 
 GPUS_NEEDED = {"test_gpu_ddp.py": 2, "test_gpu_door_ddp.py": 2}
 """Test files that need several GPUs (their chunk gets that many under ``--all``)."""
