@@ -169,6 +169,14 @@ def _fastest(region: Region, lowered: dict[str, Lowered], cache: PlanCache
     return winner, timing
 
 
+def _timed_as_glue_runs(options: CompileOptions, gm: fx.GraphModule, training: bool):
+    """The context a region's PyTorch ops are timed in for ``gm``: as compiled glue runs them
+    (nothing to enter) or, where the glue will run eagerly, as themselves (:func:`eager_glue`)."""
+    if glue_compiled_expected(options, gm, training):
+        return contextlib.nullcontext()
+    return eager_glue()
+
+
 def _choose(region: Region, taking: list[Backend], reason: str, reference: Backend,
             training: bool, backward: BackwardPlan | None, cache: PlanCache) -> _Choice:
     """Lower ``region`` with the backends that take it (``taking``; ``reason``: why the others
@@ -245,8 +253,7 @@ def lower(gm: fx.GraphModule, options: CompileOptions, *, training: bool = False
         bar = tqdm(regions, desc="fusion_compiler: building region plans", unit="region",
                    leave=False)
     cache = PlanCache(default_cache_dir(options.cache_dir))
-    compiled = glue_compiled_expected(options, gm, training)
-    with contextlib.nullcontext() if compiled else eager_glue():
+    with _timed_as_glue_runs(options, gm, training):
         choices = {region: _choose(region, *candidates[region], reference, training,
                                    plans.get(region), cache) for region in bar}
     if training:  # only a derived backward masks: every backend's but PyTorch autograd's
@@ -301,7 +308,7 @@ def plan_work(gm: fx.GraphModule, options: CompileOptions) -> str:
     work), ``"tune"`` when candidates must also be timed on the GPU (also where several backends
     take a region and no choice among them is stored)."""
     asked, taking = _asked_in(gm, options)
-    with contextlib.nullcontext() if glue_compiled_expected(options, gm, False) else eager_glue():
+    with _timed_as_glue_runs(options, gm, False):
         work = [backend.plan_work(r) for backend, mine in asked.items() for r in mine]
     cache = PlanCache(default_cache_dir(options.cache_dir))
     for region, backends in taking.items():
