@@ -204,10 +204,16 @@ def run_all(out: Path, gpus: list[str], extra: list[str], only: list[int] | None
 def _visible_gpus() -> list[str]:
     """The GPUs ``--all`` spreads the chunks over by default: those ``CUDA_VISIBLE_DEVICES`` names
     (a chunk's own ``CUDA_VISIBLE_DEVICES`` is a subset of them, so a run restricted to GPU 1
-    stays on GPU 1), else every GPU torch sees."""
-    named = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-    if any(named):
-        return [g for g in named if g]
+    stays on GPU 1), else every GPU torch sees. As CUDA reads that variable, the names end at the
+    first negative one (``-1`` hides every GPU: the list is then empty)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is not None and value.strip():
+        named = []
+        for g in (g.strip() for g in value.split(",")):
+            if not g or g.startswith("-"):
+                break
+            named.append(g)
+        return named
     import torch  # only here: the other modes run without it
     return [str(i) for i in range(torch.cuda.device_count())] or ["0"]
 
@@ -235,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.all:
         gpus = args.gpus.split(",") if args.gpus else _visible_gpus()
+        if not gpus:
+            parser.error("no GPU to run on: CUDA_VISIBLE_DEVICES hides them all")
         only = [int(k) for k in args.chunks.split(",")] if args.chunks else None
         if only and not all(1 <= k <= len(chunks()) for k in only):
             parser.error(f"--chunks must be between 1 and {len(chunks())}")

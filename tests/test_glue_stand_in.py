@@ -180,3 +180,17 @@ def test_a_cuda_region_on_pytorch_ops_is_inductors_work(monkeypatch):
     assert region.backend == "reference" and inductor_work(gm) == []
     monkeypatch.setattr(work, "node_device", lambda node: torch.device("cuda", 0))
     assert [gm.get_submodule(n.target) for n in inductor_work(gm)] == [region]
+
+
+def test_a_bare_convolution_on_pytorch_ops_is_not_inductors_work(monkeypatch):
+    """A region whose only op is its convolution gives Inductor nothing to fuse (it would only
+    call PyTorch's convolution), so it does not make the glue Inductor's."""
+    from fusion_compiler.passes.glue import inductor_work, work
+
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False).eval()
+    with torch.no_grad():
+        gm = fc.compile(conv, glue_backend=None, options=CUDA_PIPELINE,
+                        backends=()).specialize(torch.randn(2, 8, 6, 6)).graph_module
+    (region,) = regions_of(gm)
+    monkeypatch.setattr(work, "node_device", lambda node: torch.device("cuda", 0))
+    assert region.backend == "reference" and inductor_work(gm) == []

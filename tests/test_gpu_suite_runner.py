@@ -28,6 +28,18 @@ def test_all_stays_on_the_gpus_cuda_visible_devices_names(runner, monkeypatch):
     assert runner._visible_gpus() == ["2", "3"]
 
 
+def test_all_refuses_when_cuda_visible_devices_hides_every_gpu(runner, monkeypatch, capsys):
+    """``CUDA_VISIBLE_DEVICES=-1`` (CUDA's way to hide every GPU) leaves no GPU: ``--all`` says so
+    in one line, and the names end at the first negative one as CUDA reads them."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,-1,1")
+    assert runner._visible_gpus() == ["0"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert runner._visible_gpus() == []
+    with pytest.raises(SystemExit):
+        runner.main(["--all"])
+    assert "hides them all" in capsys.readouterr().err
+
+
 def test_every_gpu_test_file_is_in_a_chunk(runner):
     chunked = {f for chunk in runner.chunks() for f in chunk}
     assert set(runner.gpu_files()) <= chunked

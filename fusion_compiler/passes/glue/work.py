@@ -20,8 +20,9 @@ _VIEW_METHODS = {"view", "reshape", "flatten", "permute", "squeeze", "unsqueeze"
 
 def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
     """The nodes of the lowered graph ``gm`` that Inductor would compile: every call but a
-    region's on a kernel of its own (a region on PyTorch ops is work: its ops are traced into
-    the glue, where Inductor fuses its pointwise ops, as lowering timed them), one of this
+    region's on a kernel of its own (a region on PyTorch ops with an op besides its convolution
+    is work: its ops are traced into the glue, where Inductor fuses them, as lowering timed them;
+    a bare convolution Inductor would only call), one of this
     package's glue kernels
     (:func:`~fusion_compiler.kernels.se_gate.se_gate`,
     :func:`~fusion_compiler.kernels.se_gate.se_scale`), an indexing of a region's outputs, a
@@ -43,12 +44,17 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _on_pytorch_ops(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` is not a call of a region, or one of a CUDA region on PyTorch ops (the
-    reference backend). A CPU graph's regions all run on PyTorch ops: its glue is never
-    compiled, and what this tells of it (as ``fusion-compiler dump`` shows the CUDA pipeline's
-    graph on the CPU) is what the CUDA graph's would be with the regions on kernels."""
+    reference backend) that does more than its convolution. A CPU graph's regions all run on
+    PyTorch ops, and ``glue_backend="auto"`` never compiles a CPU graph's glue: what this tells
+    of one (as ``fusion-compiler dump`` shows the CUDA pipeline's graph on the CPU) is what the
+    CUDA graph's would be with the regions on kernels."""
     region = called_region(gm, node)
-    return region is None or (region.backend == "reference"
-                              and node_device(region.conv).type == "cuda")
+    if region is None:
+        return True
+    return (region.backend == "reference" and node_device(region.conv).type == "cuda"
+            and any(n is not region.conv and n.op in ("call_function", "call_method",
+                                                      "call_module")
+                    for n in region.graph_module.graph.nodes))
 
 
 def _dtype_cast(node: fx.Node) -> bool:
