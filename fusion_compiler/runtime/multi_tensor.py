@@ -4,7 +4,9 @@ multi-tensor op (``torch._foreach_*``) over the list of them.
 What it is for: the hoisted values a CUDA graph recomputes with PyTorch ops at every replay
 (:mod:`fusion_compiler.runtime.derivations`, the values outside its gather algebra) are mostly
 the scale and shift of every eval-mode batch norm, each folded by the same six small ops
-(``var + eps``, ``rsqrt``, two products, a negation, a sum): in ResNet-50, 53 batch norms, 318
+(``var + eps``, ``rsqrt``, two products, a negation, a sum; with half-precision parameters also
+their reads in fp32 and the two roundings back, casts batched by concatenation, as no
+multi-tensor cast exists): in ResNet-50, 53 batch norms, 318
 kernels of a few microseconds each and a copy per value at every replay (an H200 profile of
 2026-11-27 counted 485 GPU operations per replay). Batched, that is one multi-tensor launch per
 op and chunk of tensors (``multi_tensor_apply``,
@@ -48,6 +50,16 @@ def _tensor(a: Any) -> bool:
     return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
 
 
+def _cast(node: fx.Node) -> tuple | None:
+    """``("cast", dtype, device)`` for ``x.to(dtype)`` of a recorded tensor (the fp32 reads and
+    roundings of a half-precision batch norm's fold), else ``None``."""
+    if (node.op == "call_method" and node.target == "to" and len(node.args) == 2
+            and isinstance(node.args[1], torch.dtype) and not node.kwargs
+            and _tensor(node) and _tensor(node.args[0])):
+        return ("cast", node.args[1], str(node.meta["val"].device))
+    return None
+
+
 def _batchable(node: fx.Node) -> tuple | None:
     """``(multi-tensor op, how its second argument is given)`` for an elementwise op on a tensor
     (a second tensor, ``("tensor",)``; a number, ``("number", its type's name, its repr)``; none:
@@ -55,6 +67,8 @@ def _batchable(node: fx.Node) -> tuple | None:
     recorded tensor."""
     if node.op not in ("call_function", "call_method") or node.kwargs or not node.args:
         return None
+    if _cast(node) is not None:
+        return _cast(node)
     if not _tensor(node) or not _tensor(node.args[0]):
         return None
     if len(node.args) == 1 and node.target in _UNARY:
@@ -108,6 +122,9 @@ def batched(graph: fx.Graph) -> fx.Graph:
             env[node] = new.node_copy(node, lambda a: env[a])
             continue
         members = groups[key]
+        if key[1][0] == "cast":
+            _cast_group(new, env, members, key[1][1])
+            continue
         fn, *second = key[1]
         args: tuple = ([env[m.args[0]] for m in members],)
         if second and second[0][0] == "tensor":
@@ -120,3 +137,17 @@ def batched(graph: fx.Graph) -> fx.Graph:
             env[member].meta = dict(member.meta)
     new.output(fx.node.map_arg(output.args[0], lambda a: env[a]))
     return new
+
+
+def _cast_group(new: fx.Graph, env: dict, members: list[fx.Node], dtype: torch.dtype) -> None:
+    """``x.to(dtype)`` of every member as two kernels: the sources flattened into one tensor
+    (``torch.cat``, which promotes mixed dtypes exactly), cast once, and split into views of the
+    members' shapes. There is no multi-tensor cast; one cast per tensor was one kernel per batch
+    norm parameter at every replay."""
+    flat = [new.call_method("reshape", (env[m.args[0]], (-1,))) for m in members]
+    cast = new.call_method("to", (new.call_function(torch.cat, (flat,)), dtype))
+    parts = new.call_function(torch.split, (cast, [m.meta["val"].numel() for m in members]))
+    for i, member in enumerate(members):
+        part = new.call_function(operator.getitem, (parts, i))
+        env[member] = new.call_method("view", (part, tuple(member.meta["val"].shape)))
+        env[member].meta = dict(member.meta)

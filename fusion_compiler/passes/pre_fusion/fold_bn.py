@@ -13,6 +13,12 @@ computed from the live parameters and buffers on every call, so the compiled mod
 after ``load_state_dict`` and gradients still reach ``gamma`` and ``beta``. The ``mul``/``add`` pair
 is then absorbed by the fuse pass.
 
+Half-precision (fp16, bf16) statistics and affine parameters are read in fp32 (``.to(float32)``),
+``scale`` and ``shift`` computed there and rounded to the parameters' dtype once each, as eager
+batch norm computes in fp32: folded by fp16 ops, each of the five roundings on the way (``eps``
+itself lost in ``var + eps`` when ``var`` is near 1) doubled the error of the batch norm's output
+against fp64 (docs/decisions.md, "Batch-norm folding in fp32").
+
 Training-mode batch norm (batch statistics) is left to PyTorch.
 """
 
@@ -32,6 +38,20 @@ def _after_conv(node: object) -> bool:
     return is_conv(node) or (is_call(node, torch.add) and is_conv(node.args[0]))
 
 
+def _half_dtype(node: object) -> torch.dtype | None:
+    """``node``'s dtype when it is fp16 or bf16 (recorded in ``meta["val"]``), else ``None``."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    dtype = getattr(val, "dtype", None)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def _in_fp32(g: fx.Graph, node: object, half: torch.dtype | None) -> object:
+    """``node`` read in fp32 when the statistics are half precision (``half``), else itself."""
+    if half is None or not isinstance(node, fx.Node):
+        return node
+    return g.call_method("to", (node, torch.float32))
+
+
 def fold_batch_norm(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite every eval-mode ``F.batch_norm`` that follows a convolution (see module doc)."""
     g = gm.graph
@@ -43,12 +63,18 @@ def fold_batch_norm(gm: fx.GraphModule) -> fx.GraphModule:
         if a.get("training", False) or a.get("running_mean") is None or not _after_conv(a["input"]):
             continue
         eps = a.get("eps", 1e-5)
+        half = _half_dtype(a["running_var"])
         with g.inserting_before(node):
-            inv_std = g.call_function(torch.rsqrt, (g.call_function(torch.add, (a["running_var"], eps)),))
-            scale = inv_std if a.get("weight") is None else g.call_function(torch.mul, (a["weight"], inv_std))
-            shift = g.call_function(torch.neg, (g.call_function(torch.mul, (a["running_mean"], scale)),))
-            if a.get("bias") is not None:
-                shift = g.call_function(torch.add, (a["bias"], shift))
+            var, mean, weight, bias = (_in_fp32(g, a.get(k), half) for k in (
+                "running_var", "running_mean", "weight", "bias"))
+            inv_std = g.call_function(torch.rsqrt, (g.call_function(torch.add, (var, eps)),))
+            scale = inv_std if weight is None else g.call_function(torch.mul, (weight, inv_std))
+            shift = g.call_function(torch.neg, (g.call_function(torch.mul, (mean, scale)),))
+            if bias is not None:
+                shift = g.call_function(torch.add, (bias, shift))
+            if half is not None:  # rounded once each
+                scale = g.call_method("to", (scale, half))
+                shift = g.call_method("to", (shift, half))
             scale4 = g.call_function(torch.reshape, (scale, (1, -1, 1, 1)))
             shift4 = g.call_function(torch.reshape, (shift, (1, -1, 1, 1)))
             out = g.call_function(torch.add, (g.call_function(torch.mul, (a["input"], scale4)), shift4))
