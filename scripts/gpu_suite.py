@@ -14,8 +14,9 @@ of an earlier run in DIR, else :data:`SECONDS`); a chunk of multi-GPU tests gets
 each chunk ends, then the summary. On four H200s of one host the whole suite took about 8
 minutes (2026-11-27, session 36; chunks run 1.3-1.6 times slower beside each other than alone);
 in session 38 it no longer fitted one 10-minute command there (chunk 6 did not start): split it
-over two commands with ``--chunks``. On two H200s (session 41's times, :data:`SECONDS`):
-``--chunks 5,4,6,2`` (about 540 s), then ``--chunks 1,3,7`` (about 360 s).
+over several commands with ``--chunks``. On two H200s (session 42's times, :data:`SECONDS`):
+``--chunks 5,4`` (about 500 s), ``--chunks 6,1,2,3`` (about 390 s), then ``--chunks 7`` (about
+205 s; its tests take both GPUs). In session 42 ``--chunks 5,2`` on one GPU did not fit 600 s.
 
 A chunk is a group of test files (:data:`CHUNKS`, about 6-8 minutes each on an H100); files that
 hold ``gpu`` tests and are in no chunk form the last one, so a new GPU test file is never left
@@ -56,9 +57,10 @@ CHUNKS: list[list[str]] = [
 ]
 """The chunks, by test file (the order they run in)."""
 
-SECONDS = {1: 145, 2: 102, 3: 127, 4: 296, 5: 428, 6: 228, 7: 205}
-"""Wall seconds of each chunk on an H200 of an H200x2 host beside another chunk (2026-11-28,
-session 41): the order of ``--all`` where DIR holds no earlier result."""
+SECONDS = {1: 143, 2: 120, 3: 127, 4: 310, 5: 499, 6: 270, 7: 205}
+"""Wall seconds of each chunk on an H200 of an H200x2 host beside other work (2026-11-28,
+session 42; chunks 3 and 7 session 41's): the order of ``--all`` where DIR holds no earlier
+result."""
 
 GPUS_NEEDED = {"test_gpu_ddp.py": 2, "test_gpu_door_ddp.py": 2}
 """Test files that need several GPUs (their chunk gets that many under ``--all``)."""

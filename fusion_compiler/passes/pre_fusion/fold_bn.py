@@ -58,7 +58,8 @@ def fold_batch_norm(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(g.nodes):
         if not is_call(node, F.batch_norm):
             continue
-        names = ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"]
+        names = ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
+                 "eps"]
         a = dict(zip(names, node.args)) | dict(node.kwargs)
         if a.get("training", False) or a.get("running_mean") is None or not _after_conv(a["input"]):
             continue
@@ -77,7 +78,8 @@ def fold_batch_norm(gm: fx.GraphModule) -> fx.GraphModule:
                 shift = g.call_method("to", (shift, half))
             scale4 = g.call_function(torch.reshape, (scale, (1, -1, 1, 1)))
             shift4 = g.call_function(torch.reshape, (shift, (1, -1, 1, 1)))
-            out = g.call_function(torch.add, (g.call_function(torch.mul, (a["input"], scale4)), shift4))
+            scaled = g.call_function(torch.mul, (a["input"], scale4))
+            out = g.call_function(torch.add, (scaled, shift4))
         node.replace_all_uses_with(out)
         g.erase_node(node)
     g.lint()
