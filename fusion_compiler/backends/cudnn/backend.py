@@ -217,26 +217,30 @@ class CudnnBackend(Backend):
         (:func:`~fusion_compiler.backends.glue_stand_in.pytorch_timing_record`; a cache written
         before that way of timing, or for the other kind of glue): beside the ``cached`` plan,
         or in the choice made at another batch size that a plan to build follows."""
-        if self.autotune <= 1 or not self.supports(region):
-            return False
-        try:
-            recipe = region_recipe(region)
-        except UnsupportedError:
+        recipe = self._recipe(region) if self.autotune > 1 else None
+        if recipe is None:
             return False
         device, name = node_device(region.conv), pytorch_timing_record()
         if cached:
             return self.cache.load_record(self.header(recipe_key(recipe), device), name) is None
         return name not in (self.choice_for(recipe, device) or {})
 
+    def _recipe(self, region: Region) -> dict | None:
+        """``region``'s cuDNN recipe, or ``None`` where this backend declines the region or the
+        recipe cannot be written."""
+        if not self.supports(region):
+            return None
+        try:
+            return region_recipe(region)
+        except UnsupportedError:
+            return None
+
     def _uncached_jobs(self, region: Region) -> tuple[str, torch.device, list[dict]] | None:
         """``(recipe key, device, worker jobs)`` of ``region``'s plan when it must be built (the
         jobs as :meth:`_job` makes them); ``None`` when this backend declines the region or its
         plan is in the cache."""
-        if not self.supports(region):
-            return None
-        try:
-            recipe = region_recipe(region)
-        except UnsupportedError:
+        recipe = self._recipe(region)
+        if recipe is None:
             return None
         device = node_device(region.conv)
         key = recipe_key(recipe)
