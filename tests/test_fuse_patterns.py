@@ -133,6 +133,23 @@ def test_a_half_precision_batch_norm_is_folded_in_fp32(seed):
         assert torch.equal(g.flatten(), want.half()), (g.flatten(), want)
 
 
+def test_a_batch_of_one_gets_its_batch_norm_and_bias_fused():
+    """At N = 1 a per-channel operand ``[1, K, 1, 1]`` also has the per-sample gate's shape
+    ``[N, K, 1, 1]``; it is a channel operand (before session 42 it was taken for a gate and no
+    batch norm or bias of a batch of one joined its region). A real SE gate stays out of the
+    region that computes its input."""
+    from fusion_compiler.ir.region import operand_kind
+
+    assert operand_kind((1, 16, 1, 1), (1, 16, 10, 10)) == "channel"
+    assert operand_kind((2, 16, 1, 1), (2, 16, 10, 10)) == "sample_channel"
+    assert operand_kind((1, 1, 10, 10), (1, 16, 10, 10)) == "spatial"
+    model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
+                                        nn.BatchNorm2d(16), nn.ReLU()))
+    _check(model, torch.randn(1, 8, 10, 10), ["conv3x3 > mul > add > relu"])
+    _check(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()), torch.randn(1, 8, 10, 10),
+           ["conv3x3 > add > relu"])
+
+
 def test_conv_bn_in_training_mode_is_left_to_pytorch():
     model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
                           nn.ReLU()).train()

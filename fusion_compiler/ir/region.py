@@ -53,8 +53,13 @@ def operand_kind(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str | No
     n, k, p, q = out_shape
     if all(d == 1 for d in s):
         return "scalar"
-    return {(1, k, 1, 1): "channel", (n, 1, p, q): "spatial", (n, k, p, q): "full",
-            (n, k, 1, 1): "sample_channel"}.get(s)
+    # "channel" first: at N = 1 a [1, K, 1, 1] operand is both (a dict built in the order below
+    # once kept the last, and no batch norm or bias of a batch of one was fused)
+    for kind, dims in (("channel", (1, k, 1, 1)), ("spatial", (n, 1, p, q)),
+                       ("full", (n, k, p, q)), ("sample_channel", (n, k, 1, 1))):
+        if s == dims:
+            return kind
+    return None
 
 
 @dataclass(frozen=True)
