@@ -53,10 +53,11 @@ def operand_kind(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str | No
     n, k, p, q = out_shape
     if all(d == 1 for d in s):
         return "scalar"
-    # "channel" first: at N = 1 a [1, K, 1, 1] operand is both (a dict built in the order below
-    # once kept the last, and no batch norm or bias of a batch of one was fused)
-    for kind, dims in (("channel", (1, k, 1, 1)), ("spatial", (n, 1, p, q)),
-                       ("full", (n, k, p, q)), ("sample_channel", (n, k, 1, 1))):
+    # where shapes coincide the first kind wins: "channel" at N = 1 (a dict literal once let
+    # "sample_channel" win there, and no batch norm or bias of a batch of one was fused), then,
+    # for a 1x1 output, "sample_channel" (never fused) before "full" and "spatial"
+    for kind, dims in (("channel", (1, k, 1, 1)), ("sample_channel", (n, k, 1, 1)),
+                       ("full", (n, k, p, q)), ("spatial", (n, 1, p, q))):
         if s == dims:
             return kind
     return None
