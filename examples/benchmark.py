@@ -47,6 +47,7 @@ MODELS = {
                         (512, 11, 64, 64), False),
     "resnet50": ("torchvision.models:resnet50", (128, 3, 224, 224), False),
     "resnet50-n32": ("torchvision.models:resnet50", (32, 3, 224, 224), False),
+    "resnet50-n1": ("torchvision.models:resnet50", (1, 3, 224, 224), False),
     "mobilenet_v2": ("torchvision.models:mobilenet_v2", (32, 3, 224, 224), False),
     "efficientnet_b0": ("torchvision.models:efficientnet_b0", (32, 3, 224, 224), False),
     "regnet_y_400mf": ("torchvision.models:regnet_y_400mf", (32, 3, 224, 224), False),
