@@ -207,9 +207,10 @@ def _visible_gpus() -> list[str]:
     """The GPUs ``--all`` spreads the chunks over by default: those ``CUDA_VISIBLE_DEVICES`` names
     (a chunk's own ``CUDA_VISIBLE_DEVICES`` is a subset of them, so a run restricted to GPU 1
     stays on GPU 1), else every GPU torch sees. As CUDA reads that variable, the names end at the
-    first negative one (``-1`` hides every GPU: the list is then empty)."""
+    first negative or empty one (``-1`` or an empty value hides every GPU: the list is then
+    empty)."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if value is not None and value.strip():
+    if value is not None:  # set, even empty: CUDA sees only what it names
         named = []
         for g in (g.strip() for g in value.split(",")):
             if not g or g.startswith("-"):

@@ -133,6 +133,24 @@ def test_a_half_precision_batch_norm_is_folded_in_fp32(seed):
         assert torch.equal(g.flatten(), want.half()), (g.flatten(), want)
 
 
+def test_fp16_activations_with_an_fp32_batch_norm_keep_fp16():
+    """A batch norm kept in fp32 by hand after an fp16 convolution returns fp16, as eager does
+    (it returned fp32 before, and the next fp16 convolution raised; found by a review, session
+    42)."""
+    torch.manual_seed(0)
+    model = _randomize_bn(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, bias=False),
+                                        nn.BatchNorm2d(16), nn.ReLU(),
+                                        nn.Conv2d(16, 8, 3, padding=1))).eval()
+    model[0].half()
+    model[3].half()
+    x = torch.randn(2, 8, 10, 10).half()
+    with torch.no_grad():
+        want = model(x)
+        got = fc.compile(model, options=CUDA_PIPELINE)(x)
+    assert got.dtype == want.dtype == torch.float16
+    assert rel_err(got.float(), want.float()) < 2e-3
+
+
 def test_a_batch_of_one_gets_its_batch_norm_and_bias_fused():
     """At N = 1 a per-channel operand ``[1, K, 1, 1]`` also has the per-sample gate's shape
     ``[N, K, 1, 1]``; it is a channel operand (before session 42 it was taken for a gate and no

@@ -29,11 +29,13 @@ def test_all_stays_on_the_gpus_cuda_visible_devices_names(runner, monkeypatch):
 
 
 def test_all_refuses_when_cuda_visible_devices_hides_every_gpu(runner, monkeypatch, capsys):
-    """``CUDA_VISIBLE_DEVICES=-1`` (CUDA's way to hide every GPU) leaves no GPU: ``--all`` says so
+    """``CUDA_VISIBLE_DEVICES=-1`` or empty (CUDA's ways to hide every GPU) leaves no GPU: ``--all`` says so
     in one line, and the names end at the first negative one as CUDA reads them."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,-1,1")
     assert runner._visible_gpus() == ["0"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert runner._visible_gpus() == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # set and empty: no GPU either
     assert runner._visible_gpus() == []
     with pytest.raises(SystemExit):
         runner.main(["--all"])

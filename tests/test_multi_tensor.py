@@ -120,3 +120,17 @@ def test_the_prologue_recomputes_the_batched_values_from_the_current_statistics(
     out = run_interpreted(_OPAQUE, {})
     assert any("6 hoisted value(s)" in n for n in out["notes"]), out
     assert all(out["first"]) and all(out["changed"]) and len(out["first"]) == 6, out
+
+
+def test_casts_of_sources_of_other_dtypes_are_not_one_group():
+    """An integer cast to fp32 beside fp16 casts to fp32: concatenated together, the integers
+    would pass through fp16 (257 -> 256, 70000 -> inf; found by a review, session 42)."""
+    def fn(i, h):
+        return i.to(torch.float32), h.to(torch.float32)
+
+    gm = _traced(fn, ((3,), torch.int32), ((3,), torch.float16))
+    args = (torch.tensor([257, 4097, 70000], dtype=torch.int32),
+            torch.tensor([1.5, 2.0, 3.0], dtype=torch.float16))
+    want, got = gm(*args), fx.GraphModule(gm, batched(gm.graph))(*args)
+    for w, g in zip(want, got):
+        assert g.dtype == w.dtype and torch.equal(g, w)

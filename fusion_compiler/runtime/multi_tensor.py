@@ -51,12 +51,16 @@ def _tensor(a: Any) -> bool:
 
 
 def _cast(node: fx.Node) -> tuple | None:
-    """``("cast", dtype, device)`` for ``x.to(dtype)`` of a recorded tensor (the fp32 reads and
-    roundings of a half-precision batch norm's fold), else ``None``."""
+    """``("cast", dtype, device, source dtype)`` for ``x.to(dtype)`` of a recorded tensor (the
+    fp32 reads and roundings of a half-precision batch norm's fold), else ``None``. Sources of
+    one dtype only form a group: concatenated with another dtype they would be promoted first,
+    and an integer joined with fp16 becomes fp16 (257 -> 256, 70000 -> inf; found by a review,
+    session 42)."""
     if (node.op == "call_method" and node.target == "to" and len(node.args) == 2
             and isinstance(node.args[1], torch.dtype) and not node.kwargs
             and _tensor(node) and _tensor(node.args[0])):
-        return ("cast", node.args[1], str(node.meta["val"].device))
+        return ("cast", node.args[1], str(node.meta["val"].device),
+                node.args[0].meta["val"].dtype)
     return None
 
 
@@ -140,9 +144,9 @@ def batched(graph: fx.Graph) -> fx.Graph:
 
 
 def _cast_group(new: fx.Graph, env: dict, members: list[fx.Node], dtype: torch.dtype) -> None:
-    """``x.to(dtype)`` of every member as two kernels: the sources flattened into one tensor
-    (``torch.cat``, which promotes mixed dtypes exactly), cast once, and split into views of the
-    members' shapes. There is no multi-tensor cast; one cast per tensor was one kernel per batch
+    """``x.to(dtype)`` of every member (sources of one dtype) as two kernels: the sources
+    flattened into one tensor (``torch.cat``), cast once, and split into views of the members'
+    shapes. There is no multi-tensor cast; one cast per tensor was one kernel per batch
     norm parameter at every replay."""
     flat = [new.call_method("reshape", (env[m.args[0]], (-1,))) for m in members]
     cast = new.call_method("to", (new.call_function(torch.cat, (flat,)), dtype))

@@ -14,8 +14,10 @@ after ``load_state_dict`` and gradients still reach ``gamma`` and ``beta``. The 
 is then absorbed by the fuse pass.
 
 Half-precision (fp16, bf16) statistics and affine parameters are read in fp32 (``.to(float32)``),
-``scale`` and ``shift`` computed there and rounded to the parameters' dtype once each, as eager
-batch norm computes in fp32: folded by fp16 ops, each of the five roundings on the way (``eps``
+``scale`` and ``shift`` computed there and rounded once each to the input's dtype where it is half
+(else the statistics'), as eager batch norm computes in fp32 and returns the input's dtype (fp16
+activations with fp32 statistics gave fp32 before, and a following fp16 convolution raised:
+found by a review, session 42). Folded by fp16 ops, each of the five roundings on the way (``eps``
 itself lost in ``var + eps`` when ``var`` is near 1) doubled the error of the batch norm's output
 against fp64 (docs/decisions.md, "Batch-norm folding in fp32").
 
@@ -46,8 +48,9 @@ def _half_dtype(node: object) -> torch.dtype | None:
 
 
 def _in_fp32(g: fx.Graph, node: object, half: torch.dtype | None) -> object:
-    """``node`` read in fp32 when the statistics are half precision (``half``), else itself."""
-    if half is None or not isinstance(node, fx.Node):
+    """``node`` read in fp32 when the fold is rounded to a half dtype (``half``) and ``node`` is
+    half precision itself, else ``node``."""
+    if half is None or _half_dtype(node) is None:
         return node
     return g.call_method("to", (node, torch.float32))
 
@@ -64,7 +67,9 @@ def fold_batch_norm(gm: fx.GraphModule) -> fx.GraphModule:
         if a.get("training", False) or a.get("running_mean") is None or not _after_conv(a["input"]):
             continue
         eps = a.get("eps", 1e-5)
-        half = _half_dtype(a["running_var"])
+        # the output's dtype is the input's, as eager's: fp16 activations with fp32 statistics
+        # (mixed precision kept by hand) give fp16, computed in fp32
+        half = _half_dtype(a["input"]) or _half_dtype(a["running_var"])
         with g.inserting_before(node):
             var, mean, weight, bias = (_in_fp32(g, a.get(k), half) for k in (
                 "running_var", "running_mean", "weight", "bias"))
