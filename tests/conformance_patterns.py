@@ -46,7 +46,11 @@ class ConvBN(nn.Module):
 def conv_bn() -> nn.Module:
     """:class:`ConvBN` in eval mode with batch-norm statistics and affine parameters far from
     their initial values (a fresh one hides folding mistakes)."""
-    m = ConvBN()
+    return _moved_bn(ConvBN())
+
+
+def _moved_bn(m: ConvBN) -> nn.Module:
+    """``m`` in eval mode, its batch norm's statistics and affine parameters moved."""
     with torch.no_grad():
         m.bn.running_mean.uniform_(-0.5, 0.5)
         m.bn.running_var.uniform_(0.5, 2.0)
@@ -75,13 +79,7 @@ class ConvBNSmooth(ConvBN):
 
 def conv_bn_smooth() -> nn.Module:
     """:class:`ConvBNSmooth`, its batch norm moved from its initial values as :func:`conv_bn`'s."""
-    m = ConvBNSmooth()
-    with torch.no_grad():
-        m.bn.running_mean.uniform_(-0.5, 0.5)
-        m.bn.running_var.uniform_(0.5, 2.0)
-        m.bn.weight.uniform_(0.5, 1.5)
-        m.bn.bias.uniform_(-0.3, 0.3)
-    return m.eval()
+    return _moved_bn(ConvBNSmooth())
 
 
 class ConvNet(nn.Module):
