@@ -64,6 +64,20 @@ def test_pattern_runs_on_cudnn(name, dtype, fusion):
                **(FUSE_ALL if fusion == "all" else {}))
 
 
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_a_batch_of_one_runs_the_same_regions_on_cudnn(name):
+    """At N = 1 every pattern forms the regions it forms at N = 8 (a per-channel operand is not
+    taken for a per-sample gate there, session 42) and runs them on cuDNN within fp16's
+    tolerance of fp64."""
+    torch.manual_seed(0)
+    factory, shape = PATTERNS[name]
+    model = factory()
+    compiled, _ = _run_cudnn(model, torch.randn((1, *shape[1:])))
+    wide = fc.compile(copy.deepcopy(model), cache_dir=False, autotune=1, cuda_graph=False,
+                      glue_backend=None).specialize(torch.randn(shape, device="cuda").half())
+    assert [r.pattern for r in compiled.last.regions] == [r.pattern for r in wide.regions]
+
+
 @pytest.mark.parametrize("channels, batch", [(3, 128), (11, 512)])
 @pytest.mark.parametrize("fusion", ["default", "all"])
 def test_reference_network_fp16(channels, batch, fusion):
