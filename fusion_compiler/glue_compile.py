@@ -33,8 +33,9 @@ def glue_backend(options: CompileOptions, gm: fx.GraphModule,
     "``glue_backend="auto"`` runs eager glue for inference without a CUDA graph"); and except for
     an inference graph with nothing for Inductor to compile
     (:func:`~fusion_compiler.passes.glue.inductor_work`: its glue is regions on kernels of their
-    own, bare convolutions, this package's glue kernels, views and casts), whose CUDA graph holds the same kernels either way (docs/decisions.md, "The SE
-    block's tail in the gate's kernel"). Nor for a graph holding Dynamo's
+    own, bare convolutions, this package's glue kernels, views and casts), whose CUDA graph holds
+    the same kernels either way (docs/decisions.md, "The SE block's tail in the gate's kernel").
+    Nor for a graph holding Dynamo's
     ``autograd_function_apply`` op (a custom ``torch.autograd.Function`` the door captured),
     which Dynamo cannot trace again (torch 2.11: "unsupported HigherOrderOperator").
     """

@@ -29,8 +29,9 @@ def test_all_stays_on_the_gpus_cuda_visible_devices_names(runner, monkeypatch):
 
 
 def test_all_refuses_when_cuda_visible_devices_hides_every_gpu(runner, monkeypatch, capsys):
-    """``CUDA_VISIBLE_DEVICES=-1`` or empty (CUDA's ways to hide every GPU) leaves no GPU: ``--all`` says so
-    in one line, and the names end at the first negative one as CUDA reads them."""
+    """``CUDA_VISIBLE_DEVICES=-1`` or empty (CUDA's ways to hide every GPU) leaves no GPU:
+    ``--all`` says so in one line, and the names end at the first negative one as CUDA reads
+    them."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,-1,1")
     assert runner._visible_gpus() == ["0"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")

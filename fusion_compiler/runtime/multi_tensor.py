@@ -71,8 +71,8 @@ def _batchable(node: fx.Node) -> tuple | None:
     recorded tensor."""
     if node.op not in ("call_function", "call_method") or node.kwargs or not node.args:
         return None
-    if _cast(node) is not None:
-        return _cast(node)
+    if (cast := _cast(node)) is not None:
+        return cast
     if not _tensor(node) or not _tensor(node.args[0]):
         return None
     if len(node.args) == 1 and node.target in _UNARY:

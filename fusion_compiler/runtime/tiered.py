@@ -9,9 +9,10 @@ the glue as eager PyTorch ops, in a CUDA graph; tier 2 the glue compiled by Indu
 when the glue leaves Inductor nothing to compile, see
 :func:`fusion_compiler.glue_compile.glue_backend`). Inductor's compile traces (AOTAutograd's
 ``make_fx``), which touches process-global state: it runs on the calling thread, at the call
-after tier 1's first (that call takes the compile's time), never on the background thread. A switch (lowering, compiling, capturing on the calling thread) frees the tier
-before. A :class:`TieredRunner` holds two tiers; tier 0's second is itself a :class:`TieredRunner`
-when Inductor compiles the glue. The tiers compute the same function; outputs may differ in the
+after tier 1's first (that call takes the compile's time), never on the background thread. A
+switch (lowering, compiling, capturing on the calling thread) frees the tier before. A
+:class:`TieredRunner` holds two tiers; tier 0's second is itself a :class:`TieredRunner` when
+Inductor compiles the glue. The tiers compute the same function; outputs may differ in the
 last bits (Inductor's fused glue and cuDNN's plans round differently from eager ops).
 
 While the background thread works, it holds the GIL in Python's switch-interval slices (5 ms), so
