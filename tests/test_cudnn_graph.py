@@ -288,3 +288,25 @@ def test_a_workspace_a_cuda_graph_used_is_kept_when_a_larger_one_replaces_it(mon
     backend.workspace(device, 8192)  # the replacement no graph used is freed again
     gc.collect()
     assert len(backend._workspaces.retired) == 1
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 6])
+def test_a_residual_image_is_padded_as_the_output_is(channels):
+    """``relu(conv(x) + x)`` in fp16 with C = K < 8: ``x`` is the convolution's image and the
+    epilogue's residual; both uses get the output's padded channel count (the image rule alone,
+    4 channels below 4, added a 4-channel x to an 8-channel output; found by a review, session
+    42)."""
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+        def forward(self, x):
+            return torch.relu(self.conv(x) + x)
+
+    spec = specialize(Residual().half(), torch.randn(2, channels, 8, 8).half())
+    (region,) = spec.regions
+    recipe = region_recipe(region)
+    dims = {t["name"]: t["dim"] for t in recipe["inputs"]}
+    image = region.conv.args[0].name
+    assert dims[image][1] == recipe["outputs"][0]["dim"][1] == 8

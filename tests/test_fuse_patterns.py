@@ -252,6 +252,21 @@ def test_siblings_of_other_geometry_or_two_epilogues_stay_apart():
     assert patterns(specialize(BatchNormed().eval(), x)) == ["conv1x1 > mul > add > relu",
                                                              "conv1x1 > mul > add"]
 
+    class Joined(nn.Module):  # two batch-normed siblings joined by an add
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+            self.b = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+
+        def forward(self, x):
+            return torch.relu(self.a(x) + self.b(x))
+
+    # a batch of one 1x1 map: the batch norms' [1, K, 1, 1] operands have the output's shape but
+    # are per channel, not a join; the siblings stay apart as at any other size (session 42)
+    for shape in ((1, 8, 1, 1), (1, 8, 4, 4)):
+        assert patterns(specialize(_randomize_bn(Joined()).eval(), torch.randn(shape))) == [
+            "conv3x3 > mul > add", "conv3x3 > mul > add > add > relu"]
+
 
 class InPlace(nn.Module):
     def __init__(self):

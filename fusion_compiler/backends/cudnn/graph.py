@@ -118,10 +118,12 @@ def channel_padding(region: Region) -> tuple[int, set[str]] | None:
     surface (SM 9.0)"), else ``None``; fewer than 4 half-precision channels are padded to 4.
     Padding the image and the weight with zero channels is exact when ``groups == 1`` and every
     prologue operand is a scalar (the padded channels then meet zero weights); otherwise ``None``
-    is returned too and cuDNN decides.
+    is returned too and cuDNN decides. An image the epilogue also reads is padded as the output
+    is (to a multiple of 8 or 4, never to 4 alone).
     """
     conv = region.conv
-    padded = _padded_count(conv, conv.args[1].meta["val"].shape[1], image=True)
+    channels = conv.args[1].meta["val"].shape[1]
+    padded = _padded_count(conv, channels, image=True)
     if padded is None:
         return None
     image = conv.args[0]
@@ -129,6 +131,12 @@ def channel_padding(region: Region) -> tuple[int, set[str]] | None:
         if not (image.target in BINARY and _is_scalar(image.args[1])):
             return None
         image = image.args[0]
+    if any(u is not conv and not _before(u, conv) for u in image.users):
+        # the image is also an epilogue operand (a residual ``conv(x) + x``): it gets the
+        # output's padded channel count (:func:`output_padding`), not the image's 4 (a 4-channel
+        # x added to an 8-channel output was a graph of mismatched tensors; found by a review,
+        # session 42)
+        padded = _padded_count(conv, channels)
     return padded, {image.name, conv.args[1].name}
 
 

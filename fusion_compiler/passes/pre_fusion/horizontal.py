@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from ...ir.ops import BINARY, UNARY, eliminate_dead_code, is_conv
-from ...ir.region import CHANNEL_VIEW
+from ...ir.region import CHANNEL_VIEW, operand_kind
 from ..post_lowering.hoist import parameter_only
 
 __all__ = ["horizontal_fusion", "CHANNEL_ALIGNMENT"]
@@ -124,6 +124,9 @@ def _would_fuse(value: fx.Node) -> bool:
             val = _val(other)
             if not (isinstance(val, torch.Tensor) and val.shape == shape):
                 return True
+            if len(shape) == 4 and operand_kind(tuple(val.shape),
+                                                tuple(shape)) in ("scalar", "channel"):
+                return True  # of a 1x1 map at N = 1: a per-channel operand, no join
     return False
 
 
