@@ -689,3 +689,15 @@ def test_dead_code_elimination_keeps_unread_in_place_writes():
     assert kept == [F.relu, "add_"], kept
     x = torch.randn(4)
     assert torch.equal(gm(x.clone()), (x.relu() + 1))
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_a_batch_of_one_forms_the_regions_of_a_batch_of_eight(name):
+    """Every pattern at N = 1 forms the regions it forms at N = 8 and computes eager's values: a
+    size-1 batch makes per-channel and per-sample operand shapes coincide (session 42's
+    ``operand_kind`` bug; tests/test_gpu.py runs the same on cuDNN)."""
+    torch.manual_seed(0)
+    factory, shape = PATTERNS[name]
+    model = factory().eval()
+    eight = patterns(specialize(model, torch.randn(shape)))
+    _check(model, torch.randn((1, *shape[1:])), eight)
