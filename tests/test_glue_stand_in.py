@@ -156,15 +156,16 @@ def test_a_cached_plan_not_yet_timed_against_the_ops_as_timed_now_needs_tuning(t
     backend = CudnnBackend(cache_dir=tmp_path, autotune=3)
     backend.supports = lambda region: Support(True)  # as on a GPU
     backend.device_fields = lambda device: {"gpu": "test"}
-    assert backend._untimed_against_pytorch(region, cached=True)
-    backend.cache.store_record(backend.header(recipe_key(region_recipe(region)), None),
+    recipe = region_recipe(region)
+    assert backend._untimed_against_pytorch(region, recipe, cached=True)
+    backend.cache.store_record(backend.header(recipe_key(recipe), None),
                                pytorch_timing_record(), {"cudnn_ms": 1.0, "pytorch_ms": 2.0})
-    assert not backend._untimed_against_pytorch(region, cached=True)
+    assert not backend._untimed_against_pytorch(region, recipe, cached=True)
     with eager_glue():  # stored for compiled glue: eager glue's timing is still missing
-        assert backend._untimed_against_pytorch(region, cached=True)
-    assert backend._untimed_against_pytorch(region, cached=False)  # no choice to follow
+        assert backend._untimed_against_pytorch(region, recipe, cached=True)
+    assert backend._untimed_against_pytorch(region, recipe, cached=False)  # no choice to follow
     assert not CudnnBackend(cache_dir=tmp_path, autotune=1)._untimed_against_pytorch(
-        region, cached=True)  # nothing is timed with autotune 1
+        region, recipe, cached=True)  # nothing is timed with autotune 1
 
 
 def test_a_cuda_region_on_pytorch_ops_is_inductors_work(monkeypatch):

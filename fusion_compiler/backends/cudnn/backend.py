@@ -174,7 +174,8 @@ class CudnnBackend(Backend):
         jobs: dict[str, list[dict]] = {}
         device = None
         for region in regions:
-            needed = self._uncached_jobs(region)
+            recipe = self._recipe(region)
+            needed = None if recipe is None else self._uncached_jobs(region, recipe)
             if needed is None or needed[0] in self._pending or needed[0] in jobs:
                 continue
             key, device, jobs[key] = needed
@@ -204,21 +205,23 @@ class CudnnBackend(Backend):
         and timed on the GPU, and the plan timed against PyTorch's ops; also a plan in the cache,
         or a choice to follow, without a timing against PyTorch's ops as they are timed now).
         Raises nothing."""
-        needed = self._uncached_jobs(region)
+        recipe = self._recipe(region)
+        if recipe is None:
+            return ""
+        needed = self._uncached_jobs(region, recipe)
         if needed is not None and needed[2][0]["mode"] == "ranked":
             return "tune"
-        if self._untimed_against_pytorch(region, cached=needed is None):
+        if self._untimed_against_pytorch(region, recipe, cached=needed is None):
             return "tune"
         return "" if needed is None else "build"
 
-    def _untimed_against_pytorch(self, region: Region, cached: bool) -> bool:
+    def _untimed_against_pytorch(self, region: Region, recipe: dict, cached: bool) -> bool:
         """Whether lowering ``region`` times its plan against the region's PyTorch ops
         (``autotune > 1``) and finds no timing stored under the name of how they are timed now
         (:func:`~fusion_compiler.backends.glue_stand_in.pytorch_timing_record`; a cache written
         before that way of timing, or for the other kind of glue): beside the ``cached`` plan,
         or in the choice made at another batch size that a plan to build follows."""
-        recipe = self._recipe(region) if self.autotune > 1 else None
-        if recipe is None:
+        if self.autotune <= 1:
             return False
         device, name = node_device(region.conv), pytorch_timing_record()
         if cached:
@@ -235,13 +238,11 @@ class CudnnBackend(Backend):
         except UnsupportedError:
             return None
 
-    def _uncached_jobs(self, region: Region) -> tuple[str, torch.device, list[dict]] | None:
-        """``(recipe key, device, worker jobs)`` of ``region``'s plan when it must be built (the
-        jobs as :meth:`_job` makes them); ``None`` when this backend declines the region or its
-        plan is in the cache."""
-        recipe = self._recipe(region)
-        if recipe is None:
-            return None
+    def _uncached_jobs(self, region: Region, recipe: dict
+                       ) -> tuple[str, torch.device, list[dict]] | None:
+        """``(recipe key, device, worker jobs)`` of the plan of ``region`` (its cuDNN ``recipe``)
+        when it must be built (the jobs as :meth:`_job` makes them); ``None`` when its plan is in
+        the cache."""
         device = node_device(region.conv)
         key = recipe_key(recipe)
         if self.cache.has(self.header(key, device)):

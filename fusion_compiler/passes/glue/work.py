@@ -22,8 +22,7 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
     """The nodes of the lowered graph ``gm`` that Inductor would compile: every call but a
     region's on a kernel of its own (a region on PyTorch ops with an op besides its convolution
     is work: its ops are traced into the glue, where Inductor fuses them, as lowering timed them;
-    a bare convolution Inductor would only call), one of this
-    package's glue kernels
+    a bare convolution Inductor would only call), one of this package's glue kernels
     (:func:`~fusion_compiler.kernels.se_gate.se_gate`,
     :func:`~fusion_compiler.kernels.se_gate.se_scale`), an indexing of a region's outputs, a
     view or a layout change (``reshape``, ``permute``, ``contiguous`` and the like: at most a
