@@ -114,6 +114,7 @@ ONE_CHOICE = {
     "relu as x.clamp_min(0)": {"relu": lambda x: x.clamp_min(0)},
     "SE relu as torch.clamp(x, 0)": {"se_relu": lambda x: torch.clamp(x, 0)},
     "torch.special.expit": {"sigmoid": torch.special.expit},
+    "gate[..., None, None]": {"gate_view": lambda g, x: g[..., None, None]},
 }
 """A spelling of the example that differs from it in one choice: name -> the choice."""
 
