@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import CUDA_PIPELINE
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.tables import glue_kernels, pytorch_nodes
+from examples.seresnet9_fixup import SEFixupBlock, SqueezeExcitation
 from examples.seresnet9_spellings import SPELLINGS
 
 
@@ -46,3 +48,140 @@ def test_the_benchmark_and_the_cli_reach_every_spelling():
     assert shape == (128, 3, 64, 64) and not train
     model = load_model(ref)
     assert sum(p.numel() for p in model.parameters()) == 4_938_256  # the full-size network
+
+
+# --------------------------------------------------------------------------- one choice at a time
+
+class OneChoiceSE(SqueezeExcitation):
+    """The example's SE gate with its squeeze, gate view, multiply and activations replaceable."""
+
+    choices: dict = {}
+
+    def forward(self, x):
+        c = {**EXAMPLE_CHOICES, **self.choices}
+        g = c["sigmoid"](self.fc2(c["se_relu"](self.fc1(c["squeeze"](x)))))
+        return c["gate_mul"](x, c["gate_view"](g, x))
+
+
+class OneChoiceBlock(SEFixupBlock):
+    """The example's block with each way of writing an op replaceable (``choices``)."""
+
+    choices: dict = {}
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, reduction: int = 16):
+        super().__init__(inplanes, planes, stride, reduction)
+        self.se = type("SE", (OneChoiceSE,), {"choices": self.choices})(planes, reduction)
+
+    def forward(self, x):
+        c = {**EXAMPLE_CHOICES, **self.choices}
+        a = c["bias"](x, self.bias1a)
+        out = c["relu"](c["bias"](self.conv1(a), self.bias1b))
+        out = self.conv2(c["bias"](out, self.bias2a))
+        out = c["bias"](c["scale"](out, self.scale), self.bias2b)
+        identity = x if self.downsample is None else self.downsample(a)
+        return c["relu"](c["residual"](self.se(out), identity))
+
+
+EXAMPLE_CHOICES = {
+    "bias": lambda x, b: x + b, "scale": lambda o, s: o * s, "residual": lambda y, i: y + i,
+    "relu": lambda x: F.relu(x, inplace=True), "se_relu": F.relu, "sigmoid": torch.sigmoid,
+    "squeeze": lambda x: x.mean((2, 3)), "gate_mul": lambda x, g: x * g,
+    "gate_view": lambda g, x: g.view(x.shape[0], x.shape[1], 1, 1)}
+"""How the example writes each op that :class:`OneChoiceBlock` can write another way."""
+
+
+def _iadd(y, i):
+    y += i
+    return y
+
+
+ONE_CHOICE = {
+    "bias first": {"bias": lambda x, b: b + x},
+    "torch.add(bias, x)": {"bias": lambda x, b: torch.add(b, x)},
+    "x - (-bias)": {"bias": lambda x, b: x - (-b)},
+    "torch.add(x, bias, alpha=1)": {"bias": lambda x, b: torch.add(x, b, alpha=1)},
+    "scale first": {"scale": lambda o, s: s * o},
+    "identity + out": {"residual": lambda y, i: i + y},
+    "out += identity": {"residual": _iadd},
+    "y.add(identity, alpha=1)": {"residual": lambda y, i: y.add(i, alpha=1)},
+    "torch.sub(y, identity, alpha=-1)": {"residual": lambda y, i: torch.sub(y, i, alpha=-1)},
+    "gate first": {"gate_mul": lambda x, g: torch.mul(g, x)},
+    "x * gate.expand_as(x)": {"gate_mul": lambda x, g: x * g.expand_as(x)},
+    "squeeze sum / (h * w)": {"squeeze": lambda x: x.sum((2, 3)) / (x.shape[2] * x.shape[3])},
+    "squeeze sum * (1 / (h * w))": {
+        "squeeze": lambda x: x.sum((2, 3)) * (1 / (x.shape[2] * x.shape[3]))},
+    "relu as x.clamp(min=0)": {"relu": lambda x: x.clamp(min=0)},
+    "relu as x.clamp_min(0)": {"relu": lambda x: x.clamp_min(0)},
+    "SE relu as torch.clamp(x, 0)": {"se_relu": lambda x: torch.clamp(x, 0)},
+    "torch.special.expit": {"sigmoid": torch.special.expit},
+    "gate[..., None, None]": {"gate_view": lambda g, x: g[..., None, None]},
+}
+"""A spelling of the example that differs from it in one choice: name -> the choice."""
+
+
+def _kernels(model: torch.nn.Module, x: torch.Tensor):
+    compiled = CompiledModule(model, CUDA_PIPELINE, backends=())
+    with torch.no_grad():
+        out, want = compiled(x), model(x)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    spec = compiled.last
+    return ([r.pattern for r in spec.regions], glue_kernels(spec.graph_module),
+            [(p["op"], p["reason"]) for p in pytorch_nodes(spec.graph_module)])
+
+
+@pytest.mark.parametrize("name", ONE_CHOICE)
+def test_one_choice_written_another_way_changes_no_region_or_kernel(name):
+    from examples.seresnet9_spellings import _spelled
+
+    block = type("Block", (OneChoiceBlock,), {"choices": ONE_CHOICE[name]})
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    assert _kernels(_spelled(block)(base_planes=16), x) == _kernels(
+        _spelled(OneChoiceBlock)(base_planes=16), x)
+
+
+def test_arithmetic_written_one_way_is_bitwise_the_same_and_inexact_forms_stay():
+    from fusion_compiler.capture import capture
+    from fusion_compiler.passes.pre_fusion.normalize import normalize
+    from fusion_compiler.shapes import propagate_shapes
+
+    class Spelled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = torch.nn.Parameter(torch.randn(1, 4, 1, 1))
+
+        def forward(self, x):
+            return (self.b + x, 2 * x, x - (-self.b), torch.add(x, self.b, alpha=-1), x / 4,
+                    x / 3, torch.add(x, self.b, alpha=2), x * self.b.expand_as(x))
+
+    model, x = Spelled(), torch.randn(2, 4, 3, 3) * 1e3
+    gm = capture(model)
+    propagate_shapes(gm, [x])
+    code = normalize(gm).code
+    for written in ("torch.add(x, b)", "torch.mul(x, 2)", "torch.sub(x, b)", "torch.mul(x, 0.25)",
+                    "torch.div(x, 3)", "alpha = 2", "torch.mul(x, b)"):
+        assert written in code, (written, code)
+    assert "neg" not in code and "expand_as" not in code
+    with torch.no_grad():
+        for got, want in zip(gm(x), model(x), strict=True):
+            assert torch.equal(got, want)  # the same bits, not only close
+
+
+def test_a_clamp_at_zero_is_relu_unless_it_changes_the_dtype():
+    from fusion_compiler.capture import capture
+    from fusion_compiler.passes.pre_fusion.normalize import normalize
+    from fusion_compiler.shapes import propagate_shapes
+
+    class Clamps(torch.nn.Module):
+        def forward(self, x, i):
+            return x.clamp(min=0), x.clamp_min(0.0), torch.clamp(x, 0, 6), i.clamp(min=0.0)
+
+    model = Clamps()
+    x, i = torch.tensor([-1.0, -0.0, 0.0, 2.0, float("nan")]), torch.tensor([-2, 3])
+    gm = capture(model)
+    propagate_shapes(gm, [x, i])
+    code = normalize(gm).code
+    assert code.count("torch.relu(x)") == 2 and "torch.clamp(x, 0, 6)" in code
+    assert "torch.clamp(i, 0.0, None)" in code  # an int tensor clamped to a float: float out
+    for got, want in zip(gm(x, i), model(x, i), strict=True):  # float32: the same bits
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.int32),
+                                                       want.view(torch.int32))

@@ -5,9 +5,10 @@ Rewrites, in this order:
 1. **functionalize** (:mod:`.functionalize`) -- every in-place op becomes its out-of-place
    twin, and writes into graph inputs and buffers are copied back at the end. Afterwards each
    value is written once (SSA).
-2. **specialize shapes** -- shape arithmetic (``x.shape``, ``x.size(1)``, ``H // 4``) and integer
-   inputs (the ``SymInt`` sizes Dynamo passes to a graph with a dynamic batch) become
-   constants: a compiled graph is specialized on its input shapes and integer values anyway.
+2. **specialize shapes** -- shape arithmetic (``x.shape``, ``x.size(1)``, ``H // 4``,
+   ``1 / (h * w)``) and integer inputs (the ``SymInt`` sizes Dynamo passes to a graph with a
+   dynamic batch) become constants: a compiled graph is specialized on its input shapes and
+   integer values anyway.
 3. **modules to functions** -- ``nn.Conv2d``,
    ``nn.ReLU``/``ReLU6``/``Hardtanh``/``Sigmoid``/``Tanh``, ``nn.BatchNorm2d``, ``nn.AvgPool2d``,
    ``nn.AdaptiveAvgPool2d(1)`` and ``nn.Identity`` become function calls (a train-mode
@@ -15,7 +16,9 @@ Rewrites, in this order:
    as ``call_module``.
 4. **canonical calls** -- ``conv2d(x, w, b)`` -> ``conv2d(x, w, None)`` +
    ``add(., b.reshape(1,K,1,1))``; operators and methods (``x + y``, ``x.mul(y)``) ->
-   ``torch.add``/``torch.mul``/...; ``relu6``/``hardtanh``/``clamp`` -> ``torch.clamp``;
+   ``torch.add``/``torch.mul``/..., written one way (:mod:`.arithmetic`: operand order,
+   ``alpha``, negations, broadcasts); ``relu6``/``hardtanh``/``clamp`` -> ``torch.clamp``, and
+   ``clamp(x, min=0)``/``clamp_min(x, 0)`` -> ``torch.relu``; ``special.expit`` -> ``sigmoid``;
    ``mean``/``adaptive_avg_pool2d(., 1)`` over H, W ->
    ``sum(x, [2, 3], keepdim=True) * (1 / (H*W))``; ``torch._weight_norm`` -> its formula.
 
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
 from ...ir.ops import CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code, writes_in_place
+from .arithmetic import canonical_binary
 from .batch_norm import cumulative_batch_norm
 from .reparametrized import conv_weight, is_parametrized
 from .functionalize import functionalize, inplace_target
@@ -42,12 +46,13 @@ __all__ = ["normalize", "inplace_target"]
 
 _METHODS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
             "relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "clamp": torch.clamp,
-            "clip": torch.clamp}
+            "clip": torch.clamp, "clamp_min": torch.clamp_min}
 _FUNCS = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.mul,
           operator.truediv: torch.div, torch.add: torch.add, torch.sub: torch.sub,
           torch.mul: torch.mul, torch.div: torch.div, torch.relu: torch.relu, F.relu: torch.relu,
           torch.sigmoid: torch.sigmoid, F.sigmoid: torch.sigmoid, torch.tanh: torch.tanh,
-          F.tanh: torch.tanh, torch.clamp: torch.clamp, torch.clip: torch.clamp, F.silu: F.silu}
+          F.tanh: torch.tanh, torch.clamp: torch.clamp, torch.clip: torch.clamp, F.silu: F.silu,
+          torch.special.expit: torch.sigmoid, torch.clamp_min: torch.clamp_min}
 
 
 def normalize(gm: fx.GraphModule) -> fx.GraphModule:
@@ -107,13 +112,24 @@ def _specialize_shapes(gm: fx.GraphModule) -> None:
                 or "val" not in node.meta:
             continue
         val = node.meta["val"]
-        if isinstance(val, bool) or not is_static(val):
+        if isinstance(val, bool) or not (is_static(val) or _folded_number(node, val)):
             continue
         const = tuple(val) if isinstance(val, torch.Size) else val
         for user in list(node.users):
             user.args = map_aggregate(user.args, lambda a: const if a is node else a)
             user.kwargs = map_aggregate(user.kwargs, lambda a: const if a is node else a)
     eliminate_dead_code(gm.graph)
+
+
+_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+               operator.neg, operator.pow}
+
+
+def _folded_number(node: fx.Node, val: Any) -> bool:
+    """Whether ``node`` is Python arithmetic on constants alone giving a float (``1 / (h * w)``
+    once the sizes are constants): the float eager computes, the same on every call."""
+    return (isinstance(val, float) and node.op == "call_function" and node.target in _ARITHMETIC
+            and not node.all_input_nodes)
 
 
 # --------------------------------------------------------------------------- modules
@@ -266,8 +282,7 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
         node.replace_all_uses_with(out)
         g.erase_node(node)
     elif target in (torch.add, torch.sub, torch.mul, torch.div):
-        if len(node.args) == 2 and not node.kwargs:
-            _retarget(node, target)
+        canonical_binary(node, target, ssa=not gm.meta.get("fusion_off"))
     elif target in (torch.relu, torch.sigmoid, torch.tanh, F.silu):
         if len(node.args) <= 2 and set(node.kwargs) <= {"inplace"}:
             _retarget(node, target, (node.args[0],), {})
@@ -278,9 +293,12 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
                   {"min_val": -1.0, "max_val": 1.0, "inplace": False})
         if a is not None:
             _retarget(node, torch.clamp, (a["input"], a["min_val"], a["max_val"]), {})
-    elif target is torch.clamp:
-        a = _bind(node, ["input", "min", "max"], {"min": None, "max": None})
-        if a is not None:
+    elif target in (torch.clamp, torch.clamp_min):
+        names = ["input", "min", "max"] if target is torch.clamp else ["input", "min"]
+        a = _bind(node, names, {"min": None, "max": None})
+        if a is not None and _is_relu(node, a):  # ATen's relu is clamp_min(x, 0)
+            _retarget(node, torch.relu, (a["input"],), {})
+        elif a is not None:
             _retarget(node, torch.clamp, (a["input"], a["min"], a["max"]), {})
     elif target in ("mean", "sum", torch.mean, torch.sum):
         a = _bind(node, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
@@ -293,6 +311,16 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
         size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
         if size in (1, (1, 1), [1, 1]) and len(_shape(node.args[0]) or ()) == 4:
             _hw_reduction(gm, node, node.args[0], mean=True, keepdim=True)
+
+
+def _is_relu(node: fx.Node, a: dict[str, Any]) -> bool:
+    """Whether the clamp ``node`` (bound arguments ``a``) is ``clamp(x, min=0)`` of a floating
+    ``x`` into its own dtype: ``torch.relu(x)``, which ATen computes as ``clamp_min(x, 0)``."""
+    low, val, x = a["min"], node.meta.get("val"), a["input"]
+    xval = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return (a["max"] is None and type(low) in (int, float) and low == 0
+            and isinstance(val, torch.Tensor) and isinstance(xval, torch.Tensor)
+            and val.is_floating_point() and val.dtype == xval.dtype)
 
 
 def _weight_norm_formula(gm: fx.GraphModule, node: fx.Node) -> None:

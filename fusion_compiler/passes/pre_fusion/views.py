@@ -3,8 +3,9 @@
 ``g.unsqueeze(-1).unsqueeze(-1)``, ``g.view(n, c, 1, 1)``, ``g[:, :, None, None]`` and
 ``g.reshape(n, c, 1, 1)`` give the same tensor; the passes that recognize a pattern through such a
 view (the SE gate's broadcast, ``passes.post_lowering.se_gate``) should not depend on which one a
-network's author wrote. This pass makes every ``unsqueeze`` and ``squeeze`` (method or function)
-a ``torch.reshape`` to the shape it produced, and folds a ``torch.reshape`` of a ``torch.reshape``
+network's author wrote. This pass makes every ``unsqueeze`` and ``squeeze`` (method or function),
+and every indexing by ``None``, ``:`` and ``...`` alone (``g[..., None, None]``), a
+``torch.reshape`` to the shape it produced, and folds a ``torch.reshape`` of a ``torch.reshape``
 (or of a shape-only ``view``) with no other reader into one ``torch.reshape`` of the first input
 when both only add or drop size-1 dimensions. Each is the same view of the same memory, and
 shapes are static in a compiled graph (specialized to its inputs). Reshapes that move elements
@@ -15,6 +16,7 @@ that change the dtype are left as written; so is a graph that keeps in-place ops
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ def canonical_views(gm: fx.GraphModule) -> list[str]:
     done: list[str] = []
     for node in list(g.nodes):
         size_one = (node.op == "call_method" and node.target in _SIZE_ONE_METHODS) or is_call(
-            node, *_SIZE_ONE_FUNCTIONS)
+            node, *_SIZE_ONE_FUNCTIONS) or _new_axes(node)
         source, val = _source(node), node.meta.get("val")
         if size_one and source is not None and isinstance(val, torch.Tensor):
             with g.inserting_before(node):
@@ -57,6 +59,18 @@ def canonical_views(gm: fx.GraphModule) -> list[str]:
             g.erase_node(inner)
             done.append(inner.name)
     return done
+
+
+def _new_axes(node: fx.Node) -> bool:
+    """Whether ``node`` indexes a tensor with ``None`` (a new size-1 axis), whole slices
+    (``:``) and ``...`` alone, at least one ``None`` (``g[:, :, None, None]``,
+    ``g[..., None, None]``): a view that only adds size-1 dimensions."""
+    if not is_call(node, operator.getitem) or len(node.args) != 2 or node.kwargs:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return isinstance(source, torch.Tensor) and None in index and all(
+        i is None or i is Ellipsis or isinstance(i, slice) and i == slice(None) for i in index)
 
 
 def _source(node: fx.Node) -> fx.Node | None:
