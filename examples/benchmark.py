@@ -84,6 +84,8 @@ FUSION_VARIANTS = {
                                                       "glue_backend": "inductor"},
     "fusion_compiler +triton_conv": {"backends": ("triton_stem", "triton_conv", "dense",
                                                   "triton_depthwise", "cudnn")},
+    "fusion_compiler +hopper_conv": {"backends": ("triton_stem", "dense", "triton_depthwise",
+                                                  "hopper_conv", "cudnn")},
     "fusion_compiler -dense": {"backends": ("triton_stem", "triton_depthwise", "cudnn")},
     "fusion_compiler -triton_depthwise": {"backends": ("triton_stem", "dense", "cudnn")},
     "fusion_compiler horizontal_fusion=False": {"horizontal_fusion": False},

@@ -52,7 +52,8 @@ CHUNKS: list[list[str]] = [
     ["test_gpu_training.py", "test_gpu_graphed_training.py"],
     ["test_gpu_defaults.py", "test_gpu_dynamo.py", "test_gpu_background.py"],
     ["test_gpu_conformance.py"],
-    ["test_gpu_triton_conv.py", "test_gpu_depthwise.py", "test_fuzz.py"],
+    ["test_gpu_triton_conv.py", "test_gpu_depthwise.py", "test_fuzz.py",
+     "test_gpu_hopper_conv.py"],
     ["test_gpu_ddp.py", "test_gpu_door_ddp.py"],
 ]
 """The chunks, by test file (the order they run in)."""

@@ -3,7 +3,8 @@
 Registered here: ``triton_stem`` (the SpaceToDepth stem kernel of this package's own,
 :mod:`.triton_stem`), ``triton_conv`` (an implicit-GEMM convolution of this package's own,
 :mod:`.triton`), ``triton_depthwise`` (a depthwise convolution of this package's own,
-:mod:`.triton_depthwise`), ``dense`` (a convolution of a small image as one dense GEMM,
+:mod:`.triton_depthwise`), ``hopper_conv`` (a TMA + wgmma convolution of this package's own
+for Hopper GPUs, :mod:`.hopper_conv`), ``dense`` (a convolution of a small image as one dense GEMM,
 :mod:`.dense`), ``cudnn`` (cuDNN execution plans, :mod:`.cudnn`) and ``reference`` (the
 region's PyTorch ops, :mod:`.reference`: takes every region, the fallback). A compile asks
 those its ``backends`` option names (:data:`~fusion_compiler.config.DEFAULT_BACKENDS` by
@@ -47,6 +48,12 @@ def _triton_depthwise(options: CompileOptions) -> Backend:
     return TritonDepthwiseBackend.for_options(options)
 
 
+def _hopper_conv(options: CompileOptions) -> Backend:
+    from .hopper_conv import HopperConvBackend  # noqa: PLC0415
+
+    return HopperConvBackend.for_options(options)
+
+
 def _triton_stem(options: CompileOptions) -> Backend:
     from .triton_stem import SpaceToDepthStemBackend  # noqa: PLC0415
 
@@ -57,5 +64,6 @@ register_backend(REFERENCE, ReferenceBackend.for_options)
 register_backend("triton_stem", _triton_stem)
 register_backend("triton_conv", _triton_conv)
 register_backend("triton_depthwise", _triton_depthwise)
+register_backend("hopper_conv", _hopper_conv)
 register_backend("dense", _dense)
 register_backend("cudnn", _cudnn)
