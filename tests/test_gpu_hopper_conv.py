@@ -129,7 +129,8 @@ def test_compile_times_it_against_cudnn_and_runs_the_faster():
     assert timed, [(r.region_id, r.pattern, r.backend, dict(r.timing))
                    for r in compiled.last.regions]
     for r in timed:
-        best = min(r.timing[b] for b in ("hopper_conv", "cudnn", "reference") if b in r.timing)
+        by_backend = {b: ms for b, ms in r.timing.items() if " " not in b}  # not tile timings
+        best = min(by_backend.values())
         assert r.timing[r.backend] == best, (r.region_id, r.backend, dict(r.timing))
         if r.backend == "hopper_conv":
             assert "wgmma" in r.plan
