@@ -16,7 +16,11 @@ minutes (2026-11-27, session 36; chunks run 1.3-1.6 times slower beside each oth
 in session 38 it no longer fitted one 10-minute command there (chunk 6 did not start): split it
 over several commands with ``--chunks``. On two H200s (session 42's times, :data:`SECONDS`):
 ``--chunks 5,4`` (about 500 s), ``--chunks 6,1,2,3`` (about 390 s), then ``--chunks 7`` (about
-205 s; its tests take both GPUs). In session 42 ``--chunks 5,2`` on one GPU did not fit 600 s.
+205 s; its tests take both GPUs). In session 42 ``--chunks 5,2`` on one GPU did not fit 600 s;
+in session 43 chunk 5 beside chunk 4 did not either (cut off at 549 s, 93% through). Chunk 5 is
+the conformance suite: run its halves as two processes instead, ``pytest
+tests/test_gpu_conformance.py -k first_calls`` and ``-k last_tier`` (about 250 s each; in
+session 43 both at once on one H200 took 265 s, beside chunks 3 and 2).
 
 A chunk is a group of test files (:data:`CHUNKS`, about 6-8 minutes each on an H100); files that
 hold ``gpu`` tests and are in no chunk form the last one, so a new GPU test file is never left
