@@ -370,3 +370,22 @@ def test_the_inductor_copy_calls_the_kernels_through_their_ops():
     assert se_scale not in targets
     with torch.inference_mode():
         torch.testing.assert_close(gm(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_split_into_views_is_no_inductor_work():
+    """ShuffleNet's ``x.chunk(2, dim=1)`` (and ``split``, ``unbind``) return views of the region's
+    output, as indexing does: no kernel for Inductor; the concatenation after them is one."""
+    from fusion_compiler.tools.dump import specialize_for_dump
+
+    class Halves(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(8, 8, 1)
+
+        def forward(self, x):
+            a, b = self.conv(x).chunk(2, dim=1)
+            c, d = torch.split(x, 4, dim=1)
+            return a, b, c, torch.unbind(d, 1)[0]
+
+    spec = specialize_for_dump(Halves().eval(), [torch.randn(2, 8, 4, 4)])
+    assert inductor_work(spec.graph_module) == []

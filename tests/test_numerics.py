@@ -8,10 +8,12 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from conftest import CUDA_PIPELINE, rel_err
 
 import fusion_compiler as fc
 from fusion_compiler.compiler import CompiledModule
+from fusion_compiler.tables import pytorch_nodes
 from examples.seresnet9_fixup import (SEFixupBlock, SpaceToDepth, bps_visual_encoder, randomize_,
                                       se_resnet9_fixup)
 
@@ -100,6 +102,42 @@ def test_avgpool_conv_rewrite_is_exact_in_fp64():
     with torch.no_grad():
         assert rel_err(compiled(x), model(x)) < 1e-12
     assert compiled.last.regions[0].pattern == "conv3x3/s2"
+
+
+@pytest.mark.parametrize("pool, pattern", [(nn.AvgPool2d(2, 2), "conv2x2/s2"),
+                                           (nn.AvgPool2d(3, 2, padding=1), "conv3x3/s2")])
+def test_a_pool_after_a_1x1_conv_is_one_conv_exact_in_fp64(pool, pattern):
+    """DenseNet's transition (BN, ReLU, 1x1 convolution, 2x2 average pool): the pool and the
+    convolution one convolution (``avgpool_conv``), the same values but for rounding."""
+    model = nn.Sequential(nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 1, bias=False),
+                          pool).double().eval()
+    x = torch.randn(2, 8, 9, 9, dtype=torch.float64)
+    compiled = CompiledModule(model, options=CUDA_PIPELINE)
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-12
+    assert [r.pattern for r in compiled.last.regions] == [pattern]
+    left = [p["op"] for p in pytorch_nodes(compiled.last.graph_module)]
+    assert "avg_pool2d" not in left and "AvgPool2d" not in left, left
+
+
+def test_a_pool_after_a_1x1_conv_with_another_reader_or_a_bias_stays():
+    class TwoReaders(nn.Module):
+        def __init__(self, bias: bool):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 16, 1, bias=bias)
+            self.bias = bias
+
+        def forward(self, x):
+            y = self.conv(x)
+            pooled = F.avg_pool2d(y, 2)
+            return pooled if self.bias else (pooled, y)
+
+    for bias in (False, True):
+        compiled = CompiledModule(TwoReaders(bias).eval(), options=CUDA_PIPELINE)
+        with torch.no_grad():
+            compiled(torch.randn(2, 8, 8, 8))
+        assert [r.pattern for r in compiled.last.regions] == [
+            "conv1x1 > add" if bias else "conv1x1"]
 
 
 def test_new_input_shape_respecializes():

@@ -185,3 +185,85 @@ def test_a_clamp_at_zero_is_relu_unless_it_changes_the_dtype():
     for got, want in zip(gm(x, i), model(x, i), strict=True):  # float32: the same bits
         assert got.dtype == want.dtype and torch.equal(got.view(torch.int32),
                                                        want.view(torch.int32))
+
+
+# --------------------------------------------------------------------------- layers that do nothing
+
+def stochastic_depth(input, p, mode, training=True):
+    """Stands for ``torchvision.ops.stochastic_depth`` (torchvision is not a dependency): the
+    same signature, and the identity where the pass takes it; torchvision wraps it for torch.fx
+    as this module does, and the pass knows it by its module and name."""
+    if not training or p == 0.0:
+        return input
+    keep = torch.empty([input.shape[0]] + [1] * (input.dim() - 1)).bernoulli_(1 - p)
+    return input * keep / (1 - p)
+
+
+stochastic_depth.__module__ = "torchvision.ops.stochastic_depth"
+torch.fx.wrap("stochastic_depth")
+
+
+class MBConvLike(torch.nn.Module):
+    """An EfficientNet-style residual block and head: expand (conv, BN, SiLU), project (conv, BN),
+    stochastic depth and the residual add; dropout before the classifier (``layers=False``: the
+    same network without the stochastic depth and the dropouts)."""
+
+    def __init__(self, layers: bool = True, p: float = 0.2):
+        super().__init__()
+        self.expand = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 1, bias=False),
+                                          torch.nn.BatchNorm2d(32), torch.nn.SiLU(inplace=True))
+        self.project = torch.nn.Sequential(torch.nn.Conv2d(32, 16, 3, padding=1, bias=False),
+                                           torch.nn.BatchNorm2d(16))
+        self.dropout = torch.nn.Dropout(p, inplace=True) if layers else torch.nn.Identity()
+        self.fc = torch.nn.Linear(16, 10)
+        self.layers, self.p = layers, p
+
+    def forward(self, x):
+        y = self.project(self.expand(x))
+        if self.layers:
+            y = stochastic_depth(y, self.p, "row", self.training)
+            y = F.dropout2d(y, 0.1, self.training)
+        pooled = (y + x).mean((2, 3))
+        return self.fc(self.dropout(pooled))
+
+
+def test_layers_that_return_their_input_in_eval_mode_leave_no_op():
+    torch.manual_seed(0)
+    written, plain = MBConvLike().eval(), MBConvLike(layers=False).eval()
+    plain.load_state_dict(written.state_dict())
+    x = torch.randn(2, 16, 8, 8)
+    regions, glue, left = _kernels(written, x)
+    assert (regions, glue, left) == _kernels(plain, x)
+    assert "conv3x3 > mul > add > add" in regions  # the residual add joined the region
+    with torch.no_grad():
+        assert torch.equal(CompiledModule(written, CUDA_PIPELINE, backends=())(x), plain(x))
+
+
+def test_dropout_and_stochastic_depth_stay_where_they_draw_random_numbers():
+    from fusion_compiler.capture import capture
+    from fusion_compiler.passes.pre_fusion.identities import drop_identities
+
+    model = MBConvLike().train()
+    assert drop_identities(capture(model)) == []
+    model.p = 0.0  # torchvision's stochastic depth returns its input at p = 0 in training too
+    assert drop_identities(capture(model)) == ["stochastic_depth"]
+    model.eval()
+    assert sorted(drop_identities(capture(model))) == ["dropout", "dropout2d", "stochastic_depth"]
+    model.dropout.train()  # a module's own mode counts
+    assert sorted(drop_identities(capture(model))) == ["dropout2d", "stochastic_depth"]
+
+
+def test_torchvision_s_stochastic_depth_is_the_one_the_pass_takes():
+    ops = pytest.importorskip("torchvision.ops")
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+            self.drop = ops.StochasticDepth(0.2, "row")
+
+        def forward(self, x):
+            return self.drop(self.conv(x)) + x
+
+    regions, glue, left = _kernels(Residual().eval(), torch.randn(2, 8, 8, 8))
+    assert regions == ["conv3x3 > add > add"] and not left

@@ -4,13 +4,14 @@ graph after any pass by its name). In order, with the condition under which each
 
 * **pre_fusion**: ``normalize`` (in-place -> out-of-place, i.e. SSA; modules -> functions; conv
   bias -> add; arithmetic written one way: operand order, ``alpha``, negations, broadcasts,
-  ``clamp(x, min=0)`` as ReLU), ``canonical_views`` (``unsqueeze``/``squeeze``, indexing by
-  ``None`` and chained size-1 reshapes as one ``torch.reshape``), ``cse`` (repeated reads and
-  pure calls merged: equivalent spellings, one graph), ``fold_bn`` (eval batch norm after a
-  conv -> per-channel scale + bias), ``space_to_depth``, ``strided_stem`` and ``avgpool_conv``
-  (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b conv or one channels_last copy; a conv
-  of a 1-4 channel image whose kernel equals its stride -> a 1x1 conv of its space-to-depth
-  copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
+  ``clamp(x, min=0)`` as ReLU), ``identities`` (eval-mode dropout and torchvision's stochastic
+  depth, which return their input, removed), ``canonical_views`` (``unsqueeze``/``squeeze``,
+  indexing by ``None`` and chained size-1 reshapes as one ``torch.reshape``), ``cse`` (repeated
+  reads and pure calls merged: equivalent spellings, one graph), ``fold_bn`` (eval batch norm
+  after a conv -> per-channel scale + bias), ``space_to_depth``, ``strided_stem`` and
+  ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b conv or one
+  channels_last copy; a conv of a 1-4 channel image whose kernel equals its stride -> a 1x1
+  conv of its space-to-depth copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
   ``horizontal_fusion`` (CUDA inference, with that option, on by default: sibling convolutions
   of one image -> one convolution and channel views of its output), ``autocast`` (under
   ``torch.autocast``: its casts made graph ops), then the user's own passes (option ``passes``,
@@ -64,6 +65,7 @@ from .pre_fusion.cse import eliminate_common_subexpressions
 from .pre_fusion.views import canonical_views
 from .pre_fusion.fold_bn import fold_batch_norm
 from .pre_fusion.horizontal import horizontal_fusion
+from .pre_fusion.identities import drop_identities
 from .pre_fusion.normalize import normalize
 from .pre_fusion.rewrites import avgpool_conv, space_to_depth_conv, strided_stem_conv
 
@@ -94,6 +96,7 @@ def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
     under ``torch.autocast``."""
     cuda = target.cuda or bool(options.cuda_pipeline)
     passes = [Pass("normalize", normalize),
+              Pass("identities", _counted(drop_identities, "ops that return their input removed")),
               Pass("canonical_views", _counted(canonical_views, "views written as reshapes")),
               Pass("cse", _counted(eliminate_common_subexpressions,
                                    "common subexpressions merged")),

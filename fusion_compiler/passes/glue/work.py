@@ -13,9 +13,10 @@ from ...ir.region import called_region
 __all__ = ["inductor_work"]
 
 _VIEWS = {torch.reshape, torch.flatten, torch.permute, torch.squeeze, torch.unsqueeze,
-          torch.transpose, torch.narrow, operator.getitem}
+          torch.transpose, torch.narrow, operator.getitem,
+          torch.chunk, torch.split, torch.tensor_split, torch.unbind}  # tuples of views
 _VIEW_METHODS = {"view", "reshape", "flatten", "permute", "squeeze", "unsqueeze", "transpose",
-                 "size", "dim", "contiguous"}
+                 "size", "dim", "contiguous", "chunk", "split", "tensor_split", "unbind"}
 
 
 def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
@@ -26,7 +27,8 @@ def inductor_work(gm: fx.GraphModule) -> list[fx.Node]:
     (:func:`~fusion_compiler.kernels.se_gate.se_gate`,
     :func:`~fusion_compiler.kernels.se_gate.se_scale`), an indexing of a region's outputs, a
     view or a layout change (``reshape``, ``permute``, ``contiguous`` and the like: at most a
-    copy, which Inductor's code would make too), or a cast to a dtype (``.to(dtype)``, the
+    copy, which Inductor's code would make too; ``chunk``, ``split``, ``tensor_split`` and
+    ``unbind``, views of their input), or a cast to a dtype (``.to(dtype)``, the
     autocast pass's) of what is not a layout change: one kernel either way (after a layout
     change, which may copy, Inductor would make one kernel of the two). Empty when Inductor
     would only call, in the same order, the kernels the eager graph calls: then compiling the

@@ -15,8 +15,9 @@ lowers to cuDNN well.
   space-to-depth copy, with the weight rearranged the same way; cuDNN runs the second form on
   ``s*s*C`` channels far faster than the first on 4 or 8.
 * :func:`avgpool_conv` -- ``AvgPool2d(k, s, p, count_include_pad=True)`` followed by a 1x1
-  convolution equals a k x k, stride-s, pad-p convolution whose every tap is ``weight / k**2``
-  (both are linear; the pool's divisor is always ``k**2`` when padding counts).
+  convolution, or following one (DenseNet's transition), equals a k x k, stride-s, pad-p
+  convolution whose every tap is ``weight / k**2`` (both are linear; the pool's divisor is always
+  ``k**2`` when padding counts).
 
 Weights are rearranged by graph ops on the live parameter, so gradients flow and the result stays
 right after ``load_state_dict``.
@@ -247,28 +248,42 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite ``conv1x1(avg_pool2d(a, k, s, p, count_include_pad=True), w)`` as
-    ``conv(a, broadcast(w / k**2) to [K, C, k, k], stride=s, padding=p)``.
+    """Rewrite ``conv1x1(avg_pool2d(a, k, s, p, count_include_pad=True), w)``, and
+    ``avg_pool2d(conv1x1(a, w), k, s, p, count_include_pad=True)`` where the pool is the
+    convolution's only reader (DenseNet's transition), as
+    ``conv(a, broadcast(w * (1 / k**2)) to [K, C, k, k], stride=s, padding=p)``. Both are linear,
+    so the result differs from eager's only in rounding: the order of the sums, and the weight's
+    scale where ``k**2`` is not a power of two (exact for DenseNet's 2x2 pool). In the second form
+    the padding the pool adds is zeros of the convolution's output, which the new convolution's
+    zero padding of ``a`` gives (a convolution node has no bias after ``normalize``); it has the
+    FLOPs of the 1x1 convolution, and the full-size output is not written and read again.
 
     Only ``ceil_mode=False`` and no ``divisor_override`` pools match: otherwise the divisor varies.
+    Any float dtype; shapes need metadata (``meta["val"]``). Raises nothing.
     """
     g = gm.graph
     changed = False
-    for conv in list(g.nodes):
-        if not pointwise_conv(conv) or not is_call(conv.args[0], F.avg_pool2d):
+    for node in list(g.nodes):
+        if pointwise_conv(node) and is_call(node.args[0], F.avg_pool2d):
+            conv, pool = node, node.args[0]
+        elif is_call(node, F.avg_pool2d) and pointwise_conv(node.args[0]) \
+                and len(node.args[0].users) == 1:
+            conv, pool = node.args[0], node
+        else:
             continue
-        a = avg_pool2d_args(conv.args[0])
+        a = avg_pool2d_args(pool)
         pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
         kh, kw = pair(a["kernel_size"])
         stride = pair(a["stride"] if a["stride"] not in (None, [], ()) else a["kernel_size"])
         if a["ceil_mode"] or not a["count_include_pad"] or a["divisor_override"] is not None:
             continue
         wshape = _shape(conv.args[1])
-        with g.inserting_before(conv):
+        image = a["input"] if node is conv else conv.args[0]
+        with g.inserting_before(node):
             scaled = g.call_function(torch.mul, (conv.args[1], 1.0 / (kh * kw)))
             taps = g.call_method("expand", (scaled, (wshape[0], wshape[1], kh, kw)))
-            new = g.call_function(CONV, (a["input"], taps, None, stride, pair(a["padding"]),
+            new = g.call_function(CONV, (image, taps, None, stride, pair(a["padding"]),
                                          (1, 1), 1))
-        _replaced(g, conv, new)
+        _replaced(g, node, new)
         changed = True
     return _finished(gm, changed)
