@@ -185,3 +185,65 @@ def test_a_clamp_at_zero_is_relu_unless_it_changes_the_dtype():
     for got, want in zip(gm(x, i), model(x, i), strict=True):  # float32: the same bits
         assert got.dtype == want.dtype and torch.equal(got.view(torch.int32),
                                                        want.view(torch.int32))
+
+
+def _normalized(model: torch.nn.Module, x: torch.Tensor):
+    from fusion_compiler.capture import capture
+    from fusion_compiler.passes.pre_fusion.normalize import normalize
+    from fusion_compiler.shapes import propagate_shapes
+
+    gm = capture(model)
+    propagate_shapes(gm, [x])
+    return normalize(gm)
+
+
+def test_only_an_avg_pool_over_the_whole_image_becomes_the_spatial_mean():
+    class Pools(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = torch.nn.AvgPool2d((6, 5))
+
+        def forward(self, x):
+            whole = (self.pool(x), F.avg_pool2d(x, (6, 5)),
+                     F.avg_pool2d(x, kernel_size=x.shape[2:], stride=(6, 5)))
+            return whole, (
+                F.avg_pool2d(x, (3, 5)),  # a smaller window
+                F.avg_pool2d(x, (4, 3), stride=2),  # strided
+                F.avg_pool2d(x, (6, 5), stride=1),  # one window, but another stride: as written
+                F.avg_pool2d(x, (6, 5), padding=1),  # padded: one window, other values
+                F.avg_pool2d(x, (4, 4), ceil_mode=True),
+                F.avg_pool2d(x, (6, 5), ceil_mode=True),  # one window: left as written too
+                F.avg_pool2d(x, (6, 5), divisor_override=7),
+                F.avg_pool2d(x[0], (6, 5)))  # 3-d
+
+    model, x = Pools(), torch.randn(2, 4, 6, 5)
+    gm = _normalized(model, x)
+    assert gm.code.count("torch.sum(x, [2, 3], keepdim = True)") == 3, gm.code
+    assert gm.code.count("avg_pool2d(") == 8, gm.code
+    with torch.no_grad():
+        (whole, others), (want_whole, want_others) = gm(x), model(x)
+    torch.testing.assert_close(whole, want_whole)  # rounding: the pool sums in its own order
+    for got, want in zip(others, want_others, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_only_a_mean_over_h_and_w_flattened_becomes_the_spatial_mean():
+    class Means(torch.nn.Module):
+        def forward(self, x):
+            n, c, h, w = x.shape
+            return (x.flatten(2).mean(-1), x.flatten(2, 3).sum(dim=[2]),
+                    x.view(n, c, -1).mean(-1, keepdim=True)), (
+                x.flatten(1).mean(-1), x.flatten(2).mean(1), x.view(n, c * h, w).mean(-1),
+                x.flatten(0, 1).mean(-1), x.flatten(2).mean(-1, dtype=torch.float64))
+
+    model, x = Means(), torch.randn(2, 4, 6, 5)
+    gm = _normalized(model, x)
+    assert gm.code.count("torch.sum(x, [2, 3], keepdim = True)") == 3, gm.code
+    assert gm.code.count(".mean(") == 5, gm.code
+    with torch.no_grad():
+        (spatial, others), (want_spatial, want_others) = gm(x), model(x)
+    for got, want in zip(spatial, want_spatial, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)  # a multiply by 1/30 for the division by 30
+    for got, want in zip(others, want_others, strict=True):
+        assert torch.equal(got, want)
