@@ -57,9 +57,15 @@ class OneChoiceSE(SqueezeExcitation):
 
     choices: dict = {}
 
+    def __init__(self, planes: int, reduction: int = 16):
+        super().__init__(planes, reduction)
+        if "pool" in self.choices:  # a module for the squeeze to call, made for these planes
+            self.pool = self.choices["pool"](planes)
+
     def forward(self, x):
         c = {**EXAMPLE_CHOICES, **self.choices}
-        g = c["sigmoid"](self.fc2(c["se_relu"](self.fc1(c["squeeze"](x)))))
+        s = c["squeeze"](x, self.pool) if "pool" in c else c["squeeze"](x)
+        g = c["sigmoid"](self.fc2(c["se_relu"](self.fc1(s))))
         return c["gate_mul"](x, c["gate_view"](g, x))
 
 
@@ -110,6 +116,23 @@ ONE_CHOICE = {
     "squeeze sum / (h * w)": {"squeeze": lambda x: x.sum((2, 3)) / (x.shape[2] * x.shape[3])},
     "squeeze sum * (1 / (h * w))": {
         "squeeze": lambda x: x.sum((2, 3)) * (1 / (x.shape[2] * x.shape[3]))},
+    "squeeze F.avg_pool2d(x, (h, w))": {
+        "squeeze": lambda x: F.avg_pool2d(x, (x.shape[2], x.shape[3])).flatten(1)},
+    "squeeze F.avg_pool2d(x, kernel_size=x.shape[2:])": {
+        "squeeze": lambda x: F.avg_pool2d(x, kernel_size=x.shape[2:]).view(x.shape[0], -1)},
+    "squeeze nn.AvgPool2d((h, w))": {  # base_planes=16, a 64 x 64 image: H = W = 256 // planes
+        "pool": lambda planes: torch.nn.AvgPool2d((256 // planes, 256 // planes)),
+        "squeeze": lambda x, pool: torch.flatten(pool(x), 1)},
+    "squeeze x.flatten(2).mean(-1)": {"squeeze": lambda x: x.flatten(2).mean(-1)},
+    "squeeze x.flatten(2).mean(2)": {"squeeze": lambda x: x.flatten(2).mean(2)},
+    "squeeze torch.flatten(x, 2).mean(dim=-1)": {
+        "squeeze": lambda x: torch.flatten(x, 2).mean(dim=-1)},
+    "squeeze x.view(n, c, -1).mean(-1)": {
+        "squeeze": lambda x: x.view(x.shape[0], x.shape[1], -1).mean(-1)},
+    "squeeze x.reshape(n, c, h * w).mean(2)": {
+        "squeeze": lambda x: x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3]).mean(2)},
+    "squeeze x.flatten(2).sum(-1) / (h * w)": {
+        "squeeze": lambda x: x.flatten(2).sum(-1) / (x.shape[2] * x.shape[3])},
     "relu as x.clamp(min=0)": {"relu": lambda x: x.clamp(min=0)},
     "relu as x.clamp_min(0)": {"relu": lambda x: x.clamp_min(0)},
     "SE relu as torch.clamp(x, 0)": {"se_relu": lambda x: torch.clamp(x, 0)},
