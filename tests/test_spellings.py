@@ -57,9 +57,15 @@ class OneChoiceSE(SqueezeExcitation):
 
     choices: dict = {}
 
+    def __init__(self, planes: int, reduction: int = 16):
+        super().__init__(planes, reduction)
+        if "pool" in self.choices:  # a module for the squeeze to call, made for these planes
+            self.pool = self.choices["pool"](planes)
+
     def forward(self, x):
         c = {**EXAMPLE_CHOICES, **self.choices}
-        g = c["sigmoid"](self.fc2(c["se_relu"](self.fc1(c["squeeze"](x)))))
+        s = c["squeeze"](x, self.pool) if "pool" in c else c["squeeze"](x)
+        g = c["sigmoid"](self.fc2(c["se_relu"](self.fc1(s))))
         return c["gate_mul"](x, c["gate_view"](g, x))
 
 
@@ -110,6 +116,23 @@ ONE_CHOICE = {
     "squeeze sum / (h * w)": {"squeeze": lambda x: x.sum((2, 3)) / (x.shape[2] * x.shape[3])},
     "squeeze sum * (1 / (h * w))": {
         "squeeze": lambda x: x.sum((2, 3)) * (1 / (x.shape[2] * x.shape[3]))},
+    "squeeze F.avg_pool2d(x, (h, w))": {
+        "squeeze": lambda x: F.avg_pool2d(x, (x.shape[2], x.shape[3])).flatten(1)},
+    "squeeze F.avg_pool2d(x, kernel_size=x.shape[2:])": {
+        "squeeze": lambda x: F.avg_pool2d(x, kernel_size=x.shape[2:]).view(x.shape[0], -1)},
+    "squeeze nn.AvgPool2d((h, w))": {  # base_planes=16, a 64 x 64 image: H = W = 256 // planes
+        "pool": lambda planes: torch.nn.AvgPool2d((256 // planes, 256 // planes)),
+        "squeeze": lambda x, pool: torch.flatten(pool(x), 1)},
+    "squeeze x.flatten(2).mean(-1)": {"squeeze": lambda x: x.flatten(2).mean(-1)},
+    "squeeze x.flatten(2).mean(2)": {"squeeze": lambda x: x.flatten(2).mean(2)},
+    "squeeze torch.flatten(x, 2).mean(dim=-1)": {
+        "squeeze": lambda x: torch.flatten(x, 2).mean(dim=-1)},
+    "squeeze x.view(n, c, -1).mean(-1)": {
+        "squeeze": lambda x: x.view(x.shape[0], x.shape[1], -1).mean(-1)},
+    "squeeze x.reshape(n, c, h * w).mean(2)": {
+        "squeeze": lambda x: x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3]).mean(2)},
+    "squeeze x.flatten(2).sum(-1) / (h * w)": {
+        "squeeze": lambda x: x.flatten(2).sum(-1) / (x.shape[2] * x.shape[3])},
     "relu as x.clamp(min=0)": {"relu": lambda x: x.clamp(min=0)},
     "relu as x.clamp_min(0)": {"relu": lambda x: x.clamp_min(0)},
     "SE relu as torch.clamp(x, 0)": {"se_relu": lambda x: torch.clamp(x, 0)},
@@ -267,3 +290,65 @@ def test_torchvision_s_stochastic_depth_is_the_one_the_pass_takes():
 
     regions, glue, left = _kernels(Residual().eval(), torch.randn(2, 8, 8, 8))
     assert regions == ["conv3x3 > add > add"] and not left
+
+
+def _normalized(model: torch.nn.Module, x: torch.Tensor):
+    from fusion_compiler.capture import capture
+    from fusion_compiler.passes.pre_fusion.normalize import normalize
+    from fusion_compiler.shapes import propagate_shapes
+
+    gm = capture(model)
+    propagate_shapes(gm, [x])
+    return normalize(gm)
+
+
+def test_only_an_avg_pool_over_the_whole_image_becomes_the_spatial_mean():
+    class Pools(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = torch.nn.AvgPool2d((6, 5))
+
+        def forward(self, x):
+            whole = (self.pool(x), F.avg_pool2d(x, (6, 5)),
+                     F.avg_pool2d(x, kernel_size=x.shape[2:], stride=(6, 5)))
+            return whole, (
+                F.avg_pool2d(x, (3, 5)),  # a smaller window
+                F.avg_pool2d(x, (4, 3), stride=2),  # strided
+                F.avg_pool2d(x, (6, 5), stride=1),  # one window, but another stride: as written
+                F.avg_pool2d(x, (6, 5), padding=1),  # padded: one window, other values
+                F.avg_pool2d(x, (4, 4), ceil_mode=True),
+                F.avg_pool2d(x, (6, 5), ceil_mode=True),  # one window: left as written too
+                F.avg_pool2d(x, (6, 5), divisor_override=7),
+                F.avg_pool2d(x[0], (6, 5)))  # 3-d
+
+    model, x = Pools(), torch.randn(2, 4, 6, 5)
+    gm = _normalized(model, x)
+    assert gm.code.count("torch.sum(x, [2, 3], keepdim = True)") == 3, gm.code
+    assert gm.code.count("avg_pool2d(") == 8, gm.code
+    with torch.no_grad():
+        (whole, others), (want_whole, want_others) = gm(x), model(x)
+    torch.testing.assert_close(whole, want_whole)  # rounding: the pool sums in its own order
+    for got, want in zip(others, want_others, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_only_a_mean_over_h_and_w_flattened_becomes_the_spatial_mean():
+    class Means(torch.nn.Module):
+        def forward(self, x):
+            n, c, h, w = x.shape
+            return (x.flatten(2).mean(-1), x.flatten(2, 3).sum(dim=[2]),
+                    x.view(n, c, -1).mean(-1, keepdim=True)), (
+                x.flatten(1).mean(-1), x.flatten(2).mean(1), x.view(n, c * h, w).mean(-1),
+                x.flatten(0, 1).mean(-1), x.flatten(2).mean(-1, dtype=torch.float64))
+
+    model, x = Means(), torch.randn(2, 4, 6, 5)
+    gm = _normalized(model, x)
+    assert gm.code.count("torch.sum(x, [2, 3], keepdim = True)") == 3, gm.code
+    assert gm.code.count(".mean(") == 5, gm.code
+    with torch.no_grad():
+        (spatial, others), (want_spatial, want_others) = gm(x), model(x)
+    for got, want in zip(spatial, want_spatial, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)  # a multiply by 1/30 for the division by 30
+    for got, want in zip(others, want_others, strict=True):
+        assert torch.equal(got, want)

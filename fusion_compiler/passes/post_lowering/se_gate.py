@@ -30,7 +30,8 @@ one Triton kernel")."""
 
 def _spatial_mean_of(node: object) -> tuple[fx.Node, fx.Node] | None:
     """``(x, mean)`` when ``node`` is the canonical spatial mean of a 4-d ``x`` that ``normalize``
-    makes of ``mean``/``adaptive_avg_pool2d(., 1)``: ``mean = mul(sum(x, [2, 3], keepdim),
+    makes of ``mean``/``adaptive_avg_pool2d(., 1)`` (and of a whole-window ``avg_pool2d`` or a
+    mean of H, W flattened, ``pre_fusion.squeeze``): ``mean = mul(sum(x, [2, 3], keepdim),
     1/(H*W))``, reshaped to ``[N, C]`` or not; else ``None``."""
     if isinstance(node, fx.Node) and (is_call(node, torch.reshape, torch.flatten) or (
             node.op == "call_method" and node.target in ("view", "reshape", "flatten"))):

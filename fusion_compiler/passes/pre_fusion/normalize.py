@@ -19,8 +19,9 @@ Rewrites, in this order:
    ``torch.add``/``torch.mul``/..., written one way (:mod:`.arithmetic`: operand order,
    ``alpha``, negations, broadcasts); ``relu6``/``hardtanh``/``clamp`` -> ``torch.clamp``, and
    ``clamp(x, min=0)``/``clamp_min(x, 0)`` -> ``torch.relu``; ``special.expit`` -> ``sigmoid``;
-   ``mean``/``adaptive_avg_pool2d(., 1)`` over H, W ->
-   ``sum(x, [2, 3], keepdim=True) * (1 / (H*W))``; ``torch._weight_norm`` -> its formula.
+   ``mean``/``adaptive_avg_pool2d(., 1)`` over H, W, a whole-window ``avg_pool2d`` and a
+   ``mean`` of H, W flattened (:mod:`.squeeze`) -> ``sum(x, [2, 3], keepdim=True) * (1 / (H*W))``;
+   ``torch._weight_norm`` -> its formula.
 
 Nodes it cannot bring to canonical form are left as they are (they will run in PyTorch).
 """
@@ -40,6 +41,7 @@ from ...ir.ops import CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code
 from .arithmetic import canonical_binary
 from .batch_norm import cumulative_batch_norm
 from .reparametrized import conv_weight, is_parametrized
+from .squeeze import flattened_hw, whole_window_pool
 from .functionalize import functionalize, inplace_target
 
 __all__ = ["normalize", "inplace_target"]
@@ -302,15 +304,22 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
             _retarget(node, torch.clamp, (a["input"], a["min"], a["max"]), {})
     elif target in ("mean", "sum", torch.mean, torch.sum):
         a = _bind(node, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
-        if a is None or "dtype" in node.kwargs or not _is_hw(a["dim"], len(_shape(a["input"]) or ())):
+        if a is None or "dtype" in node.kwargs:
             return
-        _hw_reduction(gm, node, a["input"], mean=target in ("mean", torch.mean), keepdim=a["keepdim"])
+        mean = target in ("mean", torch.mean)
+        if _is_hw(a["dim"], len(_shape(a["input"]) or ())):
+            _hw_reduction(gm, node, a["input"], mean=mean, keepdim=a["keepdim"])
+        elif _shape(node) is not None and (x := flattened_hw(
+                a["input"], a["dim"], ssa=not gm.meta.get("fusion_off"))) is not None:
+            _hw_reduction(gm, node, x, mean=mean, keepdim=False, shape=_shape(node))
     elif target is torch._weight_norm and len(node.args) == 3 and not node.kwargs:
         _weight_norm_formula(gm, node)
     elif target is F.adaptive_avg_pool2d:
         size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
         if size in (1, (1, 1), [1, 1]) and len(_shape(node.args[0]) or ()) == 4:
             _hw_reduction(gm, node, node.args[0], mean=True, keepdim=True)
+    elif target is F.avg_pool2d and (x := whole_window_pool(node)) is not None:
+        _hw_reduction(gm, node, x, mean=True, keepdim=True)
 
 
 def _is_relu(node: fx.Node, a: dict[str, Any]) -> bool:
@@ -339,9 +348,10 @@ def _weight_norm_formula(gm: fx.GraphModule, node: fx.Node) -> None:
     g.erase_node(node)
 
 
-def _hw_reduction(gm: fx.GraphModule, node: fx.Node, x: fx.Node, mean: bool, keepdim: bool) -> None:
+def _hw_reduction(gm: fx.GraphModule, node: fx.Node, x: fx.Node, mean: bool, keepdim: bool,
+                  shape: tuple[int, ...] | None = None) -> None:
     """``sum``/``mean`` over H, W -> ``sum(x, [2, 3], keepdim=True)`` (``* 1/(H*W)``)
-    (``reshape``)."""
+    (``reshape`` to ``shape``, ``[N, C]`` unless given, where not ``keepdim``)."""
     n, c, h, w = _shape(x)
     g = gm.graph
     with g.inserting_before(node):
@@ -349,7 +359,7 @@ def _hw_reduction(gm: fx.GraphModule, node: fx.Node, x: fx.Node, mean: bool, kee
         if mean:
             out = g.call_function(torch.mul, (out, 1.0 / (h * w)))
         if not keepdim:
-            out = g.call_function(torch.reshape, (out, (n, c)))
+            out = g.call_function(torch.reshape, (out, shape or (n, c)))
     node.replace_all_uses_with(out)
     g.erase_node(node)
 
