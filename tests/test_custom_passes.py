@@ -58,6 +58,20 @@ def test_a_pre_fusion_pass_lets_the_chain_fuse_and_keeps_the_numerics():
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
 
 
+def test_the_pass_finds_hardswish_written_as_a_module():
+    """``nn.Hardswish`` (MobileNetV3's spelling, in place or not) becomes ``F.hardswish`` in
+    ``normalize``, so the example pass reaches it as it reaches the function."""
+    torch.manual_seed(0)
+    for inplace in (False, True):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Hardswish(inplace=inplace))
+        x = torch.randn(2, 3, 8, 8)
+        compiled = fusion_compiler.compile(model, options=CUDA_PIPELINE,
+                                           passes={"pre_fusion": [hardswish_as_formula]})
+        out = compiled(x)
+        assert any("clamp" in op for op in _region_ops(compiled)), compiled.report()
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+
+
 def test_a_post_lowering_pass_sees_the_lowered_regions_on_the_calling_thread():
     seen = []
 

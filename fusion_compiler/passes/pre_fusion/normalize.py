@@ -10,7 +10,8 @@ Rewrites, in this order:
    dynamic batch) become constants: a compiled graph is specialized on its input shapes and
    integer values anyway.
 3. **modules to functions** -- ``nn.Conv2d``,
-   ``nn.ReLU``/``ReLU6``/``Hardtanh``/``Sigmoid``/``Tanh``, ``nn.BatchNorm2d``, ``nn.AvgPool2d``,
+   ``nn.ReLU``/``ReLU6``/``Hardtanh``/``Sigmoid``/``Hardsigmoid``/``Tanh``/``SiLU``/``Hardswish``,
+   ``nn.BatchNorm2d``, ``nn.AvgPool2d``,
    ``nn.AdaptiveAvgPool2d(1)`` and ``nn.Identity`` become function calls (a train-mode
    ``BatchNorm2d(momentum=None)`` :func:`.batch_norm.cumulative_batch_norm`); other modules stay
    as ``call_module``.
@@ -203,6 +204,8 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
             _replace(gm, node, torch.tanh, (x,))
         elif kind is nn.SiLU:
             _replace(gm, node, F.silu, (x,))
+        elif kind is nn.Hardswish:
+            _replace(gm, node, F.hardswish, (x,))
         elif kind is nn.Identity:
             node.replace_all_uses_with(x)
             g.erase_node(node)
