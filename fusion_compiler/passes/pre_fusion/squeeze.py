@@ -82,7 +82,6 @@ def whole_window_pool(node: fx.Node) -> fx.Node | None:
     return x
 
 
-
 def flattened_hw(value: object, dim: Any, ssa: bool = True) -> fx.Node | None:
     """The 4-d ``x`` when ``value`` is ``x`` with its H and W flattened to one last axis (a
     ``flatten``, ``view`` or ``reshape``, method or function, whose value is ``[N, C, H*W]`` of
