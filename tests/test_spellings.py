@@ -332,6 +332,22 @@ def test_only_an_avg_pool_over_the_whole_image_becomes_the_spatial_mean():
         assert torch.equal(got, want)
 
 
+def test_a_global_pool_before_a_1x1_convolution_is_a_mean_then_the_convolution():
+    """A classifier head written as ``AvgPool2d(H)`` + 1x1 convolution: the pool is the spatial
+    mean (as ``adaptive_avg_pool2d(x, 1)`` is), so ``avgpool_conv`` no longer makes the two one
+    H x W convolution; the mean and the small convolution compute eager's values."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.AvgPool2d(7), torch.nn.Conv2d(16, 10, 1)).eval()
+    x = torch.randn(2, 8, 7, 7)
+    compiled = CompiledModule(model, CUDA_PIPELINE, backends=())
+    with torch.no_grad():
+        got, want = compiled(x), model(x)
+    assert [r.pattern for r in compiled.last.regions] == ["conv3x3 > add > relu"]
+    assert "torch.sum(" in compiled.last.graph_module.code
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_only_a_mean_over_h_and_w_flattened_becomes_the_spatial_mean():
     class Means(torch.nn.Module):
         def forward(self, x):
