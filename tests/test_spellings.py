@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fusion_compiler
+
 from conftest import CUDA_PIPELINE
 from fusion_compiler.compiler import CompiledModule
 from fusion_compiler.tables import glue_kernels, pytorch_nodes
@@ -190,21 +192,25 @@ def test_arithmetic_written_one_way_is_bitwise_the_same_and_inexact_forms_stay()
 
 
 def test_a_clamp_at_zero_is_relu_unless_it_changes_the_dtype():
+    """In a graph that is not differentiated (inference); ``min=-0.0`` keeps its clamp (a
+    negative input's zero keeps its sign: review finding, session 43)."""
     from fusion_compiler.capture import capture
     from fusion_compiler.passes.pre_fusion.normalize import normalize
     from fusion_compiler.shapes import propagate_shapes
 
     class Clamps(torch.nn.Module):
         def forward(self, x, i):
-            return x.clamp(min=0), x.clamp_min(0.0), torch.clamp(x, 0, 6), i.clamp(min=0.0)
+            return (x.clamp(min=0), x.clamp_min(0.0), torch.clamp(x, 0, 6), i.clamp(min=0.0),
+                    x.clamp(min=-0.0))
 
     model = Clamps()
     x, i = torch.tensor([-1.0, -0.0, 0.0, 2.0, float("nan")]), torch.tensor([-2, 3])
     gm = capture(model)
     propagate_shapes(gm, [x, i])
-    code = normalize(gm).code
+    code = normalize(gm, differentiable=False).code
     assert code.count("torch.relu(x)") == 2 and "torch.clamp(x, 0, 6)" in code
     assert "torch.clamp(i, 0.0, None)" in code  # an int tensor clamped to a float: float out
+    assert "torch.clamp(x, -0.0, None)" in code
     for got, want in zip(gm(x, i), model(x, i), strict=True):  # float32: the same bits
         assert got.dtype == want.dtype and torch.equal(got.view(torch.int32),
                                                        want.view(torch.int32))
@@ -276,6 +282,29 @@ def test_dropout_and_stochastic_depth_stay_where_they_draw_random_numbers():
     assert sorted(drop_identities(capture(model))) == ["dropout2d", "stochastic_depth"]
 
 
+def test_an_in_place_add_to_stochastic_depth_s_result_writes_its_input():
+    """In eval mode stochastic depth returns its input itself, so ``r += x`` writes ``y`` too,
+    as eager does (review finding, session 43: the compiled ``y`` kept its old value)."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            r = stochastic_depth(y, 0.2, "row", self.training)
+            r += x
+            return r, y
+
+    model, x = M().eval(), torch.randn(2, 4, 6, 6)
+    with torch.no_grad():
+        want = model(x)
+        for run in (fusion_compiler.compile(model), CompiledModule(model, CUDA_PIPELINE,
+                                                                   backends=())):
+            for g, w in zip(run(x), want, strict=True):
+                torch.testing.assert_close(g, w)
+
+
 def test_torchvision_s_stochastic_depth_is_the_one_the_pass_takes():
     ops = pytest.importorskip("torchvision.ops")
 
@@ -330,6 +359,76 @@ def test_only_an_avg_pool_over_the_whole_image_becomes_the_spatial_mean():
     torch.testing.assert_close(whole, want_whole)  # rounding: the pool sums in its own order
     for got, want in zip(others, want_others, strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_clamp_at_zero_keeps_its_gradient_in_training():
+    """``clamp(x, min=0)`` passes the gradient where ``x == 0``, ReLU does not: in training the
+    clamp stays (review finding, session 43: the rewrite zeroed those gradients)."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, 3, 3, padding=1)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = model
+
+        def forward(self, x):
+            return self.conv(torch.clamp(x, min=0))
+
+    net = Net()
+    x = torch.randn(2, 3, 6, 6)
+    x[:, :, :3] = 0
+    grads = []
+    for run in (net, fusion_compiler.compile(net), CompiledModule(net, CUDA_PIPELINE,
+                                                                   backends=())):
+        xi = x.clone().requires_grad_()
+        run(xi).square().sum().backward()
+        grads.append(xi.grad)
+    assert grads[0][:, :, :3].abs().sum() > 0
+    for got in grads[1:]:
+        torch.testing.assert_close(got, grads[0])
+
+
+def test_two_broadcasts_of_one_op_are_not_both_dropped():
+    """``p.expand(shape) * q.expand(shape)`` where neither ``p`` nor ``q`` alone covers the
+    shape: one expand stays (review finding, session 43: both went, the value shrank)."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Parameter(torch.randn(1, 1, 4, 4))
+            self.chan = torch.nn.Parameter(torch.randn(1, 3, 1, 1))
+            self.conv = torch.nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            n, c, h, w = x.shape
+            e = self.pos.expand(n, c, h, w) * self.chan.expand(n, c, h, w)
+            t = self.chan.expand_as(x) / torch.broadcast_to(self.pos, x.shape)
+            return self.conv(x) + e, e.sum(), t
+
+    model, x = M().eval(), torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        want = model(x)
+        for run in (fusion_compiler.compile(model), CompiledModule(model, CUDA_PIPELINE,
+                                                                   backends=())):
+            got = run(x)
+            for g, w in zip(got, want, strict=True):
+                assert g.shape == w.shape
+                torch.testing.assert_close(g, w)
+
+
+@pytest.mark.xfail(strict=True, reason="open bug (pre-existing for mean and "
+                   "adaptive_avg_pool2d): the canonical spatial mean sums in fp16 before it "
+                   "scales, so a sum past 65504 is inf where eager's mean accumulates in fp32")
+def test_an_fp16_spatial_mean_of_large_values_does_not_overflow():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return F.avg_pool2d(x, 8), x.flatten(2).mean(-1), x.mean((2, 3))
+
+    x = torch.full((1, 2, 8, 8), 2000.0, dtype=torch.float16)
+    with torch.no_grad():
+        got, want = fusion_compiler.compile(M())(x), M()(x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
 
 
 def test_a_global_pool_before_a_1x1_convolution_is_a_mean_then_the_convolution():

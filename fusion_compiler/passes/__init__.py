@@ -95,7 +95,7 @@ def pre_fusion(options: CompileOptions, target: Target) -> list[Pass]:
     inputs (or ``options.cuda_pipeline``) only, horizontal fusion in inference, the autocast pass
     under ``torch.autocast``."""
     cuda = target.cuda or bool(options.cuda_pipeline)
-    passes = [Pass("normalize", normalize),
+    passes = [Pass("normalize", functools.partial(normalize, differentiable=target.training)),
               Pass("identities", _counted(drop_identities, "ops that return their input removed")),
               Pass("canonical_views", _counted(canonical_views, "views written as reshapes")),
               Pass("cse", _counted(eliminate_common_subexpressions,

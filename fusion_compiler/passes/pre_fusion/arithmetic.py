@@ -55,7 +55,8 @@ def canonical_binary(node: fx.Node, target: Callable, ssa: bool = True) -> bool:
             return False
         target = _FLIPPED[target]
     a, b = node.args
-    a, b = _unexpanded(a, b, node), _unexpanded(b, a, node)
+    a = _unexpanded(a, b, node)
+    b = _unexpanded(b, a, node)  # against the first as it is now: both may not broadcast away
     if ssa and target in _FLIPPED and _negated(b) is not None:  # a - (-b), a + (-b)
         target, b = _FLIPPED[target], _negated(b)
     elif ssa and target is torch.add and _negated(a) is not None:  # (-b) + a

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...ir.ops import INPLACE_POSITION, foreach_inplace, inplace_flag, write_back
+from .identities import is_torchvision_stochastic_depth
 
 __all__ = ["functionalize", "inplace_target"]
 
@@ -104,8 +105,9 @@ def _source(node: object) -> fx.Node | None:
 
 def _is_view(node: object) -> bool:
     """Whether ``node`` may return a view of its source without being an in-place op: a view
-    op, a method that may return its argument itself, ``getattr`` (``x.T``, ``x.data``), or a
-    module that may return its input (``nn.Flatten``, dropout)."""
+    op, a method that may return its argument itself, ``getattr`` (``x.T``, ``x.data``), a
+    function that may (dropout; torchvision's ``stochastic_depth`` in eval mode), or a module
+    that may return its input (``nn.Flatten``, dropout)."""
     if _source(node) is None:
         return False
     if node.op == "call_method":
@@ -115,7 +117,7 @@ def _is_view(node: object) -> bool:
                         and (new.dtype != old.dtype or new.device != old.device))
         return node.target in _VIEW_METHODS
     if node.op == "call_function":
-        return node.target in _VIEW_FUNCTIONS or (
+        return node.target in _VIEW_FUNCTIONS or is_torchvision_stochastic_depth(node.target) or (
             node.target is getattr and len(node.args) > 1 and node.args[1] in _TENSOR_ATTRIBUTES)
     owner = node.graph.owning_module
     return owner is not None and isinstance(owner.get_submodule(node.target), _ALIASING_MODULES)

@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["drop_identities"]
+__all__ = ["drop_identities", "is_torchvision_stochastic_depth"]
 
 _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                     nn.FeatureAlphaDropout)
@@ -66,7 +66,7 @@ def _identity_input(gm: fx.GraphModule, node: fx.Node) -> Any:
     if node.target in _DROPOUT_FUNCTIONS:
         training = _argument(node, 2, "training", _DROPOUT_FUNCTIONS[node.target])
         return node.args[0] if training is False else None
-    if _is_torchvision_stochastic_depth(node.target):
+    if is_torchvision_stochastic_depth(node.target):
         p, training = _argument(node, 1, "p", None), _argument(node, 3, "training", True)
         return node.args[0] if training is False or p == 0 else None
     return None
@@ -79,7 +79,7 @@ def _argument(node: fx.Node, index: int, name: str, default: Any) -> Any:
     return node.kwargs.get(name, default)
 
 
-def _is_torchvision_stochastic_depth(target: Any) -> bool:
+def is_torchvision_stochastic_depth(target: Any) -> bool:
     """Whether ``target`` is ``torchvision.ops.stochastic_depth(input, p, mode, training=True)``,
     which returns ``input`` itself when ``not training or p == 0.0`` (torchvision is not
     imported here: the function is known by where it is defined)."""

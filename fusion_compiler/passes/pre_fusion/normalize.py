@@ -19,7 +19,8 @@ Rewrites, in this order:
    ``add(., b.reshape(1,K,1,1))``; operators and methods (``x + y``, ``x.mul(y)``) ->
    ``torch.add``/``torch.mul``/..., written one way (:mod:`.arithmetic`: operand order,
    ``alpha``, negations, broadcasts); ``relu6``/``hardtanh``/``clamp`` -> ``torch.clamp``, and
-   ``clamp(x, min=0)``/``clamp_min(x, 0)`` -> ``torch.relu``; ``special.expit`` -> ``sigmoid``;
+   ``clamp(x, min=0)``/``clamp_min(x, 0)`` -> ``torch.relu`` (not where the graph may be
+   differentiated); ``special.expit`` -> ``sigmoid``;
    ``mean``/``adaptive_avg_pool2d(., 1)`` over H, W, a whole-window ``avg_pool2d`` and a
    ``mean`` of H, W flattened (:mod:`.squeeze`) -> ``sum(x, [2, 3], keepdim=True) * (1 / (H*W))``;
    ``torch._weight_norm`` -> its formula.
@@ -29,6 +30,7 @@ Nodes it cannot bring to canonical form are left as they are (they will run in P
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable
 
@@ -58,8 +60,10 @@ _FUNCS = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.
           torch.special.expit: torch.sigmoid, torch.clamp_min: torch.clamp_min}
 
 
-def normalize(gm: fx.GraphModule) -> fx.GraphModule:
+def normalize(gm: fx.GraphModule, differentiable: bool = True) -> fx.GraphModule:
     """Rewrite ``gm`` in place into canonical SSA form (see the module docstring) and return it.
+    ``differentiable``: the graph may be differentiated (a training target); then
+    ``clamp(x, min=0)`` stays a clamp, whose gradient at ``x == 0`` is 1 where ReLU's is 0.
 
     Needs ``node.meta["val"]`` from :func:`fusion_compiler.shapes.propagate_shapes`. A graph
     whose in-place ops cannot be made out of place (:func:`.functionalize.functionalize`) keeps
@@ -82,7 +86,7 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
             _module_to_function(gm, node)
     for node in list(gm.graph.nodes):
         if node.op in ("call_function", "call_method"):
-            _canonicalize_call(gm, node)
+            _canonicalize_call(gm, node, differentiable)
     eliminate_dead_code(gm.graph)
     _mark_grad_zones(gm)
     gm.graph.lint()
@@ -257,7 +261,7 @@ def _is_hw(dims: Any, rank: int | None) -> bool:
     return sorted(d % 4 for d in dims) == HW_DIMS
 
 
-def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
+def _canonicalize_call(gm: fx.GraphModule, node: fx.Node, differentiable: bool) -> None:
     g = gm.graph
     target = node.target
     if node.op == "call_method":
@@ -301,7 +305,7 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
     elif target in (torch.clamp, torch.clamp_min):
         names = ["input", "min", "max"] if target is torch.clamp else ["input", "min"]
         a = _bind(node, names, {"min": None, "max": None})
-        if a is not None and _is_relu(node, a):  # ATen's relu is clamp_min(x, 0)
+        if a is not None and not differentiable and _is_relu(node, a):  # relu: clamp_min(x, 0)
             _retarget(node, torch.relu, (a["input"],), {})
         elif a is not None:
             _retarget(node, torch.clamp, (a["input"], a["min"], a["max"]), {})
@@ -327,10 +331,12 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def _is_relu(node: fx.Node, a: dict[str, Any]) -> bool:
     """Whether the clamp ``node`` (bound arguments ``a``) is ``clamp(x, min=0)`` of a floating
-    ``x`` into its own dtype: ``torch.relu(x)``, which ATen computes as ``clamp_min(x, 0)``."""
+    ``x`` into its own dtype: ``torch.relu(x)``, which ATen computes as ``clamp_min(x, 0)`` (its
+    forward; not ``min=-0.0``, which keeps the sign of a negative input's zero)."""
     low, val, x = a["min"], node.meta.get("val"), a["input"]
     xval = x.meta.get("val") if isinstance(x, fx.Node) else None
     return (a["max"] is None and type(low) in (int, float) and low == 0
+            and math.copysign(1.0, low) > 0
             and isinstance(val, torch.Tensor) and isinstance(xval, torch.Tensor)
             and val.is_floating_point() and val.dtype == xval.dtype)
 
