@@ -4,7 +4,7 @@ graph after any pass by its name). In order, with the condition under which each
 
 * **pre_fusion**: ``normalize`` (in-place -> out-of-place, i.e. SSA; modules -> functions; conv
   bias -> add; arithmetic written one way: operand order, ``alpha``, negations, broadcasts,
-  ``clamp(x, min=0)`` as ReLU), ``identities`` (eval-mode dropout and torchvision's stochastic
+  ``clamp(x, min=0)`` as ReLU where nothing is differentiated), ``identities`` (eval-mode dropout and torchvision's stochastic
   depth, which return their input, removed), ``canonical_views`` (``unsqueeze``/``squeeze``,
   indexing by ``None`` and chained size-1 reshapes as one ``torch.reshape``), ``cse`` (repeated
   reads and pure calls merged: equivalent spellings, one graph), ``fold_bn`` (eval batch norm
