@@ -2,18 +2,18 @@
 pipelines that one :class:`PassManager` runs (``fusion-compiler dump --stage NAME`` shows the
 graph after any pass by its name). In order, with the condition under which each runs:
 
-* **pre_fusion**: ``normalize`` (in-place -> out-of-place, i.e. SSA; modules -> functions; conv
-  bias -> add; arithmetic written one way: operand order, ``alpha``, negations, broadcasts,
-  ``clamp(x, min=0)`` as ReLU where nothing is differentiated), ``identities`` (eval-mode dropout and torchvision's stochastic
-  depth, which return their input, removed), ``canonical_views`` (``unsqueeze``/``squeeze``,
-  indexing by ``None`` and chained size-1 reshapes as one ``torch.reshape``), ``cse`` (repeated
-  reads and pure calls merged: equivalent spellings, one graph), ``fold_bn`` (eval batch norm
-  after a conv -> per-channel scale + bias), ``space_to_depth``, ``strided_stem`` and
-  ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b x b stride-b conv or one
-  channels_last copy; a conv of a 1-4 channel image whose kernel equals its stride -> a 1x1
-  conv of its space-to-depth copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s conv),
-  ``horizontal_fusion`` (CUDA inference, with that option, on by default: sibling convolutions
-  of one image -> one convolution and channel views of its output), ``autocast`` (under
+* **pre_fusion**: ``normalize`` (in-place -> out-of-place, i.e. SSA; modules -> functions; conv bias
+  -> add; arithmetic written one way: operand order, ``alpha``, negations, broadcasts,
+  ``clamp(x, min=0)`` as ReLU where nothing is differentiated), ``identities`` (eval-mode dropout
+  and torchvision's stochastic depth, which return their input, removed), ``canonical_views``
+  (``unsqueeze``/``squeeze``, indexing by ``None`` and chained size-1 reshapes as one
+  ``torch.reshape``), ``cse`` (repeated reads and pure calls merged: equivalent spellings, one
+  graph), ``fold_bn`` (eval batch norm after a conv -> per-channel scale + bias),
+  ``space_to_depth``, ``strided_stem`` and ``avgpool_conv`` (CUDA: SpaceToDepth(b) + 1x1 conv -> a b
+  x b stride-b conv or one channels_last copy; a conv of a 1-4 channel image whose kernel equals its
+  stride -> a 1x1 conv of its space-to-depth copy; AvgPool2d(k, s, p) + 1x1 conv -> a k x k stride-s
+  conv), ``horizontal_fusion`` (CUDA inference, with that option, on by default: sibling
+  convolutions of one image -> one convolution and channel views of its output), ``autocast`` (under
   ``torch.autocast``: its casts made graph ops), then the user's own passes (option ``passes``,
   :func:`custom_passes`).
 * **fusion**: ``fuse`` (conv chains -> Region submodules: prologue, epilogue, exit reduction),
