@@ -360,13 +360,22 @@ def _weight_norm_formula(gm: fx.GraphModule, node: fx.Node) -> None:
 def _hw_reduction(gm: fx.GraphModule, node: fx.Node, x: fx.Node, mean: bool, keepdim: bool,
                   shape: tuple[int, ...] | None = None) -> None:
     """``sum``/``mean`` over H, W -> ``sum(x, [2, 3], keepdim=True)`` (``* 1/(H*W)``)
-    (``reshape`` to ``shape``, ``[N, C]`` unless given, where not ``keepdim``)."""
+    (``reshape`` to ``shape``, ``[N, C]`` unless given, where not ``keepdim``). A mean of a
+    half-precision ``x`` sums into fp32 and scales there, then casts to ``x``'s dtype
+    (``sum(x, [2, 3], keepdim=True, dtype=torch.float32) * (1/(H*W))``, ``.to(dtype)``), as
+    eager's ``mean`` accumulates and divides in fp32 and rounds once: an fp16 sum rounded
+    first overflows past 65504 where the mean does not."""
     n, c, h, w = _shape(x)
+    dtype = x.meta["val"].dtype
+    half = mean and dtype in (torch.float16, torch.bfloat16)
     g = gm.graph
     with g.inserting_before(node):
-        out = g.call_function(torch.sum, (x, list(HW_DIMS)), {"keepdim": True})
+        out = g.call_function(torch.sum, (x, list(HW_DIMS)),
+                              {"keepdim": True, **({"dtype": torch.float32} if half else {})})
         if mean:
             out = g.call_function(torch.mul, (out, 1.0 / (h * w)))
+        if half:
+            out = g.call_method("to", (out, dtype))
         if not keepdim:
             out = g.call_function(torch.reshape, (out, shape or (n, c)))
     node.replace_all_uses_with(out)
