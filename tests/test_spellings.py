@@ -416,10 +416,9 @@ def test_two_broadcasts_of_one_op_are_not_both_dropped():
                 torch.testing.assert_close(g, w)
 
 
-@pytest.mark.xfail(strict=True, reason="open bug (pre-existing for mean and "
-                   "adaptive_avg_pool2d): the canonical spatial mean sums in fp16 before it "
-                   "scales, so a sum past 65504 is inf where eager's mean accumulates in fp32")
 def test_an_fp16_spatial_mean_of_large_values_does_not_overflow():
+    """The canonical mean of a half-precision image sums into fp32 and casts after the scale,
+    as eager's mean does (before: a sum past 65504 was inf; review finding, session 43)."""
     class M(torch.nn.Module):
         def forward(self, x):
             return F.avg_pool2d(x, 8), x.flatten(2).mean(-1), x.mean((2, 3))

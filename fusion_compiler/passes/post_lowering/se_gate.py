@@ -32,13 +32,17 @@ def _spatial_mean_of(node: object) -> tuple[fx.Node, fx.Node] | None:
     """``(x, mean)`` when ``node`` is the canonical spatial mean of a 4-d ``x`` that ``normalize``
     makes of ``mean``/``adaptive_avg_pool2d(., 1)`` (and of a whole-window ``avg_pool2d`` or a
     mean of H, W flattened, ``pre_fusion.squeeze``): ``mean = mul(sum(x, [2, 3], keepdim),
-    1/(H*W))``, reshaped to ``[N, C]`` or not; else ``None``."""
+    1/(H*W))`` (for a half-precision ``x`` summed in fp32 and cast back: ``mean`` is the cast),
+    reshaped to ``[N, C]`` or not; else ``None``."""
     if isinstance(node, fx.Node) and (is_call(node, torch.reshape, torch.flatten) or (
             node.op == "call_method" and node.target in ("view", "reshape", "flatten"))):
         node = node.args[0]
+    cast = node if dtype_cast(node) is not None else None  # a half-precision mean, from fp32
+    if cast is not None:
+        node = node.args[0]
     if not is_call(node, torch.mul) or len(node.args) != 2:
         return None
-    mean = node
+    mean = cast if cast is not None else node
     total, scale = node.args
     if not isinstance(scale, float):
         total, scale = scale, total

@@ -44,7 +44,7 @@ from ...ir.ops import CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code
 from .arithmetic import canonical_binary
 from .batch_norm import cumulative_batch_norm
 from .reparametrized import conv_weight, is_parametrized
-from .squeeze import flattened_hw, whole_window_pool
+from .squeeze import flattened_hw, spatial_reduction, whole_window_pool
 from .functionalize import functionalize, inplace_target
 
 __all__ = ["normalize", "inplace_target"]
@@ -315,18 +315,18 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node, differentiable: bool) 
             return
         mean = target in ("mean", torch.mean)
         if _is_hw(a["dim"], len(_shape(a["input"]) or ())):
-            _hw_reduction(gm, node, a["input"], mean=mean, keepdim=a["keepdim"])
+            spatial_reduction(gm, node, a["input"], mean=mean, keepdim=a["keepdim"])
         elif _shape(node) is not None and (x := flattened_hw(
                 a["input"], a["dim"], ssa=not gm.meta.get("fusion_off"))) is not None:
-            _hw_reduction(gm, node, x, mean=mean, keepdim=False, shape=_shape(node))
+            spatial_reduction(gm, node, x, mean=mean, keepdim=False, shape=_shape(node))
     elif target is torch._weight_norm and len(node.args) == 3 and not node.kwargs:
         _weight_norm_formula(gm, node)
     elif target is F.adaptive_avg_pool2d:
         size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
         if size in (1, (1, 1), [1, 1]) and len(_shape(node.args[0]) or ()) == 4:
-            _hw_reduction(gm, node, node.args[0], mean=True, keepdim=True)
+            spatial_reduction(gm, node, node.args[0], mean=True, keepdim=True)
     elif target is F.avg_pool2d and (x := whole_window_pool(node)) is not None:
-        _hw_reduction(gm, node, x, mean=True, keepdim=True)
+        spatial_reduction(gm, node, x, mean=True, keepdim=True)
 
 
 def _is_relu(node: fx.Node, a: dict[str, Any]) -> bool:
@@ -353,22 +353,6 @@ def _weight_norm_formula(gm: fx.GraphModule, node: fx.Node) -> None:
         norm = g.call_function(torch.norm_except_dim, (v, 2, dim))
         out = g.call_function(torch.mul, (v, g.call_function(torch.div, (g_, norm))))
     out.meta.update(node.meta)
-    node.replace_all_uses_with(out)
-    g.erase_node(node)
-
-
-def _hw_reduction(gm: fx.GraphModule, node: fx.Node, x: fx.Node, mean: bool, keepdim: bool,
-                  shape: tuple[int, ...] | None = None) -> None:
-    """``sum``/``mean`` over H, W -> ``sum(x, [2, 3], keepdim=True)`` (``* 1/(H*W)``)
-    (``reshape`` to ``shape``, ``[N, C]`` unless given, where not ``keepdim``)."""
-    n, c, h, w = _shape(x)
-    g = gm.graph
-    with g.inserting_before(node):
-        out = g.call_function(torch.sum, (x, list(HW_DIMS)), {"keepdim": True})
-        if mean:
-            out = g.call_function(torch.mul, (out, 1.0 / (h * w)))
-        if not keepdim:
-            out = g.call_function(torch.reshape, (out, shape or (n, c)))
     node.replace_all_uses_with(out)
     g.erase_node(node)
 

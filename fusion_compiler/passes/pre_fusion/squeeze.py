@@ -3,7 +3,8 @@
 ``normalize`` writes a mean over H, W of a 4-d ``x`` (``x.mean((2, 3))``,
 ``F.adaptive_avg_pool2d(x, 1)``) as ``sum(x, [2, 3], keepdim=True) * (1 / (H*W))``, reshaped to
 ``[N, C]`` where the spelling drops H and W; the SE-gate passes recognize that form. This module
-finds two more spellings of the same squeeze, and the ``x`` they reduce:
+finds two more spellings of the same squeeze and the ``x`` they reduce (below);
+:func:`spatial_reduction` writes the canonical form for every spelling:
 
 * :func:`whole_window_pool`: ``F.avg_pool2d(x, (H, W))`` (``kernel_size=``, ``nn.AvgPool2d``,
   which ``normalize`` makes that call) whose one window is the whole of ``x``'s H x W: stride
@@ -38,9 +39,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...ir.ops import avg_pool2d_args, is_call
+from ...ir.ops import HW_DIMS, avg_pool2d_args, is_call
 
-__all__ = ["whole_window_pool", "flattened_hw"]
+__all__ = ["whole_window_pool", "flattened_hw", "spatial_reduction"]
 
 _VIEW_METHODS = ("flatten", "view", "reshape")
 _VIEW_FUNCTIONS = (torch.flatten, torch.reshape)
@@ -103,3 +104,29 @@ def flattened_hw(value: object, dim: Any, ssa: bool = True) -> fx.Node | None:
         return None
     n, c, h, w = xv.shape
     return x if tuple(flat.shape) == (n, c, h * w) else None
+
+
+def spatial_reduction(gm: fx.GraphModule, node: fx.Node, x: fx.Node, mean: bool, keepdim: bool,
+                      shape: tuple[int, ...] | None = None) -> None:
+    """Replace ``node``, a ``sum`` (``mean``) of the 4-d ``x`` over H, W, in place by the
+    canonical form ``sum(x, [2, 3], keepdim=True)`` (``* 1/(H*W)``), reshaped to ``shape``
+    (``[N, C]`` unless given) where not ``keepdim``. Needs ``meta["val"]`` on ``x``. A mean of a
+    half-precision ``x`` sums into fp32 and scales there, then casts to ``x``'s dtype
+    (``sum(x, [2, 3], keepdim=True, dtype=torch.float32) * (1/(H*W))``, ``.to(dtype)``), as
+    eager's ``mean`` accumulates and divides in fp32 and rounds once: an fp16 sum rounded
+    first overflows past 65504 where the mean does not."""
+    n, c, h, w = x.meta["val"].shape
+    dtype = x.meta["val"].dtype
+    half = mean and dtype in (torch.float16, torch.bfloat16)
+    g = gm.graph
+    with g.inserting_before(node):
+        out = g.call_function(torch.sum, (x, list(HW_DIMS)),
+                              {"keepdim": True, **({"dtype": torch.float32} if half else {})})
+        if mean:
+            out = g.call_function(torch.mul, (out, 1.0 / (h * w)))
+        if half:
+            out = g.call_method("to", (out, dtype))
+        if not keepdim:
+            out = g.call_function(torch.reshape, (out, shape or (n, c)))
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
