@@ -241,3 +241,9 @@ def tensor_meta(node: fx.Node) -> torch.Tensor | None:
     :func:`fusion_compiler.shapes.propagate_shapes`, or ``None``."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
+
+
+def tensor_shape(node: object) -> tuple[int, ...] | None:
+    """The shape of :func:`tensor_meta`'s tensor, or ``None``."""
+    val = tensor_meta(node)
+    return tuple(val.shape) if val is not None else None

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ...ir.ops import COMMUTATIVE, is_call, is_hw_sum
+from ...ir.ops import COMMUTATIVE, is_call, is_hw_sum, tensor_shape
 
 __all__ = ["canonical_binary"]
 
@@ -71,11 +71,6 @@ def canonical_binary(node: fx.Node, target: Callable, ssa: bool = True) -> bool:
     return True
 
 
-def _shape(value: object) -> tuple[int, ...] | None:
-    val = value.meta.get("val") if isinstance(value, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
 def _negated(value: object) -> fx.Node | None:
     """``b`` when ``value`` is ``-b`` (``operator.neg``, ``torch.neg`` or ``b.neg()``)."""
     if not isinstance(value, fx.Node) or len(value.args) != 1 or value.kwargs:
@@ -96,9 +91,9 @@ def _unexpanded(value: object, other: object, node: fx.Node) -> object:
     source = value.args[0]
     if not expanding or not isinstance(source, fx.Node):
         return value
-    shapes = [_shape(source), _shape(node)]
+    shapes = [tensor_shape(source), tensor_shape(node)]
     if not isinstance(other, (int, float)):
-        shapes.append(_shape(other))
+        shapes.append(tensor_shape(other))
     if None in shapes:
         return value
     try:
@@ -113,7 +108,7 @@ def _goes_second(a: object, b: object, node: fx.Node) -> bool:
     a node, or ``b`` of the result's shape and ``a`` not."""
     if isinstance(a, (int, float)):
         return isinstance(b, fx.Node)
-    out, sa, sb = _shape(node), _shape(a), _shape(b)
+    out, sa, sb = tensor_shape(node), tensor_shape(a), tensor_shape(b)
     return out is not None and sa is not None and sb == out and sa != out
 
 

@@ -40,7 +40,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
-from ...ir.ops import CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code, writes_in_place
+from ...ir.ops import (CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code,
+                       tensor_shape, writes_in_place)
 from .arithmetic import canonical_binary
 from .batch_norm import cumulative_batch_norm
 from .reparametrized import conv_weight, is_parametrized
@@ -249,11 +250,6 @@ def _bind(node: fx.Node, names: list[str], defaults: dict[str, Any]) -> dict[str
     return bound
 
 
-def _shape(node: Any) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
 def _is_hw(dims: Any, rank: int | None) -> bool:
     if rank != 4 or dims is None:
         return False
@@ -273,8 +269,8 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node, differentiable: bool) 
         a = _bind(node, ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
                   {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1})
         if a is not None and isinstance(a["padding"], str):
-            a["padding"] = _string_padding(a["padding"], _shape(a["weight"]), a["dilation"])
-        if a is None or a["padding"] is None or _shape(node) is None:
+            a["padding"] = _string_padding(a["padding"], tensor_shape(a["weight"]), a["dilation"])
+        if a is None or a["padding"] is None or tensor_shape(node) is None:
             node.target = F.conv2d  # not the canonical convolution: no region takes it
             node.op = "call_function"
             return
@@ -284,7 +280,7 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node, differentiable: bool) 
             conv.meta.update(node.meta)
             out = conv
             if a["bias"] is not None:  # per channel: [1, K, 1, 1], or [K, 1, 1] unbatched
-                rank = len(_shape(node))
+                rank = len(tensor_shape(node))
                 bias = g.call_function(torch.reshape, (a["bias"], (1, -1, 1, 1)[4 - rank:]))
                 out = g.call_function(torch.add, (conv, bias))
                 out.meta.update(node.meta)  # the conv's value: later rewrites read its shape
@@ -314,16 +310,16 @@ def _canonicalize_call(gm: fx.GraphModule, node: fx.Node, differentiable: bool) 
         if a is None or "dtype" in node.kwargs:
             return
         mean = target in ("mean", torch.mean)
-        if _is_hw(a["dim"], len(_shape(a["input"]) or ())):
+        if _is_hw(a["dim"], len(tensor_shape(a["input"]) or ())):
             spatial_reduction(gm, node, a["input"], mean=mean, keepdim=a["keepdim"])
-        elif _shape(node) is not None and (x := flattened_hw(
+        elif tensor_shape(node) is not None and (x := flattened_hw(
                 a["input"], a["dim"], ssa=not gm.meta.get("fusion_off"))) is not None:
-            spatial_reduction(gm, node, x, mean=mean, keepdim=False, shape=_shape(node))
+            spatial_reduction(gm, node, x, mean=mean, keepdim=False, shape=tensor_shape(node))
     elif target is torch._weight_norm and len(node.args) == 3 and not node.kwargs:
         _weight_norm_formula(gm, node)
     elif target is F.adaptive_avg_pool2d:
         size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
-        if size in (1, (1, 1), [1, 1]) and len(_shape(node.args[0]) or ()) == 4:
+        if size in (1, (1, 1), [1, 1]) and len(tensor_shape(node.args[0]) or ()) == 4:
             spatial_reduction(gm, node, node.args[0], mean=True, keepdim=True)
     elif target is F.avg_pool2d and (x := whole_window_pool(node)) is not None:
         spatial_reduction(gm, node, x, mean=True, keepdim=True)

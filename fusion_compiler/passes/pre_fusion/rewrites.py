@@ -29,22 +29,18 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...ir.ops import CONV, avg_pool2d_args, eliminate_dead_code, int_pair, is_call, is_conv
+from ...ir.ops import (CONV, avg_pool2d_args, eliminate_dead_code, int_pair, is_call, is_conv,
+                       tensor_shape)
 
 __all__ = ["space_to_depth_conv", "strided_stem_conv", "avgpool_conv", "space_to_depth_source",
            "pointwise_conv"]
-
-
-def _shape(node: object) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def pointwise_conv(node: fx.Node) -> bool:
     """A plain 1x1 convolution: stride 1, no padding, no dilation, no groups."""
     if not is_conv(node):
         return False
-    w = _shape(node.args[1])
+    w = tensor_shape(node.args[1])
     return (w is not None and w[2:] == (1, 1) and tuple(node.args[3]) == (1, 1)
             and tuple(node.args[4]) == (0, 0) and tuple(node.args[5]) == (1, 1) and node.args[6] == 1)
 
@@ -125,7 +121,7 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         split = perm.args[0]
         x = split.args[0]
-        xs, ss, fs = _shape(x), _shape(split), _shape(folded)
+        xs, ss, fs = tensor_shape(x), tensor_shape(split), tensor_shape(folded)
         if xs is None or ss is None or fs is None or len(xs) != 4:
             continue
         n, c, h, w = xs
@@ -138,7 +134,7 @@ def space_to_depth_conv(gm: fx.GraphModule) -> fx.GraphModule:
             conv.replace_input_with(folded, image)
             changed = True
             continue
-        k = _shape(conv.args[1])[0]
+        k = tensor_shape(conv.args[1])[0]
         with g.inserting_before(conv):
             wr = g.call_function(torch.reshape, (conv.args[1], (k, b, b, c)))
             wp = g.call_function(torch.permute, (wr, (0, 3, 1, 2)))
@@ -175,7 +171,7 @@ def space_to_depth_source(node: object) -> tuple[fx.Node, int, list[fx.Node]] | 
     if not _is_reshape(split) or not isinstance(split.args[0], fx.Node):
         return None
     x = split.args[0]
-    xs, ss, out = _shape(x), _shape(split), _shape(node)
+    xs, ss, out = tensor_shape(x), tensor_shape(split), tensor_shape(node)
     if xs is None or ss is None or out is None or len(xs) != 4 or len(ss) != 6:
         return None
     n, c, h, w = xs
@@ -215,7 +211,7 @@ def strided_stem_conv(gm: fx.GraphModule) -> fx.GraphModule:
         if not is_conv(conv) or len(conv.args) != 7 or conv.kwargs or conv.args[6] != 1:
             continue
         x, w = conv.args[0], conv.args[1]
-        xs, ws, ys = _shape(x), _shape(w), _shape(conv)
+        xs, ws, ys = tensor_shape(x), tensor_shape(w), tensor_shape(conv)
         stride, padding, dilation = (int_pair(a) for a in conv.args[3:6])
         if xs is None or ws is None or ys is None or len(xs) != 4 or None in (stride, padding) \
                 or dilation != (1, 1) or stride[0] != stride[1] or stride[0] < 2:
@@ -277,7 +273,7 @@ def avgpool_conv(gm: fx.GraphModule) -> fx.GraphModule:
         stride = pair(a["stride"] if a["stride"] not in (None, [], ()) else a["kernel_size"])
         if a["ceil_mode"] or not a["count_include_pad"] or a["divisor_override"] is not None:
             continue
-        wshape = _shape(conv.args[1])
+        wshape = tensor_shape(conv.args[1])
         image = a["input"] if node is conv else conv.args[0]
         with g.inserting_before(node):
             scaled = g.call_function(torch.mul, (conv.args[1], 1.0 / (kh * kw)))

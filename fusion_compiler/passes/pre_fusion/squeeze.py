@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ...ir.ops import HW_DIMS, avg_pool2d_args, is_call
+from ...ir.ops import HW_DIMS, avg_pool2d_args, is_call, tensor_meta
 
 __all__ = ["whole_window_pool", "flattened_hw", "spatial_reduction"]
 
@@ -47,11 +47,6 @@ _VIEW_METHODS = ("flatten", "view", "reshape")
 _VIEW_FUNCTIONS = (torch.flatten, torch.reshape)
 _POOL_ARGS = {"input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
               "divisor_override"}
-
-
-def _value(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _pair(v: Any) -> tuple | None:
@@ -68,7 +63,7 @@ def whole_window_pool(node: fx.Node) -> fx.Node | None:
     ``ceil_mode`` false, no ``divisor_override``; see the module doc), else ``None``. Reads
     shapes from ``meta["val"]``; a node without them is not matched."""
     a = avg_pool2d_args(node)
-    x, xv, out = a.get("input"), _value(a.get("input")), _value(node)
+    x, xv, out = a.get("input"), tensor_meta(a.get("input")), tensor_meta(node)
     if xv is None or out is None or xv.dim() != 4 or not xv.is_floating_point() \
             or out.dtype != xv.dtype:
         return None
@@ -99,7 +94,7 @@ def flattened_hw(value: object, dim: Any, ssa: bool = True) -> fx.Node | None:
             or not isinstance(dims[0], int) or dims[0] not in (2, -1):
         return None
     x = value.args[0]
-    xv, flat = _value(x), _value(value)
+    xv, flat = tensor_meta(x), tensor_meta(value)
     if xv is None or flat is None or xv.dim() != 4 or flat.dtype != xv.dtype:
         return None
     n, c, h, w = xv.shape
