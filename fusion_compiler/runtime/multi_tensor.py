@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..ir.ops import writes_in_place
+from ..ir.ops import dtype_cast, writes_in_place
 
 __all__ = ["batched"]
 
@@ -56,11 +56,9 @@ def _cast(node: fx.Node) -> tuple | None:
     one dtype only form a group: concatenated with another dtype they would be promoted first,
     and an integer joined with fp16 becomes fp16 (257 -> 256, 70000 -> inf; found by a review,
     session 42)."""
-    if (node.op == "call_method" and node.target == "to" and len(node.args) == 2
-            and isinstance(node.args[1], torch.dtype) and not node.kwargs
-            and _tensor(node) and _tensor(node.args[0])):
-        return ("cast", node.args[1], str(node.meta["val"].device),
-                node.args[0].meta["val"].dtype)
+    dtype = dtype_cast(node)
+    if dtype is not None and _tensor(node) and _tensor(node.args[0]):
+        return ("cast", dtype, str(node.meta["val"].device), node.args[0].meta["val"].dtype)
     return None
 
 
