@@ -15,13 +15,11 @@ without a reason in the report: the regions are cuDNN's to explain.
 
 from __future__ import annotations
 
-from ..ir.errors import UnsupportedError
 from ..ir.ops import node_device
-from ..ir.region import BackwardPlan, Region
+from ..ir.region import Region
 from ..kernels.conv import ConvProgram, TileConfig
 from ..kernels.conv_hopper import (HopperConvKernel, candidate_configs, default_config,
                                    hopper_program, hopper_reason)
-from .base import Lowered, Support
 from .triton import TritonConvBackend
 
 __all__ = ["HopperConvBackend"]
@@ -35,12 +33,8 @@ class HopperConvBackend(TritonConvBackend):
     record = "hopper_conv"
     kernel_class = HopperConvKernel
     timing_name = "hopper"
-
-    def supports(self, region: Region) -> Support:
-        """Regions the kernel runs here; the others are declined without a reason."""
-        if region.space_to_depth or self.kernel_reason():
-            return Support(False)
-        return Support(not isinstance(self.program(region), str))
+    trains = False
+    explains = False
 
     def program(self, region: Region) -> ConvProgram | str:
         return hopper_program(region, node_device(region.conv))
@@ -58,15 +52,3 @@ class HopperConvBackend(TritonConvBackend):
 
     def label(self, config: TileConfig) -> str:
         return f"{config.bm}x{config.bn}x{config.bk}/{config.warps}w{config.stages}s"
-
-    def lower(self, region: Region, training: bool = False,
-              backward: BackwardPlan | None = None) -> Lowered:
-        """See :meth:`~.triton.TritonConvBackend.lower`.
-
-        Raises:
-            UnsupportedError: as there, and for a training region (module docstring).
-        """
-        if training:
-            raise UnsupportedError("the Hopper convolution runs inference only",
-                                   region.region_id)
-        return super().lower(region, training, backward)

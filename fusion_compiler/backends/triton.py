@@ -54,9 +54,9 @@ _FORMAT = 1
 class TritonConvBackend(Backend):
     """The convolution kernel (module docstring). Stem regions are declined without a reason.
     Subclasses run another kernel family through the same tuning and plan cache
-    (:mod:`.triton_depthwise`): they set :attr:`name`, :attr:`record`, :attr:`kernel_class`,
-    :attr:`timing_name` and override :meth:`program`, :meth:`kernel_reason`, :meth:`configs`,
-    :meth:`describe` and :meth:`label`.
+    (:mod:`.triton_depthwise`, :mod:`.hopper_conv`): they set :attr:`name`, :attr:`record`,
+    :attr:`kernel_class`, :attr:`timing_name`, :attr:`trains` and :attr:`explains` and override
+    :meth:`program`, :meth:`kernel_reason`, :meth:`configs`, :meth:`describe` and :meth:`label`.
 
     Args:
         autotune: ``<= 1``: the default configuration, nothing timed.
@@ -69,6 +69,12 @@ class TritonConvBackend(Backend):
     record = _RECORD
     kernel_class = ConvKernel
     timing_name = "triton"  # candidates' names in the region table's timings
+    trains = True
+    """Whether training regions are lowered (a family without a training path sets ``False``:
+    it declines them, and they keep cuDNN and its backward)."""
+    explains = True
+    """Whether a region the kernel cannot run is declined with a reason (``False``: without;
+    for a family most regions are not of, whose reasons are cuDNN's to give)."""
 
     def __init__(self, autotune: int = 8, cache: PlanCache | None = None, cache_dir=None):
         self.autotune, self.cache_dir = autotune, cache_dir
@@ -87,6 +93,8 @@ class TritonConvBackend(Backend):
         if not reason:
             program = self.program(region)
             reason = program if isinstance(program, str) else ""
+        if not self.explains:
+            return Support(not reason)
         return Support(not reason, f"{self.describe()}: {reason}" if reason else "")
 
     # ------------------------------------------------------------------ the kernel family
@@ -134,10 +142,13 @@ class TritonConvBackend(Backend):
 
         Raises:
             UnsupportedError: the region is not one the kernel takes (in training also: its
-                forward would write more values than the kernel has outputs), or no
-                configuration of the kernel ran on sample inputs of the region's shapes.
+                forward would write more values than the kernel has outputs, or the family does
+                not train, :attr:`trains`), or no configuration of the kernel ran on sample
+                inputs of the region's shapes.
             TimingDeferred: configurations must be timed on a thread where timing is deferred.
         """
+        if training and not self.trains:
+            raise UnsupportedError(f"the {self.describe()} runs inference only", region.region_id)
         if region.space_to_depth:
             raise UnsupportedError("a SpaceToDepth stem region (the triton_stem backend's)",
                                    region.region_id)

@@ -12,13 +12,11 @@ larger half where it is.
 
 from __future__ import annotations
 
-from ..ir.errors import UnsupportedError
 from ..ir.ops import node_device
-from ..ir.region import BackwardPlan, Region
+from ..ir.region import Region
 from ..kernels.conv import ConvProgram, TileConfig
 from ..kernels.depthwise import (DepthwiseKernel, candidate_configs, default_config,
                                  depthwise_program, triton_reason)
-from .base import Lowered, Support
 from .triton import TritonConvBackend
 
 __all__ = ["TritonDepthwiseBackend"]
@@ -32,13 +30,8 @@ class TritonDepthwiseBackend(TritonConvBackend):
     record = "triton_depthwise"
     kernel_class = DepthwiseKernel
     timing_name = "triton depthwise"
-
-    def supports(self, region: Region) -> Support:
-        """Depthwise regions the kernel runs here; the others are declined without a reason
-        (most regions are not depthwise: their reasons are cuDNN's to give)."""
-        if region.space_to_depth or self.kernel_reason():
-            return Support(False)
-        return Support(not isinstance(self.program(region), str))
+    trains = False
+    explains = False
 
     def program(self, region: Region) -> ConvProgram | str:
         return depthwise_program(region, node_device(region.conv))
@@ -56,15 +49,3 @@ class TritonDepthwiseBackend(TritonConvBackend):
 
     def label(self, config: TileConfig) -> str:
         return f"{config.bm}x{config.bn}/{config.warps}w"
-
-    def lower(self, region: Region, training: bool = False,
-              backward: BackwardPlan | None = None) -> Lowered:
-        """See :meth:`~.triton.TritonConvBackend.lower`.
-
-        Raises:
-            UnsupportedError: as there, and for a training region (module docstring).
-        """
-        if training:
-            raise UnsupportedError("the Triton depthwise convolution runs inference only",
-                                   region.region_id)
-        return super().lower(region, training, backward)
