@@ -10,9 +10,15 @@ import torch
 from ..ir.errors import condense
 from ..runtime.triton_import import triton_import_error
 
-__all__ = ["triton_unavailable", "triton_import_error", "load_kernel", "prewarm_triton"]
+__all__ = ["triton_unavailable", "triton_import_error", "load_kernel", "prewarm_triton",
+           "next_power_of_two"]
 
 _prewarm_started = False
+
+
+def next_power_of_two(v: int) -> int:
+    """The smallest power of two at least ``v`` (1 for ``v <= 1``): a tile size covering ``v``."""
+    return 1 << max(0, int(v) - 1).bit_length()
 
 
 def load_kernel(what: str, load: Callable[[], Any]) -> Any:

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from ..ir.region import Region
-from . import load_kernel, triton_unavailable
+from . import load_kernel, next_power_of_two, triton_unavailable
 from .conv import ConvKernel, ConvProgram, TileConfig, chain_arguments, conv_program, output_hw
 
 __all__ = ["hopper_program", "pixel_box", "default_config", "candidate_configs", "launch",
@@ -49,16 +49,12 @@ def hopper_program(region: Region, device: torch.device) -> ConvProgram | str:
     return program
 
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
-
-
 def pixel_box(bm: int, n: int, ho: int, wo: int) -> tuple[int, int, int]:
     """``(images, rows, columns)`` of a tile of ``bm`` output pixels (a power of two) over
     ``n`` images of ``ho`` x ``wo``: whole rows where they fit (columns: the next power of two
     of ``wo``, at most ``bm``), then rows, then images."""
-    cols = min(_pow2(wo), bm)
-    rows = min(_pow2(ho), bm // cols)
+    cols = min(next_power_of_two(wo), bm)
+    rows = min(next_power_of_two(ho), bm // cols)
     return bm // (rows * cols), rows, cols
 
 
@@ -68,7 +64,7 @@ def default_config(m: int, k: int, c: int) -> TileConfig:
     SMs), the widest of 64, 32 and 16 input channels per step that divides ``c``, 3 stages and
     4 warps. A heuristic: the first of :func:`candidate_configs`, the one taken untimed."""
     bk = next(b for b in (64, 32, 16) if c % b == 0)
-    bn = min(128, max(16, _pow2(k)))
+    bn = min(128, max(16, next_power_of_two(k)))
     if bn == 128 and -(-m // 64) * -(-k // 128) < 132:
         bn = 64
     return TileConfig(64, bn, bk, warps=4, stages=3)
@@ -81,7 +77,7 @@ def candidate_configs(m: int, k: int, c: int) -> list[TileConfig]:
     first = default_config(m, k, c)
     found = [first]
     for bm, bn, stages in ((64, 64, 4), (128, 64, 3), (64, 128, 3), (128, 128, 3)):
-        bn = min(bn, max(16, _pow2(k)))
+        bn = min(bn, max(16, next_power_of_two(k)))
         config = TileConfig(bm, bn, first.bk, warps=8 if bm * bn >= 128 * 128 else 4,
                             stages=stages)
         if config not in found:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir.region import Region
-from . import load_kernel, triton_unavailable
+from . import load_kernel, next_power_of_two, triton_unavailable
 from .conv import ConvKernel, ConvProgram, TileConfig, chain_arguments, conv_program, output_hw
 from .epilogue import reference_outputs
 
@@ -60,17 +60,13 @@ def depthwise_reference(x: torch.Tensor, weight: torch.Tensor, operands: Sequenc
     return reference_outputs(y, program.ops, operands, program.outputs, x.dtype)
 
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
-
-
 def default_config(m: int, c: int) -> TileConfig:
     """The launch configuration for ``m`` output pixels and ``c`` channels: ``bn`` channels per
     program (up to 64, 128 bytes of fp16 in a row), ``bm`` pixels so that a program holds 4096
     outputs (16 per thread of 4 warps); ``bk`` is unused. A heuristic: the first of
     :func:`candidate_configs`, the one taken untimed (``autotune <= 1``)."""
-    bn = min(64, max(8, _pow2(c)))
-    bm = min(max(32, 4096 // bn), max(32, _pow2(m)))
+    bn = min(64, max(8, next_power_of_two(c)))
+    bm = min(max(32, 4096 // bn), max(32, next_power_of_two(m)))
     return TileConfig(bm, bn, 1, warps=4)
 
 
@@ -79,8 +75,8 @@ def candidate_configs(m: int, c: int) -> list[TileConfig]:
     wider channel tiles and 8 warps, each clamped to the shape."""
     found = [default_config(m, c)]
     for bm, bn, warps in ((128, 32, 4), (32, 128, 4), (128, 64, 8), (64, 32, 4)):
-        bn = min(bn, max(8, _pow2(c)))
-        config = TileConfig(min(bm, max(32, _pow2(m))), bn, 1, warps=warps)
+        bn = min(bn, max(8, next_power_of_two(c)))
+        config = TileConfig(min(bm, max(32, next_power_of_two(m))), bn, 1, warps=warps)
         if config not in found:
             found.append(config)
     return found

@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 
 from ..runtime.region_op import is_traced
-from . import load_kernel
+from . import load_kernel, next_power_of_two
 
 __all__ = ["se_gate", "se_scale", "se_gate_reference", "se_scale_reference", "MAX_CHANNELS",
            "MAX_HIDDEN", "MAX_GATE_WEIGHT", "OP", "SCALE_OP", "LIBRARY_OPS"]
@@ -184,10 +184,6 @@ def _define_kernel() -> Any:
     return se_kernel
 
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
-
 def _hw_stride(t: torch.Tensor) -> int | None:
     """The stride of ``t``'s H and W flattened to one axis (``[N, C, H, W]``), or ``None`` when
     they do not flatten."""
@@ -249,9 +245,9 @@ def _launch(kernel: Any, x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.T
         result = out = torch.empty((n, c), dtype=x.dtype, device=x.device)
         res, out_strides = src, (0, 0, 0)
         res_strides = out_strides
-    block_c, block_r = _pow2(c), _pow2(r)
-    block_hw, warps = _launch_config(n, c * h * w, _pow2(h * w), block_c, block_r, scale,
-                                     x.device)
+    block_c, block_r = next_power_of_two(c), next_power_of_two(r)
+    block_hw, warps = _launch_config(n, c * h * w, next_power_of_two(h * w), block_c, block_r,
+                                     scale, x.device)
     kernel[(n,)](src, w1, w1 if b1 is None else b1, w2, w2 if b2 is None else b2, out, res,
                  w1 if bias is None else bias, h * w, c, r, src.stride(0), _hw_stride(src),
                  src.stride(1), *res_strides, *out_strides, 1.0 / (h * w),
