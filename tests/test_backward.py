@@ -55,6 +55,28 @@ def test_reference_network_gradients_match_autograd(fusion):
     assert len(compiled.last.regions) == 12
 
 
+def test_a_half_precision_exit_sum_gets_a_gradient_of_its_input_dtype():
+    """A bf16 region that ends in the squeeze ``sum(x, [2, 3], dtype=torch.float32)`` (the
+    canonical half-precision mean) receives an fp32 gradient; its backward must hand bf16 on to
+    the convolution's dgrad and wgrad, as eager autograd does. Before, the fp32 gradient reached
+    the convolution gradients of a bf16 input (an error on the CPU; the GPU suite's
+    fused-reduction training tests failed on it)."""
+    torch.manual_seed(0)
+    factory, shape = PATTERNS["fixup_block"]
+    model = factory().eval()
+    x = torch.randn(shape)
+    reference = copy.deepcopy(model).double()
+    want = gradients(reference, reference, x.double())
+    model = model.to(torch.bfloat16)
+    eager = gradients(model, model, x.to(torch.bfloat16))
+    compiled = CompiledModule(model, backends=(), options=DERIVED_BACKWARD, **FUSE_ALL)
+    got = gradients(model, compiled, x.to(torch.bfloat16))
+    assert any(r.pattern.endswith("+ sum_hw") for r in compiled.last.regions)
+    for name, w in want.items():
+        err, eager_err = rel_err(got[name], w), rel_err(eager[name], w)
+        assert err <= 1.5 * eager_err + 1e-3, f"{name}: {err:.3g}, eager bf16 {eager_err:.3g}"
+
+
 def test_dgrad_applies_the_producing_relu_backward_once():
     """A stride-1 convolution reading another region's ReLU output (and nothing else reading it)
     gets ``dgrad_drelu``; the producer passes that gradient through its ReLU: one

@@ -15,7 +15,8 @@ op                      gradient rule (``g``: gradient of the op's output)
 ``clamp(x, lo, hi)``    ``g * (lo <= x <= hi)`` from the saved input
 ``sigmoid``/``tanh``    ``g * y * (1 - y)`` / ``g * (1 - y^2)`` from the saved output
 ``silu``                ``g * s * (1 + x * (1 - s))``, ``s = sigmoid(x)``, from the saved input
-``sum_hw``              ``g`` broadcast over H, W
+``sum_hw``              ``g`` broadcast over H, W (and cast to the summed value's dtype: a
+                        half-precision sum accumulates in fp32, ``dtype=torch.float32``)
 ``conv2d``              dgrad ``dx = conv_dgrad(g, w)`` and wgrad ``dw = conv_wgrad(x, g)``
 ======================  =================================================================
 
@@ -257,7 +258,8 @@ class RegionBackward:
 
         def accumulate(node: Any, g: torch.Tensor) -> None:
             if isinstance(node, fx.Node) and node in wanted:
-                g = _sum_to(g, node.meta["val"].shape)
+                val = node.meta["val"]  # a gradient has its value's dtype (an fp32 sum's is fp32)
+                g = _sum_to(g, val.shape).to(val.dtype)
                 grads[node] = g if node not in grads else grads[node] + g
 
         for node, g in zip(self.outputs, grad_outputs):
