@@ -2,8 +2,8 @@
 (:mod:`.conv_hopper_gluon`, written in Triton's Gluon dialect).
 
 The kernel computes ``conv2d(x, w, None, stride, padding, 1, 1)`` for fp16 or bf16 ``x``
-``[N, C, H, W]`` (read as NHWC: converted to channels_last unless its channels are innermost and its rows
-16-byte aligned already) and ``w`` ``[K, C, R, S]`` (read as a ``[K, R*S*C]`` matrix of its
+``[N, C, H, W]`` (read as NHWC: converted to channels_last unless its channels are innermost and its
+rows 16-byte aligned already) and ``w`` ``[K, C, R, S]`` (read as a ``[K, R*S*C]`` matrix of its
 channels_last copy, converted once per weight version), any filter size and padding, stride 1 or 2
 (2 on even image sizes), dilation 1, ``C`` a multiple of 16 (a TMA box row holds 16 to 64 channels),
 accumulates in fp32 on the tensor cores, runs the region's epilogue (the ops, operands and limits of
