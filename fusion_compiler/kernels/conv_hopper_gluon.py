@@ -13,9 +13,9 @@ the ``[K, R*S*C]`` weight, into a ring of ``STAGES`` shared-memory buffers; ``wa
 (wgmma) multiplies them from shared memory into an fp32 accumulator, one MMA in flight while
 the next loads arrive. Triton 3.6 has no TMA im2col mode, hence one tiled load per tap. The
 epilogue is :mod:`.conv_triton`'s (a Triton-language function, which a Gluon kernel may call),
-run on the fp32 tile in a blocked layout; it stores the requested stages as channels_last rows. Stride 1, or 2 through a view of the image whose
-parities are dimensions of their own (so a tap's rows and columns are again a tiled box);
-dilation 1.
+run on the fp32 tile in a blocked layout; it stores the requested stages as channels_last rows.
+Stride 1, or 2 through a view of the image whose parities are dimensions of their own (so a tap's
+rows and columns are again a tiled box); dilation 1.
 """
 
 from triton.experimental import gluon
