@@ -1,7 +1,8 @@
 """The Hopper convolution (backend ``hopper_conv``) on a Hopper GPU: the Gluon kernel against fp64
-on SE-ResNet9's and ResNet-50's layer shapes and ragged ones, fp16 and bf16, with their
-epilogues and every candidate tile; a channel-slice input (horizontal fusion's views); and
-``compile`` asking it beside cuDNN on SE-ResNet9, timing both per region and running the faster.
+on SE-ResNet9's and ResNet-50's layer shapes (stride 1 and 2) and ragged ones, fp16 and bf16,
+with their epilogues and every candidate tile; a channel-slice input (horizontal fusion's
+views); and ``compile`` asking it beside cuDNN on SE-ResNet9, timing both per region and running
+the faster.
 All tests carry ``@pytest.mark.gpu`` and skip without a GPU of compute capability 9.0.
 tests/test_hopper_conv.py covers the rest on the CPU."""
 
@@ -30,11 +31,14 @@ def _needs_hopper() -> None:
         pytest.skip("needs a GPU of compute capability 9.0 (Hopper)")
 
 
-SHAPES = {  # N, C, H, W, K, R, padding
-    "SE-ResNet9 layer0, 16x16, 64 channels": (8, 64, 16, 16, 64, 3, 1),
-    "SE-ResNet9 layer3, 2x2, 512 channels": (32, 512, 2, 2, 512, 3, 1),
-    "ResNet-50 1x1, 7x7, 512 -> 2048": (4, 512, 7, 7, 2048, 1, 0),
-    "ragged: 48 -> 40 channels, 9x11, no padding": (3, 48, 9, 11, 40, 3, 0),
+SHAPES = {  # N, C, H, W, K, R, padding, stride
+    "SE-ResNet9 layer0, 16x16, 64 channels": (8, 64, 16, 16, 64, 3, 1, 1),
+    "SE-ResNet9 layer3, 2x2, 512 channels": (32, 512, 2, 2, 512, 3, 1, 1),
+    "ResNet-50 1x1, 7x7, 512 -> 2048": (4, 512, 7, 7, 2048, 1, 0, 1),
+    "ragged: 48 -> 40 channels, 9x11, no padding": (3, 48, 9, 11, 40, 3, 0, 1),
+    "SE-ResNet9 layer1's first, 16x16 -> 8x8, 64 -> 256": (8, 64, 16, 16, 256, 3, 1, 2),
+    "ResNet-50 downsample 1x1/s2, 28x28 -> 14x14": (4, 256, 28, 28, 512, 1, 0, 2),
+    "stride 2, 5x5, no padding, 10x12 -> 3x4": (3, 32, 10, 12, 48, 5, 0, 2),
 }
 EPILOGUES = {  # ops, operand kinds, outputs
     "conv": ((), (), (0,)),
@@ -46,7 +50,7 @@ EPILOGUES = {  # ops, operand kinds, outputs
 
 
 def _case(shape: str, epilogue: str, dtype: torch.dtype, strided: bool = False):
-    n, c, h, w, k, r, pad = SHAPES[shape]
+    n, c, h, w, k, r, pad, stride = SHAPES[shape]
     ops, kinds, outputs = EPILOGUES[epilogue]
     torch.manual_seed(0)
     if strided:  # the second half of a wider image's channels, as horizontal fusion's views
@@ -56,11 +60,11 @@ def _case(shape: str, epilogue: str, dtype: torch.dtype, strided: bool = False):
         x = torch.randn(n, c, h, w, device="cuda", dtype=dtype).contiguous(
             memory_format=torch.channels_last)
     weight = (torch.randn(k, c, r, r, device="cuda") / (r * c ** 0.5)).to(dtype)
-    ho, wo = h + 2 * pad - r + 1, w + 2 * pad - r + 1
+    ho, wo = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - r) // stride + 1
     shapes = {SCALAR: (1,), CHANNEL: (1, k, 1, 1), FULL: (n, k, ho, wo)}
     operands = [(torch.rand(shapes[kind], device="cuda") + 0.5).to(dtype) for kind in kinds]
-    program = ConvProgram(0, 1, (1, 1), (pad, pad), (1, 1), tuple(range(len(kinds))), kinds,
-                          ops, outputs)
+    program = ConvProgram(0, 1, (stride, stride), (pad, pad), (1, 1), tuple(range(len(kinds))),
+                          kinds, ops, outputs)
     want = conv_reference(x.double(), weight.double(), [o.double() for o in operands], program)
     return x, weight.contiguous(memory_format=torch.channels_last), operands, program, want, (
         n, k, ho, wo)
@@ -86,7 +90,8 @@ def test_kernel_matches_fp64(shape, epilogue, dtype):
 
 
 @pytest.mark.parametrize("shape", ["SE-ResNet9 layer0, 16x16, 64 channels",
-                                   "ragged: 48 -> 40 channels, 9x11, no padding"])
+                                   "ragged: 48 -> 40 channels, 9x11, no padding",
+                                   "stride 2, 5x5, no padding, 10x12 -> 3x4"])
 def test_every_candidate_tile_matches_fp64(shape):
     from fusion_compiler.kernels.conv_hopper import candidate_configs, gluon_kernel, launch
 
@@ -97,19 +102,22 @@ def test_every_candidate_tile_matches_fp64(shape):
         _check(got, want, (n, k, ho, wo), torch.float16)
 
 
-def test_a_channel_slice_of_a_wider_image_is_read_in_place():
+@pytest.mark.parametrize("shape", ["SE-ResNet9 layer0, 16x16, 64 channels",
+                                   "SE-ResNet9 layer1's first, 16x16 -> 8x8, 64 -> 256"])
+def test_a_channel_slice_of_a_wider_image(shape):
+    """Read in place at stride 1; at stride 2 (its pixels are not 2 * C apart) copied first."""
     from fusion_compiler.kernels.conv_hopper import gluon_kernel, launch
 
-    x, weight, operands, program, want, out_shape = _case(
-        "SE-ResNet9 layer0, 16x16, 64 channels", "bias_relu", torch.float16, strided=True)
+    x, weight, operands, program, want, out_shape = _case(shape, "bias_relu", torch.float16,
+                                                          strided=True)
     assert not x.is_contiguous(memory_format=torch.channels_last) and x.stride(1) == 1
     _check(launch(gluon_kernel(), x, weight, operands, program), want, out_shape, torch.float16)
 
 
 def test_compile_times_it_against_cudnn_and_runs_the_faster():
     """SE-ResNet9 (RGB, N=32, fp16) compiled asking ``hopper_conv`` beside cuDNN (CUDA graphs,
-    autotuned): within fp16's tolerance of fp64; every stride-1 region's Hopper kernel was
-    timed against cuDNN's plan, and a region runs the Hopper kernel only where it timed
+    autotuned): within fp16's tolerance of fp64; some region's Hopper kernel was timed against
+    cuDNN's plan, and a region runs the Hopper kernel only where it timed
     faster (its plan then names it)."""
     torch.manual_seed(0)
     model = randomize_(se_resnet9_fixup(3), seed=3).cuda().half().eval()

@@ -46,18 +46,25 @@ def test_the_kernel_takes_stride_one_regions_with_their_epilogue():
     assert program.padding == (1, 1)
 
 
-@pytest.mark.parametrize("model, x, dtype, why", [
-    (_Residual(32, 32, 3, 2), None, torch.float16, "stride (2, 2)"),
-    (nn.Sequential(nn.Conv2d(24, 32, 3, padding=1), nn.ReLU()), torch.randn(2, 24, 8, 8),
-     torch.float16, "24 input channels"),
-    (nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.ReLU()), torch.randn(2, 32, 8, 8),
-     torch.float32, "float32"),
+def _conv_relu(c: int, stride: int = 1) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(c, 32, 3, stride, 1), nn.ReLU())
+
+
+def test_stride_two_on_an_even_image_is_taken():
+    spec = _half(_conv_relu(32, 2), torch.randn(2, 32, 16, 16))
+    program = hopper_program(spec.regions[0], torch.device("cpu"))
+    assert not isinstance(program, str), program
+    assert program.stride == (2, 2) and program.ops == (ADD, RELU)
+
+
+@pytest.mark.parametrize("model, shape, dtype, why", [
+    (_conv_relu(32, 2), (2, 32, 9, 9), torch.float16, "stride 2 on a 9x9 image"),
+    (_conv_relu(32, 3), (2, 32, 9, 9), torch.float16, "stride (3, 3)"),
+    (_conv_relu(24), (2, 24, 8, 8), torch.float16, "24 input channels"),
+    (_conv_relu(32), (2, 32, 8, 8), torch.float32, "float32"),
 ])
-def test_declines_with_a_reason(model, x, dtype, why):
-    if x is None:
-        x, model = torch.randn(2, 32, 8, 8), nn.Sequential(
-            nn.Conv2d(32, 32, 3, 2, 1, bias=False), nn.ReLU())
-    spec = _half(model, x, dtype)
+def test_declines_with_a_reason(model, shape, dtype, why):
+    spec = _half(model, torch.randn(shape), dtype)
     assert why in hopper_program(spec.regions[0], torch.device("cpu"))
 
 

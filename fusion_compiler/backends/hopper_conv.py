@@ -1,11 +1,11 @@
 """The ``hopper_conv`` backend: a region whose convolution and epilogue
-:func:`fusion_compiler.kernels.conv_hopper.hopper_program` takes (stride 1, dilation 1, a multiple
-of 16 input channels, fp16 or bf16) runs as this package's Hopper kernel (TMA loads and wgmma,
-:mod:`fusion_compiler.kernels.conv_hopper`), for inference on a GPU of compute capability 9.0.
-cuDNN takes these regions too, so where both are asked lowering times both kernels on the
-region's shapes and keeps the faster (:func:`fusion_compiler.lowering.lower`), the choice stored
-in the plan cache. Tuning, the plan-cache record of the tile configuration and the declines are
-those of the ``triton_conv`` backend (:class:`~.triton.TritonConvBackend`).
+:func:`fusion_compiler.kernels.conv_hopper.hopper_program` takes (stride 1 or 2, dilation 1, a
+multiple of 16 input channels, fp16 or bf16) runs as this package's Hopper kernel (TMA loads and
+wgmma, :mod:`fusion_compiler.kernels.conv_hopper`), for inference on a GPU of compute capability
+9.0. cuDNN takes these regions too, so where both are asked lowering times both kernels on the
+region's shapes and keeps the faster (:func:`fusion_compiler.lowering.lower`), the choice stored in
+the plan cache. Tuning, the plan-cache record of the tile configuration and the declines are those
+of the ``triton_conv`` backend (:class:`~.triton.TritonConvBackend`).
 
 Not among the default backends yet: ``backends=("triton_stem", "dense", "triton_depthwise",
 "hopper_conv", "cudnn")`` asks it (docs/decisions.md, "Hopper convolutions"). Training regions

@@ -1,12 +1,12 @@
 """A region's forward convolution and its epilogue as one Hopper kernel: TMA loads and wgmma
 (:mod:`.conv_hopper_gluon`, written in Triton's Gluon dialect).
 
-The kernel computes ``conv2d(x, w, None, 1, padding, 1, 1)`` for fp16 or bf16 ``x``
-``[N, C, H, W]`` (read as NHWC: converted to channels_last unless its channels are innermost and
-its rows 16-byte aligned already) and ``w`` ``[K, C, R, S]`` (read as a ``[K, R*S*C]`` matrix of
-its channels_last copy, converted once per weight version), any filter size and padding, stride
-and dilation 1, ``C`` a multiple of 16 (a TMA box row holds 16 to 64 channels), accumulates in
-fp32 on the tensor cores, runs the region's epilogue (the ops, operands and limits of
+The kernel computes ``conv2d(x, w, None, stride, padding, 1, 1)`` for fp16 or bf16 ``x``
+``[N, C, H, W]`` (read as NHWC: converted to channels_last unless its channels are innermost and its
+rows 16-byte aligned already) and ``w`` ``[K, C, R, S]`` (read as a ``[K, R*S*C]`` matrix of its
+channels_last copy, converted once per weight version), any filter size and padding, stride 1 or 2
+(2 on even image sizes), dilation 1, ``C`` a multiple of 16 (a TMA box row holds 16 to 64 channels),
+accumulates in fp32 on the tensor cores, runs the region's epilogue (the ops, operands and limits of
 :mod:`.conv`'s kernel) on the fp32 value and writes up to two values of the chain channels_last,
 each rounded once. It runs on compute capability 9.0 only (wgmma is sm_90a's).
 
@@ -35,17 +35,20 @@ __all__ = ["hopper_program", "pixel_box", "default_config", "candidate_configs",
 
 def hopper_program(region: Region, device: torch.device) -> ConvProgram | str:
     """The kernel's arguments for ``region`` (a :class:`~.conv.ConvProgram`), or why the kernel
-    cannot run it (a text): :func:`~.conv.conv_program`'s conditions, stride 1, dilation 1 and
-    a multiple of 16 input channels."""
+    cannot run it (a text): :func:`~.conv.conv_program`'s conditions, stride 1 (or 2 on an
+    image of even height and width), dilation 1 and a multiple of 16 input channels."""
     program = conv_program(region, device)
     if isinstance(program, str):
         return program
-    if program.stride != (1, 1) or program.dilation != (1, 1):
+    if program.stride not in ((1, 1), (2, 2)) or program.dilation != (1, 1):
         return (f"stride {program.stride} and dilation {program.dilation}; the Hopper kernel "
-                "takes stride 1 and dilation 1")
+                "takes stride 1 or 2 and dilation 1")
     c = region.conv.args[1].meta["val"].shape[1]
     if c % 16:
         return f"{c} input channels; the Hopper kernel takes a multiple of 16"
+    h, w = region.conv.args[0].meta["val"].shape[2:]
+    if program.stride == (2, 2) and (h % 2 or w % 2):
+        return f"stride 2 on a {h}x{w} image; the Hopper kernel takes even sizes there"
     return program
 
 
@@ -124,9 +127,12 @@ def launch(kernels: Any, x: torch.Tensor, weight: torch.Tensor,
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: PLC0415
 
     nhwc = x.permute(0, 2, 3, 1)
-    if not _tma_ready(nhwc):
-        nhwc = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+    stride = program.stride[0]
     n, h, w, c = nhwc.shape
+    if not _tma_ready(nhwc) or (stride == 2 and nhwc.stride(2) != c):
+        nhwc = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+    if stride == 2:  # [N, H/2, 2, W/2, 2C]: a tap's rows and columns of one parity, as a box
+        nhwc = nhwc.reshape(n, h // 2, 2, w // 2, 2 * c)
     k, _, r, s = weight.shape
     matrix = weight.permute(0, 2, 3, 1).reshape(k, r * s * c)  # a view of channels_last
     if not _tma_ready(matrix):
@@ -138,16 +144,18 @@ def launch(kernels: Any, x: torch.Tensor, weight: torch.Tensor,
                       memory_format=torch.channels_last) for _ in program.outputs]
     pointers, chain = chain_arguments(program, operands, weight)
     swizzle = min(128, 2 * config.bk)
-    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=4)
+    box = [images, rows, cols, config.bk] if stride == 1 else [images, rows, 1, cols, config.bk]
+    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16,
+                                    rank=len(box))
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
-    x_desc = TensorDescriptor(nhwc, list(nhwc.shape), list(nhwc.stride()),
-                              [images, rows, cols, config.bk], x_layout)
+    x_desc = TensorDescriptor(nhwc, list(nhwc.shape), list(nhwc.stride()), box, x_layout)
     w_desc = TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()),
                               [config.bn, config.bk], w_layout)
     grid = (-(-n // images) * -(-ho // rows) * -(-wo // cols), -(-k // config.bn))
     kernels.conv_wgmma_kernel[grid](
         x_desc, w_desc, ys[0], ys[-1], *pointers, n, ho, wo, c, k, R=r, S=s,
-        PH=program.padding[0], PW=program.padding[1], CB=c // config.bk, STAGES=config.stages,
+        PH=program.padding[0], PW=program.padding[1], STRIDE=stride, CB=c // config.bk,
+        STAGES=config.stages,
         EPI_N=min(32, config.bn // 8), **chain, num_warps=config.warps)
     return ys
 

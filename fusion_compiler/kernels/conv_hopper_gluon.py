@@ -12,14 +12,18 @@ outside the image is the convolution's padding) and the matching ``[BLOCK_N, BLO
 the ``[K, R*S*C]`` weight, into a ring of ``STAGES`` shared-memory buffers; ``warpgroup_mma``
 (wgmma) multiplies them from shared memory into an fp32 accumulator, one MMA in flight while
 the next loads arrive. Triton 3.6 has no TMA im2col mode, hence one tiled load per tap. The
-epilogue (op codes of :mod:`.epilogue`) runs on the fp32 tile in a blocked layout and stores the
-requested stages as channels_last rows. Stride 1 and dilation 1 only.
+epilogue is :mod:`.conv_triton`'s (a Triton-language function, which a Gluon kernel may call),
+run on the fp32 tile in a blocked layout; it stores the requested stages as channels_last rows.
+Stride 1, or 2 through a view of the image whose parities are dimensions of their own (so a tap's
+rows and columns are again a tiled box); dilation 1.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+from .conv_triton import epilogue
 
 
 @gluon.constexpr_function
@@ -49,7 +53,7 @@ def mma_instr_n(block_m, block_n, num_warps):
 @gluon.jit
 def issue_load(x_desc, w_desc, a_bufs, b_bufs, bars, j, n0, h0, w0, k0, C,
                CB: gl.constexpr, S: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr,
-               BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+               STRIDE: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     # reduction step j: filter tap j // CB, channel block j % CB, into ring slot j % STAGES
     slot = j % STAGES
     tap = j // CB
@@ -58,73 +62,38 @@ def issue_load(x_desc, w_desc, a_bufs, b_bufs, bars, j, n0, h0, w0, k0, C,
     s = tap - r * S
     bar = bars.index(slot)
     mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [n0, h0 + r - PH, w0 + s - PW, cb * BLOCK_K], bar,
-                                    a_bufs.index(slot))
+    if STRIDE == 1:
+        tma.async_copy_global_to_shared(x_desc, [n0, h0 + r - PH, w0 + s - PW, cb * BLOCK_K],
+                                        bar, a_bufs.index(slot))
+    else:  # the [N, H/2, 2, W/2, 2C] view: input row 2*oh + r - PH = 2*(oh + ah) + bh
+        ah = (r + PH) // 2 - PH
+        aw = (s + PW) // 2 - PW
+        bh = r - PH - 2 * ah
+        bw = s - PW - 2 * aw
+        tma.async_copy_global_to_shared(x_desc, [n0, h0 + ah, bh, w0 + aw,
+                                                 bw * C + cb * BLOCK_K], bar, a_bufs.index(slot))
     tma.async_copy_global_to_shared(w_desc, [k0, tap * C + cb * BLOCK_K], bar, b_bufs.index(slot))
-
-
-@gluon.jit
-def operand(p, KIND: gl.constexpr, offs_k, offs_o, mask_k, mask):
-    # a binary op's second operand as fp32: KIND 0 one element, 1 per output channel, 2 full
-    if KIND == 0:
-        v = gl.load(p).to(gl.float32)
-    elif KIND == 1:
-        v = gl.expand_dims(gl.load(p + offs_k, mask=mask_k, other=0.0).to(gl.float32), 0)
-    else:
-        v = gl.load(p + offs_o, mask=mask, other=0.0).to(gl.float32)
-    return v
-
-
-@gluon.jit
-def step(acc, OP: gl.constexpr, KIND: gl.constexpr, p, offs_k, offs_o, mask_k, mask):
-    # one epilogue op on the fp32 tile (codes of epilogue.py); OP 0 does nothing
-    if OP == 1:
-        acc = acc + operand(p, KIND, offs_k, offs_o, mask_k, mask)
-    elif OP == 2:
-        acc = acc - operand(p, KIND, offs_k, offs_o, mask_k, mask)
-    elif OP == 3:
-        acc = acc * operand(p, KIND, offs_k, offs_o, mask_k, mask)
-    elif OP == 4:
-        acc = acc / operand(p, KIND, offs_k, offs_o, mask_k, mask)
-    elif OP == 5:
-        acc = gl.maximum(acc, 0.0)
-    elif OP == 6:
-        acc = 1.0 / (1.0 + gl.exp(-acc))
-    elif OP == 7:
-        acc = 2.0 / (1.0 + gl.exp(-2.0 * acc)) - 1.0
-    elif OP == 8:
-        acc = acc / (1.0 + gl.exp(-acc))
-    elif OP == 9:  # clamp(acc, 0, bound), the bound a one-element operand
-        acc = gl.minimum(gl.maximum(acc, 0.0), operand(p, KIND, offs_k, offs_o, mask_k, mask))
-    return acc
-
-
-@gluon.jit
-def store(acc, STAGE: gl.constexpr, OUT0: gl.constexpr, OUT1: gl.constexpr, y0, y1, offs_o,
-          mask):
-    # store the tile to the output(s) that asked for stage STAGE (0: the convolution's value)
-    if OUT0 == STAGE:
-        gl.store(y0 + offs_o, acc.to(y0.dtype.element_ty), mask=mask)
-    if OUT1 == STAGE:
-        gl.store(y1 + offs_o, acc.to(y1.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
 def conv_wgmma_kernel(x_desc, w_desc, y0, y1, p0, p1, p2, p3, p4, p5, N, HO, WO, C, K,
                       R: gl.constexpr, S: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr,
-                      CB: gl.constexpr, STAGES: gl.constexpr, EPI_N: gl.constexpr,
+                      STRIDE: gl.constexpr, CB: gl.constexpr, STAGES: gl.constexpr,
+                      EPI_N: gl.constexpr,
                       OP0: gl.constexpr, OP1: gl.constexpr, OP2: gl.constexpr,
                       OP3: gl.constexpr, OP4: gl.constexpr, OP5: gl.constexpr,
                       KIND0: gl.constexpr, KIND1: gl.constexpr, KIND2: gl.constexpr,
                       KIND3: gl.constexpr, KIND4: gl.constexpr, KIND5: gl.constexpr,
                       OUT0: gl.constexpr, OUT1: gl.constexpr, num_warps: gl.constexpr):
-    # x_desc: the NHWC image [N, H, W, C], block [BN_IMG, BH, BW, BLOCK_K]; w_desc: the weight
-    # [K, R*S*C] (KRSC rows), block [BLOCK_N, BLOCK_K]; y0/y1 [N, HO, WO, K] (channels_last);
-    # grid (cdiv(N, BN_IMG) * cdiv(HO, BH) * cdiv(WO, BW), cdiv(K, BLOCK_N)); C = CB * BLOCK_K
+    # x_desc: the NHWC image [N, H, W, C], block [BN_IMG, BH, BW, BLOCK_K] (STRIDE 1), or its
+    # [N, H/2, 2, W/2, 2*C] view, block [BN_IMG, BH, 1, BW, BLOCK_K] (STRIDE 2: the row and
+    # column parities a tap reads fixed per load); w_desc: the weight [K, R*S*C] (KRSC rows),
+    # block [BLOCK_N, BLOCK_K]; y0/y1 [N, HO, WO, K] (channels_last); grid
+    # (cdiv(N, BN_IMG) * cdiv(HO, BH) * cdiv(WO, BW), cdiv(K, BLOCK_N)); C = CB * BLOCK_K
     BN_IMG: gl.constexpr = x_desc.block_type.shape[0]
     BH: gl.constexpr = x_desc.block_type.shape[1]
-    BW: gl.constexpr = x_desc.block_type.shape[2]
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[3]
+    BW: gl.constexpr = x_desc.block_type.shape[STRIDE + 1]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[STRIDE + 2]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = BN_IMG * BH * BW
     STEPS: gl.constexpr = R * S * CB
@@ -137,8 +106,12 @@ def conv_wgmma_kernel(x_desc, w_desc, y0, y1, p0, p1, p2, p3, p4, p5, N, HO, WO,
     w0 = pid_m % tiles_w * BW
     k0 = gl.program_id(1) * BLOCK_N
 
-    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BN_IMG, BH, BW, BLOCK_K],
-                                       x_desc.layout)
+    if STRIDE == 1:
+        a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BN_IMG, BH, BW, BLOCK_K],
+                                           x_desc.layout)
+    else:
+        a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BN_IMG, BH, 1, BW, BLOCK_K],
+                                           x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -151,7 +124,7 @@ def conv_wgmma_kernel(x_desc, w_desc, y0, y1, p0, p1, p2, p3, p4, p5, N, HO, WO,
     for j in gl.static_range(STAGES - 1):
         if j < STEPS:  # fewer steps than stages: no load past the last
             issue_load(x_desc, w_desc, a_bufs, b_bufs, bars, j, n0, h0, w0, k0, C, CB, S, PH,
-                       PW, BLOCK_K, STAGES)
+                       PW, STRIDE, BLOCK_K, STAGES)
     for i in range(STEPS):
         slot = i % STAGES
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
@@ -162,7 +135,7 @@ def conv_wgmma_kernel(x_desc, w_desc, y0, y1, p0, p1, p2, p3, p4, p5, N, HO, WO,
         acc, a, b = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))
         if i + STAGES - 1 < STEPS:
             issue_load(x_desc, w_desc, a_bufs, b_bufs, bars, i + STAGES - 1, n0, h0, w0, k0, C,
-                       CB, S, PH, PW, BLOCK_K, STAGES)
+                       CB, S, PH, PW, STRIDE, BLOCK_K, STAGES)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -181,16 +154,5 @@ def conv_wgmma_kernel(x_desc, w_desc, y0, y1, p0, p1, p2, p3, p4, p5, N, HO, WO,
     mask_k = offs_k < K
     offs_o = gl.expand_dims(row * K, 1) + gl.expand_dims(offs_k, 0)
     mask = gl.expand_dims(valid, 1) & gl.expand_dims(mask_k, 0)
-    store(acc, 0, OUT0, OUT1, y0, y1, offs_o, mask)
-    acc = step(acc, OP0, KIND0, p0, offs_k, offs_o, mask_k, mask)
-    store(acc, 1, OUT0, OUT1, y0, y1, offs_o, mask)
-    acc = step(acc, OP1, KIND1, p1, offs_k, offs_o, mask_k, mask)
-    store(acc, 2, OUT0, OUT1, y0, y1, offs_o, mask)
-    acc = step(acc, OP2, KIND2, p2, offs_k, offs_o, mask_k, mask)
-    store(acc, 3, OUT0, OUT1, y0, y1, offs_o, mask)
-    acc = step(acc, OP3, KIND3, p3, offs_k, offs_o, mask_k, mask)
-    store(acc, 4, OUT0, OUT1, y0, y1, offs_o, mask)
-    acc = step(acc, OP4, KIND4, p4, offs_k, offs_o, mask_k, mask)
-    store(acc, 5, OUT0, OUT1, y0, y1, offs_o, mask)
-    acc = step(acc, OP5, KIND5, p5, offs_k, offs_o, mask_k, mask)
-    store(acc, 6, OUT0, OUT1, y0, y1, offs_o, mask)
+    epilogue(acc, y0, y1, p0, p1, p2, p3, p4, p5, offs_k, offs_o, mask_k, mask,
+             OP0, OP1, OP2, OP3, OP4, OP5, KIND0, KIND1, KIND2, KIND3, KIND4, KIND5, OUT0, OUT1)
