@@ -389,8 +389,10 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _note(noted: set[str], notes: list[str], reason: str) -> None:
-    """Record why a default was not taken in ``notes``; log it once per ``noted`` (module)."""
-    notes.append(reason)
+    """Record why a default was not taken in ``notes`` (once: a tier that builds its CUDA graph
+    again gives the same reasons again); log it once per ``noted`` (module)."""
+    if reason not in notes:
+        notes.append(reason)
     if reason not in noted:
         noted.add(reason)
         log.info("%s", reason)

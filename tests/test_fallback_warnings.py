@@ -95,3 +95,18 @@ def test_a_failed_capture_is_one_warning_and_a_note(caplog, monkeypatch):
                              "capture error"]
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "a test's capture error" in messages[0], messages
+
+
+def test_a_reason_given_again_is_noted_once():
+    """A tier that captures its CUDA graph again (eager glue, then Inductor's) gives its
+    derivation notes again: the report said "118 hoisted value(s) computed with PyTorch ops at
+    every replay" twice for densenet121 (H200, session 44)."""
+    from fusion_compiler.compiler import _note
+
+    notes: list[str] = []
+    noted: set[str] = set()
+    for _ in range(2):
+        _note(noted, notes, "3 hoisted value(s) computed with PyTorch ops at every replay")
+    _note(noted, notes, "another reason")
+    assert notes == ["3 hoisted value(s) computed with PyTorch ops at every replay",
+                     "another reason"]
