@@ -14,13 +14,16 @@ of an earlier run in DIR, else :data:`SECONDS`); a chunk of multi-GPU tests gets
 each chunk ends, then the summary. On four H200s of one host the whole suite took about 8
 minutes (2026-11-27, session 36; chunks run 1.3-1.6 times slower beside each other than alone);
 in session 38 it no longer fitted one 10-minute command there (chunk 6 did not start): split it
-over several commands with ``--chunks``. On two H200s (session 42's times, :data:`SECONDS`):
+over several commands with ``--chunks``. On two H200s (session 42, before chunk 6 grew):
 ``--chunks 5,4`` (about 500 s), ``--chunks 6,1,2,3`` (about 390 s), then ``--chunks 7`` (about
 205 s; its tests take both GPUs). In session 42 ``--chunks 5,2`` on one GPU did not fit 600 s;
 in session 43 chunk 5 beside chunk 4 did not either (cut off at 549 s, 93% through). Chunk 5 is
 the conformance suite: run its halves as two processes instead, ``pytest
 tests/test_gpu_conformance.py -k first_calls`` and ``-k last_tier`` (about 250 s each; in
-session 43 both at once on one H200 took 265 s, beside chunks 3 and 2).
+session 43 both at once on one H200 took 265 s, beside chunks 3 and 2). Session 44, two H200s,
+four streams in one command (585 s): GPU 0 the two halves at once (298 and 321 s), then chunks 3
+(212 s) and 2 (204 s); GPU 1 chunk 4 (417 s) beside chunk 6 (395 s), then chunk 1, cut off.
+Chunk 7 beside chunks 3 and 1 (one on each GPU) took 240 s in all.
 
 A chunk is a group of test files (:data:`CHUNKS`, about 6-8 minutes each on an H100); files that
 hold ``gpu`` tests and are in no chunk form the last one, so a new GPU test file is never left
@@ -62,10 +65,10 @@ CHUNKS: list[list[str]] = [
 ]
 """The chunks, by test file (the order they run in)."""
 
-SECONDS = {1: 143, 2: 120, 3: 127, 4: 310, 5: 499, 6: 270, 7: 205}
+SECONDS = {1: 160, 2: 204, 3: 151, 4: 417, 5: 499, 6: 395, 7: 216}
 """Wall seconds of each chunk on an H200 of an H200x2 host beside other work (2026-11-28,
-session 42; chunks 3 and 7 session 41's): the order of ``--all`` where DIR holds no earlier
-result."""
+session 44; chunk 5 as one process session 42's): the order of ``--all`` where DIR holds no
+earlier result."""
 
 GPUS_NEEDED = {"test_gpu_ddp.py": 2, "test_gpu_door_ddp.py": 2}
 """Test files that need several GPUs (their chunk gets that many under ``--all``)."""
