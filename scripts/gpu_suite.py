@@ -29,7 +29,8 @@ A chunk is a group of test files (:data:`CHUNKS`, about 6-8 minutes each on an H
 hold ``gpu`` tests and are in no chunk form the last one, so a new GPU test file is never left
 out. Each chunk writes ``DIR/chunk-<k>.json``: the commit, the hash of the files that ran (``tree``:
 compare with ``git rev-parse --short=12 HEAD^{tree}``), the counts (passed, failed, errors,
-skipped), the failing and skipped tests with their reasons, and the wall time. A test failing
+skipped), the failing and skipped tests with their reasons, the slowest tests with their
+seconds, and the wall time. A test failing
 with a CUDA error appends the CUDA graph captures open and the last ones made, and the live
 threads, to ``DIR/capture-log-chunk-<k>.txt`` (``scripts/capture_log.py``). With
 ``FUSION_COMPILER_CAPTURE_WATCH=1`` that plugin's watchers run too, and CUDA itself writes every
@@ -69,6 +70,9 @@ SECONDS = {1: 160, 2: 204, 3: 151, 4: 417, 5: 499, 6: 395, 7: 216}
 """Wall seconds of each chunk on an H200 of an H200x2 host beside other work (2026-11-28,
 session 44; chunk 5 as one process session 42's): the order of ``--all`` where DIR holds no
 earlier result."""
+
+SLOWEST = 10
+"""Tests listed with their seconds in a chunk's result (``slowest``): where its time goes."""
 
 GPUS_NEEDED = {"test_gpu_ddp.py": 2, "test_gpu_door_ddp.py": 2}
 """Test files that need several GPUs (their chunk gets that many under ``--all``)."""
@@ -132,11 +136,13 @@ def run_chunk(k: int, out: Path, extra: list[str]) -> dict:
 
 def _counts(xml: Path) -> dict:
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [],
-              "skips": []}
+              "skips": [], "slowest": []}
     if not xml.exists():
         return counts
+    times = []
     for case in ET.parse(xml).getroot().iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        times.append((float(case.get("time") or 0.0), name))
         kinds = {child.tag: child for child in case}
         if "failure" in kinds:
             counts["failed"] += 1
@@ -149,6 +155,7 @@ def _counts(xml: Path) -> dict:
             counts["skips"].append(f"{name}: {kinds['skipped'].get('message', '')}"[:200])
         else:
             counts["passed"] += 1
+    counts["slowest"] = [f"{t:.1f} s {name}" for t, name in sorted(times, reverse=True)[:SLOWEST]]
     return counts
 
 
