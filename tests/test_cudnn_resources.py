@@ -114,3 +114,32 @@ def test_on_the_background_thread_plans_build_in_worker_processes(monkeypatch):
     assert len(submitted) == 1 and not built_here and plans[0]["blob"] == b"plan"
     backend.candidates(recipe, "key", device)  # the calling thread
     assert len(submitted) == 1 and len(built_here) == 1
+
+
+def test_each_captured_graph_gets_workspaces_of_its_own():
+    """All of this package's graphs are captured on one stream. Sharing that stream's workspace,
+    two graphs replayed at once by two threads on two streams overwrote each other's scratch: an
+    owner (the graph being captured) gets its own, grown without freeing what it used, and
+    dropped with it."""
+
+    class Graph:  # stands for torch.cuda.CUDAGraph (weakly referenceable)
+        pass
+
+    spaces = Workspaces()
+    cpu = torch.device("cpu", 0)
+    a, b = Graph(), Graph()
+    first = spaces.get(cpu, 42, 64, capturing=True, owner=a)
+    assert spaces.get(cpu, 42, 32, capturing=True, owner=a) is first  # large enough: reused
+    other = spaces.get(cpu, 42, 64, capturing=True, owner=b)
+    assert other is not first  # the same capture stream, another graph: its own scratch
+    assert spaces.get(cpu, 42, 64, capturing=True) is not first  # a capture of the caller's
+    grown = spaces.get(cpu, 42, 1024, capturing=True, owner=a)
+    assert grown is not first and grown.numel() >= 1024
+    kept = weakref.ref(first)
+    del first
+    gc.collect()
+    assert kept() is not None  # a's kernels captured before still use it
+    del a, grown
+    gc.collect()
+    assert kept() is None  # dropped with its graph
+    assert spaces.get(cpu, 42, 64, capturing=True, owner=(1, 2)) is not None  # no weak reference

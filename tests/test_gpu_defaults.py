@@ -546,3 +546,47 @@ def test_threads_calling_one_compiled_model_each_get_the_output_of_their_own_inp
     assert not failures, failures
     assert len(errors) == 400 and max(errors) < 1e-2, max(errors)
     assert compiled.last.run.tier == 2 and compiled.last.cuda_graph == "safe"  # replays served
+
+
+def test_two_compiled_graphs_replayed_at_once_on_two_streams_keep_their_scratch_apart(tmp_path):
+    """Two CUDA graphs (two models, or two batch sizes of one) captured on this package's one
+    capture stream: replayed by two threads at once on streams of their own, each gets its own
+    values. Before, both graphs' cuDNN plans used the capture stream's one workspace, so
+    concurrent replays could overwrite each other's scratch (found by reading the code; whether
+    these plans need a workspace at all decides whether the old code fails here)."""
+    import threading
+
+    models = [_reference_net(), randomize_(se_resnet9_fixup(3), seed=2).cuda().half().eval()]
+    batches = [8, 16]
+    compiled = [fc.compile(m, cache_dir=tmp_path, autotune=1) for m in models]
+    inputs = [_x(n) for n in batches]
+    with torch.no_grad():
+        for c, x in zip(compiled, inputs):
+            c(x)
+            c.wait_for_background_compiles()
+        wanted = [m(x).float() for m, x in zip(models, inputs)]
+    assert all(c.last.cuda_graph == "safe" for c in compiled)
+    outputs: list[list[torch.Tensor]] = [[], []]
+    failures = []
+    start = threading.Barrier(2)
+
+    def actor(i: int) -> None:
+        try:
+            stream = torch.cuda.Stream()
+            with torch.no_grad(), torch.cuda.stream(stream):
+                start.wait()
+                for _ in range(200):  # no host synchronization between replays: they overlap
+                    outputs[i].append(compiled[i](inputs[i]).float())
+            stream.synchronize()
+        except Exception as exc:  # what the thread met, for the assertion below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=actor, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    for i in range(2):
+        errors = [rel_err(out.cpu(), wanted[i].cpu()) for out in outputs[i]]
+        assert len(errors) == 200 and max(errors) < 1e-2, (i, max(errors))

@@ -41,7 +41,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .tensors import StreamOrder, Turns, inference_graph_modes, restored, side_stream
+from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, restored,
+                      side_stream)
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -78,8 +79,9 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any = None,
     """``torch.cuda.graph(graph, pool, stream)`` as every runner captures: with
     ``capture_error_mode="thread_local"`` (CUDA calls of other threads, such as a DataLoader's
     pinning thread, do not invalidate the capture), Python's cyclic garbage collector paused
-    (:func:`~.background.gc_paused`) and autocast's cast cache off (:func:`_uncached_autocast`)."""
-    with gc_paused(), _uncached_autocast(), torch.cuda.graph(
+    (:func:`~.background.gc_paused`), autocast's cast cache off (:func:`_uncached_autocast`) and
+    ``graph`` the thread's :func:`~.tensors.capture_owner` (scratch memory of its own)."""
+    with gc_paused(), _uncached_autocast(), owning_capture(graph), torch.cuda.graph(
             graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         yield
 

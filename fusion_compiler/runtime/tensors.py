@@ -11,15 +11,37 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["StreamOrder", "Turns", "side_stream", "stream_capturing", "autocast_dtype",
-           "shared_storage", "restored", "inference_graph_modes", "layout_like",
-           "channel_view_strides", "as_channel_view"]
+__all__ = ["StreamOrder", "Turns", "side_stream", "stream_capturing", "capture_owner",
+           "owning_capture", "autocast_dtype", "shared_storage", "restored",
+           "inference_graph_modes", "layout_like", "channel_view_strides", "as_channel_view"]
 
 
 def stream_capturing() -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph (``False`` without
     CUDA): then work may only be issued, not waited for, and no graph may be replayed."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_CAPTURE = threading.local()
+
+
+def capture_owner() -> Any:
+    """The CUDA graph this thread is capturing through :func:`owning_capture` (this package's
+    captures), or ``None``: what scratch memory a graph's kernels use is keyed by, so that two
+    graphs captured on one stream do not share it (the cuDNN backend's workspaces,
+    :class:`fusion_compiler.backends.cudnn.resources.Workspaces`)."""
+    return getattr(_CAPTURE, "graph", None)
+
+
+@contextlib.contextmanager
+def owning_capture(graph: Any) -> Iterator[None]:
+    """Make ``graph`` this thread's :func:`capture_owner` while the block runs."""
+    before = capture_owner()
+    _CAPTURE.graph = graph
+    try:
+        yield
+    finally:
+        _CAPTURE.graph = before
 
 
 _SIDE_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}

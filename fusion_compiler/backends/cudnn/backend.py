@@ -42,6 +42,7 @@ from ...ir.ops import node_device
 from ...ir.region import BackwardPlan, Region
 from ...runtime.background import on_background_thread, warn_once
 from ...runtime.plan_cache import PlanCache, default_cache_dir
+from ...runtime.tensors import capture_owner
 from ..base import REUSE_BATCH_RATIO, Backend, Lowered, Support
 from ..glue_stand_in import pytorch_timing_record
 from .backward import register_cudnn_backward
@@ -115,12 +116,12 @@ class CudnnBackend(Backend):
 
     def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor:
         """A workspace of at least ``nbytes`` bytes (uint8) on ``device`` for the plans run on the
-        current stream, kept and reused; one that a CUDA graph captured is never freed
-        (:class:`.resources.Workspaces`)."""
+        current stream, kept and reused; one that a CUDA graph captured is never freed, and a
+        graph this package captures gets its own (:class:`.resources.Workspaces`)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = torch._C._cuda_getCurrentRawStream(index) if device.type == "cuda" else 0
         return self._workspaces.get(torch.device(device.type, index), stream, nbytes,
-                                    torch.cuda.is_current_stream_capturing())
+                                    torch.cuda.is_current_stream_capturing(), capture_owner())
 
     @staticmethod
     def device_fields(device: torch.device) -> dict:

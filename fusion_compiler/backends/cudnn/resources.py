@@ -20,12 +20,16 @@ it serves, so once freed, PyTorch's caching allocator gives its memory only to w
 it on that stream: a device can keep just the workspaces of its :data:`STREAMS_KEPT` streams used
 last and free the others (short-lived streams: the side stream of a capture's warm-up). A
 workspace handed out while its stream was being captured into a CUDA graph is never freed
-(docs/decisions.md, "cuDNN workspaces a CUDA graph used are kept").
+(docs/decisions.md, "cuDNN workspaces a CUDA graph used are kept"). A graph this package
+captures gets workspaces of its own instead: all its graphs are captured on one stream, and two
+graphs sharing the stream's workspace overwrite each other's scratch when two threads replay them
+at once on two streams (docs/decisions.md, "A workspace per captured graph").
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -93,16 +97,25 @@ class Workspaces:
         self._current: dict[tuple[int, int], torch.Tensor] = {}
         self._captured: set[tuple[int, int]] = set()  # slots a CUDA graph has used
         self.retired: list[torch.Tensor] = []  # replaced ones a CUDA graph has used: kept
+        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> slots
         self._lock = threading.Lock()
 
-    def get(self, device: torch.device, stream: int, nbytes: int, capturing: bool
-            ) -> torch.Tensor:
+    def get(self, device: torch.device, stream: int, nbytes: int, capturing: bool,
+            owner: Any = None) -> torch.Tensor:
         """A workspace of at least ``nbytes`` bytes (uint8) on ``device`` (its index given) for
         work on ``stream`` (a raw ``cudaStream_t``, the current one of ``device``), kept and
         reused, and never freed from now on if ``capturing`` (``stream`` is being captured into
-        a CUDA graph); see the module docstring."""
+        a CUDA graph); see the module docstring. ``owner``: the graph being captured (this
+        package's captures, :func:`fusion_compiler.runtime.tensors.capture_owner`), which gets
+        workspaces of its own, allocated in the capture (from the graph's memory pool) and kept as
+        long as the graph lives."""
         index = device.index
         slot = (index, stream)
+        if capturing and owner is not None:
+            try:
+                return self._owned_workspace(owner, slot, device, nbytes)
+            except TypeError:  # an owner that takes no weak reference: the stream's, as before
+                pass
         with self._lock:
             ws = self._current.pop(slot, None)  # re-inserted last: the order is of last use
             if ws is None or ws.numel() < nbytes:
@@ -117,6 +130,20 @@ class Workspaces:
             if capturing:
                 self._captured.add(slot)
             return ws
+
+    def _owned_workspace(self, owner: Any, slot: tuple[int, int], device: torch.device,
+                         nbytes: int) -> torch.Tensor:
+        """``owner``'s workspace for ``slot``: grown by a new one (the smaller ones stay alive,
+        its kernels captured before still use them).
+
+        Raises:
+            TypeError: ``owner`` cannot be weakly referenced."""
+        with self._lock:
+            slots = self._owned.setdefault(owner, {})
+            held = slots.setdefault(slot, [])
+            if not held or held[-1].numel() < nbytes:
+                held.append(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device))
+            return held[-1]
 
     def _evict(self, index: int) -> None:
         """Free the workspaces of ``index``'s streams beyond the :data:`STREAMS_KEPT` used last
