@@ -1,8 +1,9 @@
 """Replay a whole compiled forward as one CUDA graph (``torch.cuda.CUDAGraph``).
 
-The forward is warmed up on a side stream (so every cuDNN plan is built, the workspace sized and
-Inductor's kernels compiled before capture: ``execute()`` must not build inside a capture,
-docs/cudnn.md, "Executing a plan"), then captured once. Each call copies the inputs into static
+The forward is warmed up on a side stream (so every cuDNN plan is built and Inductor's kernels
+compiled before capture: ``execute()`` must not build inside a capture, docs/cudnn.md, "Executing
+a plan"), then captured once; the graph's cuDNN workspaces are its own, allocated in the capture
+(:func:`capturing`). Each call copies the inputs into static
 buffers and replays.
 
 Inputs: a call copies its tensors into the graph's input buffers (a device copy each, a kernel of
