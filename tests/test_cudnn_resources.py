@@ -116,30 +116,61 @@ def test_on_the_background_thread_plans_build_in_worker_processes(monkeypatch):
     assert len(submitted) == 1 and len(built_here) == 1
 
 
-def test_each_captured_graph_gets_workspaces_of_its_own():
+def test_each_capture_owner_gets_workspaces_of_its_own():
     """All of this package's graphs are captured on one stream. Sharing that stream's workspace,
-    two graphs replayed at once by two threads on two streams overwrote each other's scratch: an
-    owner (the graph being captured) gets its own, grown without freeing what it used, and
+    two runners' graphs replayed at once by two threads on two streams overwrote each other's
+    scratch: an owner (a runner's turns) gets its own, grown without freeing what it used, and
     dropped with it."""
 
-    class Graph:  # stands for torch.cuda.CUDAGraph (weakly referenceable)
+    class Owner:  # stands for a runner's Turns
         pass
 
     spaces = Workspaces()
     cpu = torch.device("cpu", 0)
-    a, b = Graph(), Graph()
+    a, b = Owner(), Owner()
     first = spaces.get(cpu, 42, 64, capturing=True, owner=a)
     assert spaces.get(cpu, 42, 32, capturing=True, owner=a) is first  # large enough: reused
     other = spaces.get(cpu, 42, 64, capturing=True, owner=b)
-    assert other is not first  # the same capture stream, another graph: its own scratch
+    assert other is not first  # the same capture stream, another owner: its own scratch
+    assert spaces.get(cpu, 43, 64, capturing=True, owner=a) is not first  # a forked stream
     assert spaces.get(cpu, 42, 64, capturing=True) is not first  # a capture of the caller's
-    grown = spaces.get(cpu, 42, 1024, capturing=True, owner=a)
-    assert grown is not first and grown.numel() >= 1024
+    grown = spaces.get(cpu, 42, 100, capturing=True, owner=a)
+    assert grown is not first and grown.numel() == 128  # at least twice the size
     kept = weakref.ref(first)
     del first
     gc.collect()
     assert kept() is not None  # a's kernels captured before still use it
     del a, grown
     gc.collect()
-    assert kept() is None  # dropped with its graph
-    assert spaces.get(cpu, 42, 64, capturing=True, owner=(1, 2)) is not None  # no weak reference
+    assert kept() is None  # dropped with its owner
+    shared = spaces.get(cpu, 42, 64, capturing=True, owner=(1, 2))  # no weak reference:
+    assert shared is spaces.get(cpu, 42, 64, capturing=True)  # the stream's
+
+
+def test_the_capture_owner_is_seen_by_threads_on_a_stream_of_the_capture(monkeypatch):
+    """A training step's backward is captured by autograd's device thread, on the capture
+    stream: it must see the capture's owner there (else its plans shared the stream's
+    workspace), and no thread may see it on other streams or after the capture."""
+    from fusion_compiler.runtime import tensors
+
+    current = threading.local()
+    monkeypatch.setattr(tensors, "_raw_stream", lambda: getattr(current, "stream", 7))
+    owner, seen = object(), {}
+
+    def other_thread(stream: int) -> None:
+        current.stream = stream
+        seen[stream] = tensors.capture_owner()
+
+    assert tensors.capture_owner() is None
+    with tensors.owning_capture(owner):  # entered on the capture stream, 7
+        current.stream = 9  # the capturing thread on a forked stream: registered by its use
+        assert tensors.capture_owner() is owner
+        current.stream = 7
+        for stream in (7, 9, 11):
+            t = threading.Thread(target=other_thread, args=(stream,))
+            t.start()
+            t.join()
+    assert seen == {7: owner, 9: owner, 11: None}
+    assert tensors.capture_owner() is None
+    other_thread(7)
+    assert seen[7] is None  # forgotten after the capture

@@ -548,14 +548,28 @@ def test_threads_calling_one_compiled_model_each_get_the_output_of_their_own_inp
     assert compiled.last.run.tier == 2 and compiled.last.cuda_graph == "safe"  # replays served
 
 
-def test_two_compiled_graphs_replayed_at_once_on_two_streams_keep_their_scratch_apart(tmp_path):
-    """Two CUDA graphs (two models, or two batch sizes of one) captured on this package's one
-    capture stream: replayed by two threads at once on streams of their own, each gets its own
-    values. Before, both graphs' cuDNN plans used the capture stream's one workspace, so
-    concurrent replays could overwrite each other's scratch (found by reading the code; whether
-    these plans need a workspace at all decides whether the old code fails here)."""
+def test_two_compiled_graphs_replayed_at_once_on_two_streams_keep_their_scratch_apart(
+        tmp_path, monkeypatch):
+    """Two runners' CUDA graphs (two models, or two batch sizes of one) captured on this
+    package's one capture stream: their cuDNN plans must get workspaces at different addresses,
+    and replayed by two threads at once on streams of their own, each gets its own values.
+    Before, both graphs' plans used the capture stream's one workspace (found by reading the
+    code), so concurrent replays could overwrite each other's scratch."""
     import threading
 
+    from fusion_compiler.backends.cudnn.backend import CudnnBackend
+    from fusion_compiler.runtime.tensors import capture_owner
+
+    captured: dict[int, set[int]] = {}  # owner -> workspace addresses its captures got
+    workspace = CudnnBackend.workspace
+
+    def spy(self, device, nbytes):
+        ws = workspace(self, device, nbytes)
+        if torch.cuda.is_current_stream_capturing() and capture_owner() is not None:
+            captured.setdefault(id(capture_owner()), set()).add(ws.data_ptr())
+        return ws
+
+    monkeypatch.setattr(CudnnBackend, "workspace", spy)
     models = [_reference_net(), randomize_(se_resnet9_fixup(3), seed=2).cuda().half().eval()]
     batches = [8, 16]
     compiled = [fc.compile(m, cache_dir=tmp_path, autotune=1) for m in models]
@@ -564,8 +578,13 @@ def test_two_compiled_graphs_replayed_at_once_on_two_streams_keep_their_scratch_
         for c, x in zip(compiled, inputs):
             c(x)
             c.wait_for_background_compiles()
+            for _ in range(3):  # every graph a call may capture, captured now
+                c(x)
         wanted = [m(x).float() for m, x in zip(models, inputs)]
     assert all(c.last.cuda_graph == "safe" for c in compiled)
+    assert len(captured) == 2, captured  # the two runners' captures
+    first, second = captured.values()
+    assert not first & second  # no scratch memory in common
     outputs: list[list[torch.Tensor]] = [[], []]
     failures = []
     start = threading.Barrier(2)

@@ -142,7 +142,7 @@ def test_a_capture_under_autocast_casts_parameters_in_the_graph():
         with torch.cuda.stream(side):  # the warm-up, as a runner's: it fills the cache
             torch.nn.functional.linear(x, w)
         torch.cuda.current_stream().wait_stream(side)
-        with capturing(graph):
+        with capturing(graph, owner=graph):
             y = torch.nn.functional.linear(x, w)
         assert torch.is_autocast_cache_enabled()  # the caller's setting is back
         with torch.no_grad():

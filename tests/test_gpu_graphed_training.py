@@ -198,3 +198,43 @@ def test_batch_norm_statistics_see_one_update_per_call_and_eval_switches(tmp_pat
         fast.specialize(xs[0])  # lowered now (a first call would answer from tier 0)
         assert rel_err(fast(xs[0]).float(), eager(xs[0]).float()) < 1e-2
     assert not fast.last.training and _on_cudnn(fast), fast.report()
+
+
+def test_a_training_capture_gives_its_backward_plans_an_owner(tmp_path, monkeypatch):
+    """The backward of a captured training step runs on autograd's device thread: its cuDNN
+    plans must still get the capture's own workspaces (keyed by its owner), not the capture
+    stream's shared one, which another runner's graphs use too."""
+    import contextlib
+    import threading
+
+    import fusion_compiler.runtime.cuda_graph_training as training
+    from fusion_compiler.backends.cudnn.backend import CudnnBackend
+    from fusion_compiler.runtime.tensors import capture_owner
+
+    seen: list[tuple[str, object]] = []  # (thread, owner) of each workspace asked in a capture
+    in_step_capture = threading.Event()  # the step's captures, not autotuning's timing graphs
+    workspace, capturing = CudnnBackend.workspace, training.capturing
+
+    def spy(self, device, nbytes):
+        if in_step_capture.is_set() and torch.cuda.is_current_stream_capturing():
+            seen.append((threading.current_thread().name, capture_owner()))
+        return workspace(self, device, nbytes)
+
+    @contextlib.contextmanager
+    def step_capture(*args, **kwargs):
+        with capturing(*args, **kwargs):
+            in_step_capture.set()
+            try:
+                yield
+            finally:
+                in_step_capture.clear()
+
+    monkeypatch.setattr(CudnnBackend, "workspace", spy)
+    monkeypatch.setattr(training, "capturing", step_capture)
+    model = _net()
+    fast = fc.compile(model, cache_dir=tmp_path, autotune=1, glue_backend=None)
+    for _ in range(3):
+        _loss(fast(_x())).backward()
+    assert fast.last.cuda_graph == "safe" and _on_cudnn(fast), fast.report()
+    assert seen and all(owner is not None for _, owner in seen), seen  # threads named too
+    assert len({id(owner) for _, owner in seen}) == 1  # the step's forward and backward

@@ -75,15 +75,18 @@ def _normal_tensors(state: Sequence[torch.Tensor] = ()) -> contextlib.AbstractCo
 
 
 @contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool: Any = None,
+def capturing(graph: torch.cuda.CUDAGraph, owner: Any, pool: Any = None,
               stream: torch.cuda.Stream | None = None):
     """``torch.cuda.graph(graph, pool, stream)`` as every runner captures: with
     ``capture_error_mode="thread_local"`` (CUDA calls of other threads, such as a DataLoader's
     pinning thread, do not invalidate the capture), Python's cyclic garbage collector paused
     (:func:`~.background.gc_paused`), autocast's cast cache off (:func:`_uncached_autocast`) and
-    ``graph`` the thread's :func:`~.tensors.capture_owner` (scratch memory of its own)."""
-    with gc_paused(), _uncached_autocast(), owning_capture(graph), torch.cuda.graph(
-            graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+    ``owner`` (the runner's :class:`~.tensors.Turns`: its graphs replay one at a time) the
+    :func:`~.tensors.capture_owner` of the capture, whose scratch memory no other runner's
+    graphs share."""
+    with gc_paused(), _uncached_autocast(), torch.cuda.graph(
+            graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
+            owning_capture(owner):
         yield
 
 
@@ -258,7 +261,7 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
-                with capturing(graph, stream=_capture_stream()), self._scope(), \
+                with capturing(graph, self._turns, stream=_capture_stream()), self._scope(), \
                         self._capturing_mode():
                     outputs = self._forward(self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
@@ -287,7 +290,7 @@ class CudaGraphRunner:
             return None
         graph = torch.cuda.CUDAGraph()
         try:
-            with capturing(graph, pool, _capture_stream()), self._scope(), \
+            with capturing(graph, self._turns, pool, _capture_stream()), self._scope(), \
                     self._capturing_mode():
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args)

@@ -188,7 +188,7 @@ class _GraphPair:
         self.inputs = inputs
         self.static_inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
         self.fwd_graph = torch.cuda.CUDAGraph()
-        with capturing(self.fwd_graph, pool):
+        with capturing(self.fwd_graph, self.turns, pool):
             out = call()
         self.live_outputs, self.out_spec = tree_flatten(out)
         self.diff_positions = [i for i, t in enumerate(self.live_outputs)
@@ -213,7 +213,7 @@ class _GraphPair:
             self.live_outputs, self.inputs = [], []
             return
         self.bwd_graph = torch.cuda.CUDAGraph()
-        with capturing(self.bwd_graph, pool):
+        with capturing(self.bwd_graph, self.turns, pool):
             grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs, allow_unused=True)
             grads = [*(layout_like(g, self.inputs[i], copy=True)
                        if g is not None and id(self.inputs[i]) in alias_ids else g

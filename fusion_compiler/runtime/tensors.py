@@ -23,25 +23,54 @@ def stream_capturing() -> bool:
 
 
 _CAPTURE = threading.local()
+_OWNED_STREAMS: dict[int, Any] = {}  # raw stream in one of this package's captures -> its owner
+_OWNED_LOCK = threading.Lock()
+
+
+def _raw_stream() -> int | None:
+    """The current CUDA stream of the current device as a raw ``cudaStream_t`` (``None``
+    without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
 
 
 def capture_owner() -> Any:
-    """The CUDA graph this thread is capturing through :func:`owning_capture` (this package's
-    captures), or ``None``: what scratch memory a graph's kernels use is keyed by, so that two
-    graphs captured on one stream do not share it (the cuDNN backend's workspaces,
-    :class:`fusion_compiler.backends.cudnn.resources.Workspaces`)."""
-    return getattr(_CAPTURE, "graph", None)
+    """What owns the CUDA graph being captured now by this package (:func:`owning_capture`), or
+    ``None``: the key of the scratch memory that graph's kernels use (the cuDNN backend's
+    workspaces, :class:`fusion_compiler.backends.cudnn.resources.Workspaces`), so that graphs
+    which may be replayed at the same time never share it, though all are captured on one stream.
+
+    The capturing thread finds its owner on any stream; another thread (autograd's device
+    thread, which runs the backward of a captured training step) by its current stream, which
+    is one the capturing thread has been on during the capture."""
+    owner = getattr(_CAPTURE, "owner", None)
+    stream = _raw_stream()
+    if stream is None:
+        return owner
+    with _OWNED_LOCK:
+        if owner is not None:
+            _OWNED_STREAMS.setdefault(stream, owner)
+            return owner
+        return _OWNED_STREAMS.get(stream)
 
 
 @contextlib.contextmanager
-def owning_capture(graph: Any) -> Iterator[None]:
-    """Make ``graph`` this thread's :func:`capture_owner` while the block runs."""
-    before = capture_owner()
-    _CAPTURE.graph = graph
+def owning_capture(owner: Any) -> Iterator[None]:
+    """Make ``owner`` this thread's :func:`capture_owner` while the block runs, and that of
+    other threads on the current stream (enter it on the capture stream, inside the capture).
+    ``owner``: an object that outlives the graph and is shared only by graphs that never replay
+    at the same time (a runner's :class:`Turns`)."""
+    before = getattr(_CAPTURE, "owner", None)
+    _CAPTURE.owner = owner
+    capture_owner()  # the capture stream is known to other threads from now on
     try:
         yield
     finally:
-        _CAPTURE.graph = before
+        _CAPTURE.owner = before
+        with _OWNED_LOCK:
+            for stream in [s for s, o in _OWNED_STREAMS.items() if o is owner]:
+                del _OWNED_STREAMS[stream]
 
 
 _SIDE_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}

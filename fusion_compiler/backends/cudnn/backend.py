@@ -117,7 +117,7 @@ class CudnnBackend(Backend):
     def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor:
         """A workspace of at least ``nbytes`` bytes (uint8) on ``device`` for the plans run on the
         current stream, kept and reused; one that a CUDA graph captured is never freed, and a
-        graph this package captures gets its own (:class:`.resources.Workspaces`)."""
+        runner's graphs get their own (:class:`.resources.Workspaces`)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = torch._C._cuda_getCurrentRawStream(index) if device.type == "cuda" else 0
         return self._workspaces.get(torch.device(device.type, index), stream, nbytes,

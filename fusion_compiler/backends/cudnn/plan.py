@@ -118,7 +118,7 @@ class CudnnPlan:
         self.header = backend.header(key, device)
         self.graph = self._load() or self._build(key)
         self.workspace_bytes = int(self.graph.get_workspace_size())
-        backend.workspace(device, self.workspace_bytes)  # grow now, not during capture
+        backend.workspace(device, self.workspace_bytes)  # this stream's, grown before any capture
         # execute()'s operands, in this order: inputs, outputs, constants
         self._uids = (*self.input_uids, *self.output_uids, *self.constants)
         self._constant_values = list(self.constants.values())

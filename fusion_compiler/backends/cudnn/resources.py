@@ -20,10 +20,11 @@ it serves, so once freed, PyTorch's caching allocator gives its memory only to w
 it on that stream: a device can keep just the workspaces of its :data:`STREAMS_KEPT` streams used
 last and free the others (short-lived streams: the side stream of a capture's warm-up). A
 workspace handed out while its stream was being captured into a CUDA graph is never freed
-(docs/decisions.md, "cuDNN workspaces a CUDA graph used are kept"). A graph this package
-captures gets workspaces of its own instead: all its graphs are captured on one stream, and two
-graphs sharing the stream's workspace overwrite each other's scratch when two threads replay them
-at once on two streams (docs/decisions.md, "A workspace per captured graph").
+(docs/decisions.md, "cuDNN workspaces a CUDA graph used are kept"). The graphs this package
+captures get workspaces of their own instead, one set per owner (a runner's graphs, which replay
+one at a time): all of them are captured on one stream, and two graphs sharing that stream's
+workspace would overwrite each other's scratch when two threads replay them at once on two
+streams (docs/decisions.md, "A workspace per captured graph").
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ class HandlePool:
                 self._free.setdefault(index, []).append(h)
 
 
+def _weakly_referenced(owner: Any) -> bool:
+    try:
+        weakref.ref(owner)
+    except TypeError:
+        return False
+    return True
+
+
 class Workspaces:
     """Workspaces by (device index, stream): see the module docstring."""
 
@@ -97,7 +106,7 @@ class Workspaces:
         self._current: dict[tuple[int, int], torch.Tensor] = {}
         self._captured: set[tuple[int, int]] = set()  # slots a CUDA graph has used
         self.retired: list[torch.Tensor] = []  # replaced ones a CUDA graph has used: kept
-        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> slots
+        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> slots
         self._lock = threading.Lock()
 
     def get(self, device: torch.device, stream: int, nbytes: int, capturing: bool,
@@ -105,17 +114,15 @@ class Workspaces:
         """A workspace of at least ``nbytes`` bytes (uint8) on ``device`` (its index given) for
         work on ``stream`` (a raw ``cudaStream_t``, the current one of ``device``), kept and
         reused, and never freed from now on if ``capturing`` (``stream`` is being captured into
-        a CUDA graph); see the module docstring. ``owner``: the graph being captured (this
-        package's captures, :func:`fusion_compiler.runtime.tensors.capture_owner`), which gets
-        workspaces of its own, allocated in the capture (from the graph's memory pool) and kept as
-        long as the graph lives."""
+        a CUDA graph); see the module docstring. ``owner``: what owns the graph being captured
+        (:func:`fusion_compiler.runtime.tensors.capture_owner`; ``None`` for a capture of the
+        caller's own), which gets workspaces of its own, allocated in the capture (from the
+        graph's memory pool) and kept as long as the owner lives; an owner that takes no weak
+        reference gets the stream's."""
         index = device.index
         slot = (index, stream)
-        if capturing and owner is not None:
-            try:
-                return self._owned_workspace(owner, slot, device, nbytes)
-            except TypeError:  # an owner that takes no weak reference: the stream's, as before
-                pass
+        if capturing and owner is not None and _weakly_referenced(owner):
+            return self._owned_workspace(owner, slot, device, nbytes)
         with self._lock:
             ws = self._current.pop(slot, None)  # re-inserted last: the order is of last use
             if ws is None or ws.numel() < nbytes:
@@ -133,16 +140,14 @@ class Workspaces:
 
     def _owned_workspace(self, owner: Any, slot: tuple[int, int], device: torch.device,
                          nbytes: int) -> torch.Tensor:
-        """``owner``'s workspace for ``slot``: grown by a new one (the smaller ones stay alive,
-        its kernels captured before still use them).
-
-        Raises:
-            TypeError: ``owner`` cannot be weakly referenced."""
+        """``owner``'s workspace for ``slot``, grown by adding one of at least twice the size
+        (the smaller ones stay: kernels captured before use them), so that what an owner holds is
+        less than twice its largest request."""
         with self._lock:
-            slots = self._owned.setdefault(owner, {})
-            held = slots.setdefault(slot, [])
+            held = self._owned.setdefault(owner, {}).setdefault(slot, [])
             if not held or held[-1].numel() < nbytes:
-                held.append(torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device))
+                size = max(nbytes, 2 * held[-1].numel() if held else 1)
+                held.append(torch.empty(size, dtype=torch.uint8, device=device))
             return held[-1]
 
     def _evict(self, index: int) -> None:
