@@ -6,36 +6,29 @@ machine (10 minutes), and summarize them in one line.
     python scripts/gpu_suite.py --summary DIR              # one line for every chunk in DIR
     python scripts/gpu_suite.py --all --out DIR            # every chunk, spread over the GPUs
     python scripts/gpu_suite.py --all --chunks 1,3,7 --out DIR   # some of them
+    python scripts/gpu_suite.py --all --per-gpu 3 --budget 570 --out DIR   # one 10-minute command
 
 With ``--all`` the chunks run at once on the machine's GPUs (``--gpus``, default every visible
-one), each chunk a process of its own with ``CUDA_VISIBLE_DEVICES`` set, the longest first (times
-of an earlier run in DIR, else :data:`SECONDS`); a chunk of multi-GPU tests gets
-:data:`GPUS_NEEDED` of them. Its output goes to ``DIR/log-chunk-<k>.txt``; a line is printed as
-each chunk ends, then the summary. On four H200s of one host the whole suite took about 8
-minutes (2026-11-27, session 36; chunks run 1.3-1.6 times slower beside each other than alone);
-in session 38 it no longer fitted one 10-minute command there (chunk 6 did not start): split it
-over several commands with ``--chunks``. On two H200s (session 42, before chunk 6 grew):
-``--chunks 5,4`` (about 500 s), ``--chunks 6,1,2,3`` (about 390 s), then ``--chunks 7`` (about
-205 s; its tests take both GPUs). In session 42 ``--chunks 5,2`` on one GPU did not fit 600 s;
-in session 43 chunk 5 beside chunk 4 did not either (cut off at 549 s, 93% through). Chunk 5 is
-the conformance suite: run its halves as two processes instead, ``pytest
-tests/test_gpu_conformance.py -k first_calls`` and ``-k last_tier`` (about 250 s each; in
-session 43 both at once on one H200 took 265 s, beside chunks 3 and 2). Session 44, two H200s,
-four streams in one command (585 s): GPU 0 the two halves at once (298 and 321 s), then chunks 3
-(212 s) and 2 (204 s); GPU 1 chunk 4 (417 s) beside chunk 6 (395 s), then chunk 1, cut off.
-Chunk 7 beside chunks 3 and 1 (one on each GPU) took 240 s in all.
+one), up to ``--per-gpu`` chunks on a GPU at a time (default 1), each chunk a process of its own
+with ``CUDA_VISIBLE_DEVICES`` set, in ``--chunks``'s order, else the longest first (times of an
+earlier run in DIR, else :data:`SECONDS`); a chunk of multi-GPU tests gets :data:`GPUS_NEEDED`
+different GPUs. With ``--budget`` (seconds), a chunk whose expected time no longer fits in what is
+left is not started, so that a command's time limit never cuts one off halfway (its result would be
+lost); the summary names the chunks not run. Chunks beside each other run 1.3-1.6 times slower than
+alone; what fitted one command before is in docs/testing.md. A chunk's output goes to
+``DIR/log-chunk-<k>.txt``; a line is printed as each chunk ends, then the summary.
 
-A chunk is a group of test files (:data:`CHUNKS`, about 6-8 minutes each on an H100); files that
-hold ``gpu`` tests and are in no chunk form the last one, so a new GPU test file is never left
-out. Each chunk writes ``DIR/chunk-<k>.json``: the commit, the hash of the files that ran (``tree``:
-compare with ``git rev-parse --short=12 HEAD^{tree}``), the counts (passed, failed, errors,
-skipped), the failing and skipped tests with their reasons, the slowest tests with their
-seconds, and the wall time. A test failing
-with a CUDA error appends the CUDA graph captures open and the last ones made, and the live
-threads, to ``DIR/capture-log-chunk-<k>.txt`` (``scripts/capture_log.py``). With
-``FUSION_COMPILER_CAPTURE_WATCH=1`` that plugin's watchers run too, and CUDA itself writes every
-failing API call (time, thread id, entry point, reason) to ``DIR/cuda-log-chunk-<k>.txt`` (its
-``CUDA_LOG_FILE``, CUDA 12.9 and later; unless the variable is set already)."""
+A chunk is a group of test files (:data:`CHUNKS`), some with a pytest ``-k`` selection
+(:data:`KEYWORDS`: the conformance suite's two halves are two chunks); files that hold ``gpu``
+tests and are in no chunk form the last one, so a new GPU test file is never left out. Each chunk
+writes ``DIR/chunk-<k>.json``: the commit, the hash of the files that ran (``tree``: compare with
+``git rev-parse --short=12 HEAD^{tree}``), the counts (passed, failed, errors, skipped), the
+failing and skipped tests with their reasons, the slowest tests with their seconds, and the wall
+time. A test failing with a CUDA error appends the CUDA graph captures open and the last ones
+made, and the live threads, to ``DIR/capture-log-chunk-<k>.txt`` (``scripts/capture_log.py``).
+With ``FUSION_COMPILER_CAPTURE_WATCH=1`` that plugin's watchers run too, and CUDA itself writes
+every failing API call (time, thread id, entry point, reason) to ``DIR/cuda-log-chunk-<k>.txt``
+(its ``CUDA_LOG_FILE``, CUDA 12.9 and later; unless the variable is set already)."""
 
 from __future__ import annotations
 
@@ -63,13 +56,22 @@ CHUNKS: list[list[str]] = [
     ["test_gpu_triton_conv.py", "test_gpu_depthwise.py", "test_fuzz.py",
      "test_gpu_hopper_conv.py"],
     ["test_gpu_ddp.py", "test_gpu_door_ddp.py"],
+    ["test_gpu_conformance.py"],
 ]
 """The chunks, by test file (the order they run in)."""
 
-SECONDS = {1: 160, 2: 204, 3: 151, 4: 417, 5: 499, 6: 395, 7: 216}
+KEYWORDS = {5: "first_calls", 8: "last_tier"}
+"""Chunks that run only the tests a pytest ``-k`` expression selects: the conformance suite in
+two halves (each pattern and door at the first calls, and at the last tier), which alone took
+about 500 s as one process."""
+
+SECONDS = {1: 160, 2: 204, 3: 151, 4: 417, 5: 298, 6: 395, 7: 216, 8: 321}
 """Wall seconds of each chunk on an H200 of an H200x2 host beside other work (2026-11-28,
-session 44; chunk 5 as one process session 42's): the order of ``--all`` where DIR holds no
-earlier result."""
+session 44): the order of ``--all`` where DIR holds no earlier result."""
+
+BESIDE = 1.3
+"""How much slower a chunk runs with more than one chunk a GPU than :data:`SECONDS` says (those
+were taken two to a GPU; 1.3-1.6 times alone): what ``--budget`` expects of each chunk."""
 
 SLOWEST = 10
 """Tests listed with their seconds in a chunk's result (``slowest``): where its time goes."""
@@ -125,10 +127,12 @@ def run_chunk(k: int, out: Path, extra: list[str]) -> dict:
            **os.environ, "FUSION_COMPILER_CAPTURE_LOG": str(out / f"capture-log-chunk-{k}.txt"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"),
                                                        os.environ.get("PYTHONPATH")]))}
+    select = ["-k", KEYWORDS[k]] if k in KEYWORDS else []
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p",
-                           "no:cacheprovider", "-p", "capture_log", f"--junitxml={xml}", *extra,
-                           *(str(TESTS / f) for f in files)], cwd=ROOT, env=env)
-    result = {"chunk": k, "files": files, "commit": commit, "tree": tree, "exit": proc.returncode,
+                           "no:cacheprovider", "-p", "capture_log", f"--junitxml={xml}", *select,
+                           *extra, *(str(TESTS / f) for f in files)], cwd=ROOT, env=env)
+    result = {"chunk": k, "files": files, "keyword": KEYWORDS.get(k), "commit": commit,
+              "tree": tree, "exit": proc.returncode,
               "seconds": round(time.monotonic() - start, 1), **_counts(xml)}
     (out / f"chunk-{k}.json").write_text(json.dumps(result, indent=1))
     return result
@@ -175,10 +179,14 @@ def summary(folder: Path) -> str:
     return line
 
 
-def run_all(out: Path, gpus: list[str], extra: list[str], only: list[int] | None = None) -> int:
-    """Run every chunk (or those in ``only``), as many at once as ``gpus`` allow; returns 1 if a
-    test failed."""
+def run_all(out: Path, gpus: list[str], extra: list[str], only: list[int] | None = None,
+            per_gpu: int = 1, budget: float | None = None) -> int:
+    """Run every chunk, the longest first, or those in ``only`` in that order, as many at once
+    as ``gpus`` allow with ``per_gpu`` chunks on a GPU (a chunk that finds no free GPU waits,
+    the next ones may start), none started whose expected seconds (times :data:`BESIDE` with
+    ``per_gpu`` above 1) exceed what is left of ``budget``; returns 1 if a test failed."""
     out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
 
     def expected(k: int) -> float:
         earlier = out / f"chunk-{k}.json"
@@ -186,20 +194,30 @@ def run_all(out: Path, gpus: list[str], extra: list[str], only: list[int] | None
             return json.loads(earlier.read_text())["seconds"]
         return SECONDS.get(k, 300)
 
-    pending = sorted(only or range(1, len(chunks()) + 1), key=expected, reverse=True)
-    free, running, failed = list(gpus), {}, False
+    pending = list(only) if only else sorted(range(1, len(chunks()) + 1), key=expected,
+                                             reverse=True)
+    beside = BESIDE if per_gpu > 1 else 1.0
+    free, running, failed = list(gpus) * per_gpu, {}, False
     while pending or running:
         for k in list(pending):
-            need = min(max(GPUS_NEEDED.get(f, 1) for f in chunks()[k - 1]), len(gpus))
-            if len(free) >= need:
-                take, free = free[:need], free[need:]
-                log = open(out / f"log-chunk-{k}.txt", "w")
-                proc = subprocess.Popen(
-                    [sys.executable, __file__, "--chunk", str(k), "--out", str(out), "--", *extra],
-                    env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(take)}, stdout=log,
-                    stderr=subprocess.STDOUT)
-                running[proc] = (k, take, log)
+            if budget is not None and time.monotonic() - start + beside * expected(k) > budget:
                 pending.remove(k)
+                print(f"chunk {k}: not started, its {beside * expected(k):.0f} s would not fit "
+                      f"the {budget:.0f} s budget", flush=True)
+                continue
+            take = _slots(free, min(max(GPUS_NEEDED.get(f, 1) for f in chunks()[k - 1]),
+                                    len(gpus)))
+            if take is None:
+                continue
+            for gpu in take:
+                free.remove(gpu)
+            log = open(out / f"log-chunk-{k}.txt", "w")
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--chunk", str(k), "--out", str(out), "--", *extra],
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(take)}, stdout=log,
+                stderr=subprocess.STDOUT)
+            running[proc] = (k, take, log)
+            pending.remove(k)
         time.sleep(0.5)
         for proc, (k, take, log) in list(running.items()):
             if proc.poll() is not None:
@@ -216,6 +234,13 @@ def run_all(out: Path, gpus: list[str], extra: list[str], only: list[int] | None
         for name in json.loads(result.read_text())["failures"] if result.exists() else []:
             print(f"  chunk {k} failed: {name} (log-chunk-{k}.txt)")
     return int(failed)
+
+
+def _slots(free: list[str], need: int) -> list[str] | None:
+    """``need`` free slots on different GPUs, the GPUs with the most free slots first (the least
+    loaded), or ``None`` when fewer GPUs have a free slot."""
+    by_load = sorted(set(free), key=lambda g: (-free.count(g), free.index(g)))
+    return by_load[:need] if len(by_load) >= need else None
 
 
 def _visible_gpus() -> list[str]:
@@ -245,14 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--all", action="store_true", help="run every chunk, spread over the GPUs")
     parser.add_argument("--gpus", help="with --all: the GPUs to use, e.g. 0,1 (default: those "
                         "CUDA_VISIBLE_DEVICES names, else all)")
-    parser.add_argument("--chunks", help="with --all: only these chunks, e.g. 1,3,7")
+    parser.add_argument("--chunks", help="with --all: only these chunks, in this order "
+                        "(default: all, the longest first), e.g. 1,3,7")
+    parser.add_argument("--per-gpu", type=int, default=1,
+                        help="with --all: chunks run at once on one GPU (default 1)")
+    parser.add_argument("--budget", type=float,
+                        help="with --all: seconds; a chunk whose expected time would not fit "
+                        "in what is left is not started")
     parser.add_argument("--out", type=Path, default=ROOT / "bench_out" / "gpu_suite",
                         help="where a chunk writes its result (default: bench_out/gpu_suite)")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
     if args.list:
         for k, files in enumerate(chunks(), 1):
-            print(f"chunk {k}: {' '.join(files)}")
+            select = f" -k {KEYWORDS[k]}" if k in KEYWORDS else ""
+            print(f"chunk {k}: {' '.join(files)}{select}")
         return 0
     if args.summary is not None:
         print(summary(args.summary))
@@ -264,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         only = [int(k) for k in args.chunks.split(",")] if args.chunks else None
         if only and not all(1 <= k <= len(chunks()) for k in only):
             parser.error(f"--chunks must be between 1 and {len(chunks())}")
-        return run_all(args.out, gpus, args.pytest_args, only)
+        if args.per_gpu < 1:
+            parser.error("--per-gpu must be at least 1")
+        return run_all(args.out, gpus, args.pytest_args, only, args.per_gpu, args.budget)
     if not 1 <= args.chunk <= len(chunks()):
         parser.error(f"--chunk must be between 1 and {len(chunks())}")
     result = run_chunk(args.chunk, args.out, args.pytest_args)
