@@ -609,3 +609,87 @@ def test_two_compiled_graphs_replayed_at_once_on_two_streams_keep_their_scratch_
     for i in range(2):
         errors = [rel_err(out.cpu(), wanted[i].cpu()) for out in outputs[i]]
         assert len(errors) == 200 and max(errors) < 1e-2, (i, max(errors))
+
+
+class _WideHead(nn.Module):
+    """A convolution, then a linear layer over 262144 features in fp32: cuBLAS computes that
+    GEMM with a kernel that uses its workspace (split over the long reduction)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = nn.Conv2d(3, 64, 3, padding=1)
+        self.head = nn.Linear(64 * 64 * 64, 64, bias=False)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+def test_two_compiled_models_replayed_at_once_keep_their_gemm_scratch_apart(tmp_path):
+    """PyTorch keeps one cuBLAS workspace per handle and stream, and this package captures every
+    graph on one stream: two models' graphs embed the same GEMM scratch. Replayed at once by two
+    threads on their own streams, each must still give its own output, bit for bit as when
+    replayed alone (a plain-PyTorch probe of this on an H200 gave 72% of such outputs wrong):
+    the package's replays run one after another."""
+    import threading
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    models = [_WideHead(seed).cuda().eval() for seed in (0, 1)]
+    compiled = [fc.compile(m, cache_dir=tmp_path, autotune=1) for m in models]
+    inputs = [torch.randn(64, 3, 64, 64, device="cuda") for _ in models]
+    with torch.no_grad():
+        for c, x in zip(compiled, inputs):
+            c(x)
+            c.wait_for_background_compiles()
+            for _ in range(3):
+                c(x)
+        alone = [c(x).clone() for c, x in zip(compiled, inputs)]
+        torch.cuda.synchronize()
+    assert all(c.last.cuda_graph == "safe" for c in compiled)
+    wrong, failures = [0, 0], []
+    start = threading.Barrier(2)
+
+    def actor(i: int) -> None:
+        try:
+            stream = torch.cuda.Stream()
+            outs = []
+            with torch.no_grad(), torch.cuda.stream(stream):
+                start.wait()
+                for _ in range(150):  # no host synchronization between replays
+                    outs.append(compiled[i](inputs[i]).clone())
+            stream.synchronize()
+            wrong[i] = sum(not torch.equal(o, alone[i]) for o in outs)
+        except Exception as exc:  # what the thread met, for the assertion below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=actor, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert wrong == [0, 0], wrong
+
+
+def test_an_eager_fallback_call_reads_the_current_weights(tmp_path, monkeypatch):
+    """A call that finds the graph's outputs still held and no spare graph (its capture failed,
+    or a compile holds the lock) runs the forward eagerly: it must first bring the derived
+    weights up to date (before, it read those of the last replay, stale after an update)."""
+    from fusion_compiler.runtime.cuda_graph import CudaGraphRunner
+
+    model = _reference_net()
+    compiled = fc.compile(model, cache_dir=tmp_path, autotune=1)
+    x = _x(8)
+    with torch.no_grad():
+        compiled(x)
+        compiled.wait_for_background_compiles()
+        compiled(x)
+    assert compiled.last.cuda_graph == "safe", compiled.last.notes
+    monkeypatch.setattr(CudaGraphRunner, "_try_capture", lambda self, args, pool: False)
+    with torch.no_grad():
+        held = compiled(x.clone())  # a new input tensor: the main graph, outputs handed out
+        conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+        conv.weight.data.mul_(0.5)  # through .data: no version counter moves
+        again = compiled(x.clone())  # the outputs are held: the eager fallback
+    assert rel_err(again.float().cpu(), _fp64(model, x)) < 2e-2
+    assert rel_err(held.float().cpu(), _fp64(model, x)) > 1e-1  # the update mattered

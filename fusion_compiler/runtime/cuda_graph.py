@@ -42,8 +42,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, restored,
-                      side_stream)
+from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, replay_turn,
+                      restored, side_stream)
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -154,7 +154,8 @@ class _Capture:
         the buffers as new tensor objects (each one held adds to its storage's count) when they
         may be handed out, else copies."""
         self.order.follow()
-        self.graph.replay()
+        with replay_turn():
+            self.graph.replay()
         if outputs == "copies" or self.storages is None:
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                             self.outputs)
@@ -319,7 +320,9 @@ class CudaGraphRunner:
 
     def __call__(self, *args: Any) -> Any:
         if torch.cuda.is_current_stream_capturing():  # the caller's own capture: no replay
-            with self._scope():  # there; the forward (prologue included) joins its graph
+            # there; the forward (prologue included) joins its graph, after this runner's own
+            # captures and calls (the derivations' host state is the runner's)
+            with self._turns.lock, self._scope():
                 return self._forward(args)
         with self._turns.turn():
             return self._call(args)
@@ -344,8 +347,9 @@ class CudaGraphRunner:
         # never leave the runner
         if self._spare is None:
             self._spare = self._try_capture(self.static_inputs, self.main.graph.pool())
-        if not self._spare:
-            return self.fn(*args)
+        if not self._spare:  # eagerly, the derived values brought up to date first
+            with self._scope():
+                return self._forward(args)
         return self._written_back(args, self._spare.replay("copies"))
 
     def _written_back(self, args: Sequence[Any], outputs: Any) -> Any:

@@ -42,7 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .tensors import Turns, layout_like, restored
+from .tensors import Turns, layout_like, replay_turn, restored, side_stream
 from ..ir.errors import condense
 from .cuda_graph import CaptureError, _release_rng_capture, _uncached_autocast, capturing
 from .weight_cache import derivation_epoch
@@ -188,7 +188,7 @@ class _GraphPair:
         self.inputs = inputs
         self.static_inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
         self.fwd_graph = torch.cuda.CUDAGraph()
-        with capturing(self.fwd_graph, self.turns, pool):
+        with capturing(self.fwd_graph, self.turns, pool, side_stream("training capture")):
             out = call()
         self.live_outputs, self.out_spec = tree_flatten(out)
         self.diff_positions = [i for i, t in enumerate(self.live_outputs)
@@ -213,7 +213,7 @@ class _GraphPair:
             self.live_outputs, self.inputs = [], []
             return
         self.bwd_graph = torch.cuda.CUDAGraph()
-        with capturing(self.bwd_graph, self.turns, pool):
+        with capturing(self.bwd_graph, self.turns, pool, side_stream("training capture")):
             grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs, allow_unused=True)
             grads = [*(layout_like(g, self.inputs[i], copy=True)
                        if g is not None and id(self.inputs[i]) in alias_ids else g
@@ -233,7 +233,8 @@ class _GraphPair:
             for static, a in zip(self.static_inputs, inputs):
                 if isinstance(a, torch.Tensor) and a.data_ptr() != static.data_ptr():
                     static.copy_(a)
-            self.fwd_graph.replay()
+            with replay_turn():
+                self.fwd_graph.replay()
             self.generation += 1
             return ([t.clone() if isinstance(t, torch.Tensor) else t
                      for t in self.static_outputs], self.generation)
@@ -271,7 +272,8 @@ class _GraphPair:
             elif g.data_ptr() != static.data_ptr():
                 static.copy_(g)
         if self.bwd_graph is not None:
-            self.bwd_graph.replay()
+            with replay_turn():
+                self.bwd_graph.replay()
         copied = [g for g in self.input_grads.values() if g is not None]
         copied += [g for g in self.param_grads if g is not None]
         fresh = [torch.empty_like(g) for g in copied]

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .multi_tensor import batched
 from .derive import Expr, NotDerivable, Program, evaluator
-from .tensors import stream_capturing
+from .tensors import capture_owner, stream_capturing
 from .weight_cache import WeightCache, cache_key
 
 __all__ = ["Derivations", "expressions"]
@@ -318,6 +318,8 @@ class Derivations:
             (early if first else late).append((target, expr))
         self.early = Program(self._sources, early, conditional=False) if early else None
         self.program = Program(self._sources, late)
+        if self.program.derived and not self.program.reason:
+            self.program.run(always=True)  # loads the kernel a caller's own capture launches
         self._late = {_storage(t) for t, _ in late}
         if self.program.reason:
             self.notes.append(f"derived tensors recomputed at every replay: "
@@ -326,7 +328,11 @@ class Derivations:
     def prologue(self) -> None:
         """Bring the derived tensors up to date with the state: opaque values, fallbacks and the
         early program on the current stream; the fingerprinted program after them, on a side
-        stream when capturing (:meth:`reads` and :meth:`join` wait for it), else in turn."""
+        stream when this package captures (:meth:`reads` and :meth:`join` wait for it), else in
+        turn. In a capture of the caller's own (no :func:`~.tensors.capture_owner`), every
+        derived tensor is rewritten at every replay, in turn: the caller may replay that graph
+        at the same time as this runner's graphs, and the fingerprint's sums and counter
+        (one set per program) must see one launch at a time."""
         if self.frozen and stream_capturing():  # constants: derived once, before the capture
             return
         if self._opaque is not None:
@@ -339,6 +345,9 @@ class Derivations:
             return
         if not stream_capturing() or self.program.reason or not self.program.derived:
             self.program.run()
+            return
+        if capture_owner() is None:  # the caller's own graph
+            self.program.run(always=True)
             return
         main = torch.cuda.current_stream()
         side = torch.cuda.Stream()

@@ -290,10 +290,12 @@ class Program:
         return rows
 
     # ------------------------------------------------------------------ running
-    def run(self) -> None:
+    def run(self, always: bool = False) -> None:
         """Rewrite the derived tensors whose sources changed since the last run (at the first
         run, all of them), on the current stream, without a host synchronization, one program
-        per chunk; with :attr:`reason` set, recompute all of them with PyTorch ops."""
+        per chunk; with :attr:`reason` set, recompute all of them with PyTorch ops. ``always``:
+        rewrite every chunk, with no fingerprint and without reading or writing the program's
+        sums and counter (for a graph replayed beside this program's other launches)."""
         if not self.derived:
             return
         if self.reason:
@@ -302,14 +304,15 @@ class Program:
                     dst.copy_(value().to(dst.dtype))
             return
         kernels = _kernels()
-        if self.conditional:
+        checked = self.conditional and not always
+        if checked:
             rows = self._fingerprint.shape[0]
             kernels.fingerprint_kernel[(rows,)](self._fingerprint, self._sums, rows, BLOCK=_WORDS)
         rows = self._table.shape[0]
         kernels.derive_kernel[(rows,)](
             self._table, self._index, self._scales, self._sums, self._stored, self._counter,
             rows, self._sums.numel(), BLOCK=_BLOCK, SLOTS=self._slots_block,
-            ALWAYS=not self.conditional)
+            ALWAYS=not checked)
 
 
 class _Concatenated:

@@ -204,10 +204,11 @@ class CudnnPlan:
             graph = graphs.get(timing.index)
             if graph is None:
                 continue
-            ws = self.backend.workspace(self.device, int(graph.get_workspace_size()))
-            try:
+            size = int(graph.get_workspace_size())
+            try:  # the workspace of the stream each run is issued on (timing's own, in turn)
                 timing.ms = gpu_time_ms(lambda: graph.execute(
-                    pack, ws, handle=self.backend.handle(self.device)))
+                    pack, self.backend.workspace(self.device, size),
+                    handle=self.backend.handle(self.device)))
             except Exception as exc:
                 timing.reason = condense(str(exc) or type(exc).__name__, 200)
 
