@@ -180,3 +180,21 @@ def test_derivations_record_kernels_values_and_translate_hoisted_ones_under_the_
     out = run_interpreted(_DERIVATIONS, {})
     assert out["program"] and out["same"] and out["untouched"]
     assert all(out["first"]) and all(out["data"]), out
+
+
+def test_a_failed_join_still_forgets_the_captures_event(monkeypatch):
+    """In a capture that failed, the join at the forward's end raises; the event it waited for
+    belongs to no graph, so it must be forgotten anyway (a later eager call that joined it
+    raised "CUDA error: invalid argument")."""
+    from fusion_compiler.runtime.derivations import Derivations
+
+    derivations = Derivations([])
+    derivations._ready, derivations._side = object(), object()
+
+    def failed_join():
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(derivations, "join", failed_join)
+    with pytest.raises(RuntimeError, match="previous error"):
+        derivations.finish()
+    assert derivations._ready is None and derivations._side is None

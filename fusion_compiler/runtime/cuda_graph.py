@@ -347,9 +347,10 @@ class CudaGraphRunner:
         # never leave the runner
         if self._spare is None:
             self._spare = self._try_capture(self.static_inputs, self.main.graph.pool())
-        if not self._spare:  # eagerly, the derived values brought up to date first
-            with self._scope():
-                return self._forward(args)
+        if not self._spare:  # eagerly, the derived values (hoisted ones) brought up to date
+            if self.derivations is not None:
+                self.derivations.prologue()  # (not capturing: its programs in turn, here)
+            return self.fn(*args)
         return self._written_back(args, self._spare.replay("copies"))
 
     def _written_back(self, args: Sequence[Any], outputs: Any) -> Any:

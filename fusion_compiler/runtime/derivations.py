@@ -359,9 +359,13 @@ class Derivations:
         self._side = side  # kept until the capture ends
 
     def finish(self) -> None:
-        """The end of a capture's forward: join the side stream, forget the capture's event."""
-        self.join()
-        self._ready = self._side = None
+        """The end of a capture's forward: join the side stream, forget the capture's event
+        (also when the join fails: in a capture that failed, the event belongs to no graph, and
+        a later wait on it raises "invalid argument")."""
+        try:
+            self.join()
+        finally:
+            self._ready = self._side = None
 
     def join(self) -> None:
         """The current stream waits for the side stream's derivation (once per stream and
