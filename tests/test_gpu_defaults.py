@@ -548,6 +548,32 @@ def test_threads_calling_one_compiled_model_each_get_the_output_of_their_own_inp
     assert compiled.last.run.tier == 2 and compiled.last.cuda_graph == "safe"  # replays served
 
 
+def _at_once(actors: int, body) -> None:
+    """``body(i)`` for each of ``actors`` threads, started together, each on a CUDA stream of its
+    own with gradients off; raises with what any thread met."""
+    import threading
+
+    failures = []
+    start = threading.Barrier(actors)
+
+    def run(i: int) -> None:
+        try:
+            stream = torch.cuda.Stream()
+            with torch.no_grad(), torch.cuda.stream(stream):
+                start.wait()
+                body(i)
+            stream.synchronize()
+        except Exception as exc:  # what the thread met, for the assertion below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(actors)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+
+
 def test_two_compiled_graphs_replayed_at_once_on_two_streams_keep_their_scratch_apart(
         tmp_path, monkeypatch):
     """Two runners' CUDA graphs (two models, or two batch sizes of one) captured on this
@@ -555,8 +581,6 @@ def test_two_compiled_graphs_replayed_at_once_on_two_streams_keep_their_scratch_
     and replayed by two threads at once on streams of their own, each gets its own values.
     Before, both graphs' plans used the capture stream's one workspace (found by reading the
     code), so concurrent replays could overwrite each other's scratch."""
-    import threading
-
     from fusion_compiler.backends.cudnn.backend import CudnnBackend
     from fusion_compiler.runtime.tensors import capture_owner
 
@@ -586,26 +610,12 @@ def test_two_compiled_graphs_replayed_at_once_on_two_streams_keep_their_scratch_
     first, second = captured.values()
     assert not first & second  # no scratch memory in common
     outputs: list[list[torch.Tensor]] = [[], []]
-    failures = []
-    start = threading.Barrier(2)
 
     def actor(i: int) -> None:
-        try:
-            stream = torch.cuda.Stream()
-            with torch.no_grad(), torch.cuda.stream(stream):
-                start.wait()
-                for _ in range(200):  # no host synchronization between replays: they overlap
-                    outputs[i].append(compiled[i](inputs[i]).float())
-            stream.synchronize()
-        except Exception as exc:  # what the thread met, for the assertion below
-            failures.append(exc)
+        for _ in range(200):  # no host synchronization between replays: they overlap
+            outputs[i].append(compiled[i](inputs[i]).float())
 
-    threads = [threading.Thread(target=actor, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
+    _at_once(2, actor)
     for i in range(2):
         errors = [rel_err(out.cpu(), wanted[i].cpu()) for out in outputs[i]]
         assert len(errors) == 200 and max(errors) < 1e-2, (i, max(errors))
@@ -630,10 +640,7 @@ def test_two_compiled_models_replayed_at_once_keep_their_gemm_scratch_apart(tmp_
     graph on one stream: two models' graphs embed the same GEMM scratch. Replayed at once by two
     threads on their own streams, each must still give its own output, bit for bit as when
     replayed alone (a plain-PyTorch probe of this on an H200 gave 72% of such outputs wrong):
-    the package's replays run one after another."""
-    import threading
-
-    torch.backends.cuda.matmul.allow_tf32 = False
+    the package's replays run one after another. (fp32 GEMMs without TF32: PyTorch's default.)"""
     models = [_WideHead(seed).cuda().eval() for seed in (0, 1)]
     compiled = [fc.compile(m, cache_dir=tmp_path, autotune=1) for m in models]
     inputs = [torch.randn(64, 3, 64, 64, device="cuda") for _ in models]
@@ -646,28 +653,14 @@ def test_two_compiled_models_replayed_at_once_keep_their_gemm_scratch_apart(tmp_
         alone = [c(x).clone() for c, x in zip(compiled, inputs)]
         torch.cuda.synchronize()
     assert all(c.last.cuda_graph == "safe" for c in compiled)
-    wrong, failures = [0, 0], []
-    start = threading.Barrier(2)
+    outputs: list[list[torch.Tensor]] = [[], []]
 
     def actor(i: int) -> None:
-        try:
-            stream = torch.cuda.Stream()
-            outs = []
-            with torch.no_grad(), torch.cuda.stream(stream):
-                start.wait()
-                for _ in range(150):  # no host synchronization between replays
-                    outs.append(compiled[i](inputs[i]).clone())
-            stream.synchronize()
-            wrong[i] = sum(not torch.equal(o, alone[i]) for o in outs)
-        except Exception as exc:  # what the thread met, for the assertion below
-            failures.append(exc)
+        for _ in range(150):  # no host synchronization between replays
+            outputs[i].append(compiled[i](inputs[i]).clone())
 
-    threads = [threading.Thread(target=actor, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures
+    _at_once(2, actor)
+    wrong = [sum(not torch.equal(o, alone[i]) for o in outputs[i]) for i in range(2)]
     assert wrong == [0, 0], wrong
 
 
