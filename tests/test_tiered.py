@@ -511,3 +511,21 @@ def test_training_glue_gives_a_first_gradient_with_create_graph():
     torch.testing.assert_close(first, want)
     with pytest.raises(RuntimeError, match="double backward"):
         first.square().sum().backward()
+
+
+def test_the_switch_lets_the_first_tiers_last_call_run_before_the_next_tier_is_built():
+    """The next tier's build writes the hoisted tensors the first tier's graph reads: the
+    first tier settles (its last call's work ordered before the current stream's) first."""
+    order = []
+
+    class Settling(_Tier):
+        def settle(self):
+            order.append("settle")
+
+    def finish(artifact):
+        order.append("finish")
+        return _Tier("second")
+
+    runner = TieredRunner(Settling("first"), lambda: "artifact", finish, on_failure=lambda why: None)
+    runner(1)
+    assert runner.wait(10) and order == ["settle", "finish"]

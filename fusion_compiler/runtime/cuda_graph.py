@@ -360,6 +360,13 @@ class CudaGraphRunner:
             args[i].copy_(self.static_inputs[i])
         return outputs
 
+    def settle(self) -> None:
+        """Make the current stream wait for the work of this runner's last call, whichever
+        stream it ran on: a runner built next over the same hoisted tensors (the tier switch)
+        writes them, and must not overtake a replay still reading them."""
+        with self._turns.closing():
+            pass
+
     def _drop_extra_graphs(self) -> None:
         for extra in (self._spare, self._direct):
             if extra:

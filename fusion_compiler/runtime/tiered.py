@@ -244,6 +244,9 @@ class TieredRunner:
                 return
             finish, on_failure = self._finish, self._on_failure
             self._build = self._finish = self._on_failure = None  # their example inputs: freed
+            settle = getattr(self.run, "settle", None)
+            if settle is not None:  # the next tier's build writes tensors the first one reads:
+                settle()  # not before the first tier's last call has run on the GPU
             try:
                 second = finish(future.result())
             except Exception as exc:  # the compile or the capture failed: stay on the first tier
