@@ -526,6 +526,7 @@ def test_the_switch_lets_the_first_tiers_last_call_run_before_the_next_tier_is_b
         order.append("finish")
         return _Tier("second")
 
-    runner = TieredRunner(Settling("first"), lambda: "artifact", finish, on_failure=lambda why: None)
+    runner = TieredRunner(Settling("first"), lambda: "artifact", finish,
+                          on_failure=lambda why: None)
     runner(1)
     assert runner.wait(10) and order == ["settle", "finish"]
