@@ -513,7 +513,7 @@ def test_threads_calling_one_compiled_model_each_get_the_output_of_their_own_inp
     """Actor threads sharing one policy network: calls from several threads at once each fill
     the graph's input buffers, replay and take the outputs in turn (without the turns, as read
     from the code, one thread's input could be replayed for another), also when the threads run
-    on streams of their own."""
+    on streams of their own. A thread's first capture finds the libraries' handles made."""
     import threading
 
     model = _reference_net()
@@ -546,6 +546,10 @@ def test_threads_calling_one_compiled_model_each_get_the_output_of_their_own_inp
     assert not failures, failures
     assert len(errors) == 400 and max(errors) < 1e-2, max(errors)
     assert compiled.last.run.tier == 2 and compiled.last.cuda_graph == "safe"  # replays served
+    # the further graphs (spare, direct) were captured by threads that had made no cuDNN handle:
+    # made inside the capture, it failed and the capture with it (False), and calls ran eagerly
+    runner = compiled.last.run.run
+    assert runner._spare is not False and runner._direct is not False
 
 
 def _at_once(actors: int, body) -> None:

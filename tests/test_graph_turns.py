@@ -98,3 +98,48 @@ def test_a_backward_after_its_graphs_were_freed_says_so():
     pair.close()
     with pytest.raises(RuntimeError, match="freed since its forward"):
         pair.backward(generation, [torch.ones(1)])
+
+
+def test_a_thread_makes_the_libraries_handles_once_per_device_before_its_first_capture(
+        monkeypatch):
+    """``ready_to_capture``: each preparer runs once per (thread, device), one registered later
+    on the next capture, and none while the current stream is being captured."""
+    import contextlib
+
+    from fusion_compiler.runtime import tensors
+
+    ran = []
+    monkeypatch.setattr(tensors, "_PREPARERS", [])
+    monkeypatch.setattr(tensors, "_torch_library_handles", lambda i: ran.append(("torch", i)))
+    monkeypatch.setattr(tensors.torch.cuda, "device", lambda i: contextlib.nullcontext())
+    capturing = [False]
+    monkeypatch.setattr(tensors, "stream_capturing", lambda: capturing[0])
+    tensors.before_captures_on_a_thread(lambda i: ran.append(("cudnn", i)))
+
+    def thread_body():
+        tensors.ready_to_capture(0)
+        tensors.ready_to_capture(0)
+        tensors.ready_to_capture(1)
+
+    for _ in range(2):  # two threads: each makes its own
+        t = threading.Thread(target=thread_body)
+        t.start()
+        t.join()
+    assert ran == [("torch", 0), ("cudnn", 0), ("torch", 1), ("cudnn", 1)] * 2
+    ran.clear()
+    capturing[0] = True
+    t = threading.Thread(target=lambda: tensors.ready_to_capture(0))
+    t.start()
+    t.join()
+    assert ran == []  # inside a capture nothing is made (it would fail)
+    capturing[0] = False
+
+    def registered_between():
+        tensors.ready_to_capture(0)
+        tensors.before_captures_on_a_thread(lambda i: ran.append(("later", i)))
+        tensors.ready_to_capture(0)
+
+    t = threading.Thread(target=registered_between)
+    t.start()
+    t.join()
+    assert ran == [("torch", 0), ("cudnn", 0), ("later", 0)]

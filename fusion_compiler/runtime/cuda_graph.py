@@ -42,8 +42,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, replay_turn,
-                      restored, side_stream)
+from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, ready_to_capture,
+                      replay_turn, restored, side_stream)
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -83,7 +83,9 @@ def capturing(graph: torch.cuda.CUDAGraph, owner: Any, pool: Any = None,
     (:func:`~.background.gc_paused`), autocast's cast cache off (:func:`_uncached_autocast`) and
     ``owner`` (the runner's :class:`~.tensors.Turns`: its graphs replay one at a time) the
     :func:`~.tensors.capture_owner` of the capture, whose scratch memory no other runner's
-    graphs share."""
+    graphs share. The libraries' per-thread handles are made first (:func:`~.tensors.
+    ready_to_capture`): a thread's first capture would otherwise make them inside it, and fail."""
+    ready_to_capture((stream or torch.cuda.current_stream()).device.index)
     with gc_paused(), _uncached_autocast(), torch.cuda.graph(
             graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
             owning_capture(owner):

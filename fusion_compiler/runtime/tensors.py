@@ -7,19 +7,61 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 __all__ = ["StreamOrder", "Turns", "side_stream", "stream_capturing", "capture_owner",
            "owning_capture", "replay_turn", "autocast_dtype", "shared_storage", "restored",
-           "inference_graph_modes", "layout_like", "channel_view_strides", "as_channel_view"]
+           "inference_graph_modes", "layout_like", "channel_view_strides", "as_channel_view",
+           "before_captures_on_a_thread", "ready_to_capture"]
 
 
 def stream_capturing() -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph (``False`` without
     CUDA): then work may only be issued, not waited for, and no graph may be replayed."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_PREPARERS: list[Callable[[int], None]] = []
+_PREPARED = threading.local()  # device index -> how many of _PREPARERS ran on this thread
+
+
+def before_captures_on_a_thread(prepare: Callable[[int], None]) -> None:
+    """Register ``prepare(index)``, run by :func:`ready_to_capture` once per thread and device:
+    it makes the per-thread state of a library (a handle) for device ``index`` on the calling
+    thread, with nothing being captured."""
+    _PREPARERS.append(prepare)
+
+
+def _torch_library_handles(index: int) -> None:
+    """PyTorch's own cuDNN and cuBLAS handles of device ``index`` for the calling thread (PyTorch
+    keeps one per thread and makes it at the thread's first convolution or GEMM): two tiny
+    operations on the current stream."""
+    x = torch.ones(1, 1, 1, 1, device=torch.device("cuda", index))
+    torch.nn.functional.conv2d(x, x)
+    torch.mm(x.view(1, 1), x.view(1, 1))
+
+
+def ready_to_capture(index: int) -> None:
+    """Make what the libraries keep per thread (PyTorch's cuDNN and cuBLAS handles, and those of
+    :func:`before_captures_on_a_thread`) for device ``index`` on the calling thread, once, before
+    it begins a CUDA graph capture. A handle made inside a capture fails: cuDNN's
+    ``cudnnCreate`` allocates its persistent buffer with ``cudaMalloc``, which a capture in
+    ``thread_local`` mode refuses on the capturing thread and which invalidates the capture
+    (measured on an H200, torch 2.11, cuDNN 9.19: a second thread's first capture failed so;
+    docs/decisions.md, "A thread's first capture"). No-op while the current stream is
+    capturing."""
+    done = getattr(_PREPARED, "devices", None)
+    if done is None:
+        done = _PREPARED.devices = {}
+    preparers = [_torch_library_handles, *_PREPARERS]
+    if done.get(index, 0) == len(preparers) or stream_capturing():
+        return
+    with torch.cuda.device(index):
+        for prepare in preparers[done.get(index, 0):]:
+            prepare(index)
+    done[index] = len(preparers)
 
 
 _CAPTURE = threading.local()

@@ -42,7 +42,7 @@ from ...ir.ops import node_device
 from ...ir.region import BackwardPlan, Region
 from ...runtime.background import on_background_thread, warn_once
 from ...runtime.plan_cache import PlanCache, default_cache_dir
-from ...runtime.tensors import capture_owner
+from ...runtime.tensors import before_captures_on_a_thread, capture_owner
 from ..base import REUSE_BATCH_RATIO, Backend, Lowered, Support
 from ..glue_stand_in import pytorch_timing_record
 from .backward import register_cudnn_backward
@@ -62,11 +62,28 @@ HEURISTICS = ("A", "FALLBACK")
 
 def _create_handle(index: int) -> Any:
     with torch.cuda.device(index):
-        return import_cudnn().create_handle()
+        handle = import_cudnn().create_handle()
+    global _HELD_BEFORE_CAPTURES
+    if not _HELD_BEFORE_CAPTURES:  # the frontend works: threads hold a handle before capturing
+        _HELD_BEFORE_CAPTURES = True
+        before_captures_on_a_thread(_hold_handle)
+    return handle
 
 
 def _set_stream(handle: Any, stream: int) -> None:
     import_cudnn().set_stream(handle=handle, stream=stream)
+
+
+_HANDLES = HandlePool(_create_handle, _set_stream)
+"""The calling thread's cuDNN handles, shared by every :class:`CudnnBackend`."""
+_HELD_BEFORE_CAPTURES = False
+
+
+def _hold_handle(index: int) -> None:
+    """Make the calling thread's handle of device ``index`` before it captures a CUDA graph: a
+    handle made inside a capture fails (:func:`~fusion_compiler.runtime.tensors.
+    ready_to_capture`)."""
+    _HANDLES.get(index, torch._C._cuda_getCurrentRawStream(index))
 
 
 class CudnnBackend(Backend):
@@ -85,7 +102,6 @@ class CudnnBackend(Backend):
     def __init__(self, cache_dir=None, autotune: int = CompileOptions.autotune):
         self.cache = PlanCache(default_cache_dir(cache_dir))
         self.autotune = int(autotune)
-        self._handles = HandlePool(_create_handle, _set_stream)
         self._workspaces = Workspaces()
         # recipe key -> (job, its build)
         self._pending: dict[str, list[tuple[dict, concurrent.futures.Future]]] = {}
@@ -93,7 +109,7 @@ class CudnnBackend(Backend):
 
     @classmethod
     def shared(cls, cache_dir=None, autotune: int = CompileOptions.autotune) -> "CudnnBackend":
-        """One backend (handles, workspaces) per (cache directory, autotune), shared by all
+        """One backend (plans, workspaces) per (cache directory, autotune), shared by all
         compiled modules."""
         key = (str(default_cache_dir(cache_dir)), int(autotune))
         with cls._lock:
@@ -112,7 +128,7 @@ class CudnnBackend(Backend):
         stream (the frontend skips ``cudnnSetStream`` when the stream did not change); one per
         thread (:class:`.resources.HandlePool`)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return self._handles.get(index, torch._C._cuda_getCurrentRawStream(index))
+        return _HANDLES.get(index, torch._C._cuda_getCurrentRawStream(index))
 
     def workspace(self, device: torch.device, nbytes: int) -> torch.Tensor:
         """A workspace of at least ``nbytes`` bytes (uint8) on ``device`` for the plans run on the
