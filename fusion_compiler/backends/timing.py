@@ -13,7 +13,7 @@ import torch
 from ..ir.errors import TimingDeferred
 from ..ir.ops import node_device
 from ..ir.region import channel_view_total
-from ..runtime.tensors import channel_view_strides, side_stream
+from ..runtime.tensors import channel_view_strides, ready_to_capture, side_stream
 from ..runtime.background import COMPILE_LOCK, ThreadFlag, gc_paused
 from ..runtime.weight_cache import derivation_epoch
 
@@ -109,6 +109,7 @@ def _captured(run: Callable[[], object], iters: int, stream: torch.cuda.Stream
     the graphs that run (whose derivation prologue rewrites it only when the weight changes), not
     timed."""
     graph = torch.cuda.CUDAGraph()
+    ready_to_capture(stream.device.index)  # the thread's library handles, made outside
     stream.wait_stream(torch.cuda.current_stream())
     with COMPILE_LOCK, gc_paused(), torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
