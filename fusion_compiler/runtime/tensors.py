@@ -56,9 +56,11 @@ def ready_to_capture(index: int) -> None:
     if done is None:
         done = _PREPARED.devices = {}
     preparers = [_torch_library_handles, *_PREPARERS]
-    if done.get(index, 0) == len(preparers) or stream_capturing():
+    if done.get(index, 0) == len(preparers):
         return
     with torch.cuda.device(index):
+        if stream_capturing():
+            return
         for prepare in preparers[done.get(index, 0):]:
             prepare(index)
     done[index] = len(preparers)
