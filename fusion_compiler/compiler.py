@@ -25,7 +25,7 @@ from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, uncompiled_forward, unsupported_hook
 from .runtime.state import Recompiles, StateGuard
 from .runtime.state_dict import ModelAttributes, model_keys, prefixed_keys
-from .runtime.tensors import autocast_dtype, restored, shared_storage
+from .runtime.tensors import autocast_dtype, on_device_of, restored, shared_storage
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
 
@@ -225,12 +225,13 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         """
         if kwargs or len(args) != self._arity:
             args = self._bind(args, kwargs)
-        try:
-            spec, _ = self._specialize(args, answer_early=False)
-        except InputError as exc:
-            raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
-        if not spec.lowered and isinstance(spec.run, TieredRunner):
-            spec.run.wait(nested=False)
+        with on_device_of(self._dtype_ref, args):  # (see forward)
+            try:
+                spec, _ = self._specialize(args, answer_early=False)
+            except InputError as exc:
+                raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
+            if not spec.lowered and isinstance(spec.run, TieredRunner):
+                spec.run.wait(nested=False)
         return spec
 
     def _specialize(self, args: Sequence[Any], answer_early: bool) -> tuple[Specialization, tuple]:
@@ -284,10 +285,10 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         no longer matches (:meth:`_check_state`) are dropped first, not finished."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_state()
-        for spec in list(self.specializations.values()):
-            if isinstance(spec.run, TieredRunner):
+        with on_device_of(self._dtype_ref):  # a tier switch captures (see forward)
+            for spec in list(self.specializations.values()):
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not spec.run.wait(left):
+                if isinstance(spec.run, TieredRunner) and not spec.run.wait(left):
                     return False
         return True
 
@@ -295,10 +296,11 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         if torch.compiler.is_dynamo_compiling() or _fx_tracing() or torch.jit.is_tracing() or \
                 torch.compiler.is_exporting():  # traced (Dynamo, fx, jit, export): the model
             return self.model(*args, **kwargs)
-        try:
-            if has_hooks(self.model):  # the model's own hooks, as calling it runs them
-                return call_with_hooks(self.model, self._call, args, kwargs)
-            return self._call(*args, **kwargs)
+        try:  # on the model's device, as its ops run eagerly (runtime.tensors.on_device_of)
+            with on_device_of(self._dtype_ref, args):
+                if has_hooks(self.model):  # the model's own hooks, as calling it runs them
+                    return call_with_hooks(self.model, self._call, args, kwargs)
+                return self._call(*args, **kwargs)
         except InputError as exc:  # raised from here: the caller's frame and this one only
             raise exc.with_traceback(None)  # noqa: B904  (its cause is set where it is made)
 

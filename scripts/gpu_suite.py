@@ -55,7 +55,7 @@ CHUNKS: list[list[str]] = [
     ["test_gpu_conformance.py"],
     ["test_gpu_triton_conv.py", "test_gpu_depthwise.py", "test_fuzz.py",
      "test_gpu_hopper_conv.py"],
-    ["test_gpu_ddp.py", "test_gpu_door_ddp.py"],
+    ["test_gpu_ddp.py", "test_gpu_door_ddp.py", "test_gpu_two_devices.py"],
     ["test_gpu_conformance.py"],
     ["test_gpu_dynamo.py", "test_gpu_background.py"],
 ]
@@ -79,7 +79,7 @@ each chunk."""
 SLOWEST = 10
 """Tests listed with their seconds in a chunk's result (``slowest``): where its time goes."""
 
-GPUS_NEEDED = {"test_gpu_ddp.py": 2, "test_gpu_door_ddp.py": 2}
+GPUS_NEEDED = {"test_gpu_ddp.py": 2, "test_gpu_door_ddp.py": 2, "test_gpu_two_devices.py": 2}
 """Test files that need several GPUs (their chunk gets that many under ``--all``)."""
 
 

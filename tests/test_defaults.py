@@ -596,3 +596,44 @@ def test_a_compiled_module_is_freed_without_the_garbage_collector():
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_calls_compiles_and_tier_switches_run_on_the_models_device(monkeypatch):
+    """``runtime.tensors.on_device_of``: the device of the model's parameters (else of the first
+    tensor input) made current when it is a CUDA device other than the current one; every call,
+    ``specialize`` and ``wait_for_background_compiles`` enter it with the model's parameter."""
+    import contextlib
+
+    import fusion_compiler.compiler as compiler
+    from fusion_compiler.runtime import tensors
+
+    class OnCuda1:  # what on_device_of reads of a tensor
+        is_cuda = True
+
+        @staticmethod
+        def get_device() -> int:
+            return 1
+
+    entered = []
+    monkeypatch.setattr(tensors.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tensors.torch.cuda, "device", lambda i: entered.append(i) or
+                        contextlib.nullcontext())
+    tensors.on_device_of(OnCuda1())
+    tensors.on_device_of(None, [torch.zeros(1)])  # a CPU input: nothing
+    tensors.on_device_of(None, [])
+    assert entered == [1]
+    monkeypatch.setattr(tensors.torch.cuda, "current_device", lambda: 1)
+    tensors.on_device_of(OnCuda1())  # current already
+    assert entered == [1]
+
+    refs = []
+    monkeypatch.setattr(compiler, "on_device_of", lambda ref, args=(): refs.append(ref) or
+                        contextlib.nullcontext())
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()).eval()
+    compiled = fc.compile(model)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        compiled.specialize(x)
+    compiled.wait_for_background_compiles()
+    assert len(refs) == 3 and all(r is model[0].weight for r in refs)

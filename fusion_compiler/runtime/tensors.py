@@ -14,13 +14,35 @@ import torch
 __all__ = ["StreamOrder", "Turns", "side_stream", "stream_capturing", "capture_owner",
            "owning_capture", "replay_turn", "autocast_dtype", "shared_storage", "restored",
            "inference_graph_modes", "layout_like", "channel_view_strides", "as_channel_view",
-           "before_captures_on_a_thread", "ready_to_capture"]
+           "before_captures_on_a_thread", "ready_to_capture", "on_device_of"]
 
 
 def stream_capturing() -> bool:
     """Whether the current CUDA stream is being captured into a CUDA graph (``False`` without
     CUDA): then work may only be issued, not waited for, and no graph may be replayed."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def on_device_of(ref: torch.Tensor | None, args: Sequence[Any] = ()
+                 ) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device(i)`` when ``ref`` (``None``: the first tensor of ``args``) is on CUDA
+    device ``i`` and the current device is another; nothing otherwise.
+
+    Eager PyTorch runs an op on its tensors' device and that device's current stream, whatever
+    the current device; this package's runners take the current device's streams (the capture
+    stream, the caller's stream a graph replays on), and Triton launches on the current device.
+    A model on ``cuda:1`` called while the current device is ``cuda:0`` (no
+    ``torch.cuda.set_device(1)``: an RL actor on a second GPU) would capture on a stream of the
+    wrong device, where the ops on ``cuda:1`` tensors run outside the capture. Entered around
+    every call, compile and tier switch of a compiled module."""
+    t = ref if ref is not None else next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if t is None or not t.is_cuda:
+        return _NOTHING
+    index = t.get_device()
+    return _NOTHING if index == torch.cuda.current_device() else torch.cuda.device(index)
 
 
 _PREPARERS: list[Callable[[int], None]] = []
