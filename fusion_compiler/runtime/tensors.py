@@ -59,10 +59,15 @@ def before_captures_on_a_thread(prepare: Callable[[int], None]) -> None:
 def _torch_library_handles(index: int) -> None:
     """PyTorch's own cuDNN and cuBLAS handles of device ``index`` for the calling thread (PyTorch
     keeps one per thread and makes it at the thread's first convolution or GEMM): two tiny
-    operations on the current stream."""
+    operations on the current stream. One that PyTorch refuses (a GEMM under
+    ``torch.use_deterministic_algorithms(True)`` without ``CUBLAS_WORKSPACE_CONFIG``) is left
+    out: the forward meets the same refusal itself, where it runs such an op."""
     x = torch.ones(1, 1, 1, 1, device=torch.device("cuda", index))
-    torch.nn.functional.conv2d(x, x)
-    torch.mm(x.view(1, 1), x.view(1, 1))
+    for op in (torch.nn.functional.conv2d, lambda a, b: torch.mm(a.view(1, 1), b.view(1, 1))):
+        try:
+            op(x, x)
+        except RuntimeError:
+            pass
 
 
 def ready_to_capture(index: int) -> None:
