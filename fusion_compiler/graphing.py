@@ -70,7 +70,9 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     wrapper of it); an inference graph
     starts with the derivation prologue of the model's state, ``gm``'s tensors and ``hoisted``
     (:mod:`.runtime.derivations`) and is captured inside ``torch.inference_mode()`` with
-    ``inference`` (the specialization's mode, whatever the mode of the call that switches tiers)."""
+    ``inference`` (the specialization's mode, whatever the mode of the call that switches tiers).
+    The inference graphs of one ``model`` are captured on a stream of its own
+    (:func:`.runtime.replays.capture_stream`): those of two models may replay at once."""
     from .runtime.background import warn_once  # noqa: PLC0415
     from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
     from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
@@ -94,7 +96,8 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
                                       frozen=options.freezing)
             writable = [*model.buffers(), *(written_state(gm) if gm is not None else ())]
             runner = CudaGraphRunner(run, args, derivations=derivations, buffers=writable,
-                                     written=written, inference=inference)
+                                     written=written, inference=inference,
+                                     model=model)
             for text in runner.derivations.notes:
                 note(notes, text)
     except CaptureError as exc:  # unexpected, and slower: one WARNING (the report keeps it)

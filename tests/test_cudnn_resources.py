@@ -174,37 +174,3 @@ def test_the_capture_owner_is_seen_by_threads_on_a_stream_of_the_capture(monkeyp
     assert tensors.capture_owner() is None
     other_thread(7)
     assert seen[7] is None  # forgotten after the capture
-
-
-def test_replays_wait_for_the_previous_replay_whatever_its_stream(monkeypatch):
-    """Every replay of this package's graphs waits on the GPU for the one before it (PyTorch's
-    cuBLAS workspace is one per handle and stream, so graphs captured on one stream share GEMM
-    scratch): the second replay's stream waits for the event the first recorded on its own."""
-    from fusion_compiler.runtime import tensors
-
-    log = []
-
-    class Event:
-        def record(self, stream):
-            log.append(("record", stream.name))
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_event(self, event):
-            log.append(("wait", self.name))
-
-    current = [Stream("a")]
-    monkeypatch.setattr(tensors, "_REPLAYS", {})
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    with tensors.replay_turn():
-        log.append(("replay", "a"))
-    current[0] = Stream("b")
-    with tensors.replay_turn():
-        log.append(("replay", "b"))
-    assert log == [("replay", "a"), ("record", "a"), ("wait", "b"), ("replay", "b"),
-                   ("record", "b")]

@@ -639,15 +639,20 @@ class _WideHead(nn.Module):
         return self.head(torch.relu(self.conv(x)).flatten(1))
 
 
-def test_two_compiled_models_replayed_at_once_keep_their_gemm_scratch_apart(tmp_path):
-    """PyTorch keeps one cuBLAS workspace per handle and stream, and this package captures every
-    graph on one stream: two models' graphs embed the same GEMM scratch. Replayed at once by two
-    threads on their own streams, each must still give its own output, bit for bit as when
-    replayed alone (a plain-PyTorch probe of this on an H200 gave 72% of such outputs wrong):
-    the package's replays run one after another. (fp32 GEMMs without TF32: PyTorch's default.)"""
+@pytest.mark.parametrize("one_model", [False, True], ids=["two_models", "one_model_two_batches"])
+def test_graphs_replayed_at_once_keep_their_gemm_scratch_apart(tmp_path, one_model):
+    """PyTorch keeps one cuBLAS workspace per handle and stream, which every graph captured on
+    that stream embeds. Two models' graphs are captured on two streams (their lanes) and replay
+    at once; two batch sizes of one model share its stream and replay in turn. Replayed by two
+    threads at once on streams of their own, each call must still give its own output, bit for
+    bit as when replayed alone (a plain-PyTorch probe of graphs sharing a stream on an H200 gave
+    72% of such outputs wrong). (fp32 GEMMs without TF32: PyTorch's default.)"""
     models = [_WideHead(seed).cuda().eval() for seed in (0, 1)]
     compiled = [fc.compile(m, cache_dir=tmp_path, autotune=1) for m in models]
-    inputs = [torch.randn(64, 3, 64, 64, device="cuda") for _ in models]
+    if one_model:
+        compiled = [compiled[0], compiled[0]]
+    inputs = [torch.randn(64 if i == 0 or not one_model else 32, 3, 64, 64, device="cuda")
+              for i in range(2)]
     with torch.no_grad():
         for c, x in zip(compiled, inputs):
             c(x)
@@ -666,6 +671,51 @@ def test_two_compiled_models_replayed_at_once_keep_their_gemm_scratch_apart(tmp_
     _at_once(2, actor)
     wrong = [sum(not torch.equal(o, alone[i]) for o in outputs[i]) for i in range(2)]
     assert wrong == [0, 0], wrong
+
+
+class _Noisy(nn.Module):
+    """A convolution plus uniform noise drawn in the forward (as a policy's exploration noise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y + torch.rand_like(y)
+
+
+def test_a_graph_drawing_random_numbers_beside_another_models_draws_as_alone(tmp_path):
+    """Every replay fills the default generator's seed and offset tensors, which a graph that
+    draws random numbers reads: such a graph replays alone, though other models' graphs replay
+    at once with one another. Its outputs from a thread, while another thread calls another
+    model, are those it gives alone from the same seed, bit for bit."""
+    noisy = fc.compile(_Noisy().cuda().eval(), cache_dir=tmp_path, autotune=1)
+    other = fc.compile(_WideHead(0).cuda().eval(), cache_dir=tmp_path, autotune=1)
+    x, y = torch.randn(16, 3, 32, 32, device="cuda"), torch.randn(64, 3, 64, 64, device="cuda")
+    with torch.no_grad():
+        for c, a in ((noisy, x), (other, y)):
+            c(a)
+            c.wait_for_background_compiles()
+            for _ in range(3):
+                c(a)
+        torch.cuda.manual_seed(7)
+        alone = [noisy(x).clone() for _ in range(100)]
+        torch.cuda.synchronize()
+    assert noisy.last.cuda_graph == "safe" and other.last.cuda_graph == "safe"
+    assert not torch.equal(alone[0], alone[1])  # it draws anew at every call
+    torch.cuda.manual_seed(7)
+    outputs: list[torch.Tensor] = []
+
+    def actor(i: int) -> None:
+        for _ in range(100 if i == 0 else 300):
+            if i == 0:
+                outputs.append(noisy(x).clone())
+            else:
+                other(y)
+
+    _at_once(2, actor)
+    assert [k for k in range(100) if not torch.equal(outputs[k], alone[k])] == []
 
 
 def test_an_eager_fallback_call_reads_the_current_weights(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import torch
 from ..ir.errors import TimingDeferred
 from ..ir.ops import node_device
 from ..ir.region import channel_view_total
+from ..runtime.replays import GraphTurn
 from ..runtime.tensors import channel_view_strides, ready_to_capture, side_stream
 from ..runtime.background import COMPILE_LOCK, ThreadFlag, gc_paused
 from ..runtime.weight_cache import derivation_epoch
@@ -141,16 +142,18 @@ def paired_time_ms(runs: Sequence[Callable[[], object]], reps: int = 3, iters: i
                 run()  # warm-up outside capture: first launch loads the kernel
         torch.cuda.current_stream().wait_stream(stream)
         graphs = []
-        for run in runs:
-            graphs.append(_captured(run, iters, stream))
-            graphs[-1].replay()
+        for run in runs:  # in turn with other graphs' replays (runtime.replays)
+            graphs.append((_captured(run, iters, stream), GraphTurn(stream)))
+            with graphs[-1][1].replaying():
+                graphs[-1][0].replay()
     samples: list[list[float]] = [[] for _ in runs]
     for _ in range(reps):
-        for graph, times in zip(graphs, samples):
+        for (graph, turn), times in zip(graphs, samples):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
+            with turn.replaying():  # its waits queued before the start
+                start.record()
+                graph.replay()
+                end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / iters)
     del epoch

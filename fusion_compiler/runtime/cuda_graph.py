@@ -42,8 +42,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
+from .replays import GraphTurn, capture_stream
 from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, ready_to_capture,
-                      replay_turn, restored, side_stream)
+                      restored)
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -51,14 +52,6 @@ __all__ = ["CudaGraphRunner", "CaptureError"]
 
 class CaptureError(RuntimeError):
     """The forward could not be captured in a CUDA graph; the message says why (CUDA's error)."""
-
-
-def _capture_stream() -> torch.cuda.Stream:
-    """The stream graphs are captured on, one per device, of the highest priority: its kernels
-    become graph nodes of that priority (torch instantiates graphs with node priorities), which
-    the GPU schedules before those of the derivation running beside the forward on a stream of
-    the default priority (:meth:`.derivations.Derivations.prologue`)."""
-    return side_stream("capture", high_priority=True)
 
 
 def _normal_tensors(state: Sequence[torch.Tensor] = ()) -> contextlib.AbstractContextManager:
@@ -131,8 +124,10 @@ class _Capture:
     turns order its calls, not the caller's work after one; a graph's previous replay may be
     several calls back, the calls between served by another graph)."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, inputs: Sequence[Any]):
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, inputs: Sequence[Any],
+                 stream: torch.cuda.Stream):
         self.graph, self.outputs = graph, outputs
+        self.turn = GraphTurn(stream)
         self.order = StreamOrder(torch.device("cuda", torch.cuda.current_device()))
         self.storages: list[int] | None = None
         flat = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
@@ -156,7 +151,7 @@ class _Capture:
         the buffers as new tensor objects (each one held adds to its storage's count) when they
         may be handed out, else copies."""
         self.order.follow()
-        with replay_turn():
+        with self.turn.replaying():
             self.graph.replay()
         if outputs == "copies" or self.storages is None:
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
@@ -191,6 +186,9 @@ class CudaGraphRunner:
             (output buffers are inference tensors, as eager's outputs are there), ``False``
             outside it; gradients off in both. Input buffers and derived tensors are normal
             tensors either way. ``None``: the caller's modes (a captured training step).
+        model: the compiled model the graphs belong to: they are captured on its stream
+            (:func:`~.replays.capture_stream`), so the graphs of one model replay in turn and
+            those of two models may replay at once (:mod:`.replays`); ``None``: on a new stream.
 
     A call made while the current stream is being captured (the caller's own CUDA graph) runs
     the forward, prologue included, into that capture: a graph cannot be replayed inside one.
@@ -207,8 +205,9 @@ class CudaGraphRunner:
     def __init__(self, fn: Callable[..., Any], example_args: Sequence[Any], warmup: int = 2,
                  derivations: Derivations | None = None,
                  buffers: Sequence[torch.Tensor] = (), written: Sequence[int] = (),
-                 inference: bool | None = None):
+                 inference: bool | None = None, model: Any = None):
         self.fn, self.warmup, self.derivations = fn, warmup, derivations
+        self.stream = capture_stream(model)
         self.inference = inference
         self.buffers, self.written = list(buffers), list(written)
         self.main: _Capture | None = None
@@ -264,14 +263,14 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
-                with capturing(graph, self._turns, stream=_capture_stream()), self._scope(), \
+                with capturing(graph, self._turns, stream=self.stream), self._scope(), \
                         self._capturing_mode():
                     outputs = self._forward(self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
                 _release_rng_capture(torch.cuda.current_device())
                 self.close()
                 raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
-        self.main = _Capture(graph, outputs, self.static_inputs)
+        self.main = _Capture(graph, outputs, self.static_inputs, self.stream)
 
     def _forward(self, args: Sequence[Any]) -> Any:
         """What a graph holds: the derivation prologue, then the forward (which waits for the
@@ -293,10 +292,10 @@ class CudaGraphRunner:
             return None
         graph = torch.cuda.CUDAGraph()
         try:
-            with capturing(graph, self._turns, pool, _capture_stream()), self._scope(), \
+            with capturing(graph, self._turns, pool, self.stream), self._scope(), \
                     self._capturing_mode():
                 outputs = self._forward(args)
-            return _Capture(graph, outputs, args)
+            return _Capture(graph, outputs, args, self.stream)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
             _release_rng_capture(torch.cuda.current_device())
             warn_once("capturing a further CUDA graph (the direct or the spare one)",

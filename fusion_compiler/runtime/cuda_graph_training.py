@@ -42,7 +42,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .tensors import Turns, layout_like, replay_turn, restored, side_stream
+from .replays import GraphTurn
+from .tensors import Turns, layout_like, restored, side_stream
 from ..ir.errors import condense
 from .cuda_graph import CaptureError, _release_rng_capture, _uncached_autocast, capturing
 from .weight_cache import derivation_epoch
@@ -66,6 +67,11 @@ class TrainingGraphRunner:
         buffers: the buffers ``fn`` may update in place (restored after warm-up and capture).
         warmup: forward + backward runs on a side stream before capture.
 
+    The graphs are captured on this package's training capture stream of the current device, of
+    the default priority (as DistributedDataParallel's communication beside the backward), which
+    every model's training steps share: that stream is their lane (:mod:`.replays`), so they
+    replay in turn with one another and may replay beside inference graphs.
+
     Raises:
         CaptureError: the forward or the backward cannot be captured.
     """
@@ -74,6 +80,7 @@ class TrainingGraphRunner:
                  example_args: Sequence[Any], parameters: Sequence[torch.nn.Parameter],
                  buffers: Sequence[torch.Tensor] = (), warmup: int = 3):
         self.fn, self.module, self.warmup = fn, module, warmup
+        self.stream = side_stream("training capture")
         self.all_parameters = list(parameters)
         self.buffers = list(buffers)
         self.static_inputs = [a.detach().clone().requires_grad_(a.requires_grad)
@@ -147,7 +154,8 @@ class TrainingGraphRunner:
     def _capture_graphs(self, named: dict[str, torch.Tensor],
                         alias_of: dict[int, torch.Tensor]) -> None:
         pool = torch.cuda.graph_pool_handle()
-        self.pair = pair = _GraphPair(self.parameters, self._turns)  # closed if it fails
+        # closed if it fails
+        self.pair = pair = _GraphPair(self.parameters, self._turns, self.stream)
         with torch.enable_grad():
             pair.capture_forward(lambda: self._run(named), self.static_inputs, pool)
         pair.capture_backward([alias_of[id(p)] for p in pair.parameters],
@@ -175,8 +183,10 @@ class TrainingGraphRunner:
 class _GraphPair:
     """The forward and backward graphs of the step, their static buffers and replays."""
 
-    def __init__(self, parameters: list[torch.nn.Parameter], turns: Turns):
-        self.parameters, self.turns = parameters, turns
+    def __init__(self, parameters: list[torch.nn.Parameter], turns: Turns,
+                 stream: torch.cuda.Stream | None = None):
+        self.parameters, self.turns, self.stream = parameters, turns, stream
+        self.fwd_turn, self.bwd_turn = GraphTurn(stream), GraphTurn(stream)  # (their lane)
         self.closed = False
         self.fwd_graph: torch.cuda.CUDAGraph | None = None
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
@@ -188,7 +198,7 @@ class _GraphPair:
         self.inputs = inputs
         self.static_inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
         self.fwd_graph = torch.cuda.CUDAGraph()
-        with capturing(self.fwd_graph, self.turns, pool, side_stream("training capture")):
+        with capturing(self.fwd_graph, self.turns, pool, self.stream):
             out = call()
         self.live_outputs, self.out_spec = tree_flatten(out)
         self.diff_positions = [i for i, t in enumerate(self.live_outputs)
@@ -213,7 +223,7 @@ class _GraphPair:
             self.live_outputs, self.inputs = [], []
             return
         self.bwd_graph = torch.cuda.CUDAGraph()
-        with capturing(self.bwd_graph, self.turns, pool, side_stream("training capture")):
+        with capturing(self.bwd_graph, self.turns, pool, self.stream):
             grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs, allow_unused=True)
             grads = [*(layout_like(g, self.inputs[i], copy=True)
                        if g is not None and id(self.inputs[i]) in alias_ids else g
@@ -233,7 +243,7 @@ class _GraphPair:
             for static, a in zip(self.static_inputs, inputs):
                 if isinstance(a, torch.Tensor) and a.data_ptr() != static.data_ptr():
                     static.copy_(a)
-            with replay_turn():
+            with self.fwd_turn.replaying():
                 self.fwd_graph.replay()
             self.generation += 1
             return ([t.clone() if isinstance(t, torch.Tensor) else t
@@ -272,7 +282,7 @@ class _GraphPair:
             elif g.data_ptr() != static.data_ptr():
                 static.copy_(g)
         if self.bwd_graph is not None:
-            with replay_turn():
+            with self.bwd_turn.replaying():
                 self.bwd_graph.replay()
         copied = [g for g in self.input_grads.values() if g is not None]
         copied += [g for g in self.param_grads if g is not None]

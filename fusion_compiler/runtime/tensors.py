@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 __all__ = ["StreamOrder", "Turns", "side_stream", "stream_capturing", "capture_owner",
-           "owning_capture", "replay_turn", "autocast_dtype", "shared_storage", "restored",
+           "owning_capture", "autocast_dtype", "shared_storage", "restored",
            "inference_graph_modes", "layout_like", "channel_view_strides", "as_channel_view",
            "before_captures_on_a_thread", "ready_to_capture", "on_device_of"]
 
@@ -142,46 +142,6 @@ def owning_capture(owner: Any) -> Iterator[None]:
         with _OWNED_LOCK:
             for stream in [s for s, o in _OWNED_STREAMS.items() if o is owner]:
                 del _OWNED_STREAMS[stream]
-
-
-class _Replays:
-    """The replays of one device's graphs: a lock, and the event after the last one."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.done: torch.cuda.Event | None = None
-
-
-_REPLAYS: dict[int, _Replays] = {}
-
-
-@contextlib.contextmanager
-def replay_turn() -> Iterator[None]:
-    """Replay one of this package's CUDA graphs (inside the block, on the current stream) after
-    every earlier replay of one on the current device has run on the GPU: the replays of all of
-    them run one after another, whatever thread or stream they are issued from.
-
-    Graphs captured on one stream share the scratch memory libraries keep per stream and handle:
-    PyTorch's cuBLAS and cuBLASLt workspaces (one per handle and stream, made at the first GEMM
-    and never again: PyTorch ``CublasHandlePool.cpp``), which every graph this package
-    captures on its capture stream embeds. Two such graphs replayed at once on two streams by
-    two threads overwrite each other's GEMM scratch (docs/decisions.md, "Replays one at a time").
-    Costs one event wait and one record per replay; a replay waiting only for the previous one
-    on its own stream waits for nothing. Without CUDA (the runners' CPU tests) it does nothing."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    index = torch.cuda.current_device()
-    with _SIDE_LOCK:
-        replays = _REPLAYS.setdefault(index, _Replays())
-    with replays.lock:
-        stream = torch.cuda.current_stream()
-        if replays.done is None:
-            replays.done = torch.cuda.Event()
-        else:
-            stream.wait_event(replays.done)
-        yield
-        replays.done.record(stream)
 
 
 _SIDE_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}

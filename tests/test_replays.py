@@ -1,0 +1,128 @@
+"""The order of this package's CUDA-graph replays (``runtime/replays.py``): replays of one lane
+(graphs captured on one stream, which share its GEMM scratch) one after another on the GPU,
+replays of two lanes at once, and a graph that draws random numbers (or is not known not to)
+alone. CPU: streams, events and the generator's offset are fakes that log what is queued."""
+
+import types
+
+import pytest
+import torch
+
+from fusion_compiler.runtime import replays
+
+
+class _Event:
+    count = 0
+
+    def __init__(self):
+        _Event.count += 1
+        self.id = _Event.count
+        self.log = None
+
+    def record(self, stream):
+        stream.log.append(("record", stream.name, self.id))
+
+
+class _Stream:
+    def __init__(self, name, log, raw):
+        self.name, self.log = name, log
+        self.cuda_stream, self.device = raw, types.SimpleNamespace(index=0)
+
+    def wait_event(self, event):
+        self.log.append(("wait", self.name, event.id))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """``(log, current, offset)``: what streams queued, the current stream (a one-element list),
+    the default generator's offset (a one-element list the fake graphs move)."""
+    log, offset = [], [0]
+    current = [_Stream("caller", log, 1)]
+    _Event.count = 0
+    monkeypatch.setattr(replays, "_REPLAYS", {})
+    monkeypatch.setattr(replays, "_offset", lambda index: offset[0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    return log, current, offset
+
+
+def _replay(turn, log, name, draws=0, offset=None):
+    with turn.replaying():
+        log.append(("replay", name))
+        if draws:
+            offset[0] += draws
+
+
+def test_replays_of_one_lane_wait_for_each_other_whatever_the_stream(fake_cuda):
+    """Two graphs captured on one stream: the second's replay, issued on another stream, waits
+    for the event the first recorded (PyTorch's cuBLAS workspace is one per handle and stream,
+    so the two graphs share GEMM scratch)."""
+    log, current, _ = fake_cuda
+    lane = _Stream("lane", log, 100)
+    a, b = replays.GraphTurn(lane), replays.GraphTurn(lane)
+    a.random = b.random = False  # known: they draw no random numbers
+    _replay(a, log, "a")
+    current[0] = _Stream("other", log, 2)
+    _replay(b, log, "b")
+    assert log == [("replay", "a"), ("record", "caller", 1),
+                   ("wait", "other", 1), ("replay", "b"), ("record", "other", 1)]
+
+
+def test_replays_of_two_lanes_run_at_once(fake_cuda):
+    """Graphs captured on two streams (two compiled models) share no scratch: the second's
+    replay waits for nothing of the first's."""
+    log, current, _ = fake_cuda
+    a = replays.GraphTurn(_Stream("lane a", log, 100))
+    b = replays.GraphTurn(_Stream("lane b", log, 200))
+    a.random = b.random = False
+    _replay(a, log, "a")
+    current[0] = _Stream("other", log, 2)
+    _replay(b, log, "b")
+    assert [e for e in log if e[0] == "wait"] == []
+
+
+def test_a_graph_replays_alone_until_it_is_seen_to_draw_no_random_numbers(fake_cuda):
+    """A graph's first replay waits for every lane's last replay (every replay fills the
+    generator's seed and offset tensors that a drawing graph reads); its offset did not move, so
+    its next replay waits only for its own lane's (and the last replay taken alone)."""
+    log, current, _ = fake_cuda
+    a = replays.GraphTurn(_Stream("lane a", log, 100))
+    a.random = False
+    _replay(a, log, "a")  # event 1 (lane a)
+    b = replays.GraphTurn(_Stream("lane b", log, 200))
+    current[0] = _Stream("other", log, 2)
+    _replay(b, log, "b first")  # waits for lane a; records lane b (2) and the alone event (3)
+    assert b.random is False
+    del log[:]
+    _replay(b, log, "b again")
+    assert log == [("wait", "other", 2), ("wait", "other", 3), ("replay", "b again"),
+                   ("record", "other", 2)]
+    assert ("wait", "other", 1) not in log  # lane a's replays may run beside it
+
+
+def test_a_graph_that_draws_random_numbers_always_replays_alone(fake_cuda):
+    """A graph whose replay moves the generator's offset keeps replaying alone: after every
+    lane's last replay; and a graph of another lane waits for it."""
+    log, current, offset = fake_cuda
+    a = replays.GraphTurn(_Stream("lane a", log, 100))
+    a.random = False
+    r = replays.GraphTurn(_Stream("lane r", log, 300))
+    _replay(a, log, "a")  # lane a: event 1
+    _replay(r, log, "r", draws=4, offset=offset)  # lane r: 2, alone: 3
+    assert r.random is True
+    _replay(a, log, "a again")
+    _replay(r, log, "r again", draws=4, offset=offset)
+    waits_of_a = log[log.index(("replay", "r")) + 3:log.index(("replay", "a again"))]
+    assert ("wait", "caller", 3) in waits_of_a  # a waits for the drawing graph
+    last = log[log.index(("replay", "a again")):]
+    assert ("wait", "caller", 1) in last and ("wait", "caller", 2) in last  # r: every lane
+    assert offset[0] == 8
+
+
+def test_without_cuda_a_turn_does_nothing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    turn = replays.GraphTurn(None)
+    with turn.replaying():
+        pass
+    assert turn.random is None
