@@ -126,3 +126,35 @@ def test_without_cuda_a_turn_does_nothing(monkeypatch):
     with turn.replaying():
         pass
     assert turn.random is None
+
+
+def test_a_model_keeps_its_capture_stream_and_two_models_get_two(monkeypatch):
+    """``capture_stream(model)``: the same stream for every call with one model (its graphs share
+    derived tensors: one lane), another for another model, also for a model that cannot be
+    hashed (``__eq__`` without ``__hash__``); forgotten when the model dies."""
+    import gc
+
+    made = []
+
+    class Stream:
+        def __init__(self, index, priority=0):
+            made.append(self)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    Stream.priority_range = staticmethod(lambda: (0, -5))
+
+    class Unhashable(torch.nn.Module):
+        def __eq__(self, other):
+            return self is other
+
+    a, b, c = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), Unhashable()
+    assert replays.capture_stream(a) is replays.capture_stream(a)
+    assert replays.capture_stream(b) is not replays.capture_stream(a)
+    assert replays.capture_stream(c) is replays.capture_stream(c)
+    assert replays.capture_stream() is not replays.capture_stream()  # no owner: a new one
+    assert len(made) == 5
+    key = id(b)
+    del b
+    gc.collect()
+    assert key not in replays._STREAMS

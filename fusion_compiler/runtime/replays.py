@@ -103,8 +103,27 @@ class GraphTurn:
                 replays.alone.record(stream)
 
 
-_STREAMS: "weakref.WeakKeyDictionary[Any, dict[int, torch.cuda.Stream]]" = \
-    weakref.WeakKeyDictionary()
+_STREAMS: dict[int, tuple[weakref.ref, dict[int, torch.cuda.Stream]]] = {}
+"""By ``id`` of the owner (an owner need not be hashable: a module with ``__eq__`` and no
+``__hash__``): a weak reference to it, and its stream per device."""
+_STREAMS_LOCK = threading.RLock()  # re-entrant: an owner's death may run ``forget`` under it
+
+
+def _streams_of(owner: Any) -> dict[int, torch.cuda.Stream]:
+    """The owner's streams by device (call with ``_STREAMS_LOCK`` held); forgotten when it
+    dies."""
+    key = id(owner)
+    entry = _STREAMS.get(key)
+    if entry is not None and entry[0]() is owner:
+        return entry[1]
+
+    def forget(ref: weakref.ref) -> None:
+        with _STREAMS_LOCK:
+            if _STREAMS.get(key, (None,))[0] is ref:
+                del _STREAMS[key]
+
+    entry = _STREAMS[key] = (weakref.ref(owner, forget), {})
+    return entry[1]
 
 
 def capture_stream(owner: Any = None) -> torch.cuda.Stream:
@@ -122,8 +141,8 @@ def capture_stream(owner: Any = None) -> torch.cuda.Stream:
     priority = torch.cuda.Stream.priority_range()[1]
     if owner is None:
         return torch.cuda.Stream(index, priority=priority)
-    with _LOCK:
-        streams = _STREAMS.setdefault(owner, {})
+    with _STREAMS_LOCK:
+        streams = _streams_of(owner)
         stream = streams.get(index)
         if stream is None:
             stream = streams[index] = torch.cuda.Stream(index, priority=priority)
