@@ -1,10 +1,11 @@
 """The order of this package's CUDA-graph replays on a device: lanes, and the random-number state
 every replay touches.
 
-A compiled model's graphs (its inference runners' and its training steps', every specialization
-and tier) are captured on one stream of their own, :func:`capture_stream`, and that stream is
-their *lane*. Replays of one lane run one after another on the GPU, whichever thread or stream
-issues them: they share the scratch memory libraries keep per stream and handle (PyTorch's cuBLAS
+A compiled model's inference graphs (every specialization and tier) are captured on one stream
+of their own, :func:`capture_stream`; every model's training steps on one training capture stream
+(:class:`~.cuda_graph_training.TrainingGraphRunner`). The stream a graph was captured on is its
+*lane*. Replays of one lane run one after another on the GPU, whichever thread or stream issues
+them: they share the scratch memory libraries keep per stream and handle (PyTorch's cuBLAS
 and cuBLASLt workspaces, made at a thread's first GEMM on a stream and embedded by every graph
 captured there: PyTorch ``CublasHandlePool.cpp``), and the tensors the model's derivation prologue
 rewrites. Replays of different lanes may run at once (two models called by two threads), except
