@@ -580,8 +580,8 @@ def _at_once(actors: int, body) -> None:
 
 def test_two_compiled_graphs_replayed_at_once_on_two_streams_keep_their_scratch_apart(
         tmp_path, monkeypatch):
-    """Two runners' CUDA graphs (two models, or two batch sizes of one) captured on this
-    package's one capture stream: their cuDNN plans must get workspaces at different addresses,
+    """Two runners' CUDA graphs (two models, on two capture streams, or two batch sizes of
+    one, on its one stream): their cuDNN plans must get workspaces at different addresses,
     and replayed by two threads at once on streams of their own, each gets its own values.
     Before, both graphs' plans used the capture stream's one workspace (found by reading the
     code), so concurrent replays could overwrite each other's scratch."""

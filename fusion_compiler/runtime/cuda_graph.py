@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .replays import GraphTurn, capture_stream
+from .replays import RELEASES, GraphTurn, capture_stream
 from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, ready_to_capture,
                       restored)
 from .weight_cache import Epoch, derivation_scope
@@ -110,6 +110,7 @@ def _release_rng_capture(device: int) -> None:
     """
     generator = torch.cuda.default_generators[device]
     generator.graphsafe_set_state(generator.clone_state())
+    RELEASES[0] += 1  # graphs captured before keep the old state: replayed alone from now on
 
 
 class _Capture:

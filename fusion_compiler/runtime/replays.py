@@ -13,8 +13,10 @@ around a graph that draws random numbers: every replay fills the default CUDA ge
 offset tensors on its stream before its kernels (PyTorch ``CUDAGeneratorImpl``,
 ``replay_prologue``; every graph registers that generator at capture), and a graph whose kernels
 draw read them, so such a graph replays alone: after every earlier replay of any lane, before
-any later one. Whether a graph draws is seen at its first replay (the generator's offset moves
-by what the graph draws); until then it is taken to draw. Measurements and history:
+any later one. Whether a graph draws is seen at its first replays (the generator's offset moves
+by what the graph draws; two replays that do not move it, with no failed capture since the graph
+was made); until then it is taken to draw. (This is torch 2.11's behaviour; later torch keeps
+these tensors per capture, where replaying alone costs only speed.) Measurements and history:
 docs/decisions.md, "Replays one at a time"."""
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def _replays(index: int) -> _Replays:
         return _REPLAYS.setdefault(index, _Replays())
 
 
+RELEASES = [0]
+"""How many times a failed capture replaced the default generator's state
+(``cuda_graph._release_rng_capture``): graphs captured before keep the old state, whose offset
+:func:`_offset` no longer reads, so such a graph is taken to draw."""
+
+
 def _offset(index: int) -> int | None:
     """The default CUDA generator's offset on device ``index`` (``None`` where it cannot be
     read: the graph is then always taken to draw)."""
@@ -70,6 +78,8 @@ class GraphTurn:
         self.device = stream.device.index if stream is not None else None
         self.lane = stream.cuda_stream if stream is not None else None
         self.random: bool | None = None  # whether its replays draw random numbers; None: unknown
+        self._still = 0  # first replays seen not to move the offset (two are needed)
+        self._releases = RELEASES[0]
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
@@ -82,7 +92,7 @@ class GraphTurn:
             return
         replays = _replays(self.device)
         with replays.lock:
-            stream = torch.cuda.current_stream()
+            stream = torch.cuda.current_stream(self.device)
             alone = self.random is not False
             waits = [*replays.lanes.values(), replays.alone] if alone else [
                 replays.lanes.get(self.lane), replays.alone]
@@ -91,9 +101,13 @@ class GraphTurn:
                     stream.wait_event(event)
             before = _offset(self.device) if self.random is None else None
             yield
-            if self.random is None:
+            if self.random is None:  # not drawing: seen twice (another thread may reseed)
                 after = _offset(self.device) if before is not None else None
-                self.random = after is None or after != before
+                if after is None or after != before or self._releases != RELEASES[0]:
+                    self.random = True
+                else:
+                    self._still += 1
+                    self.random = False if self._still >= 2 else None
             done = replays.lanes.get(self.lane)
             if done is None:
                 done = replays.lanes[self.lane] = torch.cuda.Event()

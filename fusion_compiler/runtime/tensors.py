@@ -110,7 +110,7 @@ def capture_owner() -> Any:
     """What owns the CUDA graph being captured now by this package (:func:`owning_capture`), or
     ``None``: the key of the scratch memory that graph's kernels use (the cuDNN backend's
     workspaces, :class:`fusion_compiler.backends.cudnn.resources.Workspaces`), so that graphs
-    which may be replayed at the same time never share it, though all are captured on one stream.
+    which may be replayed at the same time never share it, whichever stream they are captured on.
 
     The capturing thread finds its owner on any stream; another thread (autograd's device
     thread, which runs the backward of a captured training step) by its current stream, which
