@@ -17,7 +17,6 @@ class _Event:
     def __init__(self):
         _Event.count += 1
         self.id = _Event.count
-        self.log = None
 
     def record(self, stream):
         stream.log.append(("record", stream.name, self.id))

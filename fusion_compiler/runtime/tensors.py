@@ -148,20 +148,19 @@ _SIDE_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
 _SIDE_LOCK = threading.Lock()
 
 
-def side_stream(purpose: str, high_priority: bool = False) -> torch.cuda.Stream:
+def side_stream(purpose: str) -> torch.cuda.Stream:
     """This package's own stream for ``purpose`` on the current device, made once and kept (every
     thread gets the same one). Like every stream torch makes, it is a non-blocking stream
     (``cudaStreamNonBlocking``): work on it never orders itself against the legacy default stream,
     and a capture on it never makes a legacy-stream call of another thread fail (CUDA Runtime API,
     "Stream synchronization behavior"; docs/decisions.md, "cuDNN deserialization captures").
-    ``high_priority`` takes the highest priority the device offers
-    (``torch.cuda.Stream.priority_range()``); kernels captured on it keep that priority."""
+    Of the default priority (inference graphs are captured on high-priority streams of their
+    own: :func:`.replays.capture_stream`)."""
     key = (purpose, torch.cuda.current_device())
     with _SIDE_LOCK:
         stream = _SIDE_STREAMS.get(key)
         if stream is None:
-            priority = torch.cuda.Stream.priority_range()[1] if high_priority else 0
-            stream = _SIDE_STREAMS[key] = torch.cuda.Stream(key[1], priority=priority)
+            stream = _SIDE_STREAMS[key] = torch.cuda.Stream(key[1], priority=0)
     return stream
 
 

@@ -22,9 +22,10 @@ last and free the others (short-lived streams: the side stream of a capture's wa
 workspace handed out while its stream was being captured into a CUDA graph is never freed
 (docs/decisions.md, "cuDNN workspaces a CUDA graph used are kept"). The graphs this package
 captures get workspaces of their own instead, one set per owner (a runner's graphs, which replay
-one at a time): graphs of two models, on two capture streams, replay at once, and one
-model's graphs of two owners share a stream: sharing a stream's workspace, two graphs replayed at
-once by two threads would overwrite each other's scratch (docs/decisions.md, "A workspace per captured graph").
+one at a time). Graphs of two models, on two capture streams, replay at once, and graphs of two
+owners of one model share its stream: two graphs sharing a stream's workspace and replayed at
+once by two threads would overwrite each other's scratch (docs/decisions.md, "A workspace per
+captured graph").
 """
 
 from __future__ import annotations
