@@ -40,8 +40,8 @@ def fake_cuda(monkeypatch):
     _Event.count = 0
     monkeypatch.setattr(replays, "_REPLAYS", {})
     monkeypatch.setattr(replays, "_offset", lambda index: offset[0])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *device: current[0])
+    monkeypatch.setattr(replays, "_current_stream",
+                        lambda index: (current[0].cuda_stream, current[0]))
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     return log, current, offset
 
@@ -96,10 +96,28 @@ def test_a_graph_replays_alone_until_it_is_seen_to_draw_no_random_numbers(fake_c
     _replay(b, log, "b second")
     assert b.random is False
     del log[:]
+    current[0] = _Stream("third", log, 3)
     _replay(b, log, "b again")
-    assert log == [("wait", "other", 2), ("wait", "other", 3), ("replay", "b again"),
-                   ("record", "other", 2)]
-    assert ("wait", "other", 1) not in log  # lane a's replays may run beside it
+    assert log == [("wait", "third", 2), ("wait", "third", 3), ("replay", "b again"),
+                   ("record", "third", 2)]
+    assert ("wait", "third", 1) not in log  # lane a's replays may run beside it
+
+
+def test_a_replay_waits_for_no_event_recorded_on_its_own_stream(fake_cuda):
+    """An event recorded on the stream a replay is issued on is behind it already (stream order):
+    one thread calling one model replays with no wait at all; a replay on another stream
+    waits."""
+    log, current, _ = fake_cuda
+    a = replays.GraphTurn(_Stream("lane a", log, 100))
+    for name in ("first", "second", "third"):  # alone, alone, then known not to draw
+        _replay(a, log, name)
+    assert a.random is False
+    assert [e for e in log if e[0] == "wait"] == []
+    del log[:]
+    current[0] = _Stream("other", log, 2)
+    _replay(a, log, "on another stream")
+    assert log == [("wait", "other", 1), ("wait", "other", 2), ("replay", "on another stream"),
+                   ("record", "other", 1)]
 
 
 def test_a_graph_that_draws_random_numbers_always_replays_alone(fake_cuda):
@@ -109,20 +127,23 @@ def test_a_graph_that_draws_random_numbers_always_replays_alone(fake_cuda):
     a = replays.GraphTurn(_Stream("lane a", log, 100))
     a.random = False
     r = replays.GraphTurn(_Stream("lane r", log, 300))
-    _replay(a, log, "a")  # lane a: event 1
-    _replay(r, log, "r", draws=4, offset=offset)  # lane r: 2, alone: 3
-    assert r.random is True
+    caller, other = current[0], _Stream("other", log, 2)
+    _replay(a, log, "a")  # lane a: event 1, on the caller's stream
+    current[0] = other
+    _replay(r, log, "r", draws=4, offset=offset)  # waits for 1; lane r: 2, alone: 3
+    assert r.random is True and ("wait", "other", 1) in log
+    current[0] = caller
     _replay(a, log, "a again")
+    current[0] = other
     _replay(r, log, "r again", draws=4, offset=offset)
     waits_of_a = log[log.index(("replay", "r")) + 3:log.index(("replay", "a again"))]
     assert ("wait", "caller", 3) in waits_of_a  # a waits for the drawing graph
     last = log[log.index(("replay", "a again")):]
-    assert ("wait", "caller", 1) in last and ("wait", "caller", 2) in last  # r: every lane
+    assert ("wait", "other", 1) in last  # r: every lane (its own lane's event is on its stream)
     assert offset[0] == 8
 
 
-def test_without_cuda_a_turn_does_nothing(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_without_cuda_a_turn_does_nothing():
     turn = replays.GraphTurn(None)
     with turn.replaying():
         pass
@@ -170,3 +191,14 @@ def test_after_a_failed_capture_older_graphs_are_taken_to_draw(fake_cuda):
     _replay(turn, log, "first")
     _replay(turn, log, "second")
     assert turn.random is True
+
+
+def test_a_failed_replay_releases_the_turn_and_records_nothing(fake_cuda):
+    log, current, _ = fake_cuda
+    a = replays.GraphTurn(_Stream("lane a", log, 100))
+    with pytest.raises(RuntimeError, match="replay failed"):
+        with a.replaying():
+            raise RuntimeError("replay failed")
+    assert [e for e in log if e[0] == "record"] == [] and a.random is None
+    _replay(a, log, "next")  # the device's turn was given back
+    assert ("replay", "next") in log

@@ -37,7 +37,7 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.errors import condense
 from .derivations import Derivations
@@ -131,7 +131,8 @@ class _Capture:
         self.turn = GraphTurn(stream)
         self.order = StreamOrder(torch.device("cuda", torch.cuda.current_device()))
         self.storages: list[int] | None = None
-        flat = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
+        self._leaves, self._spec = tree_flatten(outputs)
+        flat = [t for t in self._leaves if isinstance(t, torch.Tensor)]
         read = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
         if hasattr(torch._C, "_storage_Use_Count") and not any(
                 t.untyped_storage().data_ptr() in read for t in flat):
@@ -154,14 +155,18 @@ class _Capture:
         self.order.follow()
         with self.turn.replaying():
             self.graph.replay()
+        out = self.outputs
+        if isinstance(out, torch.Tensor):  # (most models: one tensor, no tree to walk)
+            return out.clone() if outputs == "copies" or self.storages is None else out.detach()
         if outputs == "copies" or self.storages is None:
-            return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
-                            self.outputs)
-        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, self.outputs)
+            leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in self._leaves]
+        else:
+            leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in self._leaves]
+        return tree_unflatten(leaves, self._spec)
 
     def reset(self) -> None:
         self.graph.reset()
-        self.outputs = None
+        self.outputs = self._leaves = None
 
 
 class CudaGraphRunner:

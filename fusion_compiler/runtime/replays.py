@@ -21,10 +21,9 @@ docs/decisions.md, "Replays one at a time"."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -33,12 +32,13 @@ __all__ = ["GraphTurn", "capture_stream"]
 
 class _Replays:
     """The replays of one device's graphs: a lock, the event after the last replay of each lane
-    (by raw stream), and the event after the last replay taken alone."""
+    (by raw stream) and after the last replay taken alone, each with the key of the stream it
+    was recorded on (:func:`_current_stream`)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.lanes: dict[int, torch.cuda.Event] = {}
-        self.alone: torch.cuda.Event | None = None
+        self.lanes: dict[int, list[Any]] = {}  # lane: [event, stream key]
+        self.alone: list[Any] | None = None
 
 
 _REPLAYS: dict[int, _Replays] = {}
@@ -46,8 +46,43 @@ _LOCK = threading.Lock()
 
 
 def _replays(index: int) -> _Replays:
-    with _LOCK:
-        return _REPLAYS.setdefault(index, _Replays())
+    replays = _REPLAYS.get(index)
+    if replays is None:
+        with _LOCK:
+            replays = _REPLAYS.setdefault(index, _Replays())
+    return replays
+
+
+_STREAM_OBJECTS: dict[tuple, torch.cuda.Stream] = {}
+
+
+def _current_stream(index: int) -> tuple[tuple, torch.cuda.Stream]:
+    """The current stream of device ``index``: its key (stream id, device index, device type, as
+    ``torch.cuda.current_stream`` reads them) and a ``torch.cuda.Stream`` of that key, kept per
+    key (a stream object is its key; making one switches the current device twice)."""
+    key = torch._C._cuda_getCurrentStream(index)
+    stream = _STREAM_OBJECTS.get(key)
+    if stream is None:
+        if len(_STREAM_OBJECTS) >= 1024:  # a program that makes streams without end
+            _STREAM_OBJECTS.clear()
+        stream = _STREAM_OBJECTS[key] = torch.cuda.current_stream(index)
+    return key, stream
+
+
+def _wait(stream: Any, key: tuple, mark: list[Any] | None) -> None:
+    """Make ``stream`` (of key ``key``) wait for ``mark``'s event, unless that was recorded on
+    this very stream, whose order already puts it before what comes next."""
+    if mark is not None and mark[1] != key:
+        stream.wait_event(mark[0])
+
+
+def _mark(stream: Any, key: tuple, mark: list[Any] | None) -> list[Any]:
+    """Record ``mark``'s event (a new one if ``mark`` is ``None``) on ``stream``."""
+    if mark is None:
+        mark = [torch.cuda.Event(), key]
+    mark[0].record(stream)
+    mark[1] = key
+    return mark
 
 
 RELEASES = [0]
@@ -81,41 +116,56 @@ class GraphTurn:
         self._still = 0  # first replays seen not to move the offset (two are needed)
         self._releases = RELEASES[0]
 
-    @contextlib.contextmanager
-    def replaying(self) -> Iterator[None]:
-        """Replay the graph inside the block, on the current stream: after the last replay of its
-        lane and the last replay taken alone; alone (after every earlier replay of the device)
-        while it draws random numbers or is not known not to. Costs an event wait or a few, and a
-        record or two, per replay; without CUDA (the runners' CPU tests) nothing."""
-        if self.device is None or not torch.cuda.is_available():
-            yield
+    def replaying(self) -> "GraphTurn":
+        """Replay the graph inside the block (``with turn.replaying():``), on the current stream:
+        after the last replay of its lane and the last replay taken alone; alone (after every
+        earlier replay of the device) while it draws random numbers or is not known not to. Costs
+        an event record or two per replay, and an event wait for each of those replays that ran
+        on another stream; without CUDA (the runners' CPU tests) nothing. The turn holds the
+        device's replay lock from the block's start to its end, so a turn's state between the
+        two is its own."""
+        return self
+
+    def __enter__(self) -> None:
+        if self.device is None:  # without CUDA
             return
-        replays = _replays(self.device)
-        with replays.lock:
-            stream = torch.cuda.current_stream(self.device)
-            alone = self.random is not False
-            waits = [*replays.lanes.values(), replays.alone] if alone else [
-                replays.lanes.get(self.lane), replays.alone]
-            for event in waits:
-                if event is not None:
-                    stream.wait_event(event)
-            before = _offset(self.device) if self.random is None else None
-            yield
+        replays = self._held = _replays(self.device)
+        replays.lock.acquire()
+        try:
+            key, stream = self._stream = _current_stream(self.device)
+            self._alone = alone = self.random is not False
+            if alone:
+                for mark in replays.lanes.values():
+                    _wait(stream, key, mark)
+            else:
+                _wait(stream, key, replays.lanes.get(self.lane))
+            _wait(stream, key, replays.alone)
+            self._before = _offset(self.device) if self.random is None else None
+        except BaseException:
+            replays.lock.release()
+            raise
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        if self.device is None:
+            return
+        replays = self._held
+        try:
+            if kind is not None:  # the replay failed: nothing to order after
+                return
             if self.random is None:  # not drawing: seen twice (another thread may reseed)
+                before = self._before
                 after = _offset(self.device) if before is not None else None
                 if after is None or after != before or self._releases != RELEASES[0]:
                     self.random = True
                 else:
                     self._still += 1
                     self.random = False if self._still >= 2 else None
-            done = replays.lanes.get(self.lane)
-            if done is None:
-                done = replays.lanes[self.lane] = torch.cuda.Event()
-            done.record(stream)
-            if alone:
-                if replays.alone is None:
-                    replays.alone = torch.cuda.Event()
-                replays.alone.record(stream)
+            key, stream = self._stream
+            replays.lanes[self.lane] = _mark(stream, key, replays.lanes.get(self.lane))
+            if self._alone:
+                replays.alone = _mark(stream, key, replays.alone)
+        finally:
+            replays.lock.release()
 
 
 _STREAMS: dict[int, tuple[weakref.ref, dict[int, torch.cuda.Stream]]] = {}

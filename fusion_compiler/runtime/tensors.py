@@ -206,12 +206,20 @@ class Turns:
         self.lock = threading.RLock()
         self._order = StreamOrder(device)
 
-    @contextlib.contextmanager
-    def turn(self) -> Iterator[None]:
-        """Hold the buffers for one call, on the current stream."""
-        with self.lock:
+    def turn(self) -> "Turns":
+        """Hold the buffers for one call, on the current stream (``with turns.turn():``)."""
+        return self
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        try:
             self._order.follow()
-            yield
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.release()
 
     @contextlib.contextmanager
     def closing(self) -> Iterator[None]:
