@@ -34,14 +34,15 @@ class _Stream:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """``(log, current, offset)``: what streams queued, the current stream (a one-element list),
-    the default generator's offset (a one-element list the fake graphs move)."""
+    the default generator's offset (a one-element list the fake graphs move). A fake stream's
+    key is ``(raw, 0, 1)``: odd raw ids are PyTorch's own streams, as PyTorch encodes them."""
     log, offset = [], [0]
     current = [_Stream("caller", log, 1)]
     _Event.count = 0
     monkeypatch.setattr(replays, "_REPLAYS", {})
     monkeypatch.setattr(replays, "_offset", lambda index: offset[0])
     monkeypatch.setattr(replays, "_current_stream",
-                        lambda index: (current[0].cuda_stream, current[0]))
+                        lambda index: ((current[0].cuda_stream, 0, 1), current[0]))
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     return log, current, offset
 
@@ -62,7 +63,7 @@ def test_replays_of_one_lane_wait_for_each_other_whatever_the_stream(fake_cuda):
     a, b = replays.GraphTurn(lane), replays.GraphTurn(lane)
     a.random = b.random = False  # known: they draw no random numbers
     _replay(a, log, "a")
-    current[0] = _Stream("other", log, 2)
+    current[0] = _Stream("other", log, 3)
     _replay(b, log, "b")
     assert log == [("replay", "a"), ("record", "caller", 1),
                    ("wait", "other", 1), ("replay", "b"), ("record", "other", 1)]
@@ -76,7 +77,7 @@ def test_replays_of_two_lanes_run_at_once(fake_cuda):
     b = replays.GraphTurn(_Stream("lane b", log, 200))
     a.random = b.random = False
     _replay(a, log, "a")
-    current[0] = _Stream("other", log, 2)
+    current[0] = _Stream("other", log, 3)
     _replay(b, log, "b")
     assert [e for e in log if e[0] == "wait"] == []
 
@@ -90,13 +91,13 @@ def test_a_graph_replays_alone_until_it_is_seen_to_draw_no_random_numbers(fake_c
     a.random = False
     _replay(a, log, "a")  # event 1 (lane a)
     b = replays.GraphTurn(_Stream("lane b", log, 200))
-    current[0] = _Stream("other", log, 2)
+    current[0] = _Stream("other", log, 3)
     _replay(b, log, "b first")  # waits for lane a; records lane b (2) and the alone event (3)
     assert b.random is None  # once not enough: another thread may have reseeded meanwhile
     _replay(b, log, "b second")
     assert b.random is False
     del log[:]
-    current[0] = _Stream("third", log, 3)
+    current[0] = _Stream("third", log, 5)
     _replay(b, log, "b again")
     assert log == [("wait", "third", 2), ("wait", "third", 3), ("replay", "b again"),
                    ("record", "third", 2)]
@@ -114,7 +115,7 @@ def test_a_replay_waits_for_no_event_recorded_on_its_own_stream(fake_cuda):
     assert a.random is False
     assert [e for e in log if e[0] == "wait"] == []
     del log[:]
-    current[0] = _Stream("other", log, 2)
+    current[0] = _Stream("other", log, 3)
     _replay(a, log, "on another stream")
     assert log == [("wait", "other", 1), ("wait", "other", 2), ("replay", "on another stream"),
                    ("record", "other", 1)]
@@ -127,7 +128,7 @@ def test_a_graph_that_draws_random_numbers_always_replays_alone(fake_cuda):
     a = replays.GraphTurn(_Stream("lane a", log, 100))
     a.random = False
     r = replays.GraphTurn(_Stream("lane r", log, 300))
-    caller, other = current[0], _Stream("other", log, 2)
+    caller, other = current[0], _Stream("other", log, 3)
     _replay(a, log, "a")  # lane a: event 1, on the caller's stream
     current[0] = other
     _replay(r, log, "r", draws=4, offset=offset)  # waits for 1; lane r: 2, alone: 3
@@ -202,3 +203,54 @@ def test_a_failed_replay_releases_the_turn_and_records_nothing(fake_cuda):
     assert [e for e in log if e[0] == "record"] == [] and a.random is None
     _replay(a, log, "next")  # the device's turn was given back
     assert ("replay", "next") in log
+
+
+def test_an_external_stream_is_waited_for_even_when_its_handle_is_the_same(fake_cuda):
+    """``cudaStreamPerThread`` (handle 2, an external stream to PyTorch) is another stream in
+    each host thread: a replay there waits for the last replay even if it was recorded under the
+    same handle."""
+    log, current, _ = fake_cuda
+    per_thread = _Stream("per-thread", log, 2)
+    current[0] = per_thread
+    a = replays.GraphTurn(_Stream("lane a", log, 100))
+    a.random = False
+    _replay(a, log, "thread 1")
+    _replay(a, log, "thread 2")
+    assert log == [("replay", "thread 1"), ("record", "per-thread", 1),
+                   ("wait", "per-thread", 1), ("replay", "thread 2"),
+                   ("record", "per-thread", 1)]
+
+
+def test_a_use_after_another_threads_per_thread_stream_waits_for_the_device(monkeypatch):
+    """``StreamOrder``: no thread can name another thread's per-thread stream, so a use after
+    one there synchronizes the device; on PyTorch's own streams it waits for the stream."""
+    import threading
+
+    from fusion_compiler.runtime.tensors import StreamOrder
+
+    raw, calls = [2], []
+
+    class Stream:
+        def __init__(self, raw):
+            self.raw = raw
+
+        def wait_stream(self, other):
+            calls.append(("wait", self.raw, other.raw))
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: raw[0],
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(raw[0]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    order = StreamOrder(torch.device("cuda", 0))
+    order.follow()
+    order.follow()  # the same thread's per-thread stream: its own order
+    assert calls == []
+    other = threading.Thread(target=order.follow)
+    other.start()
+    other.join()
+    assert calls == ["sync"]
+    raw[0] = 7
+    order.follow()  # after the other thread's per-thread stream again
+    raw[0] = 9
+    order.follow()  # one PyTorch stream after another: a stream wait
+    assert calls == ["sync", "sync", ("wait", 9, 7)]

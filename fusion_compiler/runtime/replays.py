@@ -60,6 +60,7 @@ def _current_stream(index: int) -> tuple[tuple, torch.cuda.Stream]:
     """The current stream of device ``index``: its key (stream id, device index, device type, as
     ``torch.cuda.current_stream`` reads them) and a ``torch.cuda.Stream`` of that key, kept per
     key (a stream object is its key; making one switches the current device twice)."""
+    torch.cuda._lazy_init()  # (PyTorch's own error in a forked process, not CUDA's)
     key = torch._C._cuda_getCurrentStream(index)
     stream = _STREAM_OBJECTS.get(key)
     if stream is None:
@@ -69,10 +70,19 @@ def _current_stream(index: int) -> tuple[tuple, torch.cuda.Stream]:
     return key, stream
 
 
+def _torch_stream(key: tuple) -> bool:
+    """Whether a stream key names one stream of PyTorch's own: the default stream (id 0) or a
+    pool stream (odd ids; never destroyed). An external stream's id is its ``cudaStream_t``
+    (even), which need not name one stream: ``cudaStreamPerThread`` is another stream in every
+    host thread, and a destroyed stream's handle may come back for a new one (c10
+    ``CUDAStream.cpp``, stream ids)."""
+    return key[0] == 0 or bool(key[0] & 1)
+
+
 def _wait(stream: Any, key: tuple, mark: list[Any] | None) -> None:
     """Make ``stream`` (of key ``key``) wait for ``mark``'s event, unless that was recorded on
-    this very stream, whose order already puts it before what comes next."""
-    if mark is not None and mark[1] != key:
+    this very stream, PyTorch's own, whose order already puts it before what comes next."""
+    if mark is not None and (mark[1] != key or not _torch_stream(key)):
         stream.wait_event(mark[0])
 
 

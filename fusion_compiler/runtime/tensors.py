@@ -164,6 +164,10 @@ def side_stream(purpose: str) -> torch.cuda.Stream:
     return stream
 
 
+_PER_THREAD_STREAM = 2
+"""``cudaStreamPerThread``'s handle (CUDA Runtime API, ``driver_types.h``)."""
+
+
 class StreamOrder:
     """Uses of some GPU memory from whichever CUDA stream is current, kept in order: a use on
     another stream than the previous use's first makes the current stream wait for the work
@@ -176,18 +180,27 @@ class StreamOrder:
 
     def __init__(self, device: torch.device):
         self._device = device
-        self._last: tuple[int, torch.cuda.Stream] | None = None  # the previous use's (raw, stream)
+        self._last: tuple[Any, torch.cuda.Stream] | None = None  # the previous use's (key, stream)
 
     def follow(self) -> None:
-        """Order a use on the current stream after the previous use (call it before the use)."""
+        """Order a use on the current stream after the previous use (call it before the use).
+
+        ``cudaStreamPerThread`` (handle 2, what CuPy's and Numba's per-thread default streams
+        hand to ``torch.cuda.ExternalStream``) is a stream of its own in every host thread, and
+        no other thread can name it: a use there is keyed by its thread too, and a use after
+        another thread's use there waits for the whole device (``torch.cuda.synchronize``)."""
         if self._device.type != "cuda":
             return
         raw = torch._C._cuda_getCurrentRawStream(self._device.index)
-        if self._last is None or self._last[0] != raw:
+        key = (raw, threading.get_ident()) if raw == _PER_THREAD_STREAM else raw
+        if self._last is None or self._last[0] != key:
             stream = torch.cuda.current_stream(self._device)
             if self._last is not None:
-                stream.wait_stream(self._last[1])
-            self._last = (raw, stream)
+                if isinstance(self._last[0], tuple):  # another thread's per-thread stream
+                    torch.cuda.synchronize(self._device)
+                else:
+                    stream.wait_stream(self._last[1])
+            self._last = (key, stream)
 
 
 class Turns:
