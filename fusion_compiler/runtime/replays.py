@@ -59,7 +59,8 @@ _STREAM_OBJECTS: dict[tuple, torch.cuda.Stream] = {}
 def _current_stream(index: int) -> tuple[tuple, torch.cuda.Stream]:
     """The current stream of device ``index``: its key (stream id, device index, device type, as
     ``torch.cuda.current_stream`` reads them) and a ``torch.cuda.Stream`` of that key, kept per
-    key (a stream object is its key; making one switches the current device twice)."""
+    key (a stream object is its key; ``torch.cuda.current_stream`` makes a new one at every
+    call: docs/decisions.md, "The host path of a replay")."""
     torch.cuda._lazy_init()  # (PyTorch's own error in a forked process, not CUDA's)
     key = torch._C._cuda_getCurrentStream(index)
     stream = _STREAM_OBJECTS.get(key)
