@@ -155,14 +155,13 @@ class _Capture:
         self.order.follow()
         with self.turn.replaying():
             self.graph.replay()
+        copy = outputs == "copies" or self.storages is None
         out = self.outputs
         if isinstance(out, torch.Tensor):  # (most models: one tensor, no tree to walk)
-            return out.clone() if outputs == "copies" or self.storages is None else out.detach()
-        if outputs == "copies" or self.storages is None:
-            leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in self._leaves]
-        else:
-            leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in self._leaves]
-        return tree_unflatten(leaves, self._spec)
+            return out.clone() if copy else out.detach()
+        return tree_unflatten([(t.clone() if copy else t.detach())
+                               if isinstance(t, torch.Tensor) else t for t in self._leaves],
+                              self._spec)
 
     def reset(self) -> None:
         self.graph.reset()

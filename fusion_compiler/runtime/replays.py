@@ -46,11 +46,8 @@ _LOCK = threading.Lock()
 
 
 def _replays(index: int) -> _Replays:
-    replays = _REPLAYS.get(index)
-    if replays is None:
-        with _LOCK:
-            replays = _REPLAYS.setdefault(index, _Replays())
-    return replays
+    with _LOCK:
+        return _REPLAYS.setdefault(index, _Replays())
 
 
 _STREAM_OBJECTS: dict[tuple, torch.cuda.Stream] = {}
@@ -126,6 +123,7 @@ class GraphTurn:
         self.random: bool | None = None  # whether its replays draw random numbers; None: unknown
         self._still = 0  # first replays seen not to move the offset (two are needed)
         self._releases = RELEASES[0]
+        self._replays = _replays(self.device) if self.device is not None else None
 
     def replaying(self) -> "GraphTurn":
         """Replay the graph inside the block (``with turn.replaying():``), on the current stream:
@@ -140,7 +138,7 @@ class GraphTurn:
     def __enter__(self) -> None:
         if self.device is None:  # without CUDA
             return
-        replays = self._held = _replays(self.device)
+        replays = self._replays
         replays.lock.acquire()
         try:
             key, stream = self._stream = _current_stream(self.device)
@@ -159,7 +157,7 @@ class GraphTurn:
     def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
         if self.device is None:
             return
-        replays = self._held
+        replays = self._replays
         try:
             if kind is not None:  # the replay failed: nothing to order after
                 return
