@@ -338,6 +338,38 @@ def test_a_forward_that_cannot_be_captured_runs_without_a_graph_and_says_why_onc
     torch.randn(4, device="cuda")  # the failed capture left the CUDA generator usable
 
 
+def test_a_failed_capture_keeps_one_generator_state_for_graphs_and_eager_draws():
+    """After a capture fails, the default generator leaves capture mode with its state kept
+    (``replays.release_rng_capture``): a graph that draws, captured before, moves the same
+    offset as eager ops, so its numbers are not the eager draw's that follows (with a copy of
+    the state put in its place, the older graph kept the stuck state and its replay raised)."""
+    from fusion_compiler.runtime.replays import release_rng_capture
+
+    device = torch.cuda.current_device()
+    generator = torch.cuda.default_generators[device]
+    static = torch.empty(1 << 16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static.uniform_()
+    torch.cuda.current_stream().wait_stream(side)
+    drawing = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(drawing):
+        static.uniform_()
+    with pytest.raises(RuntimeError):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            torch.rand(8, device="cuda")  # a draw inside the capture that fails
+            torch.cuda.synchronize()  # not allowed while capturing
+    release_rng_capture(device)
+    before = generator.get_offset()
+    drawing.replay()
+    assert generator.get_offset() > before
+    eager = torch.empty_like(static).uniform_()
+    torch.cuda.synchronize()
+    assert not torch.equal(static, eager)
+    assert 0.45 < float(static.mean()) < 0.55 and 0.45 < float(eager.mean()) < 0.55
+
+
 def test_without_cuda_graphs_regions_are_called_directly(monkeypatch, tmp_path):
     """Inference regions run their plan straight from Python, not through the custom op (whose
     dispatch costs ~20 us a call), and ``glue_backend="auto"`` picks eager glue, which calls them

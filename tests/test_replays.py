@@ -3,6 +3,7 @@
 replays of two lanes at once, and a graph that draws random numbers (or is not known not to)
 alone. CPU: streams, events and the generator's offset are fakes that log what is queued."""
 
+import contextlib
 import types
 
 import pytest
@@ -184,14 +185,58 @@ def test_a_model_keeps_its_capture_stream_and_two_models_get_two(monkeypatch):
 
 
 def test_after_a_failed_capture_older_graphs_are_taken_to_draw(fake_cuda):
-    """A failed capture replaces the generator's state; a graph made before reads the old one,
-    whose offset the check cannot see: it replays alone for good."""
+    """Where the generator's state was replaced by a copy (``release_rng_capture``'s fallback),
+    a graph made before reads the old one, whose offset the check cannot see: it replays alone
+    for good."""
     log, _, _ = fake_cuda
     turn = replays.GraphTurn(_Stream("lane", log, 100))
     replays.RELEASES[0] += 1
     _replay(turn, log, "first")
     _replay(turn, log, "second")
     assert turn.random is True
+
+
+def test_release_after_a_failed_capture_copies_the_state_only_if_an_empty_capture_fails(
+        monkeypatch, caplog):
+    """``release_rng_capture`` captures nothing, keeping the generator's state; only where that
+    capture fails too is the state replaced by a copy, counted in ``RELEASES`` and said in one
+    WARNING."""
+    calls = []
+
+    class Generator:
+        def clone_state(self):
+            calls.append("clone")
+            return "copy"
+
+        def graphsafe_set_state(self, state):
+            calls.append(("set", state))
+
+    class Graph:
+        def __init__(self, graph, capture_error_mode):
+            calls.append(("capture", capture_error_mode))
+
+        def __enter__(self):
+            if fail:
+                raise RuntimeError("CUDA error: capture refused")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "default_generators", [Generator()], raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    releases = replays.RELEASES[0]
+    fail = False
+    replays.release_rng_capture(0)
+    assert calls == [("capture", "thread_local")] and replays.RELEASES[0] == releases
+    fail, calls[:] = True, []
+    with caplog.at_level("WARNING", logger="fusion_compiler"):
+        replays.release_rng_capture(0)
+    assert calls == [("capture", "thread_local"), "clone", ("set", "copy")]
+    assert replays.RELEASES[0] == releases + 1
+    assert any("capture refused" in r.message and "replaced by a copy" in r.message
+               for r in caplog.records)
 
 
 def test_a_failed_replay_releases_the_turn_and_records_nothing(fake_cuda):

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .replays import RELEASES, GraphTurn, capture_stream
+from .replays import GraphTurn, capture_stream, release_rng_capture
 from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, ready_to_capture,
                       restored)
 from .weight_cache import Epoch, derivation_scope
@@ -98,19 +98,6 @@ def _uncached_autocast() -> contextlib.AbstractContextManager:
     if not torch.is_autocast_enabled("cuda"):
         return contextlib.nullcontext()
     return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
-
-
-def _release_rng_capture(device: int) -> None:
-    """Take the default CUDA generator of ``device`` out of capture mode after a failed capture.
-
-    ``CUDAGraph.capture_end`` runs the generators' capture epilogue only when the capture
-    succeeded; after a failed one the generator stays in capture mode and the next random op
-    outside a capture raises "Offset increment outside graph capture encountered unexpectedly".
-    A fresh copy of its state (same seed and offset, not capturing) replaces the stuck one.
-    """
-    generator = torch.cuda.default_generators[device]
-    generator.graphsafe_set_state(generator.clone_state())
-    RELEASES[0] += 1  # graphs captured before keep the old state: replayed alone from now on
 
 
 class _Capture:
@@ -272,7 +259,7 @@ class CudaGraphRunner:
                         self._capturing_mode():
                     outputs = self._forward(self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
-                _release_rng_capture(torch.cuda.current_device())
+                release_rng_capture(torch.cuda.current_device())
                 self.close()
                 raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
         self.main = _Capture(graph, outputs, self.static_inputs, self.stream)
@@ -302,7 +289,7 @@ class CudaGraphRunner:
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args, self.stream)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
-            _release_rng_capture(torch.cuda.current_device())
+            release_rng_capture(torch.cuda.current_device())
             warn_once("capturing a further CUDA graph (the direct or the spare one)",
                       condense(f"{type(exc).__name__}: {exc}", limit=200) + "; the calls it "
                       "would serve copy their inputs into the main graph, or run without one")

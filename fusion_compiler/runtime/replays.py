@@ -14,20 +14,24 @@ offset tensors on its stream before its kernels (PyTorch ``CUDAGeneratorImpl``,
 ``replay_prologue``; every graph registers that generator at capture), and a graph whose kernels
 draw read them, so such a graph replays alone: after every earlier replay of any lane, before
 any later one. Whether a graph draws is seen at its first replays (the generator's offset moves
-by what the graph draws; two replays that do not move it, with no failed capture since the graph
-was made); until then it is taken to draw. (This is torch 2.11's behaviour; later torch keeps
-these tensors per capture, where replaying alone costs only speed.) Measurements and history:
-docs/decisions.md, "Replays one at a time"."""
+by what the graph draws; two replays that do not move it, with the generator's state the one the
+graph registered: :func:`release_rng_capture`); until then it is taken to draw. (This is torch
+2.11's behaviour; later torch keeps these tensors per capture, where replaying alone costs only
+speed.) Measurements and history: docs/decisions.md, "Replays one at a time" and "A failed
+capture keeps the generator's state"."""
 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["GraphTurn", "capture_stream"]
+from .background import COMPILE_LOCK, warn_once
+
+__all__ = ["GraphTurn", "capture_stream", "release_rng_capture"]
 
 
 class _Replays:
@@ -94,9 +98,47 @@ def _mark(stream: Any, key: tuple, mark: list[Any] | None) -> list[Any]:
 
 
 RELEASES = [0]
-"""How many times a failed capture replaced the default generator's state
-(``cuda_graph._release_rng_capture``): graphs captured before keep the old state, whose offset
-:func:`_offset` no longer reads, so such a graph is taken to draw."""
+"""How many times the default generator's state was replaced after a failed capture (the
+fallback of :func:`release_rng_capture`): graphs captured before keep the old state, whose
+offset :func:`_offset` no longer reads, so such a graph is taken to draw."""
+
+
+def release_rng_capture(device: int) -> None:
+    """Take the default CUDA generator of ``device`` out of capture mode after a failed capture,
+    keeping its state.
+
+    ``CUDAGraph.capture_end`` runs the generators' capture epilogue only when the capture
+    succeeded; after a failed one the generator's state stays in capture mode and the next random
+    op outside a capture raises "Offset increment outside graph capture encountered
+    unexpectedly". A capture of nothing runs the prologue and the epilogue on that same state
+    (PyTorch ``CUDAGeneratorState::capture_prologue`` and ``capture_epilogue``): the graphs
+    captured before, which registered it, and eager draws go on taking offsets from one counter.
+    (A copy of the state put in its place, as this package did before, left the older graphs the
+    old state, still in capture mode: a replay of one that draws raised that error.) The empty
+    capture holds :data:`~.background.COMPILE_LOCK`, as every capture of this package does: its
+    prologue would reset another capture's count of what it draws. Where even it fails, the
+    state is replaced by a copy after all, with one WARNING.
+
+    Raises:
+        nothing: a failure of both ways is logged and left (the next random op raises).
+    """
+    generator = torch.cuda.default_generators[device]
+    try:
+        with COMPILE_LOCK, torch.cuda.device(device), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The CUDA Graph is empty")
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+                pass
+        return
+    except Exception as exc:  # noqa: BLE001 - the copy below is the fallback
+        reason = f"{type(exc).__name__}: {exc}"
+    try:
+        generator.graphsafe_set_state(generator.clone_state())
+    except Exception as exc:  # noqa: BLE001
+        reason += f"; replacing its state: {type(exc).__name__}: {exc}"
+    RELEASES[0] += 1  # graphs captured before keep the old state: replayed alone from now on
+    warn_once("taking the CUDA generator out of capture mode after a failed capture",
+              reason[:300] + "; its state was replaced by a copy, so graphs captured before "
+              "that draw random numbers may fail")
 
 
 def _offset(index: int) -> int | None:
