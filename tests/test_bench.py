@@ -29,6 +29,9 @@ def test_training_step_variants_and_tables(tmp_path):
     assert "backward per region" in result["gradients"]
     text = format_results([result])
     assert "training step (forward + backward), ms per call" in text and "Sequential" in text
+    assert set(result["host_load"]) == {"eager", "fusion_compiler"}  # what ran was timed
+    assert f"host load (1-minute average, {result['cpus']} CPUs) as each timing began: eager" \
+        in text
     paths = write([result], tmp_path)
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.txt") in paths
 

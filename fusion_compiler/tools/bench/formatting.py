@@ -94,6 +94,10 @@ def format_results(results: Sequence[dict]) -> str:
                                   + "; ".join(f"{cache} " + ", ".join(
                                       f"{n} {outcome}" for outcome, n in counts.items())
                                       for cache, counts in lookups.items()))
+            if r.get("host_load"):  # eager and host-bound calls slow down on a busy host
+                console.print(f"{_row_name(r)}: host load (1-minute average, "
+                              f"{r.get('cpus')} CPUs) as each timing began: " + ", ".join(
+                                  f"{v} {x:g}" for v, x in r["host_load"].items()))
             if r.get("gpu_ops"):
                 console.print(f"{_row_name(r)}: GPU operations per call: " + ", ".join(
                     f"{v} {n:g}" for v, n in r["gpu_ops"].items()))

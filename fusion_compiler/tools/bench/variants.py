@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import os
 import sys
 import tempfile
 import time
@@ -198,7 +199,9 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
         dict or None}, "compile_s": {...}, "rel_err_vs_fp32": {...}, "skipped": {variant: reason},
         "errors": {variant: message}, "profiles": {variant: table}, "kernel_time": {variant:
         :func:`kernel_categories`} (with ``profile``), "gpu_ops": {variant: GPU
-        operations per call} (CUDA), "first"`` (the label of the first fusion variant) ``}``,
+        operations per call} (CUDA), "host_load": {variant: the host's 1-minute load average
+        as its timing began} and "cpus" (where the OS has a load average), "first"`` (the label
+        of the first fusion variant) ``}``,
         and the keys below. A variant that fails is
         reported in ``errors`` and the others go on.
 
@@ -261,6 +264,9 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                     fn()
                     sync(device)
                     result["compile_s"][name] = time.perf_counter() - t0
+                if hasattr(os, "getloadavg"):  # a loaded host slows what waits on it
+                    result.setdefault("host_load", {})[name] = round(os.getloadavg()[0], 2)
+                    result["cpus"] = os.cpu_count()
                 with _status(console, f"bench: timing {name}", announce=False):
                     result["ms"][name] = time_ms(fn, device, reps, iters)
                 if reference is not None:
