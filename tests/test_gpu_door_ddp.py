@@ -5,9 +5,10 @@ Dynamo's DDPOptimizer hands over one graph per bucket, compiled and captured one
 A later graph's plans could need a larger cuDNN workspace than an earlier, already captured graph
 had; the workspace used to be replaced and freed, and the earlier graph's kernels then wrote into
 memory handed to other tensors (on two H200s: non-finite gradients from the second step of every
-warm run, the loss scale halving at each step, and a job that hung). One NCCL rank per GPU,
-launched by torchrun per run (the process group stays out of the test process); the two-rank
-test needs two GPUs (``nvidia-h200-x2``) and skips otherwise.
+warm run, the loss scale halving at each step, and a job that hung). Ranks launched by torchrun
+per run (the process group stays out of the test process): one rank; and two, over NCCL with a
+GPU each where there are two GPUs, else both on the one GPU over gloo (NCCL refuses two ranks
+on one GPU).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from test_gpu_ddp import backend
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +35,8 @@ from fusion_compiler.dynamo import _LIVE  # the graphs the backend compiled (thi
 from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from examples.train_ddp import Agent
 rank = int(os.environ["RANK"])
-torch.cuda.set_device(rank)
-dist.init_process_group("nccl")
+torch.cuda.set_device(rank % torch.cuda.device_count())
+dist.init_process_group({backend!r})
 torch.manual_seed(0)
 agent = Agent(randomize_(se_resnet9_fixup(3), seed=1)).cuda().half().train()
 twin = copy.deepcopy(agent)
@@ -78,7 +81,7 @@ def _run(tmp_path: Path, ranks: int) -> list[dict]:
     PyTorch's ops other than by timing."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER.format(root=str(ROOT), cache=str(tmp_path / "cache"),
-                                     out=str(tmp_path)))
+                                     out=str(tmp_path), backend=backend(ranks)))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            str(ranks), str(script)], capture_output=True, text=True,
                           timeout=400, cwd=ROOT)
@@ -104,9 +107,10 @@ def test_the_door_under_ddp_trains_with_eager_gradients_cold_and_warm(tmp_path):
         _check(run, _run(tmp_path, ranks=1))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_the_door_under_ddp_on_two_gpus_gives_eager_gradients_on_both_ranks(tmp_path):
-    """Two NCCL ranks, each its own data: every step's gradients are eager DDP's on each rank
-    (so the all-reduce averaged what eager's did) and equal across ranks, cold and warm."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_door_under_ddp_with_two_ranks_gives_eager_gradients_on_both(tmp_path):
+    """Two ranks (NCCL on two GPUs, gloo on one), each its own data: every step's gradients are
+    eager DDP's on each rank (so the all-reduce averaged what eager's did) and equal across
+    ranks, cold and warm."""
     for run in ("cold", "warm"):
         _check(run, _run(tmp_path, ranks=2))
