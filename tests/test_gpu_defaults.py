@@ -336,6 +336,8 @@ def test_a_forward_that_cannot_be_captured_runs_without_a_graph_and_says_why_onc
     logged = [r.message for r in caplog.records if "runs without a CUDA graph" in r.message]
     assert len(logged) == 1, logged
     torch.randn(4, device="cuda")  # the failed capture left the CUDA generator usable
+    # and the caller's stream current (torch.cuda.graph leaves its own when capture_end raises)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
 
 
 def test_a_failed_capture_keeps_one_generator_state_for_graphs_and_eager_draws():
@@ -356,7 +358,7 @@ def test_a_failed_capture_keeps_one_generator_state_for_graphs_and_eager_draws()
     drawing = torch.cuda.CUDAGraph()
     with torch.cuda.graph(drawing):
         static.uniform_()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError), torch.cuda.stream(torch.cuda.current_stream()):
         with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
             torch.rand(8, device="cuda")  # a draw inside the capture that fails
             torch.cuda.synchronize()  # not allowed while capturing
@@ -747,6 +749,44 @@ def test_a_graph_drawing_random_numbers_beside_another_models_draws_as_alone(tmp
                 other(y)
 
     _at_once(2, actor)
+    assert [k for k in range(100) if not torch.equal(outputs[k], alone[k])] == []
+
+
+def test_a_graph_drawing_random_numbers_while_another_thread_captures_draws_as_alone(tmp_path):
+    """A capture's start fills the same seed and offset tensors a drawing graph reads (offset 0):
+    captures take their turn as a replay taken alone (``replays.capture_turn``). A drawing
+    model called from one thread while another thread captures graphs gives the outputs it
+    gives alone from the same seed, bit for bit."""
+    from fusion_compiler.runtime.cuda_graph import capturing
+
+    noisy = fc.compile(_Noisy().cuda().eval(), cache_dir=tmp_path, autotune=1)
+    x = torch.randn(64, 3, 64, 64, device="cuda")
+    with torch.no_grad():
+        noisy(x)
+        noisy.wait_for_background_compiles()
+        for _ in range(3):
+            noisy(x)
+        torch.cuda.manual_seed(7)
+        alone = [noisy(x).clone() for _ in range(100)]
+        torch.cuda.synchronize()
+    assert noisy.last.cuda_graph == "safe"
+    torch.cuda.manual_seed(7)
+    outputs: list[torch.Tensor] = []
+    scratch = torch.zeros(1 << 20, device="cuda")
+    stream = torch.cuda.Stream()
+
+    def actor(i: int) -> None:
+        if i == 0:
+            for _ in range(100):
+                outputs.append(noisy(x).clone())
+            return
+        for _ in range(100):  # each capture begins with the generator's capture prologue
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph, object(), stream=stream):
+                scratch.add_(1.0)
+
+    with torch.no_grad():
+        _at_once(2, actor)
     assert [k for k in range(100) if not torch.equal(outputs[k], alone[k])] == []
 
 

@@ -3,7 +3,6 @@
 replays of two lanes at once, and a graph that draws random numbers (or is not known not to)
 alone. CPU: streams, events and the generator's offset are fakes that log what is queued."""
 
-import contextlib
 import types
 
 import pytest
@@ -27,6 +26,7 @@ class _Stream:
     def __init__(self, name, log, raw):
         self.name, self.log = name, log
         self.cuda_stream, self.device = raw, types.SimpleNamespace(index=0)
+        self.stream_id, self.device_index, self.device_type = raw, 0, 1  # its key
 
     def wait_event(self, event):
         self.log.append(("wait", self.name, event.id))
@@ -196,9 +196,9 @@ def test_after_a_failed_capture_older_graphs_are_taken_to_draw(fake_cuda):
     assert turn.random is True
 
 
-def test_release_after_a_failed_capture_copies_the_state_only_if_an_empty_capture_fails(
+def test_release_after_a_failed_capture_copies_the_state_only_if_a_capture_fails(
         monkeypatch, caplog):
-    """``release_rng_capture`` captures nothing, keeping the generator's state; only where that
+    """``release_rng_capture`` captures one node, keeping the generator's state; only where that
     capture fails too is the state replaced by a copy, counted in ``RELEASES`` and said in one
     WARNING."""
     calls = []
@@ -211,32 +211,55 @@ def test_release_after_a_failed_capture_copies_the_state_only_if_an_empty_captur
         def graphsafe_set_state(self, state):
             calls.append(("set", state))
 
-    class Graph:
-        def __init__(self, graph, capture_error_mode):
-            calls.append(("capture", capture_error_mode))
-
-        def __enter__(self):
-            if fail:
-                raise RuntimeError("CUDA error: capture refused")
-
-        def __exit__(self, *exc):
-            return False
+    def capture_one_node(device):
+        calls.append(("capture", device))
+        if fail:
+            raise RuntimeError("CUDA error: capture refused")
 
     monkeypatch.setattr(torch.cuda, "default_generators", [Generator()], raising=False)
-    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
-    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(replays, "_capture_one_node", capture_one_node)
     releases = replays.RELEASES[0]
     fail = False
     replays.release_rng_capture(0)
-    assert calls == [("capture", "thread_local")] and replays.RELEASES[0] == releases
+    assert calls == [("capture", 0)] and replays.RELEASES[0] == releases
     fail, calls[:] = True, []
     with caplog.at_level("WARNING", logger="fusion_compiler"):
         replays.release_rng_capture(0)
-    assert calls == [("capture", "thread_local"), "clone", ("set", "copy")]
+    assert calls == [("capture", 0), "clone", ("set", "copy")]
     assert replays.RELEASES[0] == releases + 1
     assert any("capture refused" in r.message and "replaced by a copy" in r.message
                for r in caplog.records)
+
+
+def test_a_capture_waits_for_every_replay_and_every_later_replay_waits_for_it(fake_cuda):
+    """``capture_begin`` fills the generator's offset tensor that a replay drawing random numbers
+    reads: a capture (``capture_turn``) is ordered like a replay taken alone, after the last
+    replay of every lane, and the event after it is one that every later replay waits for."""
+    log, current, _ = fake_cuda
+    a = replays.GraphTurn(_Stream("lane a", log, 100))
+    b = replays.GraphTurn(_Stream("lane b", log, 200))
+    a.random = b.random = False
+    _replay(a, log, "a")  # event 1 (lane a)
+    current[0] = _Stream("other", log, 3)
+    _replay(b, log, "b")  # event 2 (lane b)
+    capture = _Stream("capture", log, 5)
+    with replays.capture_turn(capture):
+        log.append(("capture",))
+    _replay(a, log, "a again")
+    assert log[4:] == [("wait", "capture", 1), ("wait", "capture", 2), ("capture",),
+                       ("record", "capture", 3),  # the new "alone" event
+                       ("wait", "other", 1), ("wait", "other", 3), ("replay", "a again"),
+                       ("record", "other", 1)]
+
+
+def test_a_capture_that_fails_still_orders_later_replays_and_frees_the_turn(fake_cuda):
+    log, current, _ = fake_cuda
+    capture = _Stream("capture", log, 5)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with replays.capture_turn(capture):
+            raise RuntimeError("capture failed")
+    assert log == [("record", "capture", 1)]
+    assert not replays._replays(0).lock.locked()
 
 
 def test_a_failed_replay_releases_the_turn_and_records_nothing(fake_cuda):

@@ -13,7 +13,7 @@ import torch
 from ..ir.errors import TimingDeferred
 from ..ir.ops import node_device
 from ..ir.region import channel_view_total
-from ..runtime.replays import GraphTurn
+from ..runtime.replays import GraphTurn, capture_turn, release_rng_capture
 from ..runtime.tensors import channel_view_strides, ready_to_capture, side_stream
 from ..runtime.background import COMPILE_LOCK, ThreadFlag, gc_paused
 from ..runtime.weight_cache import derivation_epoch
@@ -112,13 +112,17 @@ def _captured(run: Callable[[], object], iters: int, stream: torch.cuda.Stream
     graph = torch.cuda.CUDAGraph()
     ready_to_capture(stream.device.index)  # the thread's library handles, made outside
     stream.wait_stream(torch.cuda.current_stream())
-    with COMPILE_LOCK, gc_paused(), torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            for _ in range(iters):
-                run()
-        finally:
-            graph.capture_end()
+    try:  # the device's replays wait while it captures (its prologue fills the RNG offset)
+        with COMPILE_LOCK, gc_paused(), capture_turn(stream), torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _ in range(iters):
+                    run()
+            finally:
+                graph.capture_end()
+    except BaseException:
+        release_rng_capture(stream.device.index)  # a failed capture leaves the generator stuck
+        raise
     torch.cuda.current_stream().wait_stream(stream)
     return graph
 

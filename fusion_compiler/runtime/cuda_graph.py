@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .replays import GraphTurn, capture_stream, release_rng_capture
+from .replays import GraphTurn, capture_stream, capture_turn, release_rng_capture
 from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, ready_to_capture,
                       restored)
 from .weight_cache import Epoch, derivation_scope
@@ -77,12 +77,23 @@ def capturing(graph: torch.cuda.CUDAGraph, owner: Any, pool: Any = None,
     ``owner`` (the runner's :class:`~.tensors.Turns`: its graphs replay one at a time) the
     :func:`~.tensors.capture_owner` of the capture, whose scratch memory no other runner's
     graphs share. The libraries' per-thread handles are made first (:func:`~.tensors.
-    ready_to_capture`): a thread's first capture would otherwise make them inside it, and fail."""
-    ready_to_capture((stream or torch.cuda.current_stream()).device.index)
-    with gc_paused(), _uncached_autocast(), torch.cuda.graph(
-            graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
-            owning_capture(owner):
-        yield
+    ready_to_capture`): a thread's first capture would otherwise make them inside it, and fail.
+    The device's replays wait while it captures (:func:`~.replays.capture_turn`). After a
+    failure, the caller's stream is current again (``torch.cuda.graph`` leaves its own current
+    when ``capture_end`` raises) and the CUDA generator out of capture mode
+    (:func:`~.replays.release_rng_capture`)."""
+    stream = stream if stream is not None else capture_stream()
+    ready_to_capture(stream.device.index)
+    before = torch.cuda.current_stream()
+    try:
+        with capture_turn(stream), gc_paused(), _uncached_autocast(), torch.cuda.graph(
+                graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
+                owning_capture(owner):
+            yield
+    except BaseException:
+        torch.cuda.set_stream(before)
+        release_rng_capture(stream.device.index)
+        raise
 
 
 def _uncached_autocast() -> contextlib.AbstractContextManager:
@@ -259,7 +270,6 @@ class CudaGraphRunner:
                         self._capturing_mode():
                     outputs = self._forward(self.static_inputs)
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
-                release_rng_capture(torch.cuda.current_device())
                 self.close()
                 raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
         self.main = _Capture(graph, outputs, self.static_inputs, self.stream)
@@ -289,7 +299,6 @@ class CudaGraphRunner:
                 outputs = self._forward(args)
             return _Capture(graph, outputs, args, self.stream)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
-            release_rng_capture(torch.cuda.current_device())
             warn_once("capturing a further CUDA graph (the direct or the spare one)",
                       condense(f"{type(exc).__name__}: {exc}", limit=200) + "; the calls it "
                       "would serve copy their inputs into the main graph, or run without one")

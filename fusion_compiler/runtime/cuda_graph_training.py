@@ -42,7 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .replays import GraphTurn, release_rng_capture
+from .replays import GraphTurn
 from .tensors import Turns, layout_like, restored, side_stream
 from ..ir.errors import condense
 from .cuda_graph import CaptureError, _uncached_autocast, capturing
@@ -106,7 +106,6 @@ class TrainingGraphRunner:
                 with derivation_epoch() as self._epoch, COMPILE_LOCK:  # kept with the graphs
                     self._capture_graphs(named, dict(zip(map(id, self.parameters), aliases)))
         except Exception as exc:  # cudaErrorStreamCapture*, or the step's own error
-            release_rng_capture(torch.cuda.current_device())
             self.close()
             self.token = None  # a later call tries again (and says why, if it fails again)
             raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc

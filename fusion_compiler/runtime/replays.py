@@ -17,21 +17,22 @@ any later one. Whether a graph draws is seen at its first replays (the generator
 by what the graph draws; two replays that do not move it, with the generator's state the one the
 graph registered: :func:`release_rng_capture`); until then it is taken to draw. (This is torch
 2.11's behaviour; later torch keeps these tensors per capture, where replaying alone costs only
-speed.) Measurements and history: docs/decisions.md, "Replays one at a time" and "A failed
-capture keeps the generator's state"."""
+speed.) A capture of this package takes its turn as a replay taken alone: its start fills the
+same tensors (:func:`capture_turn`). Measurements and history: docs/decisions.md, "Replays one
+at a time" and "Captures take their turn; a failed capture keeps the generator's state"."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-import warnings
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .background import COMPILE_LOCK, warn_once
 
-__all__ = ["GraphTurn", "capture_stream", "release_rng_capture"]
+__all__ = ["GraphTurn", "capture_stream", "capture_turn", "release_rng_capture"]
 
 
 class _Replays:
@@ -103,6 +104,31 @@ fallback of :func:`release_rng_capture`): graphs captured before keep the old st
 offset :func:`_offset` no longer reads, so such a graph is taken to draw."""
 
 
+@contextlib.contextmanager
+def capture_turn(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Hold the replays of ``stream``'s device during a capture on ``stream`` (``with
+    capture_turn(stream):`` around ``capture_begin`` to ``capture_end``), as a replay taken
+    alone is held: ``stream`` first waits for the last replay of every lane and the last one
+    taken alone, and the event recorded on it after the capture is the one every later replay
+    waits for. Other threads' replays on the device wait until the capture ends.
+
+    Why: ``capture_begin`` fills the default generator's seed and offset tensors on the capture
+    stream (its capture prologue sets the offset to 0), the tensors the kernels of a replay that
+    draws read (torch 2.11 keeps one pair per generator state, see the module docstring). That
+    fill landing while such a replay runs would hand its later kernels offset 0, the numbers an
+    earlier replay drew, without any error."""
+    replays = _replays(stream.device.index)
+    key = (stream.stream_id, stream.device_index, stream.device_type)
+    with replays.lock:
+        for mark in [*replays.lanes.values(), replays.alone]:
+            if mark is not None:
+                stream.wait_event(mark[0])
+        try:
+            yield
+        finally:  # the capture has ended (or never began): a real record, after the fill
+            replays.alone = _mark(stream, key, replays.alone)
+
+
 def release_rng_capture(device: int) -> None:
     """Take the default CUDA generator of ``device`` out of capture mode after a failed capture,
     keeping its state.
@@ -110,24 +136,22 @@ def release_rng_capture(device: int) -> None:
     ``CUDAGraph.capture_end`` runs the generators' capture epilogue only when the capture
     succeeded; after a failed one the generator's state stays in capture mode and the next random
     op outside a capture raises "Offset increment outside graph capture encountered
-    unexpectedly". A capture of nothing runs the prologue and the epilogue on that same state
-    (PyTorch ``CUDAGeneratorState::capture_prologue`` and ``capture_epilogue``): the graphs
-    captured before, which registered it, and eager draws go on taking offsets from one counter.
-    (A copy of the state put in its place, as this package did before, left the older graphs the
-    old state, still in capture mode: a replay of one that draws raised that error.) The empty
-    capture holds :data:`~.background.COMPILE_LOCK`, as every capture of this package does: its
-    prologue would reset another capture's count of what it draws. Where even it fails, the
-    state is replaced by a copy after all, with one WARNING.
+    unexpectedly". A capture of one small kernel on a stream of ``device`` runs the prologue and
+    the epilogue on that same state (PyTorch ``CUDAGeneratorState::capture_prologue`` and
+    ``capture_epilogue``): the graphs captured before, which registered it, and eager draws go
+    on taking offsets from one counter. (A copy of the state put in its place, as this package
+    did before, left the older graphs the old state, still in capture mode: a replay of one that
+    draws raised that error.) The capture holds :data:`~.background.COMPILE_LOCK`, as every
+    capture of this package does (its prologue would reset another capture's count of what it
+    draws), and takes its :func:`capture_turn`. Where even it fails, the state is replaced by a
+    copy after all, with one WARNING.
 
     Raises:
         nothing: a failure of both ways is logged and left (the next random op raises).
     """
     generator = torch.cuda.default_generators[device]
     try:
-        with COMPILE_LOCK, torch.cuda.device(device), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "The CUDA Graph is empty")
-            with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
-                pass
+        _capture_one_node(device)
         return
     except Exception as exc:  # noqa: BLE001 - the copy below is the fallback
         reason = f"{type(exc).__name__}: {exc}"
@@ -139,6 +163,21 @@ def release_rng_capture(device: int) -> None:
     warn_once("taking the CUDA generator out of capture mode after a failed capture",
               reason[:300] + "; its state was replaced by a copy, so graphs captured before "
               "that draw random numbers may fail")
+
+
+def _capture_one_node(device: int) -> None:
+    """Capture one small kernel on a new stream of ``device`` (an empty graph warns), in its
+    :func:`capture_turn`, holding :data:`~.background.COMPILE_LOCK`."""
+    with COMPILE_LOCK, torch.cuda.device(device):
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph, node = torch.cuda.CUDAGraph(), torch.empty(1, device=stream.device)
+        with capture_turn(stream), torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                node.zero_()
+            finally:
+                graph.capture_end()
 
 
 def _offset(index: int) -> int | None:

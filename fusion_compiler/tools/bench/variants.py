@@ -131,6 +131,18 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
 
 
 @contextlib.contextmanager
+def _note_host_load(result: dict, name: str) -> None:
+    """The host's 1-minute load average as ``name``'s timing begins, in ``result["host_load"]``,
+    and its CPU count in ``result["cpus"]``: a loaded host slows what waits on it. Nothing where
+    the OS gives no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return
+    result.setdefault("host_load", {})[name] = round(load, 2)
+    result["cpus"] = os.cpu_count()
+
+
 def _status(console: Any, text: str, announce: bool = True, done: bool = True):
     """Show ``text`` on stderr while the block runs: on a terminal a live line with the seconds
     it has taken; elsewhere (a log file) one line when it starts (``announce``) and one with the
@@ -264,9 +276,7 @@ def bench(model: torch.nn.Module, inputs: Sequence[Any], *, train: bool = False,
                     fn()
                     sync(device)
                     result["compile_s"][name] = time.perf_counter() - t0
-                if hasattr(os, "getloadavg"):  # a loaded host slows what waits on it
-                    result.setdefault("host_load", {})[name] = round(os.getloadavg()[0], 2)
-                    result["cpus"] = os.cpu_count()
+                _note_host_load(result, name)
                 with _status(console, f"bench: timing {name}", announce=False):
                     result["ms"][name] = time_ms(fn, device, reps, iters)
                 if reference is not None:
