@@ -130,7 +130,6 @@ def _makers(model: torch.nn.Module, inputs: Sequence[Any], train: bool,
     return makers
 
 
-@contextlib.contextmanager
 def _note_host_load(result: dict, name: str) -> None:
     """The host's 1-minute load average as ``name``'s timing begins, in ``result["host_load"]``,
     and its CPU count in ``result["cpus"]``: a loaded host slows what waits on it. Nothing where
@@ -143,6 +142,7 @@ def _note_host_load(result: dict, name: str) -> None:
     result["cpus"] = os.cpu_count()
 
 
+@contextlib.contextmanager
 def _status(console: Any, text: str, announce: bool = True, done: bool = True):
     """Show ``text`` on stderr while the block runs: on a terminal a live line with the seconds
     it has taken; elsewhere (a log file) one line when it starts (``announce``) and one with the
