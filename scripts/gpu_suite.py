@@ -66,10 +66,10 @@ KEYWORDS = {5: "first_calls", 8: "last_tier"}
 two halves (each pattern and door at the first calls, and at the last tier), which alone took
 about 500 s as one process."""
 
-SECONDS = {1: 300, 2: 295, 3: 286, 4: 224, 5: 370, 6: 411, 7: 332, 8: 382, 9: 340}
-"""Wall seconds of each chunk on an H200 of an H200x4 host, three chunks a GPU (2026-11-28,
-session 46; chunks 4 and 9 were one chunk then, its files timed as three processes on three
-GPUs): the order of ``--all`` where DIR holds no earlier result."""
+SECONDS = {1: 367, 2: 343, 3: 366, 4: 417, 5: 477, 6: 411, 7: 332, 8: 382, 9: 416}
+"""Wall seconds of each chunk beside others, the longer of two runs: an H200 of an H200x4 host,
+three chunks a GPU (2026-11-28, session 46), and one H200 with three or six chunks at once
+(2026-11-29, session 49): the order of ``--all`` where DIR holds no earlier result."""
 
 BESIDE = 1.1
 """How much slower than :data:`SECONDS` says a chunk may run with more than one chunk a GPU (those
