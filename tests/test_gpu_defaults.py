@@ -719,6 +719,26 @@ class _Noisy(nn.Module):
         return y + torch.rand_like(y)
 
 
+def _at_last_tier(compiled, x: torch.Tensor) -> None:
+    """Call ``compiled`` until its last tier serves ``x`` (gradients off)."""
+    with torch.no_grad():
+        compiled(x)
+        compiled.wait_for_background_compiles()
+        for _ in range(3):
+            compiled(x)
+
+
+def _seeded_draws(noisy, x: torch.Tensor) -> list[torch.Tensor]:
+    """100 outputs of ``noisy`` at its last tier, alone, from CUDA seed 7 (the seed is set
+    again after, for the same calls from threads)."""
+    _at_last_tier(noisy, x)
+    with torch.no_grad():
+        torch.cuda.manual_seed(7)
+        alone = [noisy(x).clone() for _ in range(100)]
+        torch.cuda.synchronize()
+    return alone
+
+
 def test_a_graph_drawing_random_numbers_beside_another_models_draws_as_alone(tmp_path):
     """Every replay fills the default generator's seed and offset tensors, which a graph that
     draws random numbers reads: such a graph replays alone, though other models' graphs replay
@@ -727,15 +747,8 @@ def test_a_graph_drawing_random_numbers_beside_another_models_draws_as_alone(tmp
     noisy = fc.compile(_Noisy().cuda().eval(), cache_dir=tmp_path, autotune=1)
     other = fc.compile(_WideHead(0).cuda().eval(), cache_dir=tmp_path, autotune=1)
     x, y = torch.randn(16, 3, 32, 32, device="cuda"), torch.randn(64, 3, 64, 64, device="cuda")
-    with torch.no_grad():
-        for c, a in ((noisy, x), (other, y)):
-            c(a)
-            c.wait_for_background_compiles()
-            for _ in range(3):
-                c(a)
-        torch.cuda.manual_seed(7)
-        alone = [noisy(x).clone() for _ in range(100)]
-        torch.cuda.synchronize()
+    _at_last_tier(other, y)
+    alone = _seeded_draws(noisy, x)
     assert noisy.last.cuda_graph == "safe" and other.last.cuda_graph == "safe"
     assert not torch.equal(alone[0], alone[1])  # it draws anew at every call
     torch.cuda.manual_seed(7)
@@ -761,14 +774,7 @@ def test_a_graph_drawing_random_numbers_while_another_thread_captures_draws_as_a
 
     noisy = fc.compile(_Noisy().cuda().eval(), cache_dir=tmp_path, autotune=1)
     x = torch.randn(64, 3, 64, 64, device="cuda")
-    with torch.no_grad():
-        noisy(x)
-        noisy.wait_for_background_compiles()
-        for _ in range(3):
-            noisy(x)
-        torch.cuda.manual_seed(7)
-        alone = [noisy(x).clone() for _ in range(100)]
-        torch.cuda.synchronize()
+    alone = _seeded_draws(noisy, x)
     assert noisy.last.cuda_graph == "safe"
     torch.cuda.manual_seed(7)
     outputs: list[torch.Tensor] = []
