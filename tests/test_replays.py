@@ -322,3 +322,27 @@ def test_a_use_after_another_threads_per_thread_stream_waits_for_the_device(monk
     raw[0] = 9
     order.follow()  # one PyTorch stream after another: a stream wait
     assert calls == ["sync", "sync", ("wait", 9, 7)]
+
+
+def test_every_capture_of_the_package_takes_its_capture_turn():
+    """Each function of the package that begins a CUDA-graph capture (``capture_begin``, or
+    ``torch.cuda.graph``) also enters ``capture_turn``: a capture's start fills the generator's
+    offset tensor that replays drawing random numbers read (a new capture path without its turn
+    brings that race back)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(replays.__file__).resolve().parents[1]
+    starts, missing = [], []
+    for path in sorted(package.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            calls = [ast.unparse(c.func) for c in ast.walk(fn) if isinstance(c, ast.Call)]
+            if any(c.endswith(".capture_begin") or c == "torch.cuda.graph" for c in calls):
+                starts.append(f"{path.name}:{fn.name}")
+                if "capture_turn" not in calls:
+                    missing.append(f"{path.name}:{fn.name}")
+    assert {"cuda_graph.py:capturing", "timing.py:_captured",
+            "replays.py:_capture_one_node"} <= set(starts), starts
+    assert missing == [], missing
