@@ -328,7 +328,8 @@ def test_every_capture_of_the_package_takes_its_capture_turn():
     """Each function of the package that begins a CUDA-graph capture (``capture_begin``, or
     ``torch.cuda.graph``) also enters ``capture_turn``: a capture's start fills the generator's
     offset tensor that replays drawing random numbers read (a new capture path without its turn
-    brings that race back)."""
+    brings that race back). (``capturing(turn=False)``, the training backward's capture, is the
+    one exception, for the deadlock docs/decisions.md describes.)"""
     import ast
     from pathlib import Path
 

@@ -69,7 +69,7 @@ def _normal_tensors(state: Sequence[torch.Tensor] = ()) -> contextlib.AbstractCo
 
 @contextlib.contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, owner: Any, pool: Any = None,
-              stream: torch.cuda.Stream | None = None):
+              stream: torch.cuda.Stream | None = None, turn: bool = True):
     """``torch.cuda.graph(graph, pool, stream)`` as every runner captures: with
     ``capture_error_mode="thread_local"`` (CUDA calls of other threads, such as a DataLoader's
     pinning thread, do not invalidate the capture), Python's cyclic garbage collector paused
@@ -78,15 +78,18 @@ def capturing(graph: torch.cuda.CUDAGraph, owner: Any, pool: Any = None,
     :func:`~.tensors.capture_owner` of the capture, whose scratch memory no other runner's
     graphs share. The libraries' per-thread handles are made first (:func:`~.tensors.
     ready_to_capture`): a thread's first capture would otherwise make them inside it, and fail.
-    The device's replays wait while it captures (:func:`~.replays.capture_turn`). After a
-    failure, the caller's stream is current again (``torch.cuda.graph`` leaves its own current
-    when ``capture_end`` raises) and the CUDA generator out of capture mode
+    The device's replays wait while it captures (:func:`~.replays.capture_turn`), unless
+    ``turn`` is false: for a body that waits for another thread, such as autograd's device
+    thread, which may itself be waiting for that turn in a replay. After a failure, the
+    caller's stream is current again (``torch.cuda.graph`` leaves its own current when
+    ``capture_end`` raises) and the CUDA generator out of capture mode
     (:func:`~.replays.release_rng_capture`)."""
     stream = stream if stream is not None else capture_stream()
     ready_to_capture(stream.device.index)
     before = torch.cuda.current_stream()
     try:
-        with capture_turn(stream), gc_paused(), _uncached_autocast(), torch.cuda.graph(
+        with capture_turn(stream) if turn else contextlib.nullcontext(), gc_paused(), \
+                _uncached_autocast(), torch.cuda.graph(
                 graph, pool=pool, stream=stream, capture_error_mode="thread_local"), \
                 owning_capture(owner):
             yield

@@ -222,7 +222,10 @@ class _GraphPair:
             self.live_outputs, self.inputs = [], []
             return
         self.bwd_graph = torch.cuda.CUDAGraph()
-        with capturing(self.bwd_graph, self.turns, pool, self.stream):
+        # no capture turn: autograd runs these nodes on its device thread, which may be waiting
+        # for that turn in another thread's backward replay (a deadlock; docs/decisions.md,
+        # "Captures take their turn")
+        with capturing(self.bwd_graph, self.turns, pool, self.stream, turn=False):
             grads = torch.autograd.grad(outs, wrt, self.static_grad_outputs, allow_unused=True)
             grads = [*(layout_like(g, self.inputs[i], copy=True)
                        if g is not None and id(self.inputs[i]) in alias_ids else g
