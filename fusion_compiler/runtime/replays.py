@@ -121,8 +121,7 @@ def capture_turn(stream: torch.cuda.Stream) -> Iterator[None]:
     key = (stream.stream_id, stream.device_index, stream.device_type)
     with replays.lock:
         for mark in [*replays.lanes.values(), replays.alone]:
-            if mark is not None:
-                stream.wait_event(mark[0])
+            _wait(stream, key, mark)
         try:
             yield
         finally:  # the capture has ended (or never began): a real record, after the fill
