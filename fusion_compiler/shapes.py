@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
 from .ir.ops import write_back, writes_in_place
+from .random_ops import NoDraws
 
 __all__ = ["propagate_shapes", "written_state", "encode_meta", "apply_meta"]
 
@@ -67,12 +68,10 @@ def _real_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
     as a meta tensor of the same shape, dtype and strides, and its device.
 
     The run leaves no trace: tensor inputs are cloned (an in-place op cannot change the caller's),
-    the random number generators of the CPU and the inputs' GPU are forked (dropout draws), and
-    the module state the graph may write is read from clones (:class:`_PrivateState`).
+    random ops draw nothing (:class:`~.random_ops.NoDraws`), and the module state the graph may
+    write is read from clones (:class:`_PrivateState`).
     """
-    devices = sorted({a.get_device() for a in example_inputs
-                      if isinstance(a, torch.Tensor) and a.is_cuda})
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with torch.no_grad(), NoDraws():
         inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
         private = _PrivateState(written_state(gm), _detached_clone)
         _RecordingInterpreter(gm, private).run(*inputs)
