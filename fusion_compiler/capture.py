@@ -195,8 +195,14 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "backend='fusion_compiler'), which follows it (one replaced on a submodule is "
             "traced through)")
     on_calling_thread("torch.fx tracing")
-    global_names, stored = globals_read(
+    global_names, stored, draws = globals_read(
         m for m in dict.fromkeys(model.modules()) if not type(m).__module__.startswith("torch."))
+    if draws:  # the trace would draw once, and the graph keep those numbers
+        raise FusionError(
+            f"{type(model).__name__}'s forward draws random numbers with Python's or NumPy's "
+            f"generator ({', '.join(dict.fromkeys(draws))}): a traced graph would repeat the "
+            "trace's numbers at every call; draw them with torch (torch.rand), which a compiled "
+            "graph draws afresh at each call, or pass them in, or call the model uncompiled")
     if stored:  # the trace would assign it once, the compiled calls never
         raise FusionError(
             f"{type(model).__name__}'s forward assigns the module-level name(s) "

@@ -35,6 +35,7 @@ import torch.utils.checkpoint
 from torch.fx import _symbolic_trace
 
 from .runtime.hooks import instance_forward
+from .random_ops import RandomCallsAsNodes, python_random
 
 __all__ = ["ModeRecordingTracer", "TRACE_LOCK", "globals_read", "mark_grad_modes",
            "recording_reads"]
@@ -163,7 +164,7 @@ def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str]
 
 
 def globals_read(modules: Iterable[torch.nn.Module]
-                 ) -> tuple[list[tuple[Any, str]], list[str]]:
+                 ) -> tuple[list[tuple[Any, str]], list[str], list[str]]:
     """The module-level names the code of ``modules`` may read when it runs, as ``(namespace,
     name)`` (a function's globals, or an imported module's ``__dict__`` for ``config.SCALE``,
     or a class of the user's for ``Defaults.SCALE``), and the globals it assigns (``global n;
@@ -172,7 +173,9 @@ def globals_read(modules: Iterable[torch.nn.Module]
     by a global name, an imported module's attribute, or a method or function-valued attribute
     of the module (through ``functools.partial``, ``functools.wraps`` and properties), and into
     nested code. Names of builtins, and torch's and this package's code, are left out. A
-    function reached another way (an argument, an object's attribute) is not followed."""
+    function reached another way (an argument, an object's attribute) is not followed. Third,
+    the names read that draw Python's or NumPy's random numbers (``random.random``,
+    ``np.random``): a trace runs them once."""
     todo: list[tuple[types.CodeType, dict, Any]] = []
 
     def follow(value: Any, owner: Any) -> None:
@@ -185,6 +188,7 @@ def globals_read(modules: Iterable[torch.nn.Module]
     seen: set[tuple[types.CodeType, int]] = set()
     found: dict[tuple[int, str], tuple[dict, str]] = {}
     stores: list[str] = []
+    draws: list[str] = []
     while todo:
         code, namespace, owner = todo.pop()
         if (code, id(owner)) in seen:
@@ -192,6 +196,10 @@ def globals_read(modules: Iterable[torch.nn.Module]
         seen.add((code, id(owner)))
         loads, pairs, stored, attributes = _names(code)
         stores += [n for n in stored if n not in stores]
+        draws += [n for n in loads if python_random(namespace.get(n)) and n not in draws]
+        draws += [f"{n}.{a}" for n, a in pairs if python_random(
+            getattr(namespace.get(n), a, None) if isinstance(namespace.get(n), types.ModuleType)
+            else None)]
         for name in loads:
             if name in namespace:
                 found.setdefault((id(namespace), name), (namespace, name))
@@ -209,7 +217,7 @@ def globals_read(modules: Iterable[torch.nn.Module]
             for attribute in attributes:
                 follow(vars(owner).get(attribute, getattr(type(owner), attribute, None)), owner)
         todo += [(c, namespace, owner) for c in code.co_consts if isinstance(c, types.CodeType)]
-    return list(found.values()), stores
+    return list(found.values()), stores, draws
 
 
 class ModeRecordingTracer(fx.Tracer):
@@ -273,7 +281,8 @@ class ModeRecordingTracer(fx.Tracer):
             hooks.__enter__ = enter_saved_tensors_hooks
             torch.is_grad_enabled = grad_mode
             try:
-                return super().trace(root, concrete_args)
+                with RandomCallsAsNodes(self):  # a random call on constants: a node, no draw
+                    return super().trace(root, concrete_args)
             finally:
                 torch.autograd.Function.apply = original
                 autocast.__enter__ = enter

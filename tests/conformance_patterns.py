@@ -1153,6 +1153,36 @@ def random_numbers_after_calls(s: Session) -> None:
     s.record("drawn after a training step", torch.rand(8, device=s.device))
 
 
+class ConstantNoise(nn.Module):
+    """Noise drawn with constant arguments, no traced value in the call (``torch.randn(8, 1, 1,
+    device=self.where)``, a plain attribute the model keeps by its weights' device): a trace
+    ran it once and kept its numbers. (Drawn on the CPU and moved to the GPU, the copy cannot be
+    captured in a CUDA graph: the forward then runs without one, with a WARNING.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.where = self.conv.weight.device
+
+    def _apply(self, fn, recurse=True):
+        moved = super()._apply(fn, recurse)
+        self.where = self.conv.weight.device
+        return moved
+
+    def forward(self, x):
+        return F.relu(self.conv(x)) + torch.randn(8, 1, 1, device=self.where).to(x.dtype)
+
+
+def noise_drawn_at_each_call(s: Session) -> None:
+    """Each call draws new noise: the share of the outputs two calls give alike is 0, as in
+    eager (the numbers themselves are compared only by this measure: a CUDA graph's differ)."""
+    torch.manual_seed(7)
+    x = x16(s)
+    with torch.no_grad():
+        a, b = s(x), s(x)
+    s.record("share of equal outputs", (a == b).float().mean().reshape(1))
+
+
 class Recurrent(nn.Module):
     """An agent's encoder over ``(observation, hidden)`` passed as one tuple."""
 
@@ -1375,6 +1405,8 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 4 (session 33)"),
     Pattern("threads_share_the_model", conv_bn, threads_share_the_model,
             f"{ISSUE}, item 5 (session 34)"),
+    Pattern("noise_drawn_at_each_call", ConstantNoise, noise_drawn_at_each_call,
+            f"{ISSUE}, item 5 (session 50: a trace kept one draw)"),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)
