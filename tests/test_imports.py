@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("fusion_compiler.runtime",)),
     ("kernels", ("fusion_compiler.kernels",)),
     ("capture", ("fusion_compiler.capture", "fusion_compiler.tracing",
-                 "fusion_compiler.shapes")),
+                 "fusion_compiler.random_ops", "fusion_compiler.shapes")),
     ("autograd", ("fusion_compiler.autograd",)),
     ("passes", ("fusion_compiler.passes",)),
     ("backends", ("fusion_compiler.backends",)),
