@@ -1153,6 +1153,28 @@ def random_numbers_after_calls(s: Session) -> None:
     s.record("drawn after a training step", torch.rand(8, device=s.device))
 
 
+class ReadsBNMode(ConvBN):
+    """:class:`ConvBN` whose own code reads its batch norm's mode (a head that scales its input
+    down while the batch norm trains, say)."""
+
+    def forward(self, x):
+        return super().forward(x) * (0.5 if self.bn.training else 1.0)
+
+
+def reads_bn_mode() -> nn.Module:
+    return _moved_bn(ReadsBNMode())
+
+
+def submodule_mode_read_by_the_parent(s: Session) -> None:
+    """Fine-tuning with the batch norm frozen by ``model.bn.eval()`` alone, the root in training
+    mode: the parent's code reads the batch norm's flag."""
+    s.model.train()
+    x = x16(s)
+    infer(s, x, "all in training mode")
+    s.model.bn.eval()
+    infer(s, x, "batch norm alone in eval mode")
+
+
 class ConstantNoise(nn.Module):
     """Noise drawn with constant arguments, no traced value in the call (``torch.randn(8, 1, 1,
     device=self.where)``, a plain attribute the model keeps by its weights' device): a trace
@@ -1405,6 +1427,8 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 4 (session 33)"),
     Pattern("threads_share_the_model", conv_bn, threads_share_the_model,
             f"{ISSUE}, item 5 (session 34)"),
+    Pattern("submodule_mode_read_by_the_parent", reads_bn_mode, submodule_mode_read_by_the_parent,
+            f"{ISSUE}, item 1 (session 50: the key held user modules' flags only)"),
     Pattern("noise_drawn_at_each_call", ConstantNoise, noise_drawn_at_each_call,
             f"{ISSUE}, item 5 (session 50: a trace kept one draw)"),
 ]

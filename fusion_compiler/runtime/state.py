@@ -13,7 +13,7 @@ made again, and the new one refuses the hook (:mod:`.hooks`). So does a plain at
 graph holds as a constant (``self.temperature``, a batch norm's ``eps``) set to another value, a
 field of a config object set in place, a class attribute ``forward`` reads, or a module-level
 name its code may read (a global setting, a helper function;
-:func:`fusion_compiler.tracing.globals_read`); how values are kept and compared is
+:func:`fusion_compiler.code_reads.globals_read`); how values are kept and compared is
 :mod:`.snapshots`'. What tracing must leave as it was is :mod:`.module_writes`'.
 """
 
@@ -203,9 +203,10 @@ class StateGuard:
             _tell_unseen(self.module, unseen)
         orders = [order(v) for v in self._attr_values]
         self._plain, self._objects = orders.count(0), orders.count(0) + orders.count(1)
-        # the training flags of modules whose own code a trace runs (``if self.training:`` in
-        # it is traced as a constant); torch.nn's modules read theirs when they run
-        self._traced = [m for m in modules if not _torch_nn(m)]
+        # the training flags of every module: ``if self.training:`` in code a trace runs is
+        # traced as a constant, and that code may read a torch.nn submodule's flag too
+        # (``self.bn.training``), which that module alone may change (``model.bn.eval()``)
+        self._traced = list(modules)
         # names a trace saw forward read that the module did not have (``hasattr(self, "x")``,
         # a class-level default): one set on the module later changes what forward computes
         tables = [((vars(m), m._parameters, m._buffers, m._modules), type(m), _READS.get(m, ()))
@@ -214,9 +215,11 @@ class StateGuard:
                         if not any(n in d for d in t) and _settable(cls, n)]
 
     def training_flags(self) -> tuple[bool, ...]:
-        """The ``training`` flags of the modules whose own ``forward`` code a trace runs (not
-        ``torch.nn``'s): part of a specialization's key, since ``if self.training:`` in that
-        code is traced as a constant (a backbone put in eval mode under a training root)."""
+        """The ``training`` flags of the model's modules: part of a specialization's key, since
+        ``if self.training:`` (or ``if self.bn.training:``) in code a trace runs is traced as a
+        constant (a backbone put in eval mode under a training root; a batch norm frozen by
+        ``model.bn.eval()`` whose flag the parent's code reads). ``torch.nn``'s own modules read
+        theirs when they run; theirs are in the key for the code of others that reads them."""
         return tuple(map(_TRAINING, self._traced))
 
     def _forward_changed(self) -> bool:
