@@ -5,20 +5,27 @@ graph's nodes is filled in afterwards, by :mod:`fusion_compiler.shapes`.
 
 from __future__ import annotations
 
+import logging
 import operator
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 
+from .code_reads import globals_read
 from .ir.errors import FusionError, InputTypeError
 from .ir.ops import calls_named, copy_graph, writes_in_place
+from .random_ops import random_state
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import note_reads
-from .tracing import ModeRecordingTracer, globals_read, mark_grad_modes, recording_reads
+from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
+
+log = logging.getLogger("fusion_compiler")
+_TOLD: weakref.WeakSet = weakref.WeakSet()  # models told what their forward reads once
 
 __all__ = ["TensorSpec", "capture", "input_specs", "unpacked_inputs", "flatten_inputs",
            "unpack_inputs", "untrainable"]
@@ -195,14 +202,16 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "backend='fusion_compiler'), which follows it (one replaced on a submodule is "
             "traced through)")
     on_calling_thread("torch.fx tracing")
-    global_names, stored, draws = globals_read(
+    global_names, stored, once = globals_read(
         m for m in dict.fromkeys(model.modules()) if not type(m).__module__.startswith("torch."))
-    if draws:  # the trace would draw once, and the graph keep those numbers
-        raise FusionError(
-            f"{type(model).__name__}'s forward draws random numbers with Python's or NumPy's "
-            f"generator ({', '.join(dict.fromkeys(draws))}): a traced graph would repeat the "
-            "trace's numbers at every call; draw them with torch (torch.rand), which a compiled "
-            "graph draws afresh at each call, or pass them in, or call the model uncompiled")
+    draws = {n: value for n, (kind, _, value) in once.items() if kind == "random"}
+    drawn_from = {n: random_state(value) for n, value in draws.items()}
+    state = list(dict.fromkeys(what for kind, what, _ in once.values() if kind == "state"))
+    if state and _first_time(model):  # once per model: each specialization traces again
+        log.warning(
+            "%s's forward reads %s: a compiled graph keeps what its trace read, so a change "
+            "after this compile is not seen; call the model uncompiled where it must follow "
+            "one", type(model).__name__, ", ".join(state))
     if stored:  # the trace would assign it once, the compiled calls never
         raise FusionError(
             f"{type(model).__name__}'s forward assigns the module-level name(s) "
@@ -219,6 +228,8 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     writes = ModuleWrites(model)  # the trace runs forward's Python code: the model is put back
     try:
         tracer, graph, reads = trace(True)
+        # an alias of torch.is_grad_enabled is not the tracer's: its reads are seen statically
+        tracer.grad_mode_read |= any(kind == "grad" for kind, _, _ in once.values())
         if tracer.grad_mode_read and not grad_enabled:  # the branch the caller's mode takes
             writes.restore()
             tracer, graph, reads = trace(False)
@@ -249,11 +260,64 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "object it holds): a compiled graph cannot repeat an assignment at each call (an "
             "in-place update of a buffer it can: self.n.add_(1)); move it out of forward, or use "
             "torch.compile(model, backend='fusion_compiler'), whose graphs Dynamo guards")
+    drawn = [n for n, value in draws.items()
+             if drawn_from[n] is None or random_state(value) != drawn_from[n]]
+    if drawn:  # the trace drew (a draw in a branch it did not take is no draw)
+        raise FusionError(
+            f"{type(model).__name__}'s forward draws random numbers with Python's or NumPy's "
+            f"generator ({', '.join(drawn)}): a traced graph would repeat the trace's numbers at "
+            "every call; draw them with torch (torch.rand), which a compiled graph draws afresh "
+            "at each call, or pass them in, or call the model uncompiled")
+    written = _constants_written(gm)
+    if written:
+        raise FusionError(
+            f"{type(model).__name__}'s forward writes in place into a tensor it makes from "
+            f"constant arguments ({', '.join(written)}): the trace made that tensor once, so a "
+            "compiled graph would write into the same one at every call (the writes would add "
+            "up); write it out of place (w = torch.ones(4) * s, torch.where(...)), or call the "
+            "model uncompiled")
     mark_grad_modes(gm)
     gm.meta["autograd_functions"] = sorted(set(tracer.autograd_functions))
     gm.meta["checkpoints"] = tracer.checkpoints
     gm.meta["grad_mode_read"] = tracer.grad_mode_read
     return gm
+
+
+_VIEWS = frozenset({"view", "reshape", "expand", "transpose", "permute", "squeeze", "unsqueeze",
+                    "flatten", "narrow", "select", "__getitem__", "t", "view_as", "unflatten"})
+
+
+def _constants_written(gm: fx.GraphModule) -> list[str]:
+    """The tensors a trace made from constant arguments (``torch.ones(4)``: fx keeps them as
+    ``_tensor_constant`` attributes) that a node of ``gm`` writes in place (``w.mul_(s)``,
+    ``w[i] = 0``), directly or through a view, each as ``constant (by op)``."""
+    found = []
+    for node in gm.graph.nodes:
+        setitem = node.target in (operator.setitem, "__setitem__", torch.Tensor.__setitem__)
+        if not (setitem or writes_in_place(node)) or not node.args:
+            continue
+        base = node.args[0]
+        while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") and (
+                getattr(base.target, "__name__", base.target) in _VIEWS or base.target in (
+                operator.getitem,)) and base.args:
+            base = base.args[0]
+        if isinstance(base, fx.Node) and base.op == "get_attr" and str(base.target).startswith(
+                "_tensor_constant"):
+            name = getattr(node.target, "__name__", node.target)
+            found.append(f"{base.target} (by {name})")
+    return found
+
+
+def _first_time(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was not told yet what its forward reads once (a model that is not
+    hashable is told at each trace)."""
+    try:
+        if model in _TOLD:
+            return False
+        _TOLD.add(model)
+    except TypeError:
+        pass
+    return True
 
 
 def untrainable(gm: fx.GraphModule, name: str) -> str | None:

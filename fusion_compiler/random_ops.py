@@ -22,6 +22,7 @@ docs/decisions.md, "A compile draws no random numbers from the user's generators
 
 from __future__ import annotations
 
+import pickle
 import random
 import types
 from typing import Any
@@ -32,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-__all__ = ["NoDraws", "RandomCallsAsNodes", "python_random"]
+__all__ = ["NoDraws", "RandomCallsAsNodes", "may_draw", "python_random", "random_state"]
 
 
 def _draws(func: Any) -> bool:
@@ -50,8 +51,9 @@ def _to_meta(value: Any) -> Any:
 
 class NoDraws(TorchDispatchMode):
     """Within the block, a random op returns zeros of the shape, dtype and strides its meta
-    function gives, on its device (an in-place one returns its tensor unchanged); every other
-    op runs. The default generators and any generator passed to the op are left as they were.
+    function gives, on its device (an in-place one fills its tensor with zeros; one without a
+    meta function gives zeros shaped as its first tensor argument); every other op runs. The
+    default generators and any generator passed to the op are left as they were.
 
     Why not save the generators' states and restore them after the run
     (``torch.random.fork_rng``): the default generators are the process's. Another thread's draws
@@ -74,16 +76,53 @@ class NoDraws(TorchDispatchMode):
                                                (args, kwargs))
         if "device" in meta_kwargs:
             meta_kwargs["device"] = "meta"
-        out = func(*meta_args, **meta_kwargs)
+        try:
+            out = func(*meta_args, **meta_kwargs)
+        except NotImplementedError:  # no meta function (binomial): its input's shape
+            if not real:
+                raise
+            return torch.zeros_like(real[0])
         metas = [a for a in tree_leaves((meta_args, meta_kwargs)) if isinstance(a, torch.Tensor)]
         same = {id(m): r for m, r in zip(metas, real)}  # what an in-place op returns
 
         def real_value(m: torch.Tensor) -> torch.Tensor:
-            if id(m) in same:
-                return same[id(m)]
+            if id(m) in same:  # (the run's own copy: inputs and state the graph writes are)
+                return same[id(m)].zero_()
             return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device).zero_()
 
         return tree_map_only(torch.Tensor, real_value, out)
+
+
+_DETERMINISTIC = frozenset("""
+    conv1d conv2d conv3d conv_transpose2d linear bilinear relu relu_ relu6 silu silu_ gelu elu
+    leaky_relu hardtanh hardswish hardsigmoid sigmoid sigmoid_ tanh softplus mish softmax
+    log_softmax add add_ sub sub_ mul mul_ div div_ truediv floordiv neg pow sqrt rsqrt exp log
+    abs clamp clamp_ clip matmul bmm mm addmm einsum cat stack flatten unflatten view view_as
+    reshape permute transpose contiguous size dim getitem getattr to float half bfloat16 type_as
+    mean sum amax amin max min adaptive_avg_pool1d adaptive_avg_pool2d adaptive_max_pool2d
+    avg_pool2d max_pool2d batch_norm layer_norm group_norm instance_norm normalize pad
+    interpolate chunk split unsqueeze squeeze expand expand_as narrow repeat where masked_fill
+    zeros_like ones_like full_like new_zeros new_ones new_empty empty_like iadd isub imul itruediv
+    eq ne lt le gt ge and_ or_ detach clone pixel_shuffle channel_shuffle
+""".split())
+"""Names of call targets that never draw (their runs need no :class:`NoDraws`)."""
+
+_DRAWING_MODULES = ("Dropout", "RReLU", "RNN", "LSTM", "GRU", "Transformer", "MultiheadAttention")
+
+
+def may_draw(node: fx.Node, root: torch.nn.Module) -> bool:
+    """Whether running ``node`` (of a graph of ``root``) may draw random numbers: a call of a
+    target not known not to (a ``torch.nn`` leaf module other than dropout, RReLU, recurrent,
+    transformer and attention layers; an op named in :data:`_DETERMINISTIC`). A run needs
+    :class:`NoDraws` only around these (the mode costs Python work at every op)."""
+    if node.op == "call_module":
+        cls = type(root.get_submodule(node.target))
+        return not cls.__module__.startswith("torch.nn.") or any(
+            k in cls.__name__ for k in _DRAWING_MODULES)
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name not in _DETERMINISTIC
 
 
 class _Draw(Exception):
@@ -107,6 +146,10 @@ class RandomCallsAsNodes(TorchFunctionMode):
     node of the graph (``call_function``, or ``call_method`` for a tensor method), its tensor
     arguments constants of the graph. Calls with traced arguments are fx's, as before.
 
+    Raises:
+        RuntimeError: (the trace fails with it) such a call passes a ``torch.Generator`` of its
+            own, which a graph cannot hold.
+
     Args:
         tracer: the ``torch.fx.Tracer`` whose trace the block runs."""
 
@@ -124,6 +167,10 @@ class RandomCallsAsNodes(TorchFunctionMode):
                 return func(*args, **kwargs)
         except _Draw:
             pass
+        if any(isinstance(a, torch.Generator) for a in tree_leaves((args, kwargs))):
+            raise RuntimeError(
+                f"{getattr(func, '__name__', func)} draws from a torch.Generator passed to it: a "
+                "compiled graph cannot hold one; draw from the default generator")
         name = getattr(func, "__name__", None)
         if name is not None and getattr(torch.Tensor, name, None) is func:
             return self.tracer.create_proxy("call_method", name, args, kwargs)
@@ -133,10 +180,31 @@ class RandomCallsAsNodes(TorchFunctionMode):
 def python_random(value: Any) -> bool:
     """Whether ``value`` draws from Python's or NumPy's random numbers: the ``random`` or
     ``numpy.random`` module, one of their functions, a ``random.Random``, NumPy ``Generator`` or
-    ``RandomState`` or a method of one."""
+    ``RandomState`` or a method of one. Reads no attribute an object could serve by code of its
+    own (``__getattr__``): only those of modules, functions, methods and classes."""
     if isinstance(value, types.ModuleType):
         return value.__name__ in ("random", "numpy.random")
-    owner = getattr(value, "__self__", value)
-    where = (getattr(value, "__module__", None) or "", type(owner).__module__ or "")
+    owner = value.__self__ if isinstance(value, _METHODS) else value
+    where = [type(owner).__module__ or ""]
+    if isinstance(value, _FUNCTIONS):
+        where.append(value.__module__ or "")
     return isinstance(owner, random.Random) or any(
         m == "random" or m.startswith("numpy.random") for m in where)
+
+
+_METHODS = (types.MethodType, types.BuiltinMethodType)
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, type)
+
+
+def random_state(value: Any) -> bytes | None:
+    """The state of the random numbers ``value`` (:func:`python_random`) draws from, pickled: a
+    ``random.Random``'s, a NumPy ``Generator``'s or ``RandomState``'s, or the module-level one of
+    ``random`` or ``numpy.random``; ``None`` where it cannot be read."""
+    owner = value if isinstance(value, types.ModuleType) else getattr(value, "__self__", value)
+    for read in (lambda o: o.getstate(), lambda o: o.bit_generator.state,
+                 lambda o: o.get_state()):
+        try:
+            return pickle.dumps(read(owner))
+        except Exception:  # noqa: BLE001 - not this kind of generator
+            continue
+    return None

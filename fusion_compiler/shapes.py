@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
 from .ir.ops import write_back, writes_in_place
-from .random_ops import NoDraws
+from .random_ops import NoDraws, may_draw
 
 __all__ = ["propagate_shapes", "written_state", "encode_meta", "apply_meta"]
 
@@ -68,10 +68,11 @@ def _real_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
     as a meta tensor of the same shape, dtype and strides, and its device.
 
     The run leaves no trace: tensor inputs are cloned (an in-place op cannot change the caller's),
-    random ops draw nothing (:class:`~.random_ops.NoDraws`), and the module state the graph may
-    write is read from clones (:class:`_PrivateState`).
+    random ops draw nothing (:class:`~.random_ops.NoDraws` around each node that
+    :func:`~.random_ops.may_draw`), and the module state the graph may write is read from clones
+    (:class:`_PrivateState`).
     """
-    with torch.no_grad(), NoDraws():
+    with torch.no_grad():
         inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
         private = _PrivateState(written_state(gm), _detached_clone)
         _RecordingInterpreter(gm, private).run(*inputs)
@@ -137,7 +138,11 @@ class _RecordingInterpreter(fx.Interpreter):
         return self.private.swap(super().fetch_attr(target))
 
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
+        if may_draw(n, self.module):
+            with NoDraws():
+                result = super().run_node(n)
+        else:
+            result = super().run_node(n)
         if isinstance(result, torch.Tensor):
             n.meta["device"] = result.device
         n.meta["val"] = tree_map_only(torch.Tensor, _to_meta, result)

@@ -20,14 +20,11 @@ thread (the tracer does so when fx sets its ``root``, before fx lists the model'
 from __future__ import annotations
 
 import contextlib
-import dis
-import functools
 import logging
 import operator
 import sys
 import threading
-import types
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -35,10 +32,9 @@ import torch.utils.checkpoint
 from torch.fx import _symbolic_trace
 
 from .runtime.hooks import instance_forward
-from .random_ops import RandomCallsAsNodes, python_random
+from .random_ops import RandomCallsAsNodes
 
-__all__ = ["ModeRecordingTracer", "TRACE_LOCK", "globals_read", "mark_grad_modes",
-           "recording_reads"]
+__all__ = ["ModeRecordingTracer", "TRACE_LOCK", "mark_grad_modes", "recording_reads"]
 
 log = logging.getLogger("fusion_compiler")
 TRACE_LOCK = threading.Lock()
@@ -99,125 +95,6 @@ def _recording(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str
             except Exception:  # noqa: BLE001 (a metaclass that refuses: the others put back)
                 log.warning("could not take the attribute recorder off %s after a trace: its "
                             "attribute reads stay slower", cls.__qualname__)
-
-
-_NOT_USERS = frozenset({"torch", "fusion_compiler"})
-"""Top-level packages whose code is not the user's: what reads it is not guarded."""
-
-
-def _package(module_name: str | None) -> str:
-    return (module_name or "").split(".")[0]
-
-
-def _user_class(cls: type) -> bool:
-    """A class of the user's code (not Python's, torch's or this package's)."""
-    top = _package(cls.__module__)
-    return top not in _NOT_USERS and top != "builtins" and top not in sys.stdlib_module_names
-
-
-def _user_function(value: Any) -> bool:
-    """A Python function of the user's code (not torch's, not this package's)."""
-    return isinstance(value, types.FunctionType) and _package(value.__module__) not in _NOT_USERS
-
-
-def _unwrapped(value: Any) -> list[types.FunctionType]:
-    """The user's functions ``value`` runs: itself, the function a ``functools.partial``
-    wraps, the one a ``functools.wraps`` decorator wraps (``__wrapped__``), a property's getter,
-    a bound method's function."""
-    found, seen = [], set()
-    while value is not None and id(value) not in seen:
-        seen.add(id(value))
-        if _user_function(value):
-            found.append(value)
-        if isinstance(value, functools.partial):
-            value = value.func
-        elif isinstance(value, property):
-            value = value.fget
-        elif isinstance(value, (types.MethodType, staticmethod, classmethod)):
-            value = value.__func__
-        elif isinstance(value, types.FunctionType):  # functools.wraps sets __wrapped__
-            value = vars(value).get("__wrapped__")
-        else:  # any other object: its attributes are not looked up (they may run code)
-            value = None
-    return found
-
-
-@functools.lru_cache(maxsize=4096)
-def _names(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...],
-                                          tuple[str, ...], tuple[str, ...]]:
-    """What ``code`` names (CPython's ``dis``): globals it loads, ``(global, attribute)`` pairs
-    it loads (``config.SCALE``), globals it stores or deletes, attributes it loads."""
-    loads, pairs, stores, attributes = [], [], [], []
-    previous = None
-    for instruction in dis.get_instructions(code):
-        name, op = instruction.argval, instruction.opname
-        if op == "LOAD_GLOBAL":
-            loads.append(name)
-        elif op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            stores.append(name)
-        elif op in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(name, str):
-            attributes.append(name)
-            if previous is not None and previous.opname == "LOAD_GLOBAL":
-                pairs.append((previous.argval, name))
-        previous = instruction
-    return tuple(loads), tuple(pairs), tuple(stores), tuple(attributes)
-
-
-def globals_read(modules: Iterable[torch.nn.Module]
-                 ) -> tuple[list[tuple[Any, str]], list[str], list[str]]:
-    """The module-level names the code of ``modules`` may read when it runs, as ``(namespace,
-    name)`` (a function's globals, or an imported module's ``__dict__`` for ``config.SCALE``,
-    or a class of the user's for ``Defaults.SCALE``), and the globals it assigns (``global n;
-    n += 1``). A static reading of the bytecode (CPython's ``dis``) of each module's ``forward``
-    (its instance forward where one replaced it), followed into the user's functions it reaches
-    by a global name, an imported module's attribute, or a method or function-valued attribute
-    of the module (through ``functools.partial``, ``functools.wraps`` and properties), and into
-    nested code. Names of builtins, and torch's and this package's code, are left out. A
-    function reached another way (an argument, an object's attribute) is not followed. Third,
-    the names read that draw Python's or NumPy's random numbers (``random.random``,
-    ``np.random``): a trace runs them once."""
-    todo: list[tuple[types.CodeType, dict, Any]] = []
-
-    def follow(value: Any, owner: Any) -> None:
-        for fn in _unwrapped(value):
-            todo.append((fn.__code__, fn.__globals__, owner))
-
-    for module in modules:
-        follow(instance_forward(module), module)
-        follow(type(module).forward, module)
-    seen: set[tuple[types.CodeType, int]] = set()
-    found: dict[tuple[int, str], tuple[dict, str]] = {}
-    stores: list[str] = []
-    draws: list[str] = []
-    while todo:
-        code, namespace, owner = todo.pop()
-        if (code, id(owner)) in seen:
-            continue
-        seen.add((code, id(owner)))
-        loads, pairs, stored, attributes = _names(code)
-        stores += [n for n in stored if n not in stores]
-        draws += [n for n in loads if python_random(namespace.get(n)) and n not in draws]
-        draws += [f"{n}.{a}" for n, a in pairs if python_random(
-            getattr(namespace.get(n), a, None) if isinstance(namespace.get(n), types.ModuleType)
-            else None)]
-        for name in loads:
-            if name in namespace:
-                found.setdefault((id(namespace), name), (namespace, name))
-                follow(namespace[name], None)
-        for name, attribute in pairs:
-            imported = namespace.get(name)
-            if isinstance(imported, types.ModuleType) and _package(
-                    imported.__name__) not in _NOT_USERS and attribute in vars(imported):
-                found.setdefault((id(vars(imported)), attribute), (vars(imported), attribute))
-                follow(vars(imported)[attribute], None)
-            elif isinstance(imported, type) and _user_class(imported) and any(
-                    attribute in vars(k) for k in imported.__mro__[:-1]):
-                found.setdefault((id(imported), attribute), (imported, attribute))
-        if isinstance(owner, torch.nn.Module):  # self.helper(), self.f = lambda ...
-            for attribute in attributes:
-                follow(vars(owner).get(attribute, getattr(type(owner), attribute, None)), owner)
-        todo += [(c, namespace, owner) for c in code.co_consts if isinstance(c, types.CodeType)]
-    return list(found.values()), stores, draws
 
 
 class ModeRecordingTracer(fx.Tracer):
@@ -340,8 +217,7 @@ class ModeRecordingTracer(fx.Tracer):
 
 
 _TRACED_THROUGH = tuple(filter(None, [getattr(torch.utils.checkpoint, "_NoopSaveInputs", None)]))
-"""``autograd.Function`` s whose backward a trace through them keeps: the one the non-reentrant
-checkpoint applies to save its inputs (torch 2.11; its gradients flow through the traced ops)."""
+"""``autograd.Function`` s a trace through keeps right: the non-reentrant checkpoint's."""
 
 
 class _TracingThread:
@@ -381,8 +257,7 @@ def mark_grad_modes(gm: fx.GraphModule) -> None:
         return
     if all(modes):
         return
-    # a block that turns gradients off: as ``torch.no_grad`` does, the mode before it is read
-    # and restored after it (a call under no_grad then stays without gradients)
+    # a block that turns gradients off: the mode before it is read, and restored after it
     graph, off, before = gm.graph, False, None
     for node in calls:
         want_off = not node.meta.get("traced_grad", True)

@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("fusion_compiler.runtime",)),
     ("kernels", ("fusion_compiler.kernels",)),
     ("capture", ("fusion_compiler.capture", "fusion_compiler.tracing",
+                 "fusion_compiler.code_reads", "fusion_compiler.process_state",
                  "fusion_compiler.random_ops", "fusion_compiler.shapes")),
     ("autograd", ("fusion_compiler.autograd",)),
     ("passes", ("fusion_compiler.passes",)),

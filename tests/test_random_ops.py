@@ -91,7 +91,7 @@ _NUMPY = np.random.default_rng(0)
     (lambda: np.random.rand(), "np.random"),
     (lambda: _NUMPY.random(), "_NUMPY"),
 ])
-def test_python_or_numpy_random_numbers_in_forward_are_refused(draw, name):
+def test_python_or_numpy_random_numbers_drawn_by_the_trace_are_refused(draw, name):
     global _DRAW
     _DRAW = draw
 
@@ -105,3 +105,93 @@ def test_python_or_numpy_random_numbers_in_forward_are_refused(draw, name):
 
     with pytest.raises(FusionError, match=f"draws random numbers with Python's or NumPy's.*{name}"):
         fusion_compiler.compile(Jitter())(torch.randn(1, 4, 5, 5))
+
+
+class _Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+
+class _OwnRandom(_Base):
+    def __init__(self):
+        super().__init__()
+        self.rng = random.Random(0)
+
+    def forward(self, x):
+        return self.conv(x) * self.rng.random()
+
+
+class _ImportedInForward(_Base):
+    def forward(self, x):
+        import random as r
+
+        return self.conv(x) * r.random()
+
+
+class _LayerDrop(_Base):
+    def forward(self, x):
+        if self.training and random.random() < 0.5:
+            return x
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("model, eval_compiles", [
+    (_OwnRandom, False), (_ImportedInForward, False), (_LayerDrop, True)])
+def test_python_random_numbers_are_refused_where_the_trace_draws_them(model, eval_compiles):
+    """Held by the module, imported inside forward: refused. A draw in a branch the trace does
+    not take (LayerDrop in eval mode) draws nothing: compiled; in training mode, refused."""
+    x = torch.randn(1, 4, 5, 5)
+    m = model().eval()
+    if eval_compiles:
+        torch.testing.assert_close(fusion_compiler.compile(m)(x), m(x))
+    else:
+        with pytest.raises(FusionError, match="Python's or NumPy's"):
+            fusion_compiler.compile(m)(x)
+    with pytest.raises(FusionError, match="Python's or NumPy's"):
+        fusion_compiler.compile(model().train())(x)
+
+
+class _WritesConstant(_Base):
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.s = how, nn.Parameter(torch.full((4, 1, 1), 2.0))
+
+    def forward(self, x):
+        w = torch.ones(4, 1, 1)
+        if self.how == "mul_":
+            w.mul_(self.s)
+        else:
+            w[torch.randperm(4)[:1]] = 0
+        return self.conv(x) * w
+
+
+@pytest.mark.parametrize("how", ["mul_", "setitem"])
+def test_a_write_into_a_tensor_made_from_constants_is_refused(how):
+    """The trace makes ``torch.ones(4, 1, 1)`` once: written in place at every compiled call,
+    the writes added up (mul_) or were lost (an item assignment)."""
+    with pytest.raises(FusionError, match="writes in place into a tensor it makes from constant"):
+        fusion_compiler.compile(_WritesConstant(how))(torch.randn(1, 4, 5, 5))
+
+
+class _OwnGenerator(_Base):
+    def forward(self, x):
+        return self.conv(x) + torch.randn(4, 1, 1, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_random_call_with_its_own_generator_is_refused_naming_it():
+    with pytest.raises(FusionError, match="randn draws from a torch.Generator passed to it"):
+        fusion_compiler.compile(_OwnGenerator())(torch.randn(1, 4, 5, 5))
+
+
+def test_no_draws_fills_in_place_draws_with_zeros_and_shapes_ops_without_meta_functions():
+    from fusion_compiler.random_ops import NoDraws
+
+    state = torch.get_rng_state()
+    with NoDraws():
+        filled = torch.empty(5).uniform_()
+        dropped = F.dropout(torch.ones(2, 3), 0.5, training=True)
+        counts = torch.binomial(torch.full((2, 3), 4.0), torch.full((2, 3), 0.5))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(filled, torch.zeros(5)) and torch.equal(dropped, torch.zeros(2, 3))
+    assert counts.shape == (2, 3)

@@ -1,0 +1,70 @@
+"""What a traced ``forward`` reads besides its tensors, that a compiled graph keeps: process state
+is named in one WARNING, an alias of ``torch.is_grad_enabled`` gets a specialization per grad
+mode, and a ``torch.nn`` submodule's ``training`` flag that the parent reads is in the key."""
+
+import logging
+import os
+
+import torch
+import torch.nn as nn
+from torch import is_grad_enabled
+
+import fusion_compiler
+
+
+class _Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+
+class _ReadsState(_Base):
+    def forward(self, x):
+        y = self.conv(x)
+        if os.environ.get("FC_TEST_FLAG") == "1":
+            y = y + 1
+        return y.to(torch.get_default_dtype())
+
+
+def test_process_state_forward_reads_is_named_in_one_warning(caplog):
+    model, x = _ReadsState().eval(), torch.randn(1, 3, 8, 8)
+    compiled = fusion_compiler.compile(model)
+    with caplog.at_level(logging.WARNING, logger="fusion_compiler"):
+        compiled(x)
+        compiled(torch.randn(2, 3, 8, 8))  # another specialization: traced again, not told again
+    told = [r.getMessage() for r in caplog.records if "reads os.environ" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "torch.get_default_dtype" in told[0]
+    assert "a change after this compile is not seen" in told[0]
+
+
+class _AliasOfGradMode(_Base):
+    def forward(self, x):
+        y = self.conv(x)
+        return y + 1000 if is_grad_enabled() else y
+
+
+def test_an_alias_of_the_grad_mode_query_gets_a_specialization_per_mode():
+    model, x = _AliasOfGradMode().eval(), torch.randn(1, 3, 8, 8)
+    compiled = fusion_compiler.compile(model)
+    torch.testing.assert_close(compiled(x), model(x))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+class _ReadsSubmoduleMode(_Base):
+    def forward(self, x):
+        y = self.conv(x)
+        return y + 1000 if self.conv.training else y
+
+
+def test_a_submodules_training_flag_the_parent_reads_is_in_the_key():
+    """``model.conv.eval()`` alone (the root stays in training mode) changes what the parent's
+    code computes."""
+    model, x = _ReadsSubmoduleMode().train(), torch.randn(1, 3, 8, 8)
+    compiled = fusion_compiler.compile(model)
+    torch.testing.assert_close(compiled(x), model(x))
+    model.conv.eval()
+    torch.testing.assert_close(compiled(x), model(x))
