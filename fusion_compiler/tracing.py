@@ -233,7 +233,17 @@ class _TracingThread:
 class _InplaceProxy(fx.Proxy):
     """``x += y`` traced as ``operator.iadd``, as Dynamo writes it (``fx.Proxy`` has no
     ``__iadd__``, so Python would trace ``x = x + y``: a write into an input or a view lost);
-    ``functionalize`` rewrites the in-place op where the value is a tensor."""
+    ``functionalize`` rewrites the in-place op where the value is a tensor. A read of what a
+    graph cannot answer per call (``x.grad_fn is None``, ``hasattr(x, "_tag")``: fx's answer is
+    a node, never ``None``, always there) fails the trace, naming it."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _AUTOGRAD_STATE or (name.startswith("_") and not name.startswith("__")
+                                       and not hasattr(torch.Tensor, name)):
+            raise fx.proxy.TraceError(
+                f"forward reads {name!r} of a traced value, which a graph cannot answer at "
+                "each call (fx would answer it once, for all calls)")
+        return super().__getattr__(name)
 
     def __iadd__(self, other: Any) -> fx.Proxy:
         return self.tracer.create_proxy("call_function", operator.iadd, (self, other), {})
@@ -246,6 +256,9 @@ class _InplaceProxy(fx.Proxy):
 
     def __itruediv__(self, other: Any) -> fx.Proxy:
         return self.tracer.create_proxy("call_function", operator.itruediv, (self, other), {})
+
+
+_AUTOGRAD_STATE = frozenset({"grad", "grad_fn", "_base", "_version", "retains_grad"})
 
 
 def mark_grad_modes(gm: fx.GraphModule) -> None:

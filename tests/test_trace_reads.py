@@ -5,11 +5,13 @@ mode, and a ``torch.nn`` submodule's ``training`` flag that the parent reads is 
 import logging
 import os
 
+import pytest
 import torch
 import torch.nn as nn
 from torch import is_grad_enabled
 
 import fusion_compiler
+from fusion_compiler import FusionError
 
 
 class _Base(nn.Module):
@@ -68,3 +70,23 @@ def test_a_submodules_training_flag_the_parent_reads_is_in_the_key():
     torch.testing.assert_close(compiled(x), model(x))
     model.conv.eval()
     torch.testing.assert_close(compiled(x), model(x))
+
+
+class _ReadsAutogradState(_Base):
+    def forward(self, x):
+        y = self.conv(x)
+        return y + 1000 if x.grad_fn is None else y
+
+
+class _ReadsATag(_Base):
+    def forward(self, x):
+        y = self.conv(x)
+        return y + 1000 if hasattr(x, "_tag") else y
+
+
+@pytest.mark.parametrize("model, name", [(_ReadsAutogradState, "grad_fn"), (_ReadsATag, "_tag")])
+def test_reads_of_what_a_graph_cannot_answer_per_call_are_refused_naming_them(model, name):
+    """fx answers ``x.grad_fn`` with a node (never ``None``) and ``hasattr(x, "_tag")`` with
+    ``True``, once for all calls: eager's answer differs."""
+    with pytest.raises(FusionError, match=f"reads '{name}' of a traced value"):
+        fusion_compiler.compile(model())(torch.randn(1, 3, 8, 8))
