@@ -1153,6 +1153,44 @@ def random_numbers_after_calls(s: Session) -> None:
     s.record("drawn after a training step", torch.rand(8, device=s.device))
 
 
+def untracked_bn() -> nn.Module:
+    """:class:`ConvBN` whose batch norm stops tracking statistics after it was made (its
+    buffers kept, as test-time adaptation code does): in training mode it normalizes with the
+    batch's statistics and leaves the buffers alone."""
+    m = ConvBN()
+    m.bn.track_running_stats = False
+    return m
+
+
+def batch_norm_without_tracking(s: Session) -> None:
+    s.model.train()
+    with torch.no_grad():
+        s.record("out", s(x16(s)))
+    s.record("running statistics", [s.model.bn.running_mean, s.model.bn.running_var])
+
+
+class InplaceBesideAWrite(nn.Module):
+    """A functional in-place ReLU whose result is not used (``y`` itself is rectified) in a
+    forward that also writes a buffer: the graph keeps its in-place ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.register_buffer("last", torch.zeros(8))
+
+    def forward(self, x):
+        y = self.conv1(x)
+        F.relu(y, inplace=True)
+        self.last.copy_(y.mean((0, 2, 3)).detach())
+        return self.conv2(y)
+
+
+def inplace_kept_beside_a_write(s: Session) -> None:
+    infer(s, x16(s))
+    s.record("buffer", s.model.last)
+
+
 class ReadsBNMode(ConvBN):
     """:class:`ConvBN` whose own code reads its batch norm's mode (a head that scales its input
     down while the batch norm trains, say)."""
@@ -1429,6 +1467,10 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 5 (session 34)"),
     Pattern("submodule_mode_read_by_the_parent", reads_bn_mode, submodule_mode_read_by_the_parent,
             f"{ISSUE}, item 1 (session 50: the key held user modules' flags only)"),
+    Pattern("batch_norm_without_tracking", untracked_bn, batch_norm_without_tracking,
+            f"{ISSUE}, item 1 (session 50, helper-47: the buffers were updated)"),
+    Pattern("inplace_kept_beside_a_write", InplaceBesideAWrite, inplace_kept_beside_a_write,
+            f"{ISSUE}, item 1 (session 50, helper-47: the write of F.relu(y, inplace=True) lost)"),
     Pattern("noise_drawn_at_each_call", ConstantNoise, noise_drawn_at_each_call,
             f"{ISSUE}, item 5 (session 50: a trace kept one draw)"),
 ]

@@ -225,8 +225,11 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
                               attr("bias"), attr("num_batches_tracked"), mod.eps))
                 return  # the module also updates num_batches_tracked: leave it to PyTorch
             momentum = 0.0 if mod.momentum is None else mod.momentum
+            # in training without tracking, statistics kept anyway are neither used nor updated
+            stats = not mod.training or mod.track_running_stats
             _replace(gm, node, F.batch_norm,
-                     (x, attr("running_mean"), attr("running_var"), attr("weight"), attr("bias"),
+                     (x, attr("running_mean") if stats else None,
+                      attr("running_var") if stats else None, attr("weight"), attr("bias"),
                       training, momentum, mod.eps))
         elif kind is nn.AvgPool2d:
             _replace(gm, node, F.avg_pool2d,
@@ -258,6 +261,8 @@ def _is_hw(dims: Any, rank: int | None) -> bool:
 
 
 def _canonicalize_call(gm: fx.GraphModule, node: fx.Node, differentiable: bool) -> None:
+    if writes_in_place(node):  # one functionalize kept (its graph's fusion is off): it stays,
+        return  # its write included (F.relu(y, inplace=True) made relu(y) left y unrectified)
     g = gm.graph
     target = node.target
     if node.op == "call_method":
