@@ -4,12 +4,13 @@
 tensors becomes a constant of the graph. The package guards the module's attributes, the globals
 the code reads, the modules' ``training`` flags, grad mode and autocast (docs/decisions.md,
 "Python-level state: guarded, assignments refused, tracing leaves the model alone"). What is
-left, read through a global name or an imported module's attribute of the code
-(:func:`~fusion_compiler.code_reads.globals_read` finds them in the bytecode), falls in three kinds:
+left, read through a global name, an imported module's attribute, a closure, a module
+attribute or an import inside the code (:func:`~fusion_compiler.code_reads.globals_read` finds
+them in the bytecode), falls in three kinds:
 
 * ``"random"``: Python's or NumPy's random numbers (:func:`~.random_ops.python_random`): the
   numbers of the trace would come back at every call, so :func:`~fusion_compiler.capture.capture`
-  refuses them;
+  refuses them where the trace drew them;
 * ``"grad"``: ``torch.is_grad_enabled`` bound to another name (``from torch import
   is_grad_enabled``): the tracer answers ``torch.is_grad_enabled`` itself, not an alias, so the
   capture treats the alias as a read of grad mode (a specialization per mode);

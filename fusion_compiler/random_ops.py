@@ -9,10 +9,12 @@ constant that every compiled call adds again. Here:
 
 * :class:`RandomCallsAsNodes` (during a trace) makes a random call whose arguments hold no traced
   value a node of the graph, as a call with traced arguments is: it draws afresh at every call;
-* :class:`NoDraws` (during a propagation on real tensors) answers random ops with zeros of the
-  shape, dtype and strides they would have;
+* :class:`NoDraws` (during a propagation on real tensors, around the nodes that
+  :func:`may_draw`) answers random ops with zeros of the shape, dtype and strides they would
+  have;
 * :func:`python_random` tells which names ``forward`` reads draw Python's or NumPy's numbers,
-  which a trace cannot make nodes of: :func:`~fusion_compiler.capture.capture` refuses them.
+  which a trace cannot make nodes of, and :func:`random_state` reads their generators' states:
+  :func:`~fusion_compiler.capture.capture` refuses those the trace drew from.
 
 PyTorch marks the ops that draw with the tag ``torch.Tag.nondeterministic_seeded`` (dropout,
 ``rand``, ``bernoulli_``, ``multinomial``, ``normal_``...): the test used here. Both modes are
