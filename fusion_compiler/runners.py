@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_unflatten
 
 from .config import CompileOptions, Target
 from .glue_compile import glue_backend as choose_glue_backend
@@ -23,7 +23,7 @@ from .ir.region import Region
 from .passes import PassManager, glue
 from .passes.post_lowering.hoist import HoistedParameters
 from .runtime.background import COMPILE_LOCK, drain, on_calling_thread, warn_once
-from .runtime.tensors import inference_graph_modes
+from .runtime.tensors import inference_graph_modes, output_leaves
 from .runtime.tiered import TieredRunner, isolated_copy
 
 __all__ = ["Runners", "memory_format", "with_formats"]
@@ -42,17 +42,29 @@ def memory_format(t: Any) -> torch.memory_format | None:
 
 def with_formats(call: Callable[..., Any],
                  formats: list[torch.memory_format | None]) -> Callable[..., Any]:
-    """``call`` with its outputs in the memory formats eager returned (``formats``: one per
-    output, ``None`` where any format goes)."""
+    """``call`` with its tensor outputs in the memory formats eager returned (``formats``: one
+    per tensor output, in :func:`output_leaves` order, ``None`` where any format goes). An
+    output that shares memory with an input (the input itself, a view of it) is left as it is:
+    eager returns it so, and its layout follows the caller's tensor (whose format the recorded
+    one, taken from a copy of the input, need not be)."""
     if not any(f is not None for f in formats):
         return call
 
     def run(*inputs: Any) -> Any:
-        out = call(*inputs)
-        flat = iter(formats)
-        return tree_map(lambda t: t.contiguous(memory_format=f)
-                        if (f := next(flat)) is not None
-                        and not t.is_contiguous(memory_format=f) else t, out)
+        leaves, spec = output_leaves(call(*inputs))
+        flat, read = iter(formats), None
+        for i, t in enumerate(leaves):
+            if not isinstance(t, torch.Tensor):
+                continue
+            f = next(flat, None)
+            if f is None or t.is_contiguous(memory_format=f):
+                continue
+            if read is None:
+                read = {a.untyped_storage().data_ptr() for a in inputs
+                        if isinstance(a, torch.Tensor)}
+            if t.untyped_storage().data_ptr() not in read:
+                leaves[i] = t.contiguous(memory_format=f)
+        return tree_unflatten(leaves, spec)
     return run
 
 

@@ -31,6 +31,7 @@ from .lowering import build_plans, lower, plan_work, regions_of
 from .passes import PassManager, fusion, post_lowering, pre_fusion
 from .passes.post_lowering.hoist import HOISTED, HoistedParameters
 from .runners import Runners, memory_format, with_formats
+from .runtime.tensors import output_leaves
 from .runtime.plan_cache import PlanCache, default_cache_dir
 from .runtime.background import COMPILE_LOCK, warn_once
 from .runtime.tiered import TieredRunner, unlowered_copy
@@ -139,9 +140,11 @@ class SpecializationCompiler:
         def on_stage(name: str, g: fx.GraphModule) -> None:
             stages[name] = g.code
             if name == "captured":  # the memory formats eager returns, before any rewrite
-                out = g.graph.find_nodes(op="output")[0]
-                formats.extend(memory_format(n.meta.get("val") if isinstance(n, fx.Node) else n)
-                               for n in tree_flatten(out.args[0])[0])
+                out = g.graph.find_nodes(op="output")[0]  # (a node's value may be a tuple)
+                values = [n.meta.get("val") if isinstance(n, fx.Node) else n
+                          for n in tree_flatten(out.args[0])[0]]
+                formats.extend(memory_format(t) for t in output_leaves(values)[0]
+                               if isinstance(t, torch.Tensor))
 
         with COMPILE_LOCK:  # never beside a background compile (see the lock's docstring)
             gm, lock = self._passes(key, args, target, on_stage, structure)

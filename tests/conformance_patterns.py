@@ -1191,6 +1191,31 @@ def inplace_kept_beside_a_write(s: Session) -> None:
     s.record("buffer", s.model.last)
 
 
+class ReturnsItsInput(nn.Module):
+    """Returns its input and the feature map's size beside the features (a debugging or
+    bookkeeping output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y, x, y.size()
+
+
+def returned_input_and_size(s: Session) -> None:
+    """The input, a channel slice of a larger tensor (strided, with gaps), comes back as the
+    caller's tensor (a write into it reaches the larger one), and the size as a torch.Size."""
+    big = s.x(2, 6, 16, 16)
+    with torch.no_grad():
+        out, same, size = s(big[:, :3])
+    s.record("out", out)
+    s.record("size", torch.tensor([float(isinstance(size, torch.Size)), *size]))
+    same.zero_()
+    s.record("the larger tensor after a write into the returned input", big)
+
+
 class ReadsBNMode(ConvBN):
     """:class:`ConvBN` whose own code reads its batch norm's mode (a head that scales its input
     down while the batch norm trains, say)."""
@@ -1471,6 +1496,8 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 1 (session 50, helper-47: the buffers were updated)"),
     Pattern("inplace_kept_beside_a_write", InplaceBesideAWrite, inplace_kept_beside_a_write,
             f"{ISSUE}, item 1 (session 50, helper-47: the write of F.relu(y, inplace=True) lost)"),
+    Pattern("returned_input_and_size", ReturnsItsInput, returned_input_and_size,
+            f"{ISSUE}, item 1 (session 50, helper-48: a copy came back; the size crashed)"),
     Pattern("noise_drawn_at_each_call", ConstantNoise, noise_drawn_at_each_call,
             f"{ISSUE}, item 5 (session 50: a trace kept one draw)"),
 ]

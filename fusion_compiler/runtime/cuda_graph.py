@@ -37,14 +37,14 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
 from .replays import GraphTurn, capture_stream, capture_turn, release_rng_capture
-from .tensors import (StreamOrder, Turns, inference_graph_modes, owning_capture, ready_to_capture,
-                      restored)
+from .tensors import (StreamOrder, Turns, inference_graph_modes, output_leaves, owning_capture,
+                      ready_to_capture, restored)
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -132,7 +132,7 @@ class _Capture:
         self.turn = GraphTurn(stream)
         self.order = StreamOrder(torch.device("cuda", torch.cuda.current_device()))
         self.storages: list[int] | None = None
-        self._leaves, self._spec = tree_flatten(outputs)
+        self._leaves, self._spec = output_leaves(outputs)
         flat = [t for t in self._leaves if isinstance(t, torch.Tensor)]
         read = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
         if hasattr(torch._C, "_storage_Use_Count") and not any(

@@ -43,7 +43,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .replays import GraphTurn
-from .tensors import Turns, layout_like, restored, side_stream
+from .tensors import Turns, layout_like, output_leaves, restored, side_stream
 from ..ir.errors import condense
 from .cuda_graph import CaptureError, _uncached_autocast, capturing
 from .weight_cache import derivation_epoch
@@ -199,7 +199,7 @@ class _GraphPair:
         self.fwd_graph = torch.cuda.CUDAGraph()
         with capturing(self.fwd_graph, self.turns, pool, self.stream):
             out = call()
-        self.live_outputs, self.out_spec = tree_flatten(out)
+        self.live_outputs, self.out_spec = output_leaves(out)
         self.diff_positions = [i for i, t in enumerate(self.live_outputs)
                                if isinstance(t, torch.Tensor) and t.requires_grad]
         self.static_outputs = [t.detach() if isinstance(t, torch.Tensor) else t

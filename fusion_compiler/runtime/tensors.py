@@ -10,9 +10,10 @@ import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["StreamOrder", "Turns", "side_stream", "stream_capturing", "capture_owner",
-           "owning_capture", "autocast_dtype", "shared_storage", "restored",
+           "output_leaves", "owning_capture", "autocast_dtype", "shared_storage", "restored",
            "inference_graph_modes", "layout_like", "channel_view_strides", "as_channel_view",
            "before_captures_on_a_thread", "ready_to_capture", "on_device_of"]
 
@@ -323,3 +324,9 @@ def as_channel_view(x: torch.Tensor, total: int, alignment: int = 16) -> torch.T
     wide = torch.empty((n, total, h, w), dtype=x.dtype, device=x.device,
                        memory_format=torch.channels_last)
     return wide.narrow(1, 0, c).copy_(x)
+
+
+def output_leaves(out: Any) -> tuple[list[Any], Any]:
+    """``torch.utils._pytree.tree_flatten`` of a model's outputs with each ``torch.Size`` one
+    leaf: flattened, it came back a plain tuple (``isinstance(s, torch.Size)`` false)."""
+    return tree_flatten(out, is_leaf=lambda t: isinstance(t, torch.Size))

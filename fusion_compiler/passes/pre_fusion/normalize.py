@@ -124,6 +124,9 @@ def _specialize_shapes(gm: fx.GraphModule) -> None:
             continue
         const = tuple(val) if isinstance(val, torch.Size) else val
         for user in list(node.users):
+            if isinstance(val, tuple) and (user.op == "output" or isinstance(user.target, type)):
+                continue  # returned (or kept in a namedtuple), a torch.Size stays one: as an
+                # fx constant it would be a plain tuple
             user.args = map_aggregate(user.args, lambda a: const if a is node else a)
             user.kwargs = map_aggregate(user.kwargs, lambda a: const if a is node else a)
     eliminate_dead_code(gm.graph)
