@@ -23,7 +23,6 @@ actor) sees neither a meta tensor nor an update undone.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from typing import Any, Callable, Sequence
 
@@ -116,7 +115,11 @@ class _PrivateState:
         state = itertools.chain(module.parameters(), module.buffers())
         if not any(id(t) in self.copies for t in state):
             return module
-        clone = copy.copy(module)  # a new __dict__; its tables are replaced below
+        # a new __dict__ (its tables are replaced below); not copy.copy, which a parametrized
+        # module refuses ("Serialization of parametrized modules is only supported through
+        # state_dict()")
+        clone = object.__new__(type(module))
+        clone.__dict__.update(vars(module))
         for table in ("_parameters", "_buffers"):
             object.__setattr__(clone, table, {
                 name: None if t is None else self.copies.get(id(t), t)

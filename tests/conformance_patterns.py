@@ -785,6 +785,16 @@ def parametrized_weight_norm(s: Session) -> None:
     infer(s, x16(s))
 
 
+def parametrized_spectral_norm(s: Session) -> None:
+    """A parametrization whose module cannot be copied (``copy.copy`` of a parametrized module
+    raises; the trace's propagation copied modules whose state a graph writes): spectral norm,
+    whose power iteration writes its vectors at every training call."""
+    torch.nn.utils.parametrizations.spectral_norm(s.model.conv2)
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    infer(s, x16(s))
+
+
 class Optional_(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1438,6 +1448,8 @@ PATTERNS: list[Pattern] = [
     Pattern("weight_norm_legacy", ConvNet, weight_norm_legacy, f"{ISSUE}, item 4"),
     Pattern("spectral_norm_legacy", ConvNet, spectral_norm_legacy, f"{ISSUE}, item 4"),
     Pattern("weight_norm_parametrization", ConvNet, parametrized_weight_norm, DYNAMO_TESTS),
+    Pattern("spectral_norm_parametrization", ConvNet, parametrized_spectral_norm,
+            f"{ISSUE}, item 4 (session 50, helper-47: refused with a misleading message)"),
     Pattern("keyword_arguments_and_defaults", Optional_, keyword_arguments, f"{ISSUE}, item 4"),
     Pattern("none_for_an_optional_input", Optional_, none_for_optional, f"{ISSUE}, item 4"),
     Pattern("deepcopy_after_a_call", conv_bn, deepcopy_after_a_call, f"{ISSUE}, item 4"),
