@@ -58,11 +58,16 @@ def input_specs(args: Sequence[Any]) -> tuple:
     again, with one WARNING).
 
     Raises:
-        InputTypeError: a list, dict or set input (it may change between calls unseen)."""
+        InputTypeError: a list, dict or set input (it may change between calls unseen), or any
+            other that cannot be hashed (a ``types.SimpleNamespace``: no key can hold it)."""
     for i, a in enumerate(args):
         if isinstance(a, (list, dict, set)):
             raise InputTypeError(f"input {i} is a {type(a).__name__}: compiled graphs take "
                                  "tensors, numbers and tuples (pass the tensors as arguments)")
+        if not isinstance(a, torch.Tensor) and getattr(type(a), "__hash__", None) is None:
+            raise InputTypeError(f"input {i} is a {type(a).__name__}, which cannot be hashed: "
+                                 "compiled graphs take tensors, numbers, tuples and hashable "
+                                 "objects (pass the tensors as arguments)")
         if isinstance(a, tuple) and any(isinstance(t, torch.Tensor) for t in a):
             warn_once("reusing a specialization", f"input {i}, a tuple of tensors that forward "
                       "does not only unpack (or index), is keyed by the tuple itself: each new "

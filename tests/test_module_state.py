@@ -562,6 +562,8 @@ def test_tuple_inputs_are_taken_apart_and_containers_refused_in_one_line(tmp_pat
     for container in ([obs, hidden], {"obs": obs, "hidden": hidden}):
         with pytest.raises(TypeError, match="compiled graphs take tensors, numbers and tuples"):
             compiled(container)
+    with pytest.raises(TypeError, match="input 0 is a SimpleNamespace, which cannot be hashed"):
+        compiled(types.SimpleNamespace(obs=obs, hidden=hidden))  # (a bare "unhashable type")
 
 
 class _Adversarial(nn.Module):
