@@ -35,20 +35,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from .ir.ops import meta_like
+
 __all__ = ["NoDraws", "RandomCallsAsNodes", "may_draw", "python_random", "random_state"]
 
 
 def _draws(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
-
-
-def _to_meta(value: Any) -> Any:
-    """A meta tensor with ``value``'s shape, dtype and strides; ``None`` for a generator."""
-    if isinstance(value, torch.Generator):
-        return None
-    if value.device.type == "meta":
-        return value
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
 
 
 class NoDraws(TorchDispatchMode):
@@ -74,8 +67,8 @@ class NoDraws(TorchDispatchMode):
             return func(*args, **kwargs)
         real = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         device = kwargs.get("device") or (real[0].device if real else torch.get_default_device())
-        meta_args, meta_kwargs = tree_map_only((torch.Tensor, torch.Generator), _to_meta,
-                                               (args, kwargs))
+        meta_args, meta_kwargs = tree_map_only(  # (a generator stays out of a meta run)
+            torch.Tensor, meta_like, tree_map_only(torch.Generator, lambda g: None, (args, kwargs)))
         if "device" in meta_kwargs:
             meta_kwargs["device"] = "meta"
         try:

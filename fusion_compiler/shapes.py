@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
-from .ir.ops import write_back, writes_in_place
+from .ir.ops import meta_like, write_back, writes_in_place
 from .random_ops import NoDraws, may_draw
 
 __all__ = ["propagate_shapes", "written_state", "encode_meta", "apply_meta"]
@@ -148,7 +148,7 @@ class _RecordingInterpreter(fx.Interpreter):
             result = super().run_node(n)
         if isinstance(result, torch.Tensor):
             n.meta["device"] = result.device
-        n.meta["val"] = tree_map_only(torch.Tensor, _to_meta, result)
+        n.meta["val"] = tree_map_only(torch.Tensor, meta_like, result)
         return result
 
 
@@ -214,13 +214,6 @@ def _plain_number(value: Any) -> bool:
     return isinstance(value, (int, float, bool))
 
 
-def _to_meta(value: Any) -> Any:
-    """A meta tensor with ``value``'s shape, dtype and strides (other values unchanged)."""
-    if isinstance(value, torch.Tensor) and value.device.type != "meta":
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    return value
-
-
 class _MetaPropagation(fx.Interpreter):
     """Run a graph on meta tensors and record each node's value and device.
 
@@ -254,13 +247,13 @@ class _MetaPropagation(fx.Interpreter):
         value = super().placeholder(target, args, kwargs)
         if isinstance(value, torch.Tensor):
             self.devices[self.node] = value.device
-        return _to_meta(value)
+        return meta_like(value)
 
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
         if isinstance(value, torch.Tensor):
             self.devices[self.node] = value.device
-        return _to_meta(value)
+        return meta_like(value)
 
     def call_module(self, target, args, kwargs):
         module = self.fetch_attr(target)
@@ -271,7 +264,7 @@ class _MetaPropagation(fx.Interpreter):
         if first is not None and self.node not in self.devices and not any(
                 a in self.devices for a in self.node.all_input_nodes):
             self.devices[self.node] = first.device
-        return _PrivateState(state, _to_meta).swap(module)(*args, **kwargs)
+        return _PrivateState(state, meta_like).swap(module)(*args, **kwargs)
 
 
 _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64,

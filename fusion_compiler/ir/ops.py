@@ -247,3 +247,11 @@ def tensor_shape(node: object) -> tuple[int, ...] | None:
     """The shape of :func:`tensor_meta`'s tensor, or ``None``."""
     val = tensor_meta(node)
     return tuple(val.shape) if val is not None else None
+
+
+def meta_like(value: Any) -> Any:
+    """A meta tensor with ``value``'s shape, dtype and strides (other values, and meta tensors,
+    unchanged)."""
+    if isinstance(value, torch.Tensor) and value.device.type != "meta":
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
