@@ -21,7 +21,7 @@ from .random_ops import random_state
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward
 from .runtime.module_writes import ModuleWrites
-from .runtime.state import note_reads
+from .runtime.state import first_time, note_reads
 from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
 
 log = logging.getLogger("fusion_compiler")
@@ -212,7 +212,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     draws = {n: value for n, (kind, _, value) in once.items() if kind == "random"}
     drawn_from = {n: random_state(value) for n, value in draws.items()}
     state = list(dict.fromkeys(what for kind, what, _ in once.values() if kind == "state"))
-    if state and _first_time(model):  # once per model: each specialization traces again
+    if state and first_time(_TOLD, model):  # once per model: each specialization traces again
         log.warning(
             "%s's forward reads %s: a compiled graph keeps what its trace read, so a change "
             "after this compile is not seen; call the model uncompiled where it must follow "
@@ -311,18 +311,6 @@ def _constants_written(gm: fx.GraphModule) -> list[str]:
             name = getattr(node.target, "__name__", node.target)
             found.append(f"{base.target} (by {name})")
     return found
-
-
-def _first_time(model: torch.nn.Module) -> bool:
-    """Whether ``model`` was not told yet what its forward reads once (a model that is not
-    hashable is told at each trace)."""
-    try:
-        if model in _TOLD:
-            return False
-        _TOLD.add(model)
-    except TypeError:
-        pass
-    return True
 
 
 def untrainable(gm: fx.GraphModule, name: str) -> str | None:

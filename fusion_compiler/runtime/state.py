@@ -34,7 +34,7 @@ from .hooks import hook_tables, instance_forward
 from .snapshots import (MISSING, MODULE_INTERNALS, changed_in_place, kept, order, plain, same,
                         short, small)
 
-__all__ = ["StateGuard", "Recompiles", "RECOMPILE_LIMIT", "plain", "note_reads"]
+__all__ = ["StateGuard", "Recompiles", "RECOMPILE_LIMIT", "plain", "note_reads", "first_time"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -302,12 +302,24 @@ class StateGuard:
         return "nothing"
 
 
+def first_time(told: weakref.WeakSet, model: torch.nn.Module) -> bool:
+    """Whether ``model`` is not in ``told`` yet (it is added): for a WARNING once per model. A
+    model that cannot be hashed (a class with ``__eq__`` and no ``__hash__``) is told each
+    time."""
+    try:
+        if model in told:
+            return False
+        told.add(model)
+    except TypeError:
+        pass
+    return True
+
+
 def _tell_unseen(model: torch.nn.Module, unseen: list[str]) -> None:
     """One WARNING per model: values ``forward`` reads whose contents the guard does not compare
     (too large to compare at every call; a change in place will not be seen)."""
-    if model in _TOLD:
+    if not first_time(_TOLD, model):
         return
-    _TOLD.add(model)
     log.warning("%s: forward reads %s; the compiled model compares %s by identity only, so a "
                 "change of %s contents in place is not seen: keep such data in a buffer, or "
                 "pass it as an argument", type(model).__name__, ", ".join(sorted(set(unseen))),
