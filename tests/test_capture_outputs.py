@@ -1,4 +1,4 @@
-"""What a captured inference graph hands out after a replay (``runtime/cuda_graph._Capture``):
+"""What a captured inference graph hands out after a replay (``runtime/captured.CapturedForward``):
 "copies" gives fresh tensors equal to the output buffers; "safe" gives the buffers as new tensor
 objects (copies where the buffers are never handed out); containers are new at every call and
 keep their structure and non-tensor leaves. CPU: the graph is a fake whose replay adds one to
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fusion_compiler.runtime.cuda_graph import _Capture
+from fusion_compiler.runtime.captured import CapturedForward, input_aliases
 from fusion_compiler.runtime.replays import GraphTurn
 from fusion_compiler.runtime.tensors import StreamOrder
 
@@ -26,11 +26,13 @@ class _Graph:
             t.add_(1)
 
 
-def _capture(outputs, handed_out: bool) -> _Capture:
-    capture = _Capture.__new__(_Capture)  # (the real constructor needs a CUDA stream)
+def _capture(outputs, handed_out: bool, inputs=()) -> CapturedForward:
+    capture = CapturedForward.__new__(CapturedForward)  # (the constructor needs a CUDA stream)
     capture.outputs = outputs
     capture._leaves, capture._spec = tree_flatten(outputs)
-    capture.graph = _Graph([t for t in capture._leaves if isinstance(t, torch.Tensor)])
+    capture.aliases = input_aliases(capture._leaves, inputs)
+    capture.graph = _Graph([t for k, t in enumerate(capture._leaves)
+                            if isinstance(t, torch.Tensor) and k not in capture.aliases])
     capture.turn, capture.order = GraphTurn(None), StreamOrder(torch.device("cpu"))
     capture.storages = [0] if handed_out else None
     return capture
@@ -49,7 +51,7 @@ OUTPUTS = {
 def test_replay_hands_out_the_outputs_in_their_structure(kind, mode):
     outputs = OUTPUTS[kind]()
     capture = _capture(outputs, handed_out=True)
-    first, second = capture.replay(mode), capture.replay(mode)
+    first, second = capture.replay(mode, ()), capture.replay(mode, ())
     flat, spec = tree_flatten(first)
     buffers, buffer_spec = tree_flatten(outputs)
     assert spec == buffer_spec
@@ -68,5 +70,36 @@ def test_replay_hands_out_the_outputs_in_their_structure(kind, mode):
 
 def test_buffers_never_handed_out_are_copied_even_when_safe_is_asked():
     capture = _capture((torch.zeros(2),), handed_out=False)
-    (got,) = capture.replay("safe")
+    (got,) = capture.replay("safe", ())
     assert got.untyped_storage().data_ptr() != capture.outputs[0].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("mode", ["copies", "safe"])
+def test_outputs_that_are_inputs_are_the_callers_tensors(mode):
+    """An output that is the capture's input buffer (or a view of it) comes back as the caller's
+    tensor (or the same view of it), not the buffer or a copy: eager returns the caller's
+    tensor, and a write into it must reach the caller (a channel slice of a larger tensor, say).
+    The graph's own outputs are handed out as before."""
+    buffer, y = torch.zeros(2, 3, 4), torch.zeros(5)
+    capture = _capture((y, buffer, 7), handed_out=True, inputs=[buffer])
+    big = torch.zeros(2, 6, 4)
+    caller = big[:, :3]  # strided with gaps: the whole input fits any layout
+    assert capture.fits([caller])
+    got_y, got_x, n = capture.replay(mode, [caller])
+    assert got_x is caller and n == 7 and got_y.eq(1.0).all()  # (the fake adds one)
+    got_x.fill_(3.0)
+    assert big[:, :3].eq(3.0).all() and big[:, 3:].eq(0.0).all()
+
+    viewed = _capture((buffer[:, 1:],), handed_out=True, inputs=[buffer])
+    assert not viewed.fits([caller])  # a view needs the capture's strides
+    caller = torch.zeros(2, 3, 4)
+    (got,) = viewed.replay(mode, [caller])
+    assert got.data_ptr() == caller[:, 1:].data_ptr() and got.stride() == caller[:, 1:].stride()
+    assert got.shape == caller[:, 1:].shape
+
+
+def test_input_aliases_names_whole_inputs_and_views():
+    x, w = torch.zeros(2, 3), torch.zeros(4)
+    found = input_aliases([torch.ones(1), x, x.t(), w.view(torch.int32), "s"], [w, x])
+    assert found == {1: (1, (3, 1), None), 2: (1, (3, 1), ((3, 2), (1, 3), 0)),
+                     3: (0, None, ((4,), (1,), 0))}

@@ -24,7 +24,9 @@ or a view of it), the call replays a spare graph, captured at the first such cal
 graph's memory pool, whose outputs never leave the runner, and returns copies of them (one device
 copy per output, on the current stream). A copy on every call costs a kernel of its own after the
 graph; handing out the buffers costs nothing (measurements: docs/decisions.md, "CUDA-graph outputs
-handed out or copied").
+handed out or copied"). An output that is an input, or a view of one, is the caller's tensor (or
+that view of it), as in eager (:class:`~.captured.CapturedForward`); a call whose tensor such a
+view cannot be taken of (other strides than the capture's) runs the forward without a graph.
 
 A forward that cannot be captured (a host synchronization such as ``.item()``, a copy from pageable
 host memory, data-dependent shapes) raises :class:`CaptureError` at construction; the caller then
@@ -37,14 +39,13 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils._pytree import tree_unflatten
 
 from ..ir.errors import condense
 from .derivations import Derivations
 from .background import COMPILE_LOCK, gc_paused, warn_once
-from .replays import GraphTurn, capture_stream, capture_turn, release_rng_capture
-from .tensors import (StreamOrder, Turns, inference_graph_modes, output_leaves, owning_capture,
-                      ready_to_capture, restored)
+from .replays import capture_stream, capture_turn, release_rng_capture
+from .captured import CapturedForward
+from .tensors import Turns, inference_graph_modes, owning_capture, ready_to_capture, restored
 from .weight_cache import Epoch, derivation_scope
 
 __all__ = ["CudaGraphRunner", "CaptureError"]
@@ -114,61 +115,6 @@ def _uncached_autocast() -> contextlib.AbstractContextManager:
     return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
-class _Capture:
-    """One captured CUDA graph of the forward and its output buffers, with what handing those
-    buffers out needs: their storages (``_cdata`` pointers) and the reference counts they have
-    while only the runner holds them (``None`` when they are never handed out: this torch
-    cannot count references, or an output aliases an input of the capture).
-
-    A replay on another stream than the previous replay's first waits for the work queued on
-    that stream (:class:`~.tensors.StreamOrder`): work the caller queued there may still read
-    buffers that replay handed out, though the caller has let go of them since (the runner's
-    turns order its calls, not the caller's work after one; a graph's previous replay may be
-    several calls back, the calls between served by another graph)."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, inputs: Sequence[Any],
-                 stream: torch.cuda.Stream):
-        self.graph, self.outputs = graph, outputs
-        self.turn = GraphTurn(stream)
-        self.order = StreamOrder(torch.device("cuda", torch.cuda.current_device()))
-        self.storages: list[int] | None = None
-        self._leaves, self._spec = output_leaves(outputs)
-        flat = [t for t in self._leaves if isinstance(t, torch.Tensor)]
-        read = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
-        if hasattr(torch._C, "_storage_Use_Count") and not any(
-                t.untyped_storage().data_ptr() in read for t in flat):
-            self.storages = [t.untyped_storage()._cdata for t in flat]
-        self.sole_use = self._use_counts()
-
-    def _use_counts(self) -> tuple[int, ...] | None:
-        if self.storages is None:
-            return None
-        return tuple(torch._C._storage_Use_Count(cdata) for cdata in self.storages)
-
-    def held(self) -> bool:
-        """Whether something besides the runner holds a buffer handed out (or a view of one)."""
-        return self.storages is not None and self._use_counts() != self.sole_use
-
-    def replay(self, outputs: str) -> Any:
-        """Replay and return the outputs: ``"copies"`` copies of the output buffers, ``"safe"``
-        the buffers as new tensor objects (each one held adds to its storage's count) when they
-        may be handed out, else copies."""
-        self.order.follow()
-        with self.turn.replaying():
-            self.graph.replay()
-        copy = outputs == "copies" or self.storages is None
-        out = self.outputs
-        if isinstance(out, torch.Tensor):  # (most models: one tensor, no tree to walk)
-            return out.clone() if copy else out.detach()
-        return tree_unflatten([(t.clone() if copy else t.detach())
-                               if isinstance(t, torch.Tensor) else t for t in self._leaves],
-                              self._spec)
-
-    def reset(self) -> None:
-        self.graph.reset()
-        self.outputs = self._leaves = None
-
-
 class CudaGraphRunner:
     """Capture ``fn(*example_args)`` in a CUDA graph; call with inputs of the same shapes/dtypes.
 
@@ -216,10 +162,10 @@ class CudaGraphRunner:
         self.stream = capture_stream(model)
         self.inference = inference
         self.buffers, self.written = list(buffers), list(written)
-        self.main: _Capture | None = None
+        self.main: CapturedForward | None = None
         # None: not captured yet; False: capture failed (see _try_capture)
-        self._spare: _Capture | None | bool = None
-        self._direct: _Capture | None | bool = None
+        self._spare: CapturedForward | None | bool = None
+        self._direct: CapturedForward | None | bool = None
         self._direct_key: tuple | None = None
         self._last_key: tuple | None = None
         self._epochs: list[Any] = []  # the values each capture derived, kept with its graph
@@ -275,7 +221,7 @@ class CudaGraphRunner:
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
                 self.close()
                 raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
-        self.main = _Capture(graph, outputs, self.static_inputs, self.stream)
+        self.main = CapturedForward(graph, outputs, self.static_inputs, self.stream)
 
     def _forward(self, args: Sequence[Any]) -> Any:
         """What a graph holds: the derivation prologue, then the forward (which waits for the
@@ -288,7 +234,7 @@ class CudaGraphRunner:
         finally:
             self.derivations.finish()
 
-    def _try_capture(self, args: Sequence[Any], pool: Any) -> _Capture | bool | None:
+    def _try_capture(self, args: Sequence[Any], pool: Any) -> CapturedForward | bool | None:
         """A further capture of the forward on ``args`` (in ``pool``, ``None``: a pool of its
         own); ``None`` when it cannot be made now (a background compile holds
         :data:`~.background.COMPILE_LOCK`: beside one, captures failed; a later call tries again),
@@ -300,7 +246,7 @@ class CudaGraphRunner:
             with capturing(graph, self._turns, pool, self.stream), self._scope(), \
                     self._capturing_mode():
                 outputs = self._forward(args)
-            return _Capture(graph, outputs, args, self.stream)
+            return CapturedForward(graph, outputs, args, self.stream)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
             warn_once("capturing a further CUDA graph (the direct or the spare one)",
                       condense(f"{type(exc).__name__}: {exc}", limit=200) + "; the calls it "
@@ -341,22 +287,29 @@ class CudaGraphRunner:
                 self._direct, self._direct_key = self._try_capture(args, None), key
             direct = self._direct
             if direct and key == self._direct_key and not direct.held():
-                return direct.replay("safe")
+                return direct.replay("safe", args)
         self._last_key = key
+        if not self.main.fits(args):  # an output is a view of an input laid out otherwise
+            return self._eager(args)
         for static, a in zip(self.static_inputs, args):
             if isinstance(static, torch.Tensor):
                 static.copy_(a)
         if not self.main.held():
-            return self._written_back(args, self.main.replay("safe"))
+            return self._written_back(args, self.main.replay("safe", args))
         # a buffer handed out (or a view of one) is still held: the spare graph, whose outputs
         # never leave the runner
         if self._spare is None:
             self._spare = self._try_capture(self.static_inputs, self.main.graph.pool())
-        if not self._spare:  # eagerly, the derived values (hoisted ones) brought up to date
-            if self.derivations is not None:
-                self.derivations.prologue()  # (not capturing: its programs in turn, here)
-            return self.fn(*args)
-        return self._written_back(args, self._spare.replay("copies"))
+        if not self._spare:
+            return self._eager(args)
+        return self._written_back(args, self._spare.replay("copies", args))
+
+    def _eager(self, args: Sequence[Any]) -> Any:
+        """The forward run eagerly on ``args``, the derived values (hoisted ones) brought up to
+        date first."""
+        if self.derivations is not None:
+            self.derivations.prologue()  # (not capturing: its programs in turn, here)
+        return self.fn(*args)
 
     def _written_back(self, args: Sequence[Any], outputs: Any) -> Any:
         """``outputs``, after copying what the replay wrote into input buffers to the caller's
