@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
-from .ir.ops import meta_like, write_back, writes_in_place
+from .ir.ops import meta_like, shallow_module, write_back, writes_in_place
 from .random_ops import NoDraws, may_draw
 
 __all__ = ["propagate_shapes", "written_state", "encode_meta", "apply_meta"]
@@ -115,18 +115,7 @@ class _PrivateState:
         state = itertools.chain(module.parameters(), module.buffers())
         if not any(id(t) in self.copies for t in state):
             return module
-        # a new __dict__ (its tables are replaced below); not copy.copy, which a parametrized
-        # module refuses ("Serialization of parametrized modules is only supported through
-        # state_dict()")
-        clone = object.__new__(type(module))
-        clone.__dict__.update(vars(module))
-        for table in ("_parameters", "_buffers"):
-            object.__setattr__(clone, table, {
-                name: None if t is None else self.copies.get(id(t), t)
-                for name, t in getattr(module, table).items()})
-        object.__setattr__(clone, "_modules", {
-            name: None if m is None else self._module(m) for name, m in module._modules.items()})
-        return clone
+        return shallow_module(module, lambda t: self.copies.get(id(t), t), self._module)
 
 
 class _RecordingInterpreter(fx.Interpreter):

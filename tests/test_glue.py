@@ -389,3 +389,31 @@ def test_a_split_into_views_is_no_inductor_work():
 
     spec = specialize_for_dump(Halves().eval(), [torch.randn(2, 8, 4, 4)])
     assert inductor_work(spec.graph_module) == []
+
+
+def test_private_copy_of_a_parametrized_module():
+    """The background compiles' copy of a graph copies its leaf modules; a parametrized one (a
+    spectral-norm Linear, a leaf of the trace) refuses ``copy.copy``: every GPU compile of such a
+    model failed there ("Serialization of parametrized modules is only supported through
+    state_dict()"). The copy holds the same tensors and computes the same."""
+    import torch.fx as fx
+
+    from fusion_compiler.runtime.tiered import isolated_copy
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.utils.parametrizations.spectral_norm(nn.Linear(6, 4))
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    torch.manual_seed(0)
+    model = Head().eval()
+    gm = fx.symbolic_trace(model)
+    copy = isolated_copy(gm, opaque=lambda m: False)
+    x = torch.randn(3, 6)
+    (fc,) = [m for m in copy.modules() if isinstance(m, nn.Linear)]
+    assert fc is not model.fc and fc.parametrizations.weight.original is \
+        model.fc.parametrizations.weight.original
+    torch.testing.assert_close(copy(x), model(x), rtol=0, atol=0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -255,3 +255,22 @@ def meta_like(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type != "meta":
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
     return value
+
+
+def shallow_module(module: torch.nn.Module,
+                   tensor: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                   child: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m
+                   ) -> torch.nn.Module:
+    """A shallow copy of ``module`` with tables of its own: parameters and buffers mapped by
+    ``tensor``, submodules by ``child`` (the same objects by default), the other attributes
+    shared. Not ``copy.copy``, which a parametrized module refuses ("Serialization of
+    parametrized modules is only supported through state_dict()", ``torch.nn.utils.
+    parametrize``): the copy is a new object of the module's class with a new ``__dict__``."""
+    clone = object.__new__(type(module))
+    clone.__dict__.update(vars(module))
+    for table in ("_parameters", "_buffers"):
+        object.__setattr__(clone, table, {name: None if t is None else tensor(t)
+                                          for name, t in getattr(module, table).items()})
+    object.__setattr__(clone, "_modules", {name: None if m is None else child(m)
+                                           for name, m in module._modules.items()})
+    return clone

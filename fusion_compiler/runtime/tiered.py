@@ -25,7 +25,6 @@ the calling thread waits for it.
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import threading
 import time
 import weakref
@@ -34,7 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..ir.ops import copy_graph
+from ..ir.ops import copy_graph, shallow_module
 from ..ir.region import Region
 from .background import submit
 from .tensors import stream_capturing
@@ -87,11 +86,7 @@ def _private(module: torch.nn.Module) -> torch.nn.Module:
     """A shallow copy of ``module`` (and of its submodules) whose parameter, buffer and submodule
     tables are its own: the same tensor objects, but replacing one on the copy leaves ``module``
     alone."""
-    clone = copy.copy(module)
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    clone._modules = {k: None if m is None else _private(m) for k, m in module._modules.items()}
-    return clone
+    return shallow_module(module, child=_private)
 
 
 def isolated_copy(gm: fx.GraphModule, opaque: Callable[[torch.nn.Module], bool],
