@@ -13,9 +13,11 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from .code_reads import globals_read
 from .ir.errors import FusionError, InputTypeError
+from .ir.aliasing import alias_source, view_base
 from .ir.ops import calls_named, copy_graph, writes_in_place
 from .random_ops import random_state
 from .runtime.background import on_calling_thread, warn_once
@@ -281,6 +283,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "compiled graph would write into the same one at every call (the writes would add "
             "up); write it out of place (w = torch.ones(4) * s, torch.where(...)), or call the "
             "model uncompiled")
+    _fresh_constant_outputs(gm)
     mark_grad_modes(gm)
     gm.meta["autograd_functions"] = sorted(set(tracer.autograd_functions))
     gm.meta["checkpoints"] = tracer.checkpoints
@@ -288,29 +291,47 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     return gm
 
 
-_VIEWS = frozenset({"view", "reshape", "expand", "transpose", "permute", "squeeze", "unsqueeze",
-                    "flatten", "narrow", "select", "__getitem__", "t", "view_as", "unflatten"})
+def _is_constant(gm: fx.GraphModule, node: object) -> bool:
+    """Whether ``node`` is, or may share memory with, a tensor the trace made from constant
+    arguments (``torch.ones(4)``: fx keeps it as a ``_tensor_constant`` attribute)."""
+    base = view_base(gm, node)
+    return isinstance(base, fx.Node) and base.op == "get_attr" and str(base.target).startswith(
+        "_tensor_constant")
 
 
 def _constants_written(gm: fx.GraphModule) -> list[str]:
-    """The tensors a trace made from constant arguments (``torch.ones(4)``: fx keeps them as
-    ``_tensor_constant`` attributes) that a node of ``gm`` writes in place (``w.mul_(s)``,
-    ``w[i] = 0``), directly or through a view, each as ``constant (by op)``."""
+    """The tensors a trace made from constant arguments that a node of ``gm`` writes in place
+    (``w.mul_(s)``, ``w[i] = 0``), directly or through a view, each as ``constant (by op)``."""
     found = []
     for node in gm.graph.nodes:
         setitem = node.target in (operator.setitem, "__setitem__", torch.Tensor.__setitem__)
-        if not (setitem or writes_in_place(node)) or not node.args:
-            continue
-        base = node.args[0]
-        while isinstance(base, fx.Node) and base.op in ("call_method", "call_function") and (
-                getattr(base.target, "__name__", base.target) in _VIEWS or base.target in (
-                operator.getitem,)) and base.args:
-            base = base.args[0]
-        if isinstance(base, fx.Node) and base.op == "get_attr" and str(base.target).startswith(
-                "_tensor_constant"):
+        if (setitem or writes_in_place(node)) and node.args and _is_constant(gm, node.args[0]):
             name = getattr(node.target, "__name__", node.target)
-            found.append(f"{base.target} (by {name})")
+            found.append(f"{view_base(gm, node.args[0]).target} (by {name})")
     return found
+
+
+def _fresh_constant_outputs(gm: fx.GraphModule) -> None:
+    """An output that is a tensor the trace made from constant arguments (``return y,
+    torch.zeros(3)``), or a view of one, is computed from a copy of it at each call, as eager
+    makes a new tensor at each call: the graph returned that one tensor at every call, and a
+    caller's write into one call's output changed every later call's."""
+    graph = gm.graph
+    output = graph.find_nodes(op="output")[0]
+    leaves = [n for n in tree_flatten(output.args)[0] if isinstance(n, fx.Node)]
+    copies: dict[fx.Node, fx.Node] = {}  # one copy of a constant: its views share it
+    for leaf in dict.fromkeys(leaves):
+        if not _is_constant(gm, leaf):
+            continue
+        first, base = leaf, view_base(gm, leaf)
+        while first is not base and alias_source(first) is not base:
+            first = alias_source(first)
+        if base not in copies:
+            with graph.inserting_after(base):
+                copies[base] = graph.call_function(torch.clone, (base,))
+        (output if first is base else first).replace_input_with(base, copies[base])
+    if copies:
+        gm.recompile()
 
 
 def untrainable(gm: fx.GraphModule, name: str) -> str | None:

@@ -1226,6 +1226,38 @@ def returned_input_and_size(s: Session) -> None:
     s.record("the larger tensor after a write into the returned input", big)
 
 
+class ReturnsMade(nn.Module):
+    """Returns, beside its features, a tensor made from constants on its weights' device
+    (``torch.ones(2, device=self.where) * 2``, ``self.where`` a plain attribute) and one made
+    from a parameter alone (a scale a logger reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.scale = nn.Parameter(torch.full((8,), 0.5))
+        self.where = self.conv.weight.device
+
+    def _apply(self, fn, recurse=True):
+        moved = super()._apply(fn, recurse)
+        self.where = self.conv.weight.device
+        return moved
+
+    def forward(self, x):
+        return (self.conv(x) * self.scale[:, None, None], torch.ones(2, device=self.where) * 2,
+                self.scale * 2)
+
+
+def outputs_made_at_each_call(s: Session) -> None:
+    """The caller writes into each call's outputs (its own use of them); the next call's are new
+    tensors with the values eager gives."""
+    x = x16(s)
+    with torch.no_grad():
+        for i in range(3):
+            outs = s.record(f"call {i}", s(x))
+            for out in outs:
+                out.add_(1.0)
+
+
 class ReadsBNMode(ConvBN):
     """:class:`ConvBN` whose own code reads its batch norm's mode (a head that scales its input
     down while the batch norm trains, say)."""
@@ -1512,6 +1544,9 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 1 (session 50, helper-48: a copy came back; the size crashed)"),
     Pattern("noise_drawn_at_each_call", ConstantNoise, noise_drawn_at_each_call,
             f"{ISSUE}, item 5 (session 50: a trace kept one draw)"),
+    Pattern("outputs_made_at_each_call", ReturnsMade, outputs_made_at_each_call,
+            f"{ISSUE}, item 1 (session 51: a constant or hoisted output was one tensor for "
+            "every call)"),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)

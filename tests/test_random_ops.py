@@ -161,15 +161,18 @@ class _WritesConstant(_Base):
         w = torch.ones(4, 1, 1)
         if self.how == "mul_":
             w.mul_(self.s)
+        elif self.how == "split":  # a view the trace records (its size is traced)
+            w.split(x.shape[1] // 2)[0].mul_(self.s[:2])
         else:
             w[torch.randperm(4)[:1]] = 0
         return self.conv(x) * w
 
 
-@pytest.mark.parametrize("how", ["mul_", "setitem"])
+@pytest.mark.parametrize("how", ["mul_", "setitem", "split"])
 def test_a_write_into_a_tensor_made_from_constants_is_refused(how):
     """The trace makes ``torch.ones(4, 1, 1)`` once: written in place at every compiled call,
-    the writes added up (mul_) or were lost (an item assignment)."""
+    the writes added up (mul_, and through a split: the check's own list of views lacked it)
+    or were lost (an item assignment)."""
     with pytest.raises(FusionError, match="writes in place into a tensor it makes from constant"):
         fusion_compiler.compile(_WritesConstant(how))(torch.randn(1, 4, 5, 5))
 

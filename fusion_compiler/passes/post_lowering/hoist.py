@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
+from ...ir.aliasing import alias_source, may_be_view, written_source
 from ...ir.ops import eliminate_dead_code
 
 __all__ = ["HoistedParameters", "hoist_parameter_subgraphs", "hoist_parameters", "HOISTED",
-           "parameter_only"]
+           "parameter_only", "returned"]
 
 _PREFIX = "_hoisted_"
 HOISTED = "hoisted"
@@ -78,12 +80,31 @@ def _hoistable(node: fx.Node, const: set[fx.Node]) -> bool:
 def parameter_only(graph: fx.Graph) -> set[fx.Node]:
     """The nodes of ``graph`` computed from parameters and buffers alone: ``get_attr`` nodes, and
     pure calls whose every input is such a node (what :func:`hoist_parameter_subgraphs` moves
-    out of the graph)."""
+    out of the graph), except the calls an output may share memory with (:func:`returned`)."""
     const: set[fx.Node] = set()
+    kept = returned(graph)
     for node in graph.nodes:
-        if node.op == "get_attr" or _hoistable(node, const):
+        if node.op == "get_attr" or (node not in kept and _hoistable(node, const)):
             const.add(node)
     return const
+
+
+def returned(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose memory an output of ``graph`` may be: the outputs, and through views
+    (:func:`~fusion_compiler.ir.aliasing.view_base`) what they are views of. Computed in the
+    graph, not hoisted: a hoisted value is one tensor the graph reads at every call, and eager
+    returns a new tensor at each call (``return y, self.scale * 2``), so a caller's write into one
+    call's output would reach every later call's."""
+    gm = graph.owning_module
+    output = graph.find_nodes(op="output")[0]
+    found: set[fx.Node] = set()
+    for node in tree_flatten(output.args)[0]:
+        while isinstance(node, fx.Node) and node not in found:
+            found.add(node)
+            if not (may_be_view(node) or gm is not None and written_source(gm, node) is not None):
+                break
+            node = alias_source(node)
+    return found
 
 
 def hoist_parameter_subgraphs(gm: fx.GraphModule) -> HoistedParameters | None:

@@ -17,128 +17,14 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Callable
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
-import torch.nn.functional as F
 
-from ...ir.ops import INPLACE_POSITION, foreach_inplace, inplace_flag, write_back
-from .identities import is_torchvision_stochastic_depth
+from ...ir.aliasing import alias_source, fresh, inplace_target, may_be_view, written_source
+from ...ir.ops import INPLACE_POSITION, foreach_inplace, write_back
 
 __all__ = ["functionalize", "inplace_target"]
-
-# in-place target -> out-of-place canonical target (call_function and call_method spellings)
-_INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
-                  operator.itruediv: torch.div, torch.relu_: torch.relu, F.relu_: torch.relu}
-_AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
-
-
-def inplace_target(gm: fx.GraphModule, node: fx.Node) -> Callable | str | None:
-    """The out-of-place target for an in-place ``node`` (a function, a method name or the module
-    path), or ``None`` if ``node`` does not write into its first argument."""
-    if node.op == "call_function":
-        if node.target in _INPLACE_FUNCS:  # x += y on a number (shape arithmetic) writes nothing
-            value = node.args[0].meta.get("val") if node.args and isinstance(
-                node.args[0], fx.Node) else None
-            numeric = value is not None and not isinstance(value, torch.Tensor)
-            return None if numeric and node.target in _AUGMENTED else _INPLACE_FUNCS[node.target]
-        if inplace_flag(node):
-            return node.target
-    elif node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
-        return node.target[:-1]
-    elif node.op == "call_module":
-        if getattr(gm.get_submodule(node.target), "inplace", False) is True:
-            return node.target
-    return None
-
-
-_VIEW_METHODS = {"view", "reshape", "expand", "expand_as", "view_as", "reshape_as", "permute",
-                 "transpose", "t", "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
-                 "select", "as_strided", "detach", "split", "chunk", "unbind", "diagonal",
-                 "movedim", "unfold", "__getitem__", "ravel", "swapaxes", "swapdims",
-                 "view_as_real", "tensor_split", "split_with_sizes"}
-_VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze,
-                   torch.permute, torch.transpose, torch.t, torch.narrow, torch.select,
-                   torch.split, torch.chunk, torch.unbind, torch.movedim, torch.diagonal,
-                   torch.detach, torch.ravel, torch.swapaxes, torch.swapdims, torch.tensor_split,
-                   torch.view_as_real, torch.einsum,
-                   # dropout returns its input itself in eval mode
-                   torch.dropout, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
-                   F.alpha_dropout, F.feature_alpha_dropout}
-_TENSOR_ATTRIBUTES = {"T", "mT", "H", "mH", "data", "real", "imag"}
-"""Tensor attributes that are views (``x.shape`` and the like are not: no memory)."""
-
-
-_SELF_METHODS = {"contiguous", "float", "half", "double", "bfloat16", "to", "type", "type_as",
-                 "cpu", "cuda"}
-"""Methods that may return their argument itself (``x.float()`` of an fp32 ``x``)."""
-_ALIASING_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
-"""``torch.nn`` modules that may return their input or a view of it (dropout in eval mode)."""
-_FRESH_MODULES = (nn.modules.conv._ConvNd, nn.Linear, nn.modules.pooling._MaxPoolNd,
-                  nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
-                  nn.modules.pooling._AdaptiveMaxPoolNd, nn.modules.batchnorm._BatchNorm,
-                  nn.GroupNorm, nn.LayerNorm, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Hardswish,
-                  nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Upsample)
-_FRESH_FUNCTIONS = {torch.conv2d, F.conv2d, F.linear, torch.add, torch.sub, torch.mul, torch.div,
-                    operator.add, operator.sub, operator.mul, operator.truediv, torch.cat,
-                    torch.mean, torch.sum, F.adaptive_avg_pool2d, F.avg_pool2d, F.max_pool2d,
-                    torch.relu, torch.sigmoid, torch.tanh, F.relu, F.silu, F.gelu, F.hardswish,
-                    F.hardsigmoid, F.interpolate, torch.matmul, operator.matmul}
-_FRESH_METHODS = {"add", "sub", "mul", "div", "mean", "sum", "clone", "relu", "sigmoid", "tanh",
-                  "matmul"}
-"""Ops whose result always has memory of its own (module types, functions, methods), unless
-made in place (``nn.ReLU(inplace=True)``, ``F.relu(x, inplace=True)``)."""
-
-
-def _source(node: object) -> fx.Node | None:
-    """The value ``node``'s result may share memory with: its first tensor argument (``a`` of
-    ``torch.einsum("ij->ji", a)``), or ``input=``."""
-    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method",
-                                                        "call_module"):
-        return None
-    first = next((a for a in node.args if isinstance(a, fx.Node)),
-                 node.kwargs.get("input", node.kwargs.get("self")))
-    return first if isinstance(first, fx.Node) else None
-
-
-def _is_view(node: object) -> bool:
-    """Whether ``node`` may return a view of its source without being an in-place op: a view
-    op, a method that may return its argument itself, ``getattr`` (``x.T``, ``x.data``), a
-    function that may (dropout; torchvision's ``stochastic_depth`` in eval mode), or a module
-    that may return its input (``nn.Flatten``, dropout)."""
-    if _source(node) is None:
-        return False
-    if node.op == "call_method":
-        if node.target in _SELF_METHODS:  # a cast to another dtype or device: new memory
-            new, old = node.meta.get("val"), _source(node).meta.get("val")
-            return not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)
-                        and (new.dtype != old.dtype or new.device != old.device))
-        return node.target in _VIEW_METHODS
-    if node.op == "call_function":
-        return node.target in _VIEW_FUNCTIONS or is_torchvision_stochastic_depth(node.target) or (
-            node.target is getattr and len(node.args) > 1 and node.args[1] in _TENSOR_ATTRIBUTES)
-    owner = node.graph.owning_module
-    return owner is not None and isinstance(owner.get_submodule(node.target), _ALIASING_MODULES)
-
-
-def _written_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
-    """The value an in-place ``node`` writes (its result is that value), else ``None``."""
-    return _source(node) if inplace_target(gm, node) is not None else None
-
-
-def _fresh(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node``'s result certainly has memory no other value shares (a convolution's, a
-    sum's, a pooling's output)."""
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        return isinstance(module, _FRESH_MODULES) and getattr(module, "inplace", False) is not True
-    if node.kwargs.get("out") is not None or inplace_target(gm, node) is not None:
-        return False
-    if node.op == "call_function":
-        return node.target in _FRESH_FUNCTIONS
-    return node.op == "call_method" and node.target in _FRESH_METHODS
 
 
 def functionalize(gm: fx.GraphModule) -> str:
@@ -264,18 +150,18 @@ def _read_through_another_alias(gm: fx.GraphModule, node: fx.Node,
             if value in found:
                 continue
             found.add(value)
-            if _written_source(gm, value) is not None:
-                stack.append(_written_source(gm, value))
+            if written_source(gm, value) is not None:
+                stack.append(written_source(gm, value))
             stack += [u for u in value.users
-                      if u is not node and _written_source(gm, u) is value]
+                      if u is not node and written_source(gm, u) is value]
         return found
 
     written_value = same_value(written)
     base, through_view = written, False
-    while _is_view(base) or _written_source(gm, base) is not None:
-        through_view |= _is_view(base)
-        base = _source(base)
-    if through_view and (base.op in ("placeholder", "get_attr") or not _fresh(gm, base)):
+    while may_be_view(base) or written_source(gm, base) is not None:
+        through_view |= may_be_view(base)
+        base = alias_source(base)
+    if through_view and (base.op in ("placeholder", "get_attr") or not fresh(gm, base)):
         return True
     aliases, stack = set(), [base]
     while stack:
@@ -283,6 +169,7 @@ def _read_through_another_alias(gm: fx.GraphModule, node: fx.Node,
         if value not in aliases:
             aliases.add(value)
             stack += [u for u in value.users if u is not node and order[u] < order[node]
-                      and (_written_source(gm, u) is value or _is_view(u) and _source(u) is value)]
+                      and (written_source(gm, u) is value
+                           or may_be_view(u) and alias_source(u) is value)]
     return any(order[r] > order[node] for a in aliases - written_value
                for r in a.users if r is not node)

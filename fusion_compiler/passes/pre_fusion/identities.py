@@ -23,7 +23,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["drop_identities", "is_torchvision_stochastic_depth"]
+from ...ir.aliasing import is_torchvision_stochastic_depth
+
+__all__ = ["drop_identities"]
 
 _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                     nn.FeatureAlphaDropout)
@@ -77,11 +79,3 @@ def _argument(node: fx.Node, index: int, name: str, default: Any) -> Any:
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
-
-
-def is_torchvision_stochastic_depth(target: Any) -> bool:
-    """Whether ``target`` is ``torchvision.ops.stochastic_depth(input, p, mode, training=True)``,
-    which returns ``input`` itself when ``not training or p == 0.0`` (torchvision is not
-    imported here: the function is known by where it is defined)."""
-    return (getattr(target, "__module__", None) == "torchvision.ops.stochastic_depth"
-            and getattr(target, "__name__", None) == "stochastic_depth")

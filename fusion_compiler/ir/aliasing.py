@@ -1,0 +1,151 @@
+"""Which values of a traced graph may share memory: the in-place ops (what each writes, and its
+out-of-place twin), the ops that may return a view of their argument (or the argument itself),
+and the ops whose result always has memory of its own. The rewrite of in-place ops
+(``passes/pre_fusion/functionalize``), the capture's check of writes into traced constants and
+of constants returned (``capture``), and hoisting (``passes/post_lowering/hoist``) read it. The
+tables are PyTorch's documented view ops ("Tensor Views" in PyTorch's documentation) and the
+ops this package rewrites; an op in none of them is taken to possibly share memory."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .ops import inplace_flag
+
+__all__ = ["inplace_target", "alias_source", "may_be_view", "written_source", "fresh",
+           "is_torchvision_stochastic_depth", "view_base"]
+
+# in-place target -> out-of-place canonical target (call_function and call_method spellings)
+_INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
+                  operator.itruediv: torch.div, torch.relu_: torch.relu, F.relu_: torch.relu}
+_AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def inplace_target(gm: fx.GraphModule, node: fx.Node) -> Callable | str | None:
+    """The out-of-place target for an in-place ``node`` (a function, a method name or the module
+    path), or ``None`` if ``node`` does not write into its first argument."""
+    if node.op == "call_function":
+        if node.target in _INPLACE_FUNCS:  # x += y on a number (shape arithmetic) writes nothing
+            value = node.args[0].meta.get("val") if node.args and isinstance(
+                node.args[0], fx.Node) else None
+            numeric = value is not None and not isinstance(value, torch.Tensor)
+            return None if numeric and node.target in _AUGMENTED else _INPLACE_FUNCS[node.target]
+        if inplace_flag(node):
+            return node.target
+    elif node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+        return node.target[:-1]
+    elif node.op == "call_module":
+        if getattr(gm.get_submodule(node.target), "inplace", False) is True:
+            return node.target
+    return None
+
+
+_VIEW_METHODS = {"view", "reshape", "expand", "expand_as", "view_as", "reshape_as", "permute",
+                 "transpose", "t", "squeeze", "unsqueeze", "flatten", "unflatten", "narrow",
+                 "select", "as_strided", "detach", "split", "chunk", "unbind", "diagonal",
+                 "movedim", "moveaxis", "unfold", "__getitem__", "ravel", "swapaxes", "swapdims",
+                 "view_as_real", "tensor_split", "split_with_sizes", "hsplit", "vsplit",
+                 "dsplit"}
+_VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze,
+                   torch.permute, torch.transpose, torch.t, torch.narrow, torch.select,
+                   torch.split, torch.split_with_sizes, torch.tensor_split, torch.hsplit,
+                   torch.vsplit, torch.dsplit, torch.chunk, torch.unbind, torch.as_strided,
+                   torch.movedim, torch.moveaxis, torch.diagonal, torch.detach, torch.ravel,
+                   torch.swapaxes, torch.swapdims, torch.view_as_real, torch.einsum,
+                   # dropout returns its input itself in eval mode
+                   torch.dropout, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                   F.alpha_dropout, F.feature_alpha_dropout}
+_TENSOR_ATTRIBUTES = {"T", "mT", "H", "mH", "data", "real", "imag"}
+"""Tensor attributes that are views (``x.shape`` and the like are not: no memory)."""
+
+
+_SELF_METHODS = {"contiguous", "float", "half", "double", "bfloat16", "to", "type", "type_as",
+                 "cpu", "cuda"}
+"""Methods that may return their argument itself (``x.float()`` of an fp32 ``x``)."""
+_ALIASING_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
+"""``torch.nn`` modules that may return their input or a view of it (dropout in eval mode)."""
+_FRESH_MODULES = (nn.modules.conv._ConvNd, nn.Linear, nn.modules.pooling._MaxPoolNd,
+                  nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
+                  nn.modules.pooling._AdaptiveMaxPoolNd, nn.modules.batchnorm._BatchNorm,
+                  nn.GroupNorm, nn.LayerNorm, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Hardswish,
+                  nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Upsample)
+_FRESH_FUNCTIONS = {torch.conv2d, F.conv2d, F.linear, torch.add, torch.sub, torch.mul, torch.div,
+                    operator.add, operator.sub, operator.mul, operator.truediv, torch.cat,
+                    torch.mean, torch.sum, F.adaptive_avg_pool2d, F.avg_pool2d, F.max_pool2d,
+                    torch.relu, torch.sigmoid, torch.tanh, F.relu, F.silu, F.gelu, F.hardswish,
+                    F.hardsigmoid, F.interpolate, torch.matmul, operator.matmul}
+_FRESH_METHODS = {"add", "sub", "mul", "div", "mean", "sum", "clone", "relu", "sigmoid", "tanh",
+                  "matmul"}
+"""Ops whose result always has memory of its own (module types, functions, methods), unless
+made in place (``nn.ReLU(inplace=True)``, ``F.relu(x, inplace=True)``)."""
+
+
+def alias_source(node: object) -> fx.Node | None:
+    """The value ``node``'s result may share memory with: its first tensor argument (``a`` of
+    ``torch.einsum("ij->ji", a)``), or ``input=``."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method",
+                                                        "call_module"):
+        return None
+    first = next((a for a in node.args if isinstance(a, fx.Node)),
+                 node.kwargs.get("input", node.kwargs.get("self")))
+    return first if isinstance(first, fx.Node) else None
+
+
+def may_be_view(node: object) -> bool:
+    """Whether ``node`` may return a view of its source without being an in-place op: a view
+    op, a method that may return its argument itself, ``getattr`` (``x.T``, ``x.data``), a
+    function that may (dropout; torchvision's ``stochastic_depth`` in eval mode), or a module
+    that may return its input (``nn.Flatten``, dropout)."""
+    if alias_source(node) is None:
+        return False
+    if node.op == "call_method":
+        if node.target in _SELF_METHODS:  # a cast to another dtype or device: new memory
+            new, old = node.meta.get("val"), alias_source(node).meta.get("val")
+            return not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)
+                        and (new.dtype != old.dtype or new.device != old.device))
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        return node.target in _VIEW_FUNCTIONS or is_torchvision_stochastic_depth(node.target) or (
+            node.target is getattr and len(node.args) > 1 and node.args[1] in _TENSOR_ATTRIBUTES)
+    owner = node.graph.owning_module
+    return owner is not None and isinstance(owner.get_submodule(node.target), _ALIASING_MODULES)
+
+
+def written_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The value an in-place ``node`` writes (its result is that value), else ``None``."""
+    return alias_source(node) if inplace_target(gm, node) is not None else None
+
+
+def fresh(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node``'s result certainly has memory no other value shares (a convolution's, a
+    sum's, a pooling's output)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return isinstance(module, _FRESH_MODULES) and getattr(module, "inplace", False) is not True
+    if node.kwargs.get("out") is not None or inplace_target(gm, node) is not None:
+        return False
+    if node.op == "call_function":
+        return node.target in _FRESH_FUNCTIONS
+    return node.op == "call_method" and node.target in _FRESH_METHODS
+
+
+def is_torchvision_stochastic_depth(target: Any) -> bool:
+    """Whether ``target`` is ``torchvision.ops.stochastic_depth(input, p, mode, training=True)``,
+    which returns ``input`` itself when ``not training or p == 0.0`` (torchvision is not
+    imported here: the function is known by where it is defined)."""
+    return (getattr(target, "__module__", None) == "torchvision.ops.stochastic_depth"
+            and getattr(target, "__name__", None) == "stochastic_depth")
+
+
+def view_base(gm: fx.GraphModule, node: object) -> object:
+    """The value whose memory ``node`` may be (through views and in-place ops): ``node`` itself
+    when it is neither."""
+    while isinstance(node, fx.Node) and (may_be_view(node) or written_source(gm, node) is not None):
+        node = alias_source(node)
+    return node
