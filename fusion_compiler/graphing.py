@@ -11,9 +11,9 @@ import torch
 import torch.fx as fx
 
 from .config import CompileOptions
-from .ir.ops import written_inputs
+from .ir.ops import writes_in_place, written_inputs
 from .ir.region import Region
-from .passes.post_lowering.hoist import HoistedParameters
+from .passes.post_lowering.hoist import HoistedParameters, returned
 from .shapes import written_state
 
 __all__ = ["graphed", "refreshing"]
@@ -39,6 +39,26 @@ def _not_capturable(args: Sequence[Any], written: list[int], training: bool) -> 
         return "an input is a CPU tensor (a replay would repeat the value captured)"
     if training and written:
         return "the step writes into an input in place"
+    return ""
+
+
+def _cpu_results(gm: fx.GraphModule | None) -> str:
+    """The first op of ``gm`` that makes or writes a CPU tensor the caller sees: an output, or
+    a write in place (into a CPU buffer, say). A capture records GPU work only: the CPU op ran
+    once, at capture (``return y, torch.ones(2) * 2``, a model whose GPU forward keeps a CPU
+    counter). CPU values that only feed GPU work (sizes, constants) are the same at every
+    replay and do not count."""
+    if gm is None:
+        return ""
+    seen = {n for n in returned(gm.graph) if n.op != "get_attr"}
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op in ("placeholder", "get_attr", "output") or not isinstance(
+                value, torch.Tensor) or not (node in seen or writes_in_place(node)):
+            continue
+        device = node.meta.get("device", value.device)
+        if device.type == "cpu":
+            return node.name
     return ""
 
 
@@ -79,10 +99,16 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     from .runtime.derivations import Derivations  # noqa: PLC0415
 
     written = written_inputs(gm) if gm is not None else []
-    why = _not_capturable(args, written, training)
+    what = "training step" if training else "forward"
+    why, cpu = _not_capturable(args, written, training), _cpu_results(gm)
+    if cpu and not why:  # unexpected, and slower: one WARNING too
+        why = (f"it computes on the CPU a tensor it returns or writes in place ({cpu}): a "
+               "replay runs the GPU's work only, and would repeat what the capture computed")
+        if warn:
+            warn_once(f"capturing the {what} in a CUDA graph", f"the {what} runs without one: "
+                      f"{why}")
     if why:
-        note(notes, f"the {'training step' if training else 'forward'} runs without a "
-                    f"CUDA graph: {why}")
+        note(notes, f"the {what} runs without a CUDA graph: {why}")
         return refreshing(run, hoisted), None
     try:
         if training:
@@ -101,7 +127,6 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
             for text in runner.derivations.notes:
                 note(notes, text)
     except CaptureError as exc:  # unexpected, and slower: one WARNING (the report keeps it)
-        what = "training step" if training else "forward"
         notes.append(f"the {what} runs without a CUDA graph: {exc}")
         if warn:
             warn_once(f"capturing the {what} in a CUDA graph",

@@ -103,3 +103,27 @@ def test_input_aliases_names_whole_inputs_and_views():
     found = input_aliases([torch.ones(1), x, x.t(), w.view(torch.int32), "s"], [w, x])
     assert found == {1: (1, (3, 1), None), 2: (1, (3, 1), ((3, 2), (1, 3), 0)),
                      3: (0, None, ((4,), (1,), 0))}
+
+
+def test_cpu_results_names_a_returned_or_written_cpu_tensor_only():
+    """What keeps a GPU forward out of a CUDA graph (``graphing._cpu_results``): a CPU tensor
+    it returns or writes in place (a capture runs CPU ops once); CPU values that feed GPU work
+    only do not count. CPU: the GPU's values are marked by hand on a CPU graph."""
+    import torch.fx as fx
+
+    from fusion_compiler.graphing import _cpu_results
+    from fusion_compiler.shapes import propagate_shapes
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x * 3, torch.ones(2) * x.shape[0]  # a CPU value the graph computes
+
+    gm = fx.symbolic_trace(M())
+    propagate_shapes(gm, [torch.randn(2, 2)])
+    (made,) = [n for n in gm.graph.nodes if any(a.op == "get_attr" for a in n.all_input_nodes)]
+    for node in gm.graph.nodes:  # everything else on the GPU
+        if node is not made:
+            node.meta["device"] = torch.device("cuda")
+    assert _cpu_results(gm) == made.name
+    made.meta["device"] = torch.device("cuda")
+    assert _cpu_results(gm) == ""

@@ -340,6 +340,39 @@ def test_a_forward_that_cannot_be_captured_runs_without_a_graph_and_says_why_onc
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
 
 
+class _CpuResult(nn.Module):
+    """A GPU forward that also returns a tensor it makes on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x)), torch.ones(2) * 2
+
+
+def test_a_forward_returning_a_tensor_made_on_the_cpu_runs_without_a_graph(caplog):
+    """A capture records GPU work only: the CPU op ran once, at capture, and every replay
+    handed out that one CPU tensor (a caller's write into it reached every later call's)."""
+    torch.manual_seed(0)
+    model = _CpuResult().cuda().half().eval()
+    compiled = fc.compile(model, cache_dir=False)
+    caplog.set_level(logging.INFO, logger="fusion_compiler")
+    x = torch.randn(4, 16, 8, 8, device="cuda", dtype=torch.half)
+    with torch.inference_mode():
+        compiled(x)
+        compiled.wait_for_background_compiles(600)
+        for _ in range(3):
+            y, made = compiled(x)
+            assert rel_err(y.float().cpu(), _fp64(model, x)[0]) < 2e-3
+            assert made.device.type == "cpu" and made.tolist() == [2.0, 2.0]
+            made.add_(1.0)
+    assert compiled.last.cuda_graph is None
+    assert any("computes on the CPU" in n for n in compiled.last.notes), compiled.last.notes
+    logged = [r.message for r in caplog.records if "computes on the CPU" in r.message]
+    assert len(logged) == 1, logged
+
+
 def test_a_failed_capture_keeps_one_generator_state_for_graphs_and_eager_draws():
     """After a capture fails, the default generator leaves capture mode with its state kept
     (``replays.release_rng_capture``): a graph that draws, captured before, moves the same
