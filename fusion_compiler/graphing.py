@@ -105,8 +105,8 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
         why = (f"it computes on the CPU a tensor it returns or writes in place ({cpu}): a "
                "replay runs the GPU's work only, and would repeat what the capture computed")
         if warn:
-            warn_once(f"capturing the {what} in a CUDA graph", f"the {what} runs without one: "
-                      f"{why}")
+            warn_once(f"capturing the {what} in a CUDA graph", f"{why}; the {what} runs "
+                      "without a CUDA graph")
     if why:
         note(notes, f"the {what} runs without a CUDA graph: {why}")
         return refreshing(run, hoisted), None
