@@ -21,7 +21,7 @@ from .ir.aliasing import alias_source, view_base
 from .ir.ops import calls_named, copy_graph, writes_in_place
 from .random_ops import random_state
 from .runtime.background import on_calling_thread, warn_once
-from .runtime.hooks import instance_forward
+from .runtime.hooks import instance_forward, uninitialized_lazy
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import first_time, note_reads
 from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
@@ -190,7 +190,8 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             control flow, for instance; the message carries fx's own error), or assigns to
             the model (``self.count += 1``; the model is left as it was), or enters a
             ``torch.autocast`` block, or has a ``forward`` replaced on the instance (fx traces
-            the class's). A ``DistributedDataParallel`` module gets a message naming the fix.
+            the class's), or holds a lazy module that has not made its parameters yet. A
+            ``DistributedDataParallel`` module gets a message naming the fix.
     """
     if isinstance(model, fx.GraphModule):
         return _inline_writing_checkpoints(fx.GraphModule(model, copy_graph(model.graph)))
@@ -200,6 +201,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "inside it and wrap the result, DDP(fusion_compiler.compile(model)), so DDP still "
             "all-reduces the gradients (or use torch.compile(DDP(model), "
             "backend='fusion_compiler'))")
+    lazy = uninitialized_lazy(model)
+    if lazy:
+        raise FusionError(lazy)
     replaced = instance_forward(model)
     if replaced is not None:  # fx traces type(model).forward, not what __call__ runs
         raise FusionError(

@@ -194,7 +194,7 @@ class ModeRecordingTracer(fx.Tracer):
         ``forward``, not the class's that a leaf node stands for."""
         if instance_forward(m) is not None:
             return False
-        return super().is_leaf_module(m, module_qualified_name)
+        return super().is_leaf_module(m, module_qualified_name) or _torch_nn_forward(m)
 
     def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         if self._elsewhere():  # another thread's call: the module runs as it would
@@ -214,6 +214,17 @@ class ModeRecordingTracer(fx.Tracer):
         node.meta["traced_grad"] = torch._C.is_grad_enabled()
         node.meta["traced_inference"] = torch.is_inference_mode_enabled()
         return node
+
+
+def _torch_nn_forward(m: torch.nn.Module) -> bool:
+    """Whether ``m``'s class inherits its ``forward`` from a ``torch.nn`` module fx keeps as a
+    leaf (``class MyBN(nn.BatchNorm2d)`` with methods of its own, not ``forward``): its calls are
+    the torch.nn module's. (Traced through, ``BatchNorm2d.forward`` fails: its input check is
+    control flow on a traced value.)"""
+    owner = next((c for c in type(m).__mro__ if "forward" in vars(c)), torch.nn.Module)
+    return (owner is not torch.nn.Module and owner.__module__.startswith(("torch.nn.",
+                                                                          "torch.ao.nn."))
+            and not issubclass(owner, torch.nn.Sequential))
 
 
 _TRACED_THROUGH = tuple(filter(None, [getattr(torch.utils.checkpoint, "_NoopSaveInputs", None)]))

@@ -1226,6 +1226,20 @@ def returned_input_and_size(s: Session) -> None:
     s.record("the larger tensor after a write into the returned input", big)
 
 
+class TaggedBatchNorm(nn.BatchNorm2d):
+    """A batch norm subclass with a method of its own and ``BatchNorm2d``'s forward (a library's
+    marker class, a frozen-statistics flag kept beside it)."""
+
+    def extra_repr(self) -> str:
+        return "tagged, " + super().extra_repr()
+
+
+def bn_subclass() -> nn.Module:
+    model = ConvBN()
+    model.bn = TaggedBatchNorm(8)
+    return model
+
+
 class ReturnsMade(nn.Module):
     """Returns, beside its features, a tensor made from constants on its weights' device
     (``torch.ones(2, device=self.where) * 2``, ``self.where`` a plain attribute) and one made
@@ -1544,6 +1558,8 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 1 (session 50, helper-48: a copy came back; the size crashed)"),
     Pattern("noise_drawn_at_each_call", ConstantNoise, noise_drawn_at_each_call,
             f"{ISSUE}, item 5 (session 50: a trace kept one draw)"),
+    Pattern("batch_norm_subclass", bn_subclass, train_eval_switching,
+            f"{ISSUE}, item 1 (session 51: refused, fx traced BatchNorm2d's forward through)"),
     Pattern("outputs_made_at_each_call", ReturnsMade, outputs_made_at_each_call,
             f"{ISSUE}, item 1 (session 51: a constant or hoisted output was one tensor for "
             "every call)"),

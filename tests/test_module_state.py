@@ -739,6 +739,27 @@ def test_a_global_module_hook_is_refused_in_one_line_naming_what_was_compiled(do
         handle.remove()
 
 
+def test_a_pruned_or_lazy_model_is_refused_in_one_line_naming_the_fix():
+    """A pruned convolution's pre-hook: the message names the permanent form and the door that
+    runs hooks. A lazy module not yet called raised PyTorch's ValueError from deep inside the
+    compile ("Attempted to use an uninitialized parameter in data_ptr")."""
+    import torch.nn.utils.prune as prune
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    prune.l1_unstructured(model[0], "weight", amount=0.3)
+    with pytest.raises(FusionError, match=r"forward pre hook L1Unstructured on submodule '0' "
+                       r"\(Conv2d\): .*prune.remove\(module, name\).*torch.compile"):
+        fc.compile(model)(torch.randn(2, 3, 8, 8))
+    lazy = nn.Sequential(nn.LazyConv2d(8, 3), nn.ReLU())
+    with pytest.raises(FusionError, match=r"lazy modules .* \('0' \(LazyConv2d\)\): .*call the "
+                       "model once on an example batch, then compile it"):
+        fc.compile(lazy)
+    lazy(torch.randn(2, 3, 8, 8))
+    with torch.no_grad():
+        assert torch.allclose(fc.compile(lazy)(torch.ones(2, 3, 8, 8)),
+                              lazy(torch.ones(2, 3, 8, 8)), atol=1e-5)
+
+
 def test_a_forward_bound_back_to_the_class_s_own_is_no_replacement():
     """Removing an offloading library's hook leaves ``m.forward = m.forward`` (the class's own,
     bound) on every module: that compiles as the class's forward, torch.nn leaves kept."""

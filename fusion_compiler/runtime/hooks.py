@@ -15,10 +15,11 @@ from typing import Any, Callable
 
 import torch
 from torch.nn.modules import module as module_globals
+from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["REPARAMETRIZATIONS", "unsupported_hook", "hook_tables", "has_hooks",
+__all__ = ["REPARAMETRIZATIONS", "unsupported_hook", "uninitialized_lazy", "hook_tables", "has_hooks",
            "call_with_hooks", "instance_forward", "uncompiled_forward"]
 
 REPARAMETRIZATIONS = (WeightNorm, SpectralNorm)
@@ -40,21 +41,40 @@ def unsupported_hook(module: torch.nn.Module) -> str:
     """Why a compiled graph of ``module`` cannot run, in one sentence naming the first hook it
     cannot call (``""``: none): a global module hook, or a hook on a submodule other than
     :data:`REPARAMETRIZATIONS`. A graph ``torch.compile`` handed over is named as such."""
-    what = _hook(module)
+    what, hook = _hook(module)
     if not what:
         return ""
-    name = ("the graph torch.compile handed over" if isinstance(module, torch.fx.GraphModule)
-            else type(module).__name__)
-    return (f"{name} has {what}: a compiled graph cannot call it; remove the hook, or call the "
-            "model uncompiled")
+    if isinstance(module, torch.fx.GraphModule):
+        return (f"the graph torch.compile handed over has {what}: a compiled graph cannot call "
+                "it; remove the hook, or call the model uncompiled")
+    fix = ("for inference, make the pruning permanent (torch.nn.utils.prune.remove(module, "
+           "name))" if isinstance(hook, BasePruningMethod) else "remove the hook")
+    return (f"{type(module).__name__} has {what}: a compiled graph cannot call it; {fix}, or "
+            "compile with torch.compile(model, backend='fusion_compiler'), which runs hooks, or "
+            "call the model uncompiled")
 
 
-def _hook(module: torch.nn.Module) -> str:
-    """The first hook a compiled graph of ``module`` cannot run, described (``""``: none)."""
+def uninitialized_lazy(module: torch.nn.Module) -> str:
+    """Why ``module`` cannot be compiled yet (``""``: it can): a lazy module below it
+    (``nn.LazyConv2d``) that has not made its parameters, which it does at its first call
+    (``torch.nn.modules.lazy.LazyModuleMixin``), in one sentence naming it."""
+    lazy = [f"'{path}' ({type(sub).__name__})" for path, sub in module.named_modules()
+            if isinstance(sub, torch.nn.modules.lazy.LazyModuleMixin)
+            and sub.has_uninitialized_params()]
+    if not lazy:
+        return ""
+    return (f"{type(module).__name__} has lazy modules that have not made their parameters yet "
+            f"({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}): they make them at "
+            "their first call; call the model once on an example batch, then compile it")
+
+
+def _hook(module: torch.nn.Module) -> tuple[str, Any]:
+    """The first hook a compiled graph of ``module`` cannot run, described, and the hook
+    (``("", None)``: none)."""
     for kind in _GLOBALS:
         for hook in getattr(module_globals, kind).values():
             return (f"a global module hook ({kind.strip('_').replace('_', ' ')} {_name(hook)}), "
-                    "which would run for every submodule")
+                    "which would run for every submodule"), hook
     for path, sub in module.named_modules():
         if not path:
             continue
@@ -63,8 +83,8 @@ def _hook(module: torch.nn.Module) -> str:
                 if kind == "_forward_pre_hooks" and isinstance(hook, REPARAMETRIZATIONS):
                     continue
                 return (f"{kind.strip('_').replace('_', ' ')[:-1]} {_name(hook)} on submodule "
-                        f"'{path}' ({type(sub).__name__})")
-    return ""
+                        f"'{path}' ({type(sub).__name__})"), hook
+    return "", None
 
 
 def hook_tables(module: torch.nn.Module) -> list[dict]:
