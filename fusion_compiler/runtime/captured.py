@@ -22,7 +22,7 @@ def input_aliases(leaves: Sequence[Any], inputs: Sequence[Any]) -> dict[int, tup
     than its input gets ``None`` for the input's strides (no view of the caller's tensor makes
     it). A CUDA graph's replay returns the caller's tensors there (eager returns them)."""
     where = {a.untyped_storage().data_ptr(): i for i, a in enumerate(inputs)
-             if isinstance(a, torch.Tensor)}
+             if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr()}  # (empty: 0)
     found: dict[int, tuple] = {}
     for k, t in enumerate(leaves):
         i = where.get(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
@@ -41,7 +41,8 @@ class CapturedForward:
     """One captured CUDA graph of the forward and its output buffers, with what handing those
     buffers out needs: their storages (``_cdata`` pointers) and the reference counts they have
     while only the runner holds them (``None`` when they are never handed out: this torch
-    cannot count references, or an output aliases an input of the capture).
+    cannot count references), and the outputs that are inputs of the capture or views of one
+    (:func:`input_aliases`: the caller's tensors are returned there).
 
     A replay on another stream than the previous replay's first waits for the work queued on
     that stream (:class:`~.tensors.StreamOrder`): work the caller queued there may still read

@@ -286,7 +286,7 @@ class CudaGraphRunner:
                     args[i].is_inference() for i in self.written)):
                 self._direct, self._direct_key = self._try_capture(args, None), key
             direct = self._direct
-            if direct and key == self._direct_key and not direct.held():
+            if direct and key == self._direct_key and not direct.held() and direct.fits(args):
                 return direct.replay("safe", args)
         self._last_key = key
         if not self.main.fits(args):  # an output is a view of an input laid out otherwise

@@ -19,8 +19,8 @@ from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["REPARAMETRIZATIONS", "unsupported_hook", "uninitialized_lazy", "hook_tables", "has_hooks",
-           "call_with_hooks", "instance_forward", "uncompiled_forward"]
+__all__ = ["REPARAMETRIZATIONS", "unsupported_hook", "uninitialized_lazy", "hook_tables",
+           "has_hooks", "call_with_hooks", "instance_forward", "uncompiled_forward"]
 
 REPARAMETRIZATIONS = (WeightNorm, SpectralNorm)
 """Forward pre-hooks the graph computes itself (their weight, from the module's parameters)."""
