@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .config import CompileOptions, Target
 from .passes.glue import auto_glue_backend, inductor_reason, inductor_work
@@ -65,8 +66,40 @@ def inductor_compile(gm: fx.GraphModule, example: Sequence[Any]) -> Callable[...
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
              for a in example]
+    rebuild = _tensor_outputs_only(gm)
     with tracing(TracingContext(fake_mode)):
-        return compile_inductor(gm, fakes)
+        compiled = compile_inductor(gm, fakes)
+    if rebuild is None:
+        return compiled
+    return lambda *args: rebuild(compiled(*args))
+
+
+def _tensor_outputs_only(gm: fx.GraphModule) -> Callable[[Sequence[Any]], Any] | None:
+    """Rewrite ``gm`` (in place) to return its tensor outputs alone, as a tuple, where it also
+    returns other values (a ``torch.Size``, an int: AOTAutograd fails on a returned size,
+    "output spec mismatch"), and return what puts the others back, from the values the shape
+    propagation recorded (static shapes: the same at every call of the specialization);
+    ``None`` where every output is a tensor, or where a value was not recorded (``gm`` is left
+    as it is)."""
+    output = gm.graph.find_nodes(op="output")[0]
+    leaves, spec = tree_flatten(output.args[0])
+
+    def tensor(leaf: Any) -> bool:
+        return isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor)
+
+    if all(map(tensor, leaves)) or any(isinstance(leaf, fx.Node) and "val" not in leaf.meta
+                                       for leaf in leaves):
+        return None
+    kept = {k: leaf.meta["val"] if isinstance(leaf, fx.Node) else leaf
+            for k, leaf in enumerate(leaves) if not tensor(leaf)}
+    output.args = (tuple(leaf for leaf in leaves if tensor(leaf)),)
+    gm.recompile()
+
+    def rebuild(tensors: Sequence[Any]) -> Any:
+        values = iter(tensors)
+        return tree_unflatten([kept[k] if k in kept else next(values)
+                               for k in range(len(leaves))], spec)
+    return rebuild
 
 
 def without_custom_op_alias_check() -> contextlib.AbstractContextManager[Any]:

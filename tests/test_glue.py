@@ -417,3 +417,37 @@ def test_private_copy_of_a_parametrized_module():
     assert fc is not model.fc and fc.parametrizations.weight.original is \
         model.fc.parametrizations.weight.original
     torch.testing.assert_close(copy(x), model(x), rtol=0, atol=0)
+
+
+def test_outputs_other_than_tensors_are_put_back_around_inductors_graph():
+    """AOTAutograd fails on a graph that returns a ``torch.Size`` ("output spec mismatch"): the
+    glue's Inductor compile failed and the eager glue stayed (GPU conformance
+    ``returned_input_and_size``). The graph Inductor gets returns tensors alone; the sizes and
+    numbers come back around it, in the structure the model returns."""
+    import torch.fx as fx
+
+    from fusion_compiler.glue_compile import _tensor_outputs_only
+    from fusion_compiler.shapes import propagate_shapes
+
+    class Sizes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return y, x, y.size(), {"n": y.shape[0], "z": y * 2}
+
+    torch.manual_seed(0)
+    model, x = Sizes().eval(), torch.randn(2, 3, 8, 8)
+    gm = fx.symbolic_trace(model)
+    propagate_shapes(gm, [x])
+    rebuild = _tensor_outputs_only(gm)
+    with torch.no_grad():
+        inner = gm(x)
+        assert isinstance(inner, tuple) and all(isinstance(t, torch.Tensor) for t in inner)
+        y, same, size, rest = rebuild(inner)
+        want = model(x)
+    assert isinstance(size, torch.Size) and size == want[2] and rest["n"] == 2
+    assert same is x and torch.equal(y, want[0]) and torch.equal(rest["z"], want[3]["z"])
+    assert _tensor_outputs_only(fx.symbolic_trace(nn.Conv2d(3, 8, 3))) is None  # no meta
