@@ -5,6 +5,7 @@ graph's nodes is filled in afterwards, by :mod:`fusion_compiler.shapes`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 import weakref
@@ -165,8 +166,8 @@ def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool = True
-            ) -> fx.GraphModule:
+def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool = True,
+            tensors: Sequence[str] | None = None) -> fx.GraphModule:
     """Trace ``model`` with ``torch.fx``; a ``GraphModule`` (a Dynamo graph) is not traced again
     but copied: a graph module of its own, with a copy of its graph and the same submodules and
     tensors, so that the passes, which rewrite the graph they get in place, leave the model's
@@ -184,6 +185,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     through (their activations are kept, not recomputed). A forward that reads
     ``torch.is_grad_enabled()`` sets ``gm.meta["grad_mode_read"]`` and is traced with that
     answer being ``grad_enabled`` (the caller's grad mode: a specialization's key holds it).
+    ``tensors``: names of ``forward``'s arguments that are tensors in the call traced for
+    (``isinstance(x, torch.Tensor)`` holds for them in the trace, as in eager); ``None``: those
+    without a default value.
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
@@ -232,6 +236,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
 
     def trace(grad: bool) -> tuple[ModeRecordingTracer, fx.Graph, dict]:
         tracer = ModeRecordingTracer()
+        tracer.tensor_inputs = frozenset(_required(model) if tensors is None else tensors)
         with torch.set_grad_enabled(grad), recording_reads(model) as reads:
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
         return tracer, graph, reads
@@ -293,6 +298,16 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     gm.meta["checkpoints"] = tracer.checkpoints
     gm.meta["grad_mode_read"] = tracer.grad_mode_read
     return gm
+
+
+def _required(model: torch.nn.Module) -> list[str]:
+    """The names of ``model.forward``'s arguments that have no default value."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _is_constant(gm: fx.GraphModule, node: object) -> bool:

@@ -105,6 +105,9 @@ class ModeRecordingTracer(fx.Tracer):
 
     proxy_buffer_attributes = True
     _thread: int | None = None
+    tensor_inputs: frozenset[str] = frozenset()
+    """Names of ``forward``'s arguments that are tensors in the call traced for: their proxies,
+    and those of parameters and buffers, are tensors to ``isinstance`` (:class:`_TensorProxy`)."""
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """fx's trace, recording in :attr:`autograd_functions` the ``torch.autograd.Function``
@@ -207,7 +210,34 @@ class ModeRecordingTracer(fx.Tracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
+        if node.op == "placeholder" and node.target in self.tensor_inputs:
+            return _TensorProxy(node, self)
+        if node.op == "get_attr":
+            value = self._attribute(str(node.target))
+            if isinstance(value, torch.nn.Parameter):
+                return _ParameterProxy(node, self)
+            if isinstance(value, torch.Tensor):
+                return _TensorProxy(node, self)
         return _InplaceProxy(node, self)
+
+    def _attribute(self, target: str) -> Any:
+        """The tensor at ``target`` (a parameter or buffer of a module below the root), else
+        ``None``; read from the modules' tables, not their ``__getattr__``, which fx has made
+        the tracer's own for the length of the trace."""
+        *path, name = target.split(".")
+        module = vars(self).get("root")
+        for part in path:
+            module = vars(module).get("_modules", {}).get(part) if isinstance(
+                module, torch.nn.Module) else None
+        if not isinstance(module, torch.nn.Module):
+            return None
+        tables = vars(module)
+        return tables.get("_parameters", {}).get(name, tables.get("_buffers", {}).get(name))
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Proxy):  # (before fx's own test: a tensor proxy is a torch.Tensor
+            return a.node            # to isinstance, and fx would make a constant of it)
+        return super().create_arg(a)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
@@ -267,6 +297,31 @@ class _InplaceProxy(fx.Proxy):
 
     def __itruediv__(self, other: Any) -> fx.Proxy:
         return self.tracer.create_proxy("call_function", operator.itruediv, (self, other), {})
+
+
+class _TensorProxy(_InplaceProxy):
+    """The proxy of a value the trace knows to be a tensor (an input that is one in the call
+    traced for, a parameter, a buffer): ``isinstance(x, torch.Tensor)`` and ``torch.is_tensor``
+    hold for it, as in eager (fx's proxy is no tensor, so ``forward``'s other branch was traced,
+    silently). Python's ``isinstance`` reads ``__class__`` where the type itself is not the
+    class asked for; ``type(x)`` stays the proxy's. ``_is_param`` answers the test
+    ``isinstance(x, nn.Parameter)`` makes (``torch.nn.parameter._ParameterMeta``)."""
+
+    _is_param = False
+
+    @property
+    def __class__(self) -> type:  # type: ignore[override]
+        return torch.Tensor
+
+
+class _ParameterProxy(_TensorProxy):
+    """:class:`_TensorProxy` of a parameter: an ``nn.Parameter`` to ``isinstance``."""
+
+    _is_param = True
+
+    @property
+    def __class__(self) -> type:  # type: ignore[override]
+        return torch.nn.Parameter
 
 
 _AUTOGRAD_STATE = frozenset({"grad", "grad_fn", "_base", "_version", "retains_grad"})

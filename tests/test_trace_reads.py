@@ -90,3 +90,34 @@ def test_reads_of_what_a_graph_cannot_answer_per_call_are_refused_naming_them(mo
     ``True``, once for all calls: eager's answer differs."""
     with pytest.raises(FusionError, match=f"reads '{name}' of a traced value"):
         fusion_compiler.compile(model())(torch.randn(1, 3, 8, 8))
+
+
+class _AsksIfTensors(_Base):
+    """Code that asks whether its values are tensors (an optional scale that may be a number,
+    a buffer a library may leave unset)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("shift", torch.tensor(0.5))
+
+    def forward(self, x, scale=2.0):
+        y = self.conv(x)
+        if torch.is_tensor(scale):
+            y = y * scale
+        if isinstance(self.shift, torch.Tensor) and isinstance(self.conv.weight, nn.Parameter):
+            y = y + self.shift
+        if isinstance(self.shift, nn.Parameter):  # a buffer: no parameter
+            y = y * 0
+        return y
+
+
+def test_isinstance_of_a_traced_tensor_answers_as_eager():
+    """fx's proxy is no tensor: ``isinstance(x, torch.Tensor)`` was false in the trace, and the
+    other branch was compiled, silently (here the shift was dropped, and a tensor scale)."""
+    torch.manual_seed(0)
+    model = _AsksIfTensors().eval()
+    compiled = fusion_compiler.compile(model)
+    x = torch.randn(2, 3, 5, 5)
+    with torch.no_grad():
+        for scale in (2.0, torch.tensor(3.0)):
+            torch.testing.assert_close(compiled(x, scale), model(x, scale), rtol=1e-5, atol=1e-6)
