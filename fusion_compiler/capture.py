@@ -5,7 +5,6 @@ graph's nodes is filled in afterwards, by :mod:`fusion_compiler.shapes`.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import operator
 import weakref
@@ -25,7 +24,8 @@ from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward, uninitialized_lazy
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import first_time, note_reads
-from .tracing import ModeRecordingTracer, mark_grad_modes, recording_reads
+from .grad_modes import forced_grad_modes, mark_grad_modes
+from .tracing import ModeRecordingTracer, recording_reads
 
 log = logging.getLogger("fusion_compiler")
 _TOLD: weakref.WeakSet = weakref.WeakSet()  # models told what their forward reads once
@@ -167,7 +167,7 @@ def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool = True,
-            tensors: Sequence[str] | None = None) -> fx.GraphModule:
+            tensors: Sequence[str] = ()) -> fx.GraphModule:
     """Trace ``model`` with ``torch.fx``; a ``GraphModule`` (a Dynamo graph) is not traced again
     but copied: a graph module of its own, with a copy of its graph and the same submodules and
     tensors, so that the passes, which rewrite the graph they get in place, leave the model's
@@ -186,8 +186,8 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     ``torch.is_grad_enabled()`` sets ``gm.meta["grad_mode_read"]`` and is traced with that
     answer being ``grad_enabled`` (the caller's grad mode: a specialization's key holds it).
     ``tensors``: names of ``forward``'s arguments that are tensors in the call traced for
-    (``isinstance(x, torch.Tensor)`` holds for them in the trace, as in eager); ``None``: those
-    without a default value.
+    (``isinstance(x, torch.Tensor)`` asked by the model's code holds for them in the trace, as
+    in eager).
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
@@ -236,7 +236,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
 
     def trace(grad: bool) -> tuple[ModeRecordingTracer, fx.Graph, dict]:
         tracer = ModeRecordingTracer()
-        tracer.tensor_inputs = frozenset(_required(model) if tensors is None else tensors)
+        tracer.tensor_inputs = frozenset(tensors)
         with torch.set_grad_enabled(grad), recording_reads(model) as reads:
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
         return tracer, graph, reads
@@ -244,12 +244,16 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     writes = ModuleWrites(model)  # the trace runs forward's Python code: the model is put back
     try:
         tracer, graph, reads = trace(True)
+        traced_with = True
         # an alias of torch.is_grad_enabled is not the tracer's: its reads are seen statically
         tracer.grad_mode_read |= any(kind == "grad" for kind, _, _ in once.values())
         if tracer.grad_mode_read and not grad_enabled:  # the branch the caller's mode takes
             writes.restore()
             tracer, graph, reads = trace(False)
-            tracer.grad_mode_read = True
+            tracer.grad_mode_read, traced_with = True, False
+        if tracer.grad_mode_set:  # a no_grad or enable_grad block: which calls it holds
+            writes.restore()
+            forced_grad_modes(graph, trace(not traced_with)[1], traced_with)
         note_reads(reads, model, global_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
@@ -298,16 +302,6 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     gm.meta["checkpoints"] = tracer.checkpoints
     gm.meta["grad_mode_read"] = tracer.grad_mode_read
     return gm
-
-
-def _required(model: torch.nn.Module) -> list[str]:
-    """The names of ``model.forward``'s arguments that have no default value."""
-    try:
-        parameters = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    return [p.name for p in parameters if p.default is inspect.Parameter.empty
-            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _is_constant(gm: fx.GraphModule, node: object) -> bool:

@@ -34,7 +34,7 @@ from torch.fx import _symbolic_trace
 from .runtime.hooks import instance_forward
 from .random_ops import RandomCallsAsNodes
 
-__all__ = ["ModeRecordingTracer", "TRACE_LOCK", "mark_grad_modes", "recording_reads"]
+__all__ = ["ModeRecordingTracer", "TRACE_LOCK", "recording_reads"]
 
 log = logging.getLogger("fusion_compiler")
 TRACE_LOCK = threading.Lock()
@@ -117,11 +117,13 @@ class ModeRecordingTracer(fx.Tracer):
         :attr:`autocast_entered` whether it entered a ``torch.autocast`` block (fx records no
         context manager: the block's ops would be traced in the caller's autocast state), and in
         :attr:`grad_mode_read` whether the traced code called ``torch.is_grad_enabled()`` (its
-        answer is traced as a constant)."""
+        answer is traced as a constant), and in :attr:`grad_mode_set` whether it set the mode
+        (a ``torch.no_grad`` or ``torch.enable_grad`` block: :func:`~.grad_modes.forced_grad_modes`)."""
         self.autograd_functions: list[str] = []
         self.checkpoints = 0
         self.autocast_entered = False
         self.grad_mode_read = False
+        self.grad_mode_set = False
         original = vars(torch.autograd.Function)["apply"]  # a classmethod
         autocast = torch.amp.autocast_mode.autocast
         enter = autocast.__enter__
@@ -148,6 +150,13 @@ class ModeRecordingTracer(fx.Tracer):
                 self.grad_mode_read = True
             return is_grad_enabled()
 
+        set_grad_enabled = torch._C._set_grad_enabled
+
+        def set_grad_mode(mode: bool) -> None:  # (torch.no_grad, enable_grad, decorators)
+            if not self._elsewhere():
+                self.grad_mode_set = True
+            set_grad_enabled(mode)
+
         def enter_saved_tensors_hooks(block: Any) -> Any:
             # the non-reentrant checkpoint's hooks (torch 2.11 and 2.13 name them so)
             if not self._elsewhere() and type(block).__name__ == "_checkpoint_hook":
@@ -160,6 +169,7 @@ class ModeRecordingTracer(fx.Tracer):
             autocast.__enter__ = enter_autocast
             hooks.__enter__ = enter_saved_tensors_hooks
             torch.is_grad_enabled = grad_mode
+            torch._C._set_grad_enabled = set_grad_mode
             try:
                 with RandomCallsAsNodes(self):  # a random call on constants: a node, no draw
                     return super().trace(root, concrete_args)
@@ -168,6 +178,7 @@ class ModeRecordingTracer(fx.Tracer):
                 autocast.__enter__ = enter
                 hooks.__enter__ = enter_hooks
                 torch.is_grad_enabled = is_grad_enabled
+                torch._C._set_grad_enabled = set_grad_enabled
                 self._thread = None
 
     def _elsewhere(self) -> bool:
@@ -301,54 +312,43 @@ class _InplaceProxy(fx.Proxy):
 
 class _TensorProxy(_InplaceProxy):
     """The proxy of a value the trace knows to be a tensor (an input that is one in the call
-    traced for, a parameter, a buffer): ``isinstance(x, torch.Tensor)`` and ``torch.is_tensor``
-    hold for it, as in eager (fx's proxy is no tensor, so ``forward``'s other branch was traced,
-    silently). Python's ``isinstance`` reads ``__class__`` where the type itself is not the
-    class asked for; ``type(x)`` stays the proxy's. ``_is_param`` answers the test
-    ``isinstance(x, nn.Parameter)`` makes (``torch.nn.parameter._ParameterMeta``)."""
+    traced for, a parameter, a buffer): to the model's own code, ``isinstance(x, torch.Tensor)``
+    and ``torch.is_tensor(x)`` hold, as in eager (fx's proxy is no tensor, so ``forward``'s
+    other branch was traced, silently); ``isinstance(x, nn.Parameter)`` holds for a parameter.
+    Python's ``isinstance`` reads ``__class__`` where the type itself is not the class asked
+    for: the property answers by who asks. PyTorch's own code (``torch.utils.checkpoint``, fx)
+    and this package's get the proxy's class, as fx's proxies answer, which is what they are
+    written to trace with; ``type(x)`` stays the proxy's for everyone."""
 
     _is_param = False
+    _kind: type = torch.Tensor
 
     @property
     def __class__(self) -> type:  # type: ignore[override]
-        return torch.Tensor
+        return self._kind if _asked_by_the_model(sys._getframe(1)) else type(self)
 
 
 class _ParameterProxy(_TensorProxy):
-    """:class:`_TensorProxy` of a parameter: an ``nn.Parameter`` to ``isinstance``."""
+    """:class:`_TensorProxy` of a parameter: an ``nn.Parameter`` to the model's ``isinstance``
+    (``torch.nn.parameter._ParameterMeta`` reads ``_is_param`` too)."""
 
     _is_param = True
+    _kind = torch.nn.Parameter
 
-    @property
-    def __class__(self) -> type:  # type: ignore[override]
-        return torch.nn.Parameter
+
+_FORWARDERS = {("torch", "is_tensor"), ("torch.nn.parameter", "__instancecheck__")}
+"""PyTorch functions that ask ``isinstance`` for their caller."""
+
+
+def _asked_by_the_model(frame: Any) -> bool:
+    """Whether the ``isinstance`` call in ``frame`` is the model's (not PyTorch's or this
+    package's), seen through :data:`_FORWARDERS`."""
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if (module, frame.f_code.co_name) not in _FORWARDERS:
+            return not (module == "torch" or module.startswith(("torch.", "fusion_compiler.")))
+        frame = frame.f_back
+    return False
 
 
 _AUTOGRAD_STATE = frozenset({"grad", "grad_fn", "_base", "_version", "retains_grad"})
-
-
-def mark_grad_modes(gm: fx.GraphModule) -> None:
-    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    modes = [n.meta.get("traced_grad", True) for n in calls]
-    if calls and not any(modes):
-        gm.meta["grad"] = False
-        gm.meta["inference"] = all(n.meta.get("traced_inference", False) for n in calls)
-        return
-    if all(modes):
-        return
-    # a block that turns gradients off: the mode before it is read, and restored after it
-    graph, off, before = gm.graph, False, None
-    for node in calls:
-        want_off = not node.meta.get("traced_grad", True)
-        if want_off != off:
-            with graph.inserting_before(node):
-                if want_off:
-                    before = graph.call_function(torch.is_grad_enabled)
-                    graph.call_function(torch._C._set_grad_enabled, (False,))
-                else:
-                    graph.call_function(torch._C._set_grad_enabled, (before,))
-            off = want_off
-    if off:
-        with graph.inserting_before(graph.find_nodes(op="output")[0]):
-            graph.call_function(torch._C._set_grad_enabled, (before,))
-    gm.recompile()

@@ -10,6 +10,7 @@ issue trackers of ``torch.compile`` and its backends (pytorch/pytorch #104984, #
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 import torch._dynamo
@@ -47,6 +48,11 @@ def conv_bn() -> nn.Module:
     """:class:`ConvBN` in eval mode with batch-norm statistics and affine parameters far from
     their initial values (a fresh one hides folding mistakes)."""
     return _moved_bn(ConvBN())
+
+
+def conv_bn_with(cls: type) -> Callable[[], nn.Module]:
+    """A factory of ``cls`` (a :class:`ConvBN`) as :func:`conv_bn` makes it."""
+    return lambda: _moved_bn(cls())
 
 
 def _moved_bn(m: ConvBN) -> nn.Module:
@@ -872,6 +878,48 @@ def no_grad_block(s: Session) -> None:
     step(s, opt, x16(s))
 
 
+class NoGradGate(ConvBN):
+    """An eval-mode batch norm under ``torch.no_grad`` as a stop-gradient gate on the
+    convolution's output, which itself is trained (the batch norm folded into the convolution's
+    region made the region run without gradients: the convolution's were lost)."""
+
+    def forward(self, x):
+        y = self.conv1(x)
+        with torch.no_grad():
+            gate = torch.sigmoid(self.bn(y))
+        return self.head((y * gate).mean((2, 3)))
+
+
+def no_grad_gate(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    step(s, opt, x16(s))
+    step(s, opt, x16(s))
+
+
+class EnableGradHead(ConvBN):
+    """A frozen feature extractor called under the caller's ``torch.no_grad``, its batch norm
+    trained in a ``torch.enable_grad`` block (the compiled graph ran the block without
+    gradients: the output required none, the batch norm never trained)."""
+
+    def forward(self, x):
+        y = F.relu(self.conv1(x))
+        with torch.enable_grad():
+            return self.bn(y)
+
+
+def enable_grad_in_a_no_grad_call(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    for _ in range(2):
+        with torch.no_grad():
+            out = s(x16(s))
+        s.record("out", out)
+        if out.requires_grad:
+            out.float().square().mean().backward()
+        s.record("grads", [p.grad for p in s.model.parameters()])
+        opt.step()
+        opt.zero_grad()
+
+
 def autocast_dtypes(s: Session) -> None:
     low = torch.bfloat16 if s.device.type == "cpu" else torch.float16
     with torch.autocast(s.device.type, dtype=low), torch.no_grad():
@@ -1558,6 +1606,11 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 1 (session 50, helper-48: a copy came back; the size crashed)"),
     Pattern("noise_drawn_at_each_call", ConstantNoise, noise_drawn_at_each_call,
             f"{ISSUE}, item 5 (session 50: a trace kept one draw)"),
+    Pattern("no_grad_batch_norm_gate", conv_bn_with(NoGradGate), no_grad_gate,
+            f"{ISSUE}, item 2 (session 51, helper-49: the convolution's gradients lost)"),
+    Pattern("enable_grad_in_a_no_grad_call", lambda: EnableGradHead().train(),
+            enable_grad_in_a_no_grad_call,
+            f"{ISSUE}, item 2 (session 51, helper-49: the block ran without gradients)"),
     Pattern("batch_norm_subclass", bn_subclass, train_eval_switching,
             f"{ISSUE}, item 1 (session 51: refused, fx traced BatchNorm2d's forward through)"),
     Pattern("outputs_made_at_each_call", ReturnsMade, outputs_made_at_each_call,

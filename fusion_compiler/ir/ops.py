@@ -274,3 +274,17 @@ def shallow_module(module: torch.nn.Module,
     object.__setattr__(clone, "_modules", {name: None if m is None else child(m)
                                            for name, m in module._modules.items()})
     return clone
+
+
+def mark_grad_zones(graph: fx.Graph) -> None:
+    """``meta["grad_zone"]`` on every node of ``graph``: how many ``torch._C._set_grad_enabled``
+    calls (a ``torch.no_grad`` block in the code, as Dynamo or the capture writes it) come
+    before it. Fused across a change of mode, an op would run in the other one (its gradients
+    lost, or computed where eager computes none): the passes that merge nodes (CSE, the fuse
+    pass) mark the zones again when they start, so that nodes a pass inserted since (the batch
+    norm fold's scale and shift, inserted where the batch norm was) have theirs."""
+    zone = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            zone += 1
+        node.meta["grad_zone"] = zone

@@ -18,7 +18,8 @@ defaults: docs/decisions.md, "``fuse_prologue`` and ``fuse_reduction`` off by de
 * **Reduction** (``reduction=True``; off unless ``compile(fuse_reduction=True)``) -- at most one
   ``sum(x, [2, 3], keepdim=True)`` (the SE squeeze), as an exit.
 * Intermediates that nodes outside the region still read become extra region outputs.
-* A region never spans a change of gradient mode (``meta["grad_zone"]``, set by ``normalize``).
+* A region never spans a change of gradient mode (``meta["grad_zone"]``,
+  :func:`~fusion_compiler.ir.ops.mark_grad_zones`), prologue included.
 * A merge is legal only if the graph with every region contracted to one node stays acyclic,
   checked with ``networkx`` on the quotient graph.
 
@@ -34,7 +35,7 @@ import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from ...ir.ops import (BINARY, COMMUTATIVE, UNARY, eliminate_dead_code, is_call,
-                       is_conv, is_hw_sum)
+                       is_conv, is_hw_sum, mark_grad_zones)
 from ...ir.region import Region, operand_kind
 
 __all__ = ["fuse_regions", "REGION_PREFIX"]
@@ -175,7 +176,8 @@ def _clone_prologue(graph: fx.Graph, conv: fx.Node, claimed: set[fx.Node]) -> li
     chain = []
     p = conv.args[0]
     while is_call(p, *BINARY) and p not in claimed and isinstance(p.args[0], fx.Node):
-        if _binary_reason(p, p.args[0], _PROLOGUE_KINDS) is not None or p.args[0] is p.args[1]:
+        if _binary_reason(p, p.args[0], _PROLOGUE_KINDS) is not None or p.args[0] is p.args[1] \
+                or p.meta.get("grad_zone") != conv.meta.get("grad_zone"):  # (another mode)
             break
         chain.append(p)
         p = p.args[0]
@@ -202,6 +204,7 @@ def fuse_regions(gm: fx.GraphModule, *, prologue: bool = True,
     """
     graph = gm.graph
     reasons: dict[str, str] = gm.meta.setdefault("fusion_reasons", {})
+    mark_grad_zones(graph)  # (the batch norm fold's nodes, and others inserted since normalize)
     convs = [n for n in graph.nodes if is_conv(n)]
     if gm.meta.get("fusion_off"):  # in-place writes that shared memory: the graph runs as it is
         reasons.update({conv.name: gm.meta["fusion_off"] for conv in convs})

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...ir.ops import BINARY, CONV, UNARY
+from ...ir.ops import BINARY, CONV, UNARY, mark_grad_zones
 
 __all__ = ["eliminate_common_subexpressions", "PURE_FUNCTIONS", "PURE_METHODS"]
 
@@ -57,6 +57,7 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
     alone: a value read twice there may have been written between the reads."""
     if gm.meta.get("fusion_off"):
         return 0
+    mark_grad_zones(gm.graph)  # (nodes the passes before inserted have none yet)
     seen: dict[Hashable, fx.Node] = {}
     stateful: set[fx.Node] = set()  # values that depend on a buffer
     merged = autocast_zone = 0

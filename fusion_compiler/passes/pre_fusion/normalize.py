@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
 from ...ir.ops import (CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code,
-                       tensor_shape, writes_in_place)
+                       mark_grad_zones, tensor_shape, writes_in_place)
 from .arithmetic import canonical_binary
 from .batch_norm import cumulative_batch_norm
 from .reparametrized import conv_weight, is_parametrized
@@ -89,23 +89,10 @@ def normalize(gm: fx.GraphModule, differentiable: bool = True) -> fx.GraphModule
         if node.op in ("call_function", "call_method"):
             _canonicalize_call(gm, node, differentiable)
     eliminate_dead_code(gm.graph)
-    _mark_grad_zones(gm)
+    mark_grad_zones(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def _mark_grad_zones(gm: fx.GraphModule) -> None:
-    """``meta["grad_zone"]`` on every node: how many ``torch._C._set_grad_enabled`` calls (a
-    ``torch.no_grad`` block in the code, as Dynamo or the capture writes it) come before it. A
-    region holds nodes of one zone only (:mod:`fusion_compiler.passes.fusion.fuse`): fused across
-    a change of mode, an op would run in the other one (its gradients lost, or computed where
-    eager computes none)."""
-    zone = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
-            zone += 1
-        node.meta["grad_zone"] = zone
 
 
 # --------------------------------------------------------------------------- shapes

@@ -1,0 +1,70 @@
+"""Gradient modes in a traced graph: which calls run in a mode the code sets itself (a
+``torch.no_grad`` or ``torch.enable_grad`` block, a decorated method) and which in the caller's,
+written into the graph as ``torch._C._set_grad_enabled`` calls, as Dynamo writes them
+(:func:`mark_grad_modes`). The tracer records the mode each call was traced in
+(``meta["traced_grad"]``, :class:`~fusion_compiler.tracing.ModeRecordingTracer`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+__all__ = ["forced_grad_modes", "mark_grad_modes"]
+
+
+def forced_grad_modes(graph: fx.Graph, other: fx.Graph, traced_with: bool) -> None:
+    """Mark in ``meta["grad_forced"]`` the calls of ``graph`` (traced with gradients on where
+    ``traced_with``) whose gradient mode the code sets itself, whatever the caller's (``True``
+    in a ``torch.enable_grad`` block, ``False`` in a ``torch.no_grad`` one; ``None``: the
+    caller's mode), from ``other``, the same code traced in the other mode: a call traced in the
+    same mode both times has its mode set by the code. One trace cannot tell: with gradients on,
+    an ``enable_grad`` block looks like the code around it, and was lost when the caller ran
+    without gradients. Where the two traces differ (code that reads the mode: its
+    specializations are per mode, traced in the caller's), a call traced in another mode than
+    ``traced_with`` is marked with it, the others ``None``."""
+    calls, others = ([n for n in g.nodes if n.op in _CALLS] for g in (graph, other))
+    aligned = len(calls) == len(others) and all((a.op, a.target) == (b.op, b.target)
+                                                for a, b in zip(calls, others))
+    for k, node in enumerate(calls):
+        mode = node.meta.get("traced_grad", True)
+        same = others[k].meta.get("traced_grad", True) == mode if aligned else mode != traced_with
+        node.meta["grad_forced"] = mode if same else None
+
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+def mark_grad_modes(gm: fx.GraphModule) -> None:
+    """Write into ``gm`` the gradient modes its calls were traced in, as Dynamo writes them:
+    ``gm.meta["grad"] = False`` (and ``gm.meta["inference"]``) where every call runs without
+    gradients (a ``@torch.no_grad()`` forward); else ``torch._C._set_grad_enabled`` calls where
+    the mode changes: to the mode a block sets (:func:`forced_grad_modes`; without that mark,
+    ``False`` for a call traced without gradients) and back to the caller's mode (read once,
+    before the first change) after it."""
+    calls = [n for n in gm.graph.nodes if n.op in _CALLS]
+
+    def wanted(node: fx.Node) -> bool | None:
+        if "grad_forced" in node.meta:
+            return node.meta["grad_forced"]
+        return None if node.meta.get("traced_grad", True) else False
+
+    modes = [wanted(n) for n in calls]
+    if calls and all(mode is False for mode in modes):
+        gm.meta["grad"] = False
+        gm.meta["inference"] = all(n.meta.get("traced_inference", False) for n in calls)
+        return
+    if all(mode is None for mode in modes):
+        return
+    graph, current, caller = gm.graph, None, None
+    for node, mode in zip(calls, modes):
+        if mode != current:
+            with graph.inserting_before(node):
+                if caller is None:
+                    caller = graph.call_function(torch.is_grad_enabled)
+                graph.call_function(torch._C._set_grad_enabled,
+                                    (caller if mode is None else mode,))
+            current = mode
+    if current is not None:
+        with graph.inserting_before(graph.find_nodes(op="output")[0]):
+            graph.call_function(torch._C._set_grad_enabled, (caller,))
+    gm.recompile()
