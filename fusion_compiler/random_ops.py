@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .ir.ops import meta_like
 
-__all__ = ["NoDraws", "RandomCallsAsNodes", "may_draw", "python_random", "random_state"]
+__all__ = ["NoDraws", "RandomCallsAsNodes", "draws", "may_draw", "python_random", "random_state"]
 
 
 def _draws(func: Any) -> bool:
@@ -103,6 +103,22 @@ _DETERMINISTIC = frozenset("""
 """Names of call targets that never draw (their runs need no :class:`NoDraws`)."""
 
 _DRAWING_MODULES = ("Dropout", "RReLU", "RNN", "LSTM", "GRU", "Transformer", "MultiheadAttention")
+_DRAWING_OPS = frozenset("""
+    dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout native_dropout
+    rrelu rand rand_like randn randn_like randint randint_like randperm bernoulli normal
+    multinomial poisson uniform_ normal_ bernoulli_ exponential_ cauchy_ geometric_ log_normal_
+    random_ stochastic_depth""".split())
+
+
+def draws(node: fx.Node) -> bool:
+    """Whether ``node`` calls an op known to draw random numbers (dropout, ``torch.rand``,
+    ``x.uniform_()``: :data:`_DRAWING_OPS`, by name; where it may not, as dropout in eval
+    mode, it still counts). Narrower than :func:`may_draw`, which counts what is not known
+    not to draw."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in _DRAWING_OPS
 
 
 def may_draw(node: fx.Node, root: torch.nn.Module) -> bool:
