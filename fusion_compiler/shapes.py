@@ -118,7 +118,28 @@ class _PrivateState:
         return shallow_module(module, lambda t: self.copies.get(id(t), t), self._module)
 
 
-class _RecordingInterpreter(fx.Interpreter):
+_TENSOR_HOOKS = frozenset({"register_hook", "retain_grad", "register_post_accumulate_grad_hook"})
+
+
+class _HooksLeft:
+    """An interpreter mixin: a tensor hook's registration (``y.register_hook(f)``, Dynamo's
+    ``higher_order.register_hook``, ``retain_grad``) is not run, its tensor passed on. A
+    propagation runs on tensors that need no gradient, on which registering one raises ("cannot
+    register a hook on a tensor that doesn't require gradient"): the model seemed not to take
+    its inputs. The graph keeps the node; the calls register the hook."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if getattr(target, "__name__", "") == "register_hook":  # (the higher-order op)
+            return args[0]
+        return super().call_function(target, args, kwargs)
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target in _TENSOR_HOOKS:
+            return None
+        return super().call_method(target, args, kwargs)
+
+
+class _RecordingInterpreter(_HooksLeft, fx.Interpreter):
     """Run a graph on real tensors, ``private``'s copies in place of the module's; record each
     node's value as meta tensors and its device."""
 
@@ -158,7 +179,7 @@ def _fake_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
 
     private = _PrivateState(written_state(gm), lambda t: _fake_copy(mode, t))
 
-    class _KeepingNumbers(FakeTensorProp):
+    class _KeepingNumbers(_HooksLeft, FakeTensorProp):
         """Also records shape arithmetic (``x.shape``, its items, ``h // 4``): torch 2.11's
         ``FakeTensorProp`` keeps only tensors and symbolic numbers, which left such nodes
         without a value and their users unspecialized. The module state the graph may write
@@ -203,7 +224,7 @@ def _plain_number(value: Any) -> bool:
     return isinstance(value, (int, float, bool))
 
 
-class _MetaPropagation(fx.Interpreter):
+class _MetaPropagation(_HooksLeft, fx.Interpreter):
     """Run a graph on meta tensors and record each node's value and device.
 
     The device of a node's value is that of its first tensor argument (a placeholder's: its

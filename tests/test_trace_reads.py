@@ -121,3 +121,40 @@ def test_isinstance_of_a_traced_tensor_answers_as_eager():
     with torch.no_grad():
         for scale in (2.0, torch.tensor(3.0)):
             torch.testing.assert_close(compiled(x, scale), model(x, scale), rtol=1e-5, atol=1e-6)
+
+
+class _HooksItsFeatures(nn.Module):
+    """A gradient-scaling hook on an intermediate value (a common stop-or-scale trick)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv1(x)
+        y.register_hook(lambda g: g * 0.5)
+        return self.conv2(torch.relu(y)).mean((2, 3))
+
+
+def test_a_tensor_hook_in_forward_is_refused_by_fx_and_kept_by_dynamo():
+    """``compile(model)`` refuses it naming it (fx's own text was "argument of type: <class
+    'function'>"); through ``torch.compile`` the hook runs, where the shape propagation had
+    failed on it ("cannot register a hook on a tensor that doesn't require gradient", reported
+    as inputs the model does not take)."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = _HooksItsFeatures(), torch.randn(2, 3, 16, 16)
+    with pytest.raises(FusionError, match=r"forward calls register_hook\(\) on a traced value"):
+        fusion_compiler.compile(copy.deepcopy(model))(x)
+    twin = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend="fusion_compiler")
+    grads = []
+    for m, fn in ((model, model), (twin, compiled)):
+        xx = x.clone().requires_grad_()
+        fn(xx).square().sum().backward()
+        grads.append((xx.grad, m.conv1.weight.grad))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
