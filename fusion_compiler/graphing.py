@@ -42,6 +42,15 @@ def _not_capturable(args: Sequence[Any], written: list[int], training: bool) -> 
     return ""
 
 
+def _registers_hooks(gm: fx.GraphModule | None) -> bool:
+    """Whether ``gm`` registers a tensor hook (Dynamo's ``higher_order.register_hook``, or the
+    method): autograd calls it in the backward, which a CUDA graph replays without Python."""
+    return gm is not None and any(
+        (n.op == "call_function" and getattr(n.target, "__name__", "") == "register_hook")
+        or (n.op == "call_method" and n.target in ("register_hook", "retain_grad"))
+        for n in gm.graph.nodes)
+
+
 def _cpu_results(gm: fx.GraphModule | None) -> str:
     """The first op of ``gm`` that makes or writes a CPU tensor the caller sees: an output, or
     a write in place (into a CPU buffer, say). A capture records GPU work only: the CPU op ran
@@ -101,6 +110,9 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     written = written_inputs(gm) if gm is not None else []
     what = "training step" if training else "forward"
     why, cpu = _not_capturable(args, written, training), _cpu_results(gm)
+    if not why and training and _registers_hooks(gm):
+        why = ("it registers a tensor hook (y.register_hook): a replayed backward would not "
+               "call it")
     if cpu and not why:  # unexpected, and slower: one WARNING too
         why = (f"it computes on the CPU a tensor it returns or writes in place ({cpu}): a "
                "replay runs the GPU's work only, and would repeat what the capture computed")
