@@ -118,7 +118,8 @@ class ModeRecordingTracer(fx.Tracer):
         context manager: the block's ops would be traced in the caller's autocast state), and in
         :attr:`grad_mode_read` whether the traced code called ``torch.is_grad_enabled()`` (its
         answer is traced as a constant), and in :attr:`grad_mode_set` whether it set the mode
-        (a ``torch.no_grad`` or ``torch.enable_grad`` block: :func:`~.grad_modes.forced_grad_modes`)."""
+        (a ``torch.no_grad`` or ``torch.enable_grad`` block:
+        :func:`~.grad_modes.forced_grad_modes`)."""
         self.autograd_functions: list[str] = []
         self.checkpoints = 0
         self.autocast_entered = False
