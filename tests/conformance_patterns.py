@@ -1288,21 +1288,28 @@ def bn_subclass() -> nn.Module:
     return model
 
 
-class ReturnsMade(nn.Module):
-    """Returns, beside its features, a tensor made from constants on its weights' device
-    (``torch.ones(2, device=self.where) * 2``, ``self.where`` a plain attribute) and one made
-    from a parameter alone (a scale a logger reads)."""
+class KeepsItsDevice(nn.Module):
+    """A convolution and ``self.where``, a plain attribute that follows its weights' device (a
+    model that makes tensors there: ``torch.ones(2, device=self.where)``)."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.scale = nn.Parameter(torch.full((8,), 0.5))
         self.where = self.conv.weight.device
 
     def _apply(self, fn, recurse=True):
         moved = super()._apply(fn, recurse)
         self.where = self.conv.weight.device
         return moved
+
+
+class ReturnsMade(KeepsItsDevice):
+    """Returns, beside its features, a tensor made from constants on its weights' device
+    and one made from a parameter alone (a scale a logger reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((8,), 0.5))
 
     def forward(self, x):
         return (self.conv(x) * self.scale[:, None, None], torch.ones(2, device=self.where) * 2,
@@ -1342,21 +1349,11 @@ def submodule_mode_read_by_the_parent(s: Session) -> None:
     infer(s, x, "batch norm alone in eval mode")
 
 
-class ConstantNoise(nn.Module):
+class ConstantNoise(KeepsItsDevice):
     """Noise drawn with constant arguments, no traced value in the call (``torch.randn(8, 1, 1,
     device=self.where)``, a plain attribute the model keeps by its weights' device): a trace
     ran it once and kept its numbers. (Drawn on the CPU and moved to the GPU, the copy cannot be
     captured in a CUDA graph: the forward then runs without one, with a WARNING.)"""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.where = self.conv.weight.device
-
-    def _apply(self, fn, recurse=True):
-        moved = super()._apply(fn, recurse)
-        self.where = self.conv.weight.device
-        return moved
 
     def forward(self, x):
         return F.relu(self.conv(x)) + torch.randn(8, 1, 1, device=self.where).to(x.dtype)

@@ -16,6 +16,7 @@ from examples.seresnet9_fixup import randomize_, se_resnet9_fixup
 from fusion_compiler.dynamo import fusion_compiler_backend
 from fusion_compiler.dynamo import wait_for_background_compiles
 from test_fuse_patterns import BasicBlock, _randomize_bn
+from test_trace_reads import _HooksItsFeatures
 
 pytestmark = pytest.mark.gpu
 
@@ -132,23 +133,11 @@ def test_every_graph_between_breaks_gets_cudnn_regions(tmp_path, mode):
         assert spec.cuda_graph == (None if mode == "max-autotune-no-cudagraphs" else "safe")
 
 
-class _HookedFeatures(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
-
-    def forward(self, x):
-        y = self.conv1(x)
-        y.register_hook(lambda g: g * 0.5)
-        return self.conv2(torch.relu(y)).mean((2, 3))
-
-
 def test_a_tensor_hook_in_forward_is_called_at_every_training_step(tmp_path):
     """A captured backward would call the hook at capture only: such a step runs without a
     CUDA graph, and the gradients are eager's at every step (fp32)."""
     torch.manual_seed(0)
-    model = _HookedFeatures().cuda()
+    model = _HooksItsFeatures().cuda()
     twin = copy.deepcopy(model)
     torch._dynamo.reset()
     compiled = torch.compile(twin, backend="fusion_compiler", options={"cache_dir": str(tmp_path)})
