@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -231,6 +232,12 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "%s's forward reads %s: a compiled graph keeps what its trace read, so a change "
             "after this compile is not seen; call the model uncompiled where it must follow "
             "one", type(model).__name__, ", ".join(state))
+    iterators = [n for n, (kind, _, _) in once.items() if kind == "iterator"]
+    if iterators:  # (before the trace: it would take an item)
+        raise FusionError(
+            f"{type(model).__name__}'s forward reads {', '.join(iterators)}, an iterator at "
+            "module level: a traced graph would keep the one item its trace took, for every "
+            "call; pass the value in, or call the model uncompiled")
     if stored:  # the trace would assign it once, the compiled calls never
         raise FusionError(
             f"{type(model).__name__}'s forward assigns the module-level name(s) "
@@ -245,7 +252,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
         return tracer, graph, reads
 
-    writes = ModuleWrites(model)  # the trace runs forward's Python code: the model is put back
+    # the trace runs forward's Python code: the model, and what it changes at module level
+    # (COUNTER[0] += 1, a global config's field), are put back
+    writes = ModuleWrites(model, _module_level(global_names))
     try:
         tracer, graph, reads = trace(True)
         traced_with = True
@@ -280,10 +289,11 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "use torch.compile(model, backend='fusion_compiler'), whose graphs keep it")
     if assigned:
         raise FusionError(
-            f"{type(model).__name__}.forward assigns {', '.join(assigned)} on the module (or an "
-            "object it holds): a compiled graph cannot repeat an assignment at each call (an "
-            "in-place update of a buffer it can: self.n.add_(1)); move it out of forward, or use "
-            "torch.compile(model, backend='fusion_compiler'), whose graphs Dynamo guards")
+            f"{type(model).__name__}.forward changes {', '.join(assigned)} (on the module, an "
+            "object it holds or at module level): a compiled graph cannot repeat that at each "
+            "call (an in-place update of a buffer it can: self.n.add_(1)); move it out of "
+            "forward, or use torch.compile(model, backend='fusion_compiler'), whose graphs "
+            "Dynamo guards")
     drawn = [n for n, value in draws.items()
              if drawn_from[n] is None or random_state(value) != drawn_from[n]]
     if drawn:  # the trace drew (a draw in a branch it did not take is no draw)
@@ -306,6 +316,18 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     gm.meta["checkpoints"] = tracer.checkpoints
     gm.meta["grad_mode_read"] = tracer.grad_mode_read
     return gm
+
+
+def _module_level(names: Sequence[tuple[Any, str]]) -> list[tuple[str, Any]]:
+    """``(name shown, value)`` of the module-level names ``forward``'s code reads
+    (:func:`~.code_reads.globals_read`: a globals dict or a class, and the name) that hold data
+    a trace could change: not modules, classes or functions."""
+    found = []
+    for namespace, name in names:
+        value = namespace.get(name) if isinstance(namespace, dict) else vars(namespace).get(name)
+        if value is not None and not callable(value) and not isinstance(value, types.ModuleType):
+            found.append((f"module-level {name}", value))
+    return found
 
 
 def _is_constant(gm: fx.GraphModule, node: object) -> bool:

@@ -15,16 +15,23 @@ them in the bytecode), falls in three kinds:
   is_grad_enabled``): the tracer answers ``torch.is_grad_enabled`` itself, not an alias, so the
   capture treats the alias as a read of grad mode (a specialization per mode);
 * ``"state"``: process-wide state that calls may change and a traced graph keeps as it was when
-  traced: environment variables, torch's default dtype, its deterministic-algorithms and
-  anomaly-detection modes, float32 matmul precision, thread count, ``torch.backends`` flags, a
-  ``threading.local`` or a ``contextvars.ContextVar``. The capture says so in one WARNING.
+  traced: environment variables, the clock (``time.time()``), torch's default dtype, its
+  deterministic-algorithms and anomaly-detection modes, float32 matmul precision, thread count,
+  ``torch.backends`` flags, a ``threading.local`` or a ``contextvars.ContextVar``. The capture
+  says so in one WARNING;
+* ``"iterator"``: an iterator the code reads by a module-level name (``next(STEPS)`` over an
+  ``itertools.count``, a generator): the trace would take one item, for every call, and the
+  iterator's place cannot be compared or put back, so the capture refuses it.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import contextvars
+import io
 import os
 import threading
+import time
 import types
 from typing import Any
 
@@ -44,6 +51,8 @@ def _state_functions() -> dict[int, str]:
         "torch.is_anomaly_enabled": torch.is_anomaly_enabled,
         "torch.get_num_threads": torch.get_num_threads,
         "torch.backends": torch.backends,
+        "time.time": time.time, "time.time_ns": time.time_ns, "time.monotonic": time.monotonic,
+        "time.perf_counter": time.perf_counter, "time.process_time": time.process_time,
     }
     return {id(v): k for k, v in named.items()}
 
@@ -69,4 +78,7 @@ def read_once(value: Any) -> tuple[str, str] | None:
         name = "a threading.local"
     if name is None and isinstance(value, contextvars.ContextVar):
         name = f"the context variable {value.name!r}"
+    if name is None and isinstance(value, collections.abc.Iterator) and not isinstance(
+            value, (torch.Tensor, io.IOBase)):
+        return "iterator", type(value).__name__
     return ("state", name) if name is not None else None

@@ -158,8 +158,9 @@ class RandomCallsAsNodes(TorchFunctionMode):
     arguments constants of the graph. Calls with traced arguments are fx's, as before.
 
     Raises:
-        RuntimeError: (the trace fails with it) such a call passes a ``torch.Generator`` of its
-            own, which a graph cannot hold.
+        RuntimeError: (the trace fails with it) a call passes a ``torch.Generator`` of its own,
+            with traced arguments or not (fx kept it as an opaque attribute of the graph, and the
+            capture then named that attribute as assigned), which a graph cannot hold.
 
     Args:
         tracer: the ``torch.fx.Tracer`` whose trace the block runs."""
@@ -171,17 +172,18 @@ class RandomCallsAsNodes(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs))):
+        leaves = tree_leaves((args, kwargs))
+        if any(isinstance(a, torch.Generator) for a in leaves):
+            raise RuntimeError(
+                f"{getattr(func, '__name__', func)} draws from a torch.Generator passed to it: a "
+                "compiled graph cannot hold one; draw from the default generator")
+        if any(isinstance(a, fx.Proxy) for a in leaves):
             return func(*args, **kwargs)
         try:
             with _StopAtDraw():
                 return func(*args, **kwargs)
         except _Draw:
             pass
-        if any(isinstance(a, torch.Generator) for a in tree_leaves((args, kwargs))):
-            raise RuntimeError(
-                f"{getattr(func, '__name__', func)} draws from a torch.Generator passed to it: a "
-                "compiled graph cannot hold one; draw from the default generator")
         name = getattr(func, "__name__", None)
         if name is not None and getattr(torch.Tensor, name, None) is func:
             return self.tracer.create_proxy("call_method", name, args, kwargs)

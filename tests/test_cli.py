@@ -156,3 +156,15 @@ def test_bad_arguments_are_one_line_before_any_work(argv, says, capsys, monkeypa
     err = capsys.readouterr().err
     assert exited.value.code == 2 and says in err.strip().splitlines()[-1], err
     assert "Traceback" not in err
+
+
+def test_inputs_too_large_to_make_are_one_line_and_exit_2(capsys, monkeypatch):
+    """A traceback and exit 1, which for check means "mismatch" (helper-50)."""
+    from fusion_compiler.tools import cli
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["check", REF, "--input", "99999999x3x1000x1000"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "the inputs cannot be made on cpu" in err, err
+    assert "Traceback" not in err

@@ -178,13 +178,21 @@ def test_a_write_into_a_tensor_made_from_constants_is_refused(how):
 
 
 class _OwnGenerator(_Base):
+    def __init__(self, traced):
+        super().__init__()
+        self.traced, self.g = traced, torch.Generator().manual_seed(0)
+
     def forward(self, x):
-        return self.conv(x) + torch.randn(4, 1, 1, generator=torch.Generator().manual_seed(0))
+        y = self.conv(x)
+        return y + torch.randn(y.shape if self.traced else (4, 1, 1), generator=self.g)
 
 
-def test_a_random_call_with_its_own_generator_is_refused_naming_it():
+@pytest.mark.parametrize("traced", [False, True], ids=["constant_size", "traced_size"])
+def test_a_random_call_with_its_own_generator_is_refused_naming_it(traced):
+    """With a traced size the refusal named '_opaque_obj0', fx's attribute for the generator, as
+    an assignment on the module (helper-50)."""
     with pytest.raises(FusionError, match="randn draws from a torch.Generator passed to it"):
-        fusion_compiler.compile(_OwnGenerator())(torch.randn(1, 4, 5, 5))
+        fusion_compiler.compile(_OwnGenerator(traced))(torch.randn(1, 4, 5, 5))
 
 
 def test_no_draws_fills_in_place_draws_with_zeros_and_shapes_ops_without_meta_functions():

@@ -2,8 +2,10 @@
 is named in one WARNING, an alias of ``torch.is_grad_enabled`` gets a specialization per grad
 mode, and a ``torch.nn`` submodule's ``training`` flag that the parent reads is in the key."""
 
+import itertools
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -25,6 +27,8 @@ class _ReadsState(_Base):
         y = self.conv(x)
         if os.environ.get("FC_TEST_FLAG") == "1":
             y = y + 1
+        if time.time() < 0:  # (a clock, read once by the trace)
+            y = y * 0
         return y.to(torch.get_default_dtype())
 
 
@@ -36,8 +40,24 @@ def test_process_state_forward_reads_is_named_in_one_warning(caplog):
         compiled(torch.randn(2, 3, 8, 8))  # another specialization: traced again, not told again
     told = [r.getMessage() for r in caplog.records if "reads os.environ" in r.getMessage()]
     assert len(told) == 1, told
-    assert "torch.get_default_dtype" in told[0]
+    assert "torch.get_default_dtype" in told[0] and "time.time" in told[0]
     assert "a change after this compile is not seen" in told[0]
+
+
+STEPS = itertools.count(1)
+
+
+class _TakesASteps(_Base):
+    def forward(self, x):
+        return self.conv(x) * next(STEPS)
+
+
+def test_a_module_level_iterator_forward_reads_is_refused_before_the_trace_takes_an_item():
+    """The graph kept the trace's item for every call (helper-50: a ratio of 1.0 at every call
+    where eager gave 2, 3, 4)."""
+    with pytest.raises(FusionError, match="reads STEPS, an iterator at module level"):
+        fusion_compiler.compile(_TakesASteps())
+    assert next(STEPS) == 1
 
 
 class _AliasOfGradMode(_Base):

@@ -11,7 +11,7 @@ without a word: the compiled graph computes the value at each call, and the outp
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -23,10 +23,11 @@ __all__ = ["ModuleWrites"]
 class ModuleWrites:
     """The attributes, parameters, buffers and submodules of every module of ``model`` as they
     are now, the fields of the objects with fields they hold (a config or statistics object, one
-    level down) and the items of the lists and dicts they hold, for :meth:`restore` after
-    tracing."""
+    level down) and the items of the lists, dicts and sets they hold, for :meth:`restore` after
+    tracing; the same of ``extra``, ``(name shown, value)`` pairs (the module-level values
+    ``forward``'s code reads: ``COUNTER[0] += 1`` on a global list)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, extra: Iterable[tuple[str, Any]] = ()):
         self._saved = [(path, [(d, dict(d)) for d in (vars(m), m._parameters, m._buffers,
                                                       m._modules)])
                        for path, m in model.named_modules()]
@@ -35,21 +36,28 @@ class ModuleWrites:
         seen: set[int] = set()
         for path, m in model.named_modules():
             for name, value in vars(m).items():
-                if id(value) in seen or name in MODULE_INTERNALS:  # nn.Module's own: in _saved
-                    continue
-                seen.add(id(value))
-                where = f"{path}.{name}" if path else name
-                fields = fields_of(value)
-                if fields is not None:
-                    self._objects.append((where, value, fields))
-                    held = fields.items()
-                else:
-                    held = [(None, value)]
-                for field, item in held:  # lists and dicts, on the module or in an object
-                    if type(item) in (list, dict) and id(item) not in seen:
-                        seen.add(id(item))
-                        self._containers.append((where if field is None else f"{where}.{field}",
-                                                 item, item.copy()))
+                if name not in MODULE_INTERNALS:  # nn.Module's own: in _saved
+                    self._track(f"{path}.{name}" if path else name, value, seen)
+        for where, value in extra:  # module-level values forward's code reads
+            if not isinstance(value, (torch.nn.Module, torch.Tensor)):
+                self._track(where, value, seen)
+
+    def _track(self, where: str, value: Any, seen: set[int]) -> None:
+        """Save ``value``'s fields (an object with fields) or items (a list, dict or set), and
+        the items of the lists, dicts and sets among its fields."""
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        fields = fields_of(value)
+        if fields is not None:
+            self._objects.append((where, value, fields))
+            held = [(f"{where}.{field}", item) for field, item in fields.items()]
+        else:
+            held = [(where, value)]
+        for label, item in held:
+            if type(item) in (list, dict, set) and (item is value or id(item) not in seen):
+                seen.add(id(item))
+                self._containers.append((label, item, item.copy()))
 
     def restore(self) -> list[str]:
         """Put every module's tables and the held objects' fields back as they were and return
@@ -86,6 +94,11 @@ class ModuleWrites:
                 if len(container) != len(saved) or any(map(operator.is_not, container, saved)):
                     assigned.append(f"{path} (items)")
                     container[:] = saved
+            elif isinstance(container, set):
+                if container != saved:
+                    assigned.append(f"{path} (items)")
+                    container.clear()
+                    container.update(saved)
             else:  # a dict: an item set where there was none is a lazy cache
                 if any(container.get(k, MISSING) is not v for k, v in saved.items()):
                     assigned.append(f"{path} (items)")

@@ -80,7 +80,12 @@ def _load(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]
     if getattr(args, "channels_last", False):
         model = model.to(memory_format=torch.channels_last)
     model.train(args.train)
-    inputs = [torch.randn(shape, dtype=dtype, device=device) for shape in args.input]
+    try:
+        inputs = [torch.randn(shape, dtype=dtype, device=device) for shape in args.input]
+    except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError is a RuntimeError)
+        shapes = ", ".join("x".join(map(str, shape)) for shape in args.input)
+        raise ValueError(f"--input {shapes}: the inputs cannot be made on {device} "
+                         f"({type(exc).__name__}: {exc})") from exc
     return model, inputs, device
 
 
