@@ -5,6 +5,7 @@ graph's nodes is filled in afterwards, by :mod:`fusion_compiler.shapes`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import types
@@ -318,6 +319,10 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     return gm
 
 
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
+         type, functools.partial)
+
+
 def _module_level(names: Sequence[tuple[Any, str]]) -> list[tuple[str, Any]]:
     """``(name shown, value)`` of the module-level names ``forward``'s code reads
     (:func:`~.code_reads.globals_read`: a globals dict or a class, and the name) that hold data
@@ -325,7 +330,7 @@ def _module_level(names: Sequence[tuple[Any, str]]) -> list[tuple[str, Any]]:
     found = []
     for namespace, name in names:
         value = namespace.get(name) if isinstance(namespace, dict) else vars(namespace).get(name)
-        if value is not None and not callable(value) and not isinstance(value, types.ModuleType):
+        if value is not None and not isinstance(value, _CODE):  # (an object with __call__ is)
             found.append((f"module-level {name}", value))
     return found
 
@@ -354,22 +359,36 @@ def _fresh_constant_outputs(gm: fx.GraphModule) -> None:
     """An output that is a tensor the trace made from constant arguments (``return y,
     torch.zeros(3)``), or a view of one, is computed from a copy of it at each call, as eager
     makes a new tensor at each call: the graph returned that one tensor at every call, and a
-    caller's write into one call's output changed every later call's."""
+    caller's write into one call's output changed every later call's. Outputs whose constants
+    share memory (``return z, z[:2]``: fx keeps each use, and a view taken on the spot, as
+    constants of their own) share one copy of it, as eager's share their tensor."""
     graph = gm.graph
     output = graph.find_nodes(op="output")[0]
     leaves = [n for n in tree_flatten(output.args)[0] if isinstance(n, fx.Node)]
-    copies: dict[fx.Node, fx.Node] = {}  # one copy of a constant: its views share it
+    whole: dict[tuple, fx.Node] = {}  # a copy of each constant storage the outputs reach
     for leaf in dict.fromkeys(leaves):
         if not _is_constant(gm, leaf):
             continue
         first, base = leaf, view_base(gm, leaf)
         while first is not base and alias_source(first) is not base:
             first = alias_source(first)
-        if base not in copies:
-            with graph.inserting_after(base):
-                copies[base] = graph.call_function(torch.clone, (base,))
-        (output if first is base else first).replace_input_with(base, copies[base])
-    if copies:
+        t = getattr(gm, base.target)
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.dtype)
+        if key not in whole:
+            name = f"_tensor_constant_storage{len(whole)}"
+            flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                storage, 0, (storage.nbytes() // t.element_size(),))
+            setattr(gm, name, flat)
+            start = next(n for n in graph.nodes if n.op != "placeholder")  # before any use
+            with graph.inserting_before(start):
+                whole[key] = graph.call_function(torch.clone, (graph.get_attr(name),))
+        with graph.inserting_after(whole[key]):
+            copy = graph.call_function(torch.as_strided, (whole[key], tuple(t.shape), t.stride(),
+                                                          t.storage_offset()))
+        (output if first is base else first).replace_input_with(base, copy)
+    if whole:
+        gm.graph.lint()
         gm.recompile()
 
 

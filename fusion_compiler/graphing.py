@@ -47,7 +47,8 @@ def _registers_hooks(gm: fx.GraphModule | None) -> bool:
     method): autograd calls it in the backward, which a CUDA graph replays without Python."""
     return gm is not None and any(
         (n.op == "call_function" and getattr(n.target, "__name__", "") == "register_hook")
-        or (n.op == "call_method" and n.target in ("register_hook", "retain_grad"))
+        or (n.op == "call_method" and n.target in ("register_hook", "retain_grad",
+                                                    "register_post_accumulate_grad_hook"))
         for n in gm.graph.nodes)
 
 

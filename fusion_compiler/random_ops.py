@@ -107,7 +107,9 @@ _DRAWING_OPS = frozenset("""
     dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout native_dropout
     rrelu rand rand_like randn randn_like randint randint_like randperm bernoulli normal
     multinomial poisson uniform_ normal_ bernoulli_ exponential_ cauchy_ geometric_ log_normal_
-    random_ stochastic_depth""".split())
+    random_ stochastic_depth gumbel_softmax feature_dropout dropout_ alpha_dropout_
+    feature_alpha_dropout_ rrelu_ rrelu_with_noise fractional_max_pool2d fractional_max_pool3d
+    fractional_max_pool2d_with_indices fractional_max_pool3d_with_indices""".split())
 
 
 def draws(node: fx.Node) -> bool:

@@ -142,3 +142,30 @@ def test_outputs_made_from_constants_or_parameters_are_new_at_each_call(options)
                 g.add_(1.0)  # the caller's own use of its output
     assert not any(n.op == "get_attr" and str(n.target).startswith("_hoisted_") and any(
         u.op == "output" for u in n.users) for n in compiled.last.graph_module.graph.nodes)
+
+
+class _SharesAConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = torch.zeros(8)
+        return y, z.view(y.shape[0], -1), z, z[:2]
+
+
+def test_outputs_made_from_one_constant_share_its_copy_as_eager_shares_the_tensor():
+    """fx keeps each use of a constant, and a view taken on the spot, as constants of their own:
+    copied one by one, ``return z, z[:2]`` gave two tensors where eager gives views of one
+    (helper-51: a write into one no longer reached the other)."""
+    model = _SharesAConstant().eval()
+    compiled = CompiledModule(model)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = compiled(x), model(x)
+            got[1].add_(1.0)
+            want[1].add_(1.0)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -7,6 +7,7 @@ cover the doors side by side."""
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import functools
@@ -1342,3 +1343,50 @@ def test_a_forward_that_changes_a_list_or_dict_it_holds_or_reads_is_refused(how,
     with pytest.raises(FusionError, match=f"changes (module-level )?{what} \\(items\\)"):
         fc.compile(model)(torch.randn(2, 3, 8, 8))
     assert model.history == [] and COUNTS == [0] and STATS == {"calls": 0}
+
+
+class _Tally:
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, y):
+        self.n += 1
+        return y
+
+
+TALLY = _Tally()
+HISTORY = collections.deque(maxlen=4)
+CALLS = collections.Counter()
+WARNED: set = set()
+
+
+class _ChangesOtherState(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "deque":
+            HISTORY.append(1)
+        elif self.how == "counter":
+            CALLS["forward"] += 1
+        elif self.how == "warn once":
+            WARNED.add("forward")  # a memory of what was said: compiled as it is
+            return self.conv(x)
+        return TALLY(self.conv(x)) if self.how == "callable" else self.conv(x)
+
+
+@pytest.mark.parametrize("how, what", [("deque", "HISTORY"), ("counter", "CALLS"),
+                                       ("callable", "TALLY.n"), ("warn once", None)])
+def test_module_level_deques_counters_and_callable_objects_are_compared_too(how, what):
+    """helper-51: their changes stayed silent after session 51's first fix (exact lists, dicts
+    and sets only; objects with __call__ left out)."""
+    model = _ChangesOtherState(how)
+    if what is None:
+        fc.compile(model)(torch.randn(2, 3, 8, 8))
+        assert WARNED == set()  # the trace's addition put back; the compiled calls add none
+        return
+    with pytest.raises(FusionError, match=f"changes module-level {what}"):
+        fc.compile(model)(torch.randn(2, 3, 8, 8))
+    assert TALLY.n == 0 and not HISTORY and not CALLS

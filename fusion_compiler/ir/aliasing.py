@@ -4,7 +4,10 @@ and the ops whose result always has memory of its own. The rewrite of in-place o
 (``passes/pre_fusion/functionalize``), the capture's check of writes into traced constants and
 of constants returned (``capture``), and hoisting (``passes/post_lowering/hoist``) read it. The
 tables are PyTorch's documented view ops ("Tensor Views" in PyTorch's documentation) and the
-ops this package rewrites; an op in none of them is taken to possibly share memory."""
+ops this package rewrites. An op in none of them is taken to make memory of its own where a
+view is asked about (:func:`may_be_view`) and to possibly share it where fresh memory is
+(:func:`fresh`): a view op missing from the tables would lose a write through it, so every view
+op PyTorch documents is listed (``torch.atleast_2d`` and ``torch.unflatten`` were missing)."""
 
 from __future__ import annotations
 
@@ -51,13 +54,17 @@ _VIEW_METHODS = {"view", "reshape", "expand", "expand_as", "view_as", "reshape_a
                  "select", "as_strided", "detach", "split", "chunk", "unbind", "diagonal",
                  "movedim", "moveaxis", "unfold", "__getitem__", "ravel", "swapaxes", "swapdims",
                  "view_as_real", "tensor_split", "split_with_sizes", "hsplit", "vsplit",
-                 "dsplit"}
+                 "dsplit", "broadcast_to", "conj", "adjoint", "positive", "resolve_conj",
+                 "resolve_neg"}
 _VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze,
                    torch.permute, torch.transpose, torch.t, torch.narrow, torch.select,
                    torch.split, torch.split_with_sizes, torch.tensor_split, torch.hsplit,
                    torch.vsplit, torch.dsplit, torch.chunk, torch.unbind, torch.as_strided,
                    torch.movedim, torch.moveaxis, torch.diagonal, torch.detach, torch.ravel,
-                   torch.swapaxes, torch.swapdims, torch.view_as_real, torch.einsum,
+                   torch.swapaxes, torch.swapdims, torch.view_as_real, torch.view_as_complex,
+                   torch.einsum, torch.unflatten, torch.atleast_1d, torch.atleast_2d,
+                   torch.atleast_3d, torch.broadcast_to, torch.real, torch.imag, torch.conj,
+                   torch.adjoint, torch.positive, torch.resolve_conj, torch.resolve_neg,
                    # dropout returns its input itself in eval mode
                    torch.dropout, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
                    F.alpha_dropout, F.feature_alpha_dropout}

@@ -10,6 +10,7 @@ without a word: the compiled graph computes the value at each call, and the outp
 
 from __future__ import annotations
 
+import collections
 import operator
 from typing import Any, Iterable
 
@@ -43,8 +44,8 @@ class ModuleWrites:
                 self._track(where, value, seen)
 
     def _track(self, where: str, value: Any, seen: set[int]) -> None:
-        """Save ``value``'s fields (an object with fields) or items (a list, dict or set), and
-        the items of the lists, dicts and sets among its fields."""
+        """Save ``value``'s fields (an object with fields) or items (:func:`_container`), and the
+        items of the containers among its fields."""
         if id(value) in seen:
             return
         seen.add(id(value))
@@ -55,7 +56,7 @@ class ModuleWrites:
         else:
             held = [(where, value)]
         for label, item in held:
-            if type(item) in (list, dict, set) and (item is value or id(item) not in seen):
+            if _container(item) and (item is value or id(item) not in seen):
                 seen.add(id(item))
                 self._containers.append((label, item, item.copy()))
 
@@ -90,18 +91,40 @@ class ModuleWrites:
                 except (AttributeError, TypeError):  # a read-only field: left as it is
                     pass
         for path, container, saved in self._containers:
-            if isinstance(container, list):
-                if len(container) != len(saved) or any(map(operator.is_not, container, saved)):
-                    assigned.append(f"{path} (items)")
-                    container[:] = saved
-            elif isinstance(container, set):
-                if container != saved:
-                    assigned.append(f"{path} (items)")
-                    container.clear()
-                    container.update(saved)
-            else:  # a dict: an item set where there was none is a lazy cache
-                if any(container.get(k, MISSING) is not v for k, v in saved.items()):
-                    assigned.append(f"{path} (items)")
+            if _changed(container, saved):
+                assigned.append(f"{path} (items)")
+            if isinstance(container, (list, collections.deque, set, dict)):
                 container.clear()
-                container.update(saved)
+                (container.extend if hasattr(container, "extend") else container.update)(saved)
+            else:  # a NumPy array
+                container[...] = saved
         return sorted(set(assigned))
+
+
+def _container(value: Any) -> bool:
+    """Whether ``value`` holds items a trace could change and :meth:`ModuleWrites.restore` can
+    compare and put back: a list, deque, dict (``Counter``, ``defaultdict`` too), set or NumPy
+    array."""
+    return isinstance(value, (list, collections.deque, dict, set)) or (
+        type(value).__name__ == "ndarray" and type(value).__module__ == "numpy")
+
+
+def _changed(now: Any, saved: Any) -> bool:
+    """Whether a trace changed the items of a :func:`_container` (``saved``: its copy): a set
+    or dict item added where there was none is a lazy cache (a warn-once set, a memo), not a
+    change; a ``Counter``'s new count is one."""
+    if isinstance(now, (list, collections.deque)):
+        return len(now) != len(saved) or any(map(operator.is_not, now, saved))
+    if isinstance(now, set):
+        return bool(saved - now)
+    if isinstance(now, collections.Counter):
+        return now != saved
+    if isinstance(now, dict):
+        return any(now.get(k, MISSING) is not v for k, v in saved.items())
+    return not _same_array(now, saved)
+
+
+def _same_array(a: Any, b: Any) -> bool:
+    import numpy  # noqa: PLC0415  (an array is here only where NumPy is imported)
+
+    return a.shape == b.shape and bool(numpy.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
