@@ -163,12 +163,14 @@ class _WritesConstant(_Base):
             w.mul_(self.s)
         elif self.how == "split":  # a view the trace records (its size is traced)
             w.split(x.shape[1] // 2)[0].mul_(self.s[:2])
+        elif self.how == "unflatten":  # a view no table listed (helper-51)
+            torch.unflatten(w, 0, (x.shape[1] // 2, 2)).mul_(2.0)
         else:
             w[torch.randperm(4)[:1]] = 0
         return self.conv(x) * w
 
 
-@pytest.mark.parametrize("how", ["mul_", "setitem", "split"])
+@pytest.mark.parametrize("how", ["mul_", "setitem", "split", "unflatten"])
 def test_a_write_into_a_tensor_made_from_constants_is_refused(how):
     """The trace makes ``torch.ones(4, 1, 1)`` once: written in place at every compiled call,
     the writes added up (mul_, and through a split: the check's own list of views lacked it)
