@@ -15,11 +15,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
 from .code_reads import globals_read
 from .ir.errors import FusionError, InputTypeError
-from .ir.aliasing import alias_source, view_base
 from .ir.ops import calls_named, copy_graph, writes_in_place
 from .random_ops import draws, random_state
 from .runtime.background import on_calling_thread, warn_once
@@ -27,6 +25,7 @@ from .runtime.hooks import instance_forward, uninitialized_lazy
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import first_time, note_reads
 from .grad_modes import forced_grad_modes, mark_grad_modes
+from .trace_constants import constants_written, fresh_constant_outputs
 from .tracing import ModeRecordingTracer, recording_reads
 
 log = logging.getLogger("fusion_compiler")
@@ -303,7 +302,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             f"generator ({', '.join(drawn)}): a traced graph would repeat the trace's numbers at "
             "every call; draw them with torch (torch.rand), which a compiled graph draws afresh "
             "at each call, or pass them in, or call the model uncompiled")
-    written = _constants_written(gm)
+    written = constants_written(gm)
     if written:
         raise FusionError(
             f"{type(model).__name__}'s forward writes in place into a tensor it makes from "
@@ -311,7 +310,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "compiled graph would write into the same one at every call (the writes would add "
             "up); write it out of place (w = torch.ones(4) * s, torch.where(...)), or call the "
             "model uncompiled")
-    _fresh_constant_outputs(gm)
+    fresh_constant_outputs(gm)
     mark_grad_modes(gm)
     gm.meta["autograd_functions"] = sorted(set(tracer.autograd_functions))
     gm.meta["checkpoints"] = tracer.checkpoints
@@ -333,63 +332,6 @@ def _module_level(names: Sequence[tuple[Any, str]]) -> list[tuple[str, Any]]:
         if value is not None and not isinstance(value, _CODE):  # (an object with __call__ is)
             found.append((f"module-level {name}", value))
     return found
-
-
-def _is_constant(gm: fx.GraphModule, node: object) -> bool:
-    """Whether ``node`` is, or may share memory with, a tensor the trace made from constant
-    arguments (``torch.ones(4)``: fx keeps it as a ``_tensor_constant`` attribute)."""
-    base = view_base(gm, node)
-    return isinstance(base, fx.Node) and base.op == "get_attr" and str(base.target).startswith(
-        "_tensor_constant")
-
-
-def _constants_written(gm: fx.GraphModule) -> list[str]:
-    """The tensors a trace made from constant arguments that a node of ``gm`` writes in place
-    (``w.mul_(s)``, ``w[i] = 0``), directly or through a view, each as ``constant (by op)``."""
-    found = []
-    for node in gm.graph.nodes:
-        setitem = node.target in (operator.setitem, "__setitem__", torch.Tensor.__setitem__)
-        if (setitem or writes_in_place(node)) and node.args and _is_constant(gm, node.args[0]):
-            name = getattr(node.target, "__name__", node.target)
-            found.append(f"{view_base(gm, node.args[0]).target} (by {name})")
-    return found
-
-
-def _fresh_constant_outputs(gm: fx.GraphModule) -> None:
-    """An output that is a tensor the trace made from constant arguments (``return y,
-    torch.zeros(3)``), or a view of one, is computed from a copy of it at each call, as eager
-    makes a new tensor at each call: the graph returned that one tensor at every call, and a
-    caller's write into one call's output changed every later call's. Outputs whose constants
-    share memory (``return z, z[:2]``: fx keeps each use, and a view taken on the spot, as
-    constants of their own) share one copy of it, as eager's share their tensor."""
-    graph = gm.graph
-    output = graph.find_nodes(op="output")[0]
-    leaves = [n for n in tree_flatten(output.args)[0] if isinstance(n, fx.Node)]
-    whole: dict[tuple, fx.Node] = {}  # a copy of each constant storage the outputs reach
-    for leaf in dict.fromkeys(leaves):
-        if not _is_constant(gm, leaf):
-            continue
-        first, base = leaf, view_base(gm, leaf)
-        while first is not base and alias_source(first) is not base:
-            first = alias_source(first)
-        t = getattr(gm, base.target)
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.dtype)
-        if key not in whole:
-            name = f"_tensor_constant_storage{len(whole)}"
-            flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                storage, 0, (storage.nbytes() // t.element_size(),))
-            setattr(gm, name, flat)
-            start = next(n for n in graph.nodes if n.op != "placeholder")  # before any use
-            with graph.inserting_before(start):
-                whole[key] = graph.call_function(torch.clone, (graph.get_attr(name),))
-        with graph.inserting_after(whole[key]):
-            copy = graph.call_function(torch.as_strided, (whole[key], tuple(t.shape), t.stride(),
-                                                          t.storage_offset()))
-        (output if first is base else first).replace_input_with(base, copy)
-    if whole:
-        gm.graph.lint()
-        gm.recompile()
 
 
 def untrainable(gm: fx.GraphModule, name: str) -> str | None:

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("capture", ("fusion_compiler.capture", "fusion_compiler.tracing",
                  "fusion_compiler.code_reads", "fusion_compiler.process_state",
                  "fusion_compiler.random_ops", "fusion_compiler.shapes",
-                 "fusion_compiler.grad_modes")),
+                 "fusion_compiler.grad_modes", "fusion_compiler.trace_constants")),
     ("autograd", ("fusion_compiler.autograd",)),
     ("passes", ("fusion_compiler.passes",)),
     ("backends", ("fusion_compiler.backends",)),
