@@ -11,7 +11,7 @@ import operator
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -172,7 +172,7 @@ def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool = True,
-            tensors: Sequence[str] = ()) -> fx.GraphModule:
+            tensors: Mapping[str, int] | None = None) -> fx.GraphModule:
     """Trace ``model`` with ``torch.fx``; a ``GraphModule`` (a Dynamo graph) is not traced again
     but copied: a graph module of its own, with a copy of its graph and the same submodules and
     tensors, so that the passes, which rewrite the graph they get in place, leave the model's
@@ -190,9 +190,9 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     through (their activations are kept, not recomputed). A forward that reads
     ``torch.is_grad_enabled()`` sets ``gm.meta["grad_mode_read"]`` and is traced with that
     answer being ``grad_enabled`` (the caller's grad mode: a specialization's key holds it).
-    ``tensors``: names of ``forward``'s arguments that are tensors in the call traced for
-    (``isinstance(x, torch.Tensor)`` asked by the model's code holds for them in the trace, as
-    in eager).
+    ``tensors``: ``forward``'s arguments that are tensors in the call traced for, by name, with
+    their number of dimensions (``isinstance(x, torch.Tensor)`` asked by the model's code holds
+    for them in the trace, as in eager, and ``x.dim()`` is a number).
 
     Raises:
         FusionError: the model's ``forward`` is not symbolically traceable (data-dependent
@@ -247,7 +247,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
 
     def trace(grad: bool) -> tuple[ModeRecordingTracer, fx.Graph, dict]:
         tracer = ModeRecordingTracer()
-        tracer.tensor_inputs = frozenset(tensors)
+        tracer.tensor_inputs = dict(tensors or {})
         with torch.set_grad_enabled(grad), recording_reads(model) as reads:
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
         return tracer, graph, reads

@@ -189,7 +189,8 @@ class SpecializationCompiler:
                  for n in structure] if structure else args
         captured = capture(self.model, [n for n, a in zip(self.names, given) if a is None],
                            target.grad_enabled,
-                           [n for n, a in zip(self.names, given) if isinstance(a, torch.Tensor)])
+                           {n: a.dim() for n, a in zip(self.names, given)
+                            if isinstance(a, torch.Tensor)})
         if target.training and captured.meta.get("checkpoints") and not self._checkpointed:
             self._checkpointed = True
             log.warning("%s.forward calls torch.utils.checkpoint: compile(model) traces through "

@@ -105,9 +105,10 @@ class ModeRecordingTracer(fx.Tracer):
 
     proxy_buffer_attributes = True
     _thread: int | None = None
-    tensor_inputs: frozenset[str] = frozenset()
-    """Names of ``forward``'s arguments that are tensors in the call traced for: their proxies,
-    and those of parameters and buffers, are tensors to ``isinstance`` (:class:`_TensorProxy`)."""
+    tensor_inputs: dict[str, int] = {}
+    """``forward``'s arguments that are tensors in the call traced for, with their number of
+    dimensions: their proxies, and those of parameters and buffers, are tensors to
+    ``isinstance`` and answer ``dim()`` and ``ndim`` (:class:`_TensorProxy`)."""
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         """fx's trace, recording in :attr:`autograd_functions` the ``torch.autograd.Function``
@@ -223,13 +224,12 @@ class ModeRecordingTracer(fx.Tracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         if node.op == "placeholder" and node.target in self.tensor_inputs:
-            return _TensorProxy(node, self)
+            return _TensorProxy(node, self, self.tensor_inputs[node.target])
         if node.op == "get_attr":
             value = self._attribute(str(node.target))
-            if isinstance(value, torch.nn.Parameter):
-                return _ParameterProxy(node, self)
             if isinstance(value, torch.Tensor):
-                return _TensorProxy(node, self)
+                kind = _ParameterProxy if isinstance(value, torch.nn.Parameter) else _TensorProxy
+                return kind(node, self, value.dim())
         return _InplaceProxy(node, self)
 
     def _attribute(self, target: str) -> Any:
@@ -328,9 +328,23 @@ class _TensorProxy(_InplaceProxy):
     _is_param = False
     _kind: type = torch.Tensor
 
+    def __init__(self, node: fx.Node, tracer: fx.Tracer, ndim: int):
+        super().__init__(node, tracer)
+        self.__dict__["_ndim"] = ndim
+
     @property
     def __class__(self) -> type:  # type: ignore[override]
         return self._kind if _asked_by_the_model(sys._getframe(1)) else type(self)
+
+    def dim(self) -> int:
+        """The number of dimensions, a number: a specialization's inputs have their shapes
+        (its key), parameters and buffers theirs (replaced ones compile again), so ``if
+        x.dim() == 3: x = x.unsqueeze(0)`` traces the branch eager takes."""
+        return self._ndim
+
+    @property
+    def ndim(self) -> int:
+        return self._ndim
 
 
 class _ParameterProxy(_TensorProxy):

@@ -178,3 +178,24 @@ def test_a_tensor_hook_in_forward_is_refused_by_fx_and_kept_by_dynamo():
         grads.append((xx.grad, m.conv1.weight.grad))
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+class _TakesAnImageOrABatch(_Base):
+    def forward(self, x):
+        if isinstance(x, torch.Tensor) and x.dim() == 3:  # one image: a batch of one
+            x = x.unsqueeze(0)
+        y = self.conv(x)
+        return y * 2 if self.conv.weight.ndim == 4 else y
+
+
+def test_the_number_of_dimensions_of_an_input_or_a_parameter_is_a_number_in_the_trace():
+    """``x.dim()`` of a traced input was a proxy: ``if x.dim() == 3`` failed the trace as
+    control flow (and, once ``isinstance`` answered as eager, so did the guard in front of it,
+    helper-51). A specialization's inputs have their shapes, so the branch eager takes is
+    traced, per input rank."""
+    torch.manual_seed(0)
+    model = _TakesAnImageOrABatch().eval()
+    compiled = fusion_compiler.compile(model)
+    with torch.no_grad():
+        for x in (torch.randn(3, 8, 8), torch.randn(2, 3, 8, 8), torch.randn(3, 8, 8)):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
