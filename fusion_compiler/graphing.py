@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from .config import CompileOptions
-from .ir.ops import writes_in_place, written_inputs
+from .ir.ops import registers_tensor_hook, writes_in_place, written_inputs
 from .ir.region import Region
 from .passes.post_lowering.hoist import HoistedParameters, returned
 from .shapes import written_state
@@ -45,11 +45,7 @@ def _not_capturable(args: Sequence[Any], written: list[int], training: bool) -> 
 def _registers_hooks(gm: fx.GraphModule | None) -> bool:
     """Whether ``gm`` registers a tensor hook (Dynamo's ``higher_order.register_hook``, or the
     method): autograd calls it in the backward, which a CUDA graph replays without Python."""
-    return gm is not None and any(
-        (n.op == "call_function" and getattr(n.target, "__name__", "") == "register_hook")
-        or (n.op == "call_method" and n.target in ("register_hook", "retain_grad",
-                                                    "register_post_accumulate_grad_hook"))
-        for n in gm.graph.nodes)
+    return gm is not None and any(registers_tensor_hook(n.op, n.target) for n in gm.graph.nodes)
 
 
 def _cpu_results(gm: fx.GraphModule | None) -> str:

@@ -30,7 +30,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map_only
 
-from .ir.ops import meta_like, shallow_module, write_back, writes_in_place
+from .ir.ops import (meta_like, registers_tensor_hook, shallow_module, write_back,
+                     writes_in_place)
 from .random_ops import NoDraws, may_draw
 
 __all__ = ["propagate_shapes", "written_state", "encode_meta", "apply_meta"]
@@ -118,9 +119,6 @@ class _PrivateState:
         return shallow_module(module, lambda t: self.copies.get(id(t), t), self._module)
 
 
-_TENSOR_HOOKS = frozenset({"register_hook", "retain_grad", "register_post_accumulate_grad_hook"})
-
-
 class _HooksLeft:
     """An interpreter mixin: a tensor hook's registration (``y.register_hook(f)``, Dynamo's
     ``higher_order.register_hook``, ``retain_grad``) is not run, its tensor passed on. A
@@ -129,12 +127,12 @@ class _HooksLeft:
     its inputs. The graph keeps the node; the calls register the hook."""
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if getattr(target, "__name__", "") == "register_hook":  # (the higher-order op)
+        if registers_tensor_hook("call_function", target):  # (the higher-order op)
             return args[0]
         return super().call_function(target, args, kwargs)
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target in _TENSOR_HOOKS:
+        if registers_tensor_hook("call_method", target):
             return None
         return super().call_method(target, args, kwargs)
 

@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx import _symbolic_trace
 
+from .ir.ops import TENSOR_HOOKS
 from .runtime.hooks import instance_forward
 from .random_ops import RandomCallsAsNodes
 
@@ -296,7 +297,7 @@ class _InplaceProxy(fx.Proxy):
             raise fx.proxy.TraceError(
                 f"forward reads {name!r} of a traced value, which a graph cannot answer at "
                 "each call (fx would answer it once, for all calls)")
-        if name in _TENSOR_HOOKS:
+        if name in TENSOR_HOOKS:
             raise fx.proxy.TraceError(
                 f"forward calls {name}() on a traced value (a tensor hook): the tensor a "
                 "traced graph computes is not one the code can keep or hook")
@@ -371,4 +372,3 @@ def _asked_by_the_model(frame: Any) -> bool:
 
 
 _AUTOGRAD_STATE = frozenset({"grad", "grad_fn", "_base", "_version", "retains_grad"})
-_TENSOR_HOOKS = frozenset({"register_hook", "retain_grad", "register_post_accumulate_grad_hook"})

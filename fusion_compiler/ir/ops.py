@@ -288,3 +288,16 @@ def mark_grad_zones(graph: fx.Graph) -> None:
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             zone += 1
         node.meta["grad_zone"] = zone
+
+
+TENSOR_HOOKS = frozenset({"register_hook", "retain_grad", "register_post_accumulate_grad_hook"})
+"""Tensor methods that register a hook on the tensor (autograd calls it in the backward)."""
+
+
+def registers_tensor_hook(op: str, target: Any) -> bool:
+    """Whether a node (``op``, ``target``) registers a tensor hook: one of :data:`TENSOR_HOOKS`
+    as a method, or Dynamo's ``torch.ops.higher_order.register_hook`` (known by its name:
+    Dynamo makes it when it first traces a hook)."""
+    if op == "call_method":
+        return target in TENSOR_HOOKS
+    return op == "call_function" and getattr(target, "__name__", "") == "register_hook"
