@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from .ir.aliasing import alias_source, view_base
+from .ir.aliasing import view_base, view_chain
 from .ir.ops import writes_in_place
 
 __all__ = ["constants_written", "fresh_constant_outputs"]
@@ -51,9 +51,8 @@ def fresh_constant_outputs(gm: fx.GraphModule) -> None:
     for leaf in dict.fromkeys(leaves):
         if not _is_constant(gm, leaf):
             continue
-        first, base = leaf, view_base(gm, leaf)
-        while first is not base and alias_source(first) is not base:
-            first = alias_source(first)
+        chain = view_chain(gm, leaf)
+        base, first = chain[-1], chain[-2] if len(chain) > 1 else leaf  # (first: reads base)
         t = getattr(gm, base.target)
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.dtype)

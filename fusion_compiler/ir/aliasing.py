@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .ops import inplace_flag
 
 __all__ = ["inplace_target", "alias_source", "may_be_view", "written_source", "fresh",
-           "is_torchvision_stochastic_depth", "view_base"]
+           "is_torchvision_stochastic_depth", "view_chain", "view_base"]
 
 # in-place target -> out-of-place canonical target (call_function and call_method spellings)
 _INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
@@ -150,9 +150,18 @@ def is_torchvision_stochastic_depth(target: Any) -> bool:
             and getattr(target, "__name__", None) == "stochastic_depth")
 
 
-def view_base(gm: fx.GraphModule, node: object) -> object:
-    """The value whose memory ``node`` may be (through views and in-place ops): ``node`` itself
-    when it is neither."""
-    while isinstance(node, fx.Node) and (may_be_view(node) or written_source(gm, node) is not None):
+def view_chain(gm: fx.GraphModule | None, node: object) -> list[object]:
+    """``node``, and the values it may share memory with through views and in-place ops, down
+    to the one whose memory it may be (the last); ``[node]`` when it is neither. Without
+    ``gm``, in-place modules are not followed."""
+    chain = [node]
+    while isinstance(node, fx.Node) and (
+            may_be_view(node) or gm is not None and written_source(gm, node) is not None):
         node = alias_source(node)
-    return node
+        chain.append(node)
+    return chain
+
+
+def view_base(gm: fx.GraphModule, node: object) -> object:
+    """The value whose memory ``node`` may be (the last of :func:`view_chain`)."""
+    return view_chain(gm, node)[-1]

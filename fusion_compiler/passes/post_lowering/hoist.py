@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from ...ir.aliasing import alias_source, may_be_view, written_source
+from ...ir.aliasing import view_chain
 from ...ir.ops import eliminate_dead_code
 
 __all__ = ["HoistedParameters", "hoist_parameter_subgraphs", "hoist_parameters", "HOISTED",
@@ -91,20 +91,13 @@ def parameter_only(graph: fx.Graph) -> set[fx.Node]:
 
 def returned(graph: fx.Graph) -> set[fx.Node]:
     """The nodes whose memory an output of ``graph`` may be: the outputs, and through views
-    (:func:`~fusion_compiler.ir.aliasing.view_base`) what they are views of. Computed in the
+    (:func:`~fusion_compiler.ir.aliasing.view_chain`) what they are views of. Computed in the
     graph, not hoisted: a hoisted value is one tensor the graph reads at every call, and eager
     returns a new tensor at each call (``return y, self.scale * 2``), so a caller's write into one
     call's output would reach every later call's."""
-    gm = graph.owning_module
     output = graph.find_nodes(op="output")[0]
-    found: set[fx.Node] = set()
-    for node in tree_flatten(output.args)[0]:
-        while isinstance(node, fx.Node) and node not in found:
-            found.add(node)
-            if not (may_be_view(node) or gm is not None and written_source(gm, node) is not None):
-                break
-            node = alias_source(node)
-    return found
+    return {n for leaf in tree_flatten(output.args)[0]
+            for n in view_chain(graph.owning_module, leaf) if isinstance(n, fx.Node)}
 
 
 def hoist_parameter_subgraphs(gm: fx.GraphModule) -> HoistedParameters | None:

@@ -21,7 +21,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ...ir.aliasing import alias_source, fresh, inplace_target, may_be_view, written_source
+from ...ir.aliasing import (alias_source, fresh, inplace_target, may_be_view, view_chain,
+                             written_source)
 from ...ir.ops import INPLACE_POSITION, foreach_inplace, write_back
 
 __all__ = ["functionalize", "inplace_target"]
@@ -157,10 +158,8 @@ def _read_through_another_alias(gm: fx.GraphModule, node: fx.Node,
         return found
 
     written_value = same_value(written)
-    base, through_view = written, False
-    while may_be_view(base) or written_source(gm, base) is not None:
-        through_view |= may_be_view(base)
-        base = alias_source(base)
+    chain = view_chain(gm, written)
+    base, through_view = chain[-1], any(map(may_be_view, chain[:-1]))
     if through_view and (base.op in ("placeholder", "get_attr") or not fresh(gm, base)):
         return True
     aliases, stack = set(), [base]
