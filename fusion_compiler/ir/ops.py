@@ -281,7 +281,7 @@ def mark_grad_zones(graph: fx.Graph) -> None:
     calls (a ``torch.no_grad`` block in the code, as Dynamo or the capture writes it) come
     before it. Fused across a change of mode, an op would run in the other one (its gradients
     lost, or computed where eager computes none): the passes that merge nodes (CSE, the fuse
-    pass) mark the zones again when they start, so that nodes a pass inserted since (the batch
+    pass) mark the zones when they start, so that nodes the passes before inserted (the batch
     norm fold's scale and shift, inserted where the batch norm was) have theirs."""
     zone = 0
     for node in graph.nodes:

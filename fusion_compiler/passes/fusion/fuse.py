@@ -204,7 +204,7 @@ def fuse_regions(gm: fx.GraphModule, *, prologue: bool = True,
     """
     graph = gm.graph
     reasons: dict[str, str] = gm.meta.setdefault("fusion_reasons", {})
-    mark_grad_zones(graph)  # (the batch norm fold's nodes, and others inserted since normalize)
+    mark_grad_zones(graph)  # (the batch norm fold's nodes too, inserted since CSE marked)
     convs = [n for n in graph.nodes if is_conv(n)]
     if gm.meta.get("fusion_off"):  # in-place writes that shared memory: the graph runs as it is
         reasons.update({conv.name: gm.meta["fusion_off"] for conv in convs})

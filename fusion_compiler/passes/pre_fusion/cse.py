@@ -57,7 +57,7 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
     alone: a value read twice there may have been written between the reads."""
     if gm.meta.get("fusion_off"):
         return 0
-    mark_grad_zones(gm.graph)  # (nodes the passes before inserted have none yet)
+    mark_grad_zones(gm.graph)
     seen: dict[Hashable, fx.Node] = {}
     stateful: set[fx.Node] = set()  # values that depend on a buffer
     merged = autocast_zone = 0

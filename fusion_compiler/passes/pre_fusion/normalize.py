@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.fx.node import map_aggregate
 
 from ...ir.ops import (CONV, HW_DIMS, attribute, calls_named, eliminate_dead_code,
-                       mark_grad_zones, tensor_shape, writes_in_place)
+                       tensor_shape, writes_in_place)
 from .arithmetic import canonical_binary
 from .batch_norm import cumulative_batch_norm
 from .reparametrized import conv_weight, is_parametrized
@@ -89,7 +89,6 @@ def normalize(gm: fx.GraphModule, differentiable: bool = True) -> fx.GraphModule
         if node.op in ("call_function", "call_method"):
             _canonicalize_call(gm, node, differentiable)
     eliminate_dead_code(gm.graph)
-    mark_grad_zones(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return gm
