@@ -16,7 +16,7 @@ import torch
 from .process_state import read_once
 from .runtime.hooks import instance_forward
 
-__all__ = ["globals_read"]
+__all__ = ["globals_read", "users_module"]
 
 
 _NOT_USERS = frozenset({"torch", "fusion_compiler"})
@@ -27,6 +27,11 @@ def _package(module_name: str | None) -> str:
     return (module_name or "").split(".")[0]
 
 
+def users_module(module_name: str | None) -> bool:
+    """Whether code of the module named so is the user's (not torch's or this package's)."""
+    return _package(module_name) not in _NOT_USERS
+
+
 def _user_class(cls: type) -> bool:
     """A class of the user's code (not Python's, torch's or this package's)."""
     top = _package(cls.__module__)
@@ -35,7 +40,7 @@ def _user_class(cls: type) -> bool:
 
 def _user_function(value: Any) -> bool:
     """A Python function of the user's code (not torch's, not this package's)."""
-    return isinstance(value, types.FunctionType) and _package(value.__module__) not in _NOT_USERS
+    return isinstance(value, types.FunctionType) and users_module(value.__module__)
 
 
 def _unwrapped(value: Any) -> list[types.FunctionType]:
@@ -151,8 +156,8 @@ def globals_read(modules: Iterable[torch.nn.Module]
                 follow(namespace[name], None)
         for name, attribute in pairs:
             imported = namespace.get(name)
-            if isinstance(imported, types.ModuleType) and _package(
-                    imported.__name__) not in _NOT_USERS and attribute in vars(imported):
+            if isinstance(imported, types.ModuleType) and users_module(
+                    imported.__name__) and attribute in vars(imported):
                 found.setdefault((id(vars(imported)), attribute), (vars(imported), attribute))
                 follow(vars(imported)[attribute], None)
             elif isinstance(imported, type) and _user_class(imported) and any(

@@ -6,7 +6,7 @@ the code reads, the modules' ``training`` flags, grad mode and autocast (docs/de
 "Python-level state: guarded, assignments refused, tracing leaves the model alone"). What is
 left, read through a global name, an imported module's attribute, a closure, a module
 attribute or an import inside the code (:func:`~fusion_compiler.code_reads.globals_read` finds
-them in the bytecode), falls in three kinds:
+them in the bytecode), falls in four kinds:
 
 * ``"random"``: Python's or NumPy's random numbers (:func:`~.random_ops.python_random`): the
   numbers of the trace would come back at every call, so :func:`~fusion_compiler.capture.capture`

@@ -117,10 +117,7 @@ def draws(node: fx.Node) -> bool:
     ``x.uniform_()``: :data:`_DRAWING_OPS`, by name; where it may not, as dropout in eval
     mode, it still counts). Narrower than :func:`may_draw`, which counts what is not known
     not to draw."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name in _DRAWING_OPS
+    return node.op in ("call_function", "call_method") and _name(node) in _DRAWING_OPS
 
 
 def may_draw(node: fx.Node, root: torch.nn.Module) -> bool:
@@ -132,10 +129,12 @@ def may_draw(node: fx.Node, root: torch.nn.Module) -> bool:
         cls = type(root.get_submodule(node.target))
         return not cls.__module__.startswith("torch.nn.") or any(
             k in cls.__name__ for k in _DRAWING_MODULES)
-    if node.op not in ("call_function", "call_method"):
-        return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name not in _DETERMINISTIC
+    return node.op in ("call_function", "call_method") and _name(node) not in _DETERMINISTIC
+
+
+def _name(node: fx.Node) -> str:
+    """A call's target by name (a method's, a function's ``__name__``)."""
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
 
 
 class _Draw(Exception):

@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx import _symbolic_trace
 
+from .code_reads import users_module
 from .ir.ops import TENSOR_HOOKS
 from .runtime.hooks import instance_forward
 from .random_ops import RandomCallsAsNodes
@@ -366,7 +367,7 @@ def _asked_by_the_model(frame: Any) -> bool:
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if (module, frame.f_code.co_name) not in _FORWARDERS:
-            return not (module == "torch" or module.startswith(("torch.", "fusion_compiler.")))
+            return users_module(module)
         frame = frame.f_back
     return False
 
