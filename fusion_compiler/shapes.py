@@ -28,7 +28,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map_only
 
 from .ir.ops import (meta_like, registers_tensor_hook, shallow_module, write_back,
                      writes_in_place)
@@ -137,6 +136,21 @@ class _HooksLeft:
         return super().call_method(target, args, kwargs)
 
 
+def _as_meta(value: Any) -> Any:
+    """``value`` with its tensors as meta tensors (:func:`~.ir.ops.meta_like`), its containers
+    and ``torch.Size`` s kept as they are: pytree's map rebuilds a ``torch.Size`` as a plain
+    tuple (torch 2.11 and 2.13), and an output put back from the recorded value
+    (:func:`~.glue_compile.inductor_compile`) was then no ``torch.Size``."""
+    if isinstance(value, torch.Size) or not isinstance(value, (tuple, list, dict)):
+        return meta_like(value)
+    if isinstance(value, dict):
+        return {k: _as_meta(v) for k, v in value.items()}
+    items = [_as_meta(v) for v in value]
+    if isinstance(value, list) or type(value) is tuple:
+        return type(value)(items)
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+
+
 class _RecordingInterpreter(_HooksLeft, fx.Interpreter):
     """Run a graph on real tensors, ``private``'s copies in place of the module's; record each
     node's value as meta tensors and its device."""
@@ -156,7 +170,7 @@ class _RecordingInterpreter(_HooksLeft, fx.Interpreter):
             result = super().run_node(n)
         if isinstance(result, torch.Tensor):
             n.meta["device"] = result.device
-        n.meta["val"] = tree_map_only(torch.Tensor, meta_like, result)
+        n.meta["val"] = _as_meta(result)
         return result
 
 

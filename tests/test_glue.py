@@ -419,11 +419,14 @@ def test_private_copy_of_a_parametrized_module():
     torch.testing.assert_close(copy(x), model(x), rtol=0, atol=0)
 
 
-def test_outputs_other_than_tensors_are_put_back_around_inductors_graph():
+@pytest.mark.parametrize("real", [False, True], ids=["meta", "real"])
+def test_outputs_other_than_tensors_are_put_back_around_inductors_graph(real):
     """AOTAutograd fails on a graph that returns a ``torch.Size`` ("output spec mismatch"): the
     glue's Inductor compile failed and the eager glue stayed (GPU conformance
     ``returned_input_and_size``). The graph Inductor gets returns tensors alone; the sizes and
-    numbers come back around it, in the structure the model returns."""
+    numbers come back around it, in the structure the model returns: a ``torch.Size`` too after
+    the real propagation the GPU pipeline runs (session 52, GPU suite: a plain tuple came
+    back, pytree's map had rebuilt the recorded size as one)."""
     import torch.fx as fx
 
     from fusion_compiler.glue_compile import _tensor_outputs_only
@@ -436,12 +439,12 @@ def test_outputs_other_than_tensors_are_put_back_around_inductors_graph():
 
         def forward(self, x):
             y = self.conv(x)
-            return y, x, y.size(), {"n": y.shape[0], "z": y * 2}
+            return y, x, y.size(), {"n": y.shape[0], "z": y * 2, "s": (y.shape, 1)}
 
     torch.manual_seed(0)
     model, x = Sizes().eval(), torch.randn(2, 3, 8, 8)
     gm = fx.symbolic_trace(model)
-    propagate_shapes(gm, [x])
+    propagate_shapes(gm, [x], real=real)
     rebuild = _tensor_outputs_only(gm)
     with torch.no_grad():
         inner = gm(x)
@@ -449,5 +452,6 @@ def test_outputs_other_than_tensors_are_put_back_around_inductors_graph():
         y, same, size, rest = rebuild(inner)
         want = model(x)
     assert isinstance(size, torch.Size) and size == want[2] and rest["n"] == 2
+    assert isinstance(rest["s"][0], torch.Size) and rest["s"] == want[3]["s"]
     assert same is x and torch.equal(y, want[0]) and torch.equal(rest["z"], want[3]["z"])
     assert _tensor_outputs_only(fx.symbolic_trace(nn.Conv2d(3, 8, 3))) is None  # no meta
