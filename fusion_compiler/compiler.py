@@ -20,7 +20,7 @@ from .capture import (TensorSpec, capture, flatten_inputs, input_specs, unpacked
                       untrainable)
 from .config import CompileOptions, Target
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
-from .ir.ops import writes_in_place
+from .ir.ops import enables_grad, writes_in_place
 from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, uncompiled_forward, unsupported_hook
 from .runtime.state import Recompiles, StateGuard
@@ -78,6 +78,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self._arity = len(self._names)
         self._writes = any(map(writes_in_place, captured.graph.nodes))
         self._reads_grad_mode = captured.meta.get("grad_mode_read", False)
+        self._enables_grad = enables_grad(captured.graph)  # (a torch.enable_grad block)
         self._unpacked = unpacked_inputs(captured)  # where a tuple input is taken apart
         self._untrainable = untrainable(captured, type(model).__name__)
         # a forward that turns gradients off everywhere (@torch.no_grad(), @inference_mode())
@@ -140,9 +141,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
             raise InputTypeError(f"{type(self.model).__name__} takes {self._arity} "
                                  f"input{plural}, got {len(args)}")
         ref = self._dtype_ref
-        if ref is None:
-            return
-        for i, a in enumerate(args):
+        for i, a in enumerate(args if ref is not None else ()):
             # a 0-d CPU tensor is a scalar every device's ops take (Dynamo passes Python floats
             # and batch norm's eps so); a dtype eager does not take is found by eager itself
             # (``_explained``): models take masks, time steps and scalars of other dtypes
@@ -171,9 +170,10 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         return tuple(bound.arguments.values())
 
     def _needs_grad(self, args: Sequence[Any]) -> bool:
-        """Whether a call records autograd history: grad mode on, no inference mode, and a
-        parameter or input requiring grad."""
-        if not torch.is_grad_enabled() or not self._grad or torch.is_inference_mode_enabled():
+        """Whether a call records autograd history: grad mode on (or a block in forward that
+        turns it on), no inference mode, and a parameter or input requiring grad."""
+        if not self._grad or torch.is_inference_mode_enabled() or not (
+                torch.is_grad_enabled() or self._enables_grad):
             return False
         return any(p.requires_grad for p in self._model_params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -252,7 +252,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         # inference mode (the caller's or the forward's decorator): graphs captured in it return
         # inference tensors as eager does; a no_grad call gets normal ones (it may write them)
         inference = not grad and (torch.is_inference_mode_enabled() or self._inference)
-        grad_mode = torch.is_grad_enabled() or not self._reads_grad_mode  # traced with it
+        grad_mode = torch.is_grad_enabled() or not (self._reads_grad_mode or self._enables_grad)
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
                frozen, inference, structure, self._guard.training_flags(), grad_mode)
         spec = self.specializations.get(key)

@@ -42,7 +42,9 @@ class Target:
             own decorator): CUDA graphs are captured in it, so their outputs are inference
             tensors as eager's are there.
         grad_enabled: the caller's grad mode, what ``torch.is_grad_enabled()`` in ``forward``
-            is traced as (:func:`~fusion_compiler.capture.capture`).
+            is traced as (:func:`~fusion_compiler.capture.capture`); ``False`` in a training
+            specialization too where a ``torch.enable_grad`` block in forward records gradients
+            in a call made without them (its step is then not captured in a CUDA graph).
     """
 
     cuda: bool

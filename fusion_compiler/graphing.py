@@ -85,8 +85,8 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
             notes: list[str], *, model: torch.nn.Module, options: CompileOptions,
             note: Callable[[list[str], str], None], training: bool = False,
             inference: bool = False, gm: fx.GraphModule | None = None,
-            hoisted: HoistedParameters | None = None,
-            warn: bool = True) -> tuple[Callable[..., Any], str | None]:
+            hoisted: HoistedParameters | None = None, warn: bool = True,
+            caller_grad: bool = True) -> tuple[Callable[..., Any], str | None]:
     """``run`` replayed as a CUDA graph (:mod:`.runtime.cuda_graph`; for a training specialization
     forward and backward graphs, :mod:`.runtime.cuda_graph_training`), and ``"safe"`` (outputs never
     overwritten by a later call); or ``run`` (after refreshing ``hoisted`` at each call) and
@@ -98,7 +98,9 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     (:mod:`.runtime.derivations`) and is captured inside ``torch.inference_mode()`` with
     ``inference`` (the specialization's mode, whatever the mode of the call that switches tiers).
     The inference graphs of one ``model`` are captured on a stream of its own
-    (:func:`.runtime.replays.capture_stream`): those of two models may replay at once."""
+    (:func:`.runtime.replays.capture_stream`): those of two models may replay at once. A
+    training step called without gradients (``not caller_grad``: a ``torch.enable_grad`` block
+    in forward records them) is not captured: the replayed step would record none."""
     from .runtime.background import warn_once  # noqa: PLC0415
     from .runtime.cuda_graph import CaptureError, CudaGraphRunner  # noqa: PLC0415
     from .runtime.cuda_graph_training import TrainingGraphRunner  # noqa: PLC0415
@@ -110,6 +112,9 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
     if not why and training and _registers_hooks(gm):
         why = ("it registers a tensor hook (y.register_hook): a replayed backward would not "
                "call it")
+    if not why and training and not caller_grad:
+        why = ("it is called without gradients and turns them on in a block (torch."
+               "enable_grad): a replayed step would record none")
     if cpu and not why:  # unexpected, and slower: one WARNING too
         why = (f"it computes on the CPU a tensor it returns or writes in place ({cpu}): a "
                "replay runs the GPU's work only, and would repeat what the capture computed")

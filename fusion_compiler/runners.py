@@ -107,7 +107,8 @@ class Runners:
                 runner, graphed = self.graphed(plain(call), call, args, notes,
                                                training=target.training,
                                                inference=target.inference, gm=gm,
-                                               hoisted=hoisted)
+                                               hoisted=hoisted,
+                                               caller_grad=target.grad_enabled)
         if tiered and graphed is None:  # no graph: eager glue is the faster one uncaptured
             glue_backend = None
         elif tiered:
@@ -117,11 +118,12 @@ class Runners:
     def graphed(self, run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any],
                 notes: list[str], training: bool = False, inference: bool = False,
                 gm: fx.GraphModule | None = None, hoisted: HoistedParameters | None = None,
-                warn: bool = True) -> tuple[Callable[..., Any], str | None]:
+                warn: bool = True, caller_grad: bool = True
+                ) -> tuple[Callable[..., Any], str | None]:
         """:func:`~fusion_compiler.graphing.graphed` for this model and options."""
         return graphing.graphed(run, module, args, notes, model=self.model, options=self.options,
                                 note=self._note, training=training, inference=inference, gm=gm,
-                                hoisted=hoisted, warn=warn)
+                                hoisted=hoisted, warn=warn, caller_grad=caller_grad)
 
     def inductor_tier(self, first: Any, gm: fx.GraphModule,
                       plain: Callable[[Callable[..., Any]], Callable[..., Any]],

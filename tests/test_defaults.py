@@ -85,6 +85,41 @@ def test_inference_mode_makes_an_inference_specialization_whatever_the_grad_mode
     assert rel_err(out, model(x)) < 1e-5
 
 
+def test_a_no_grad_call_of_a_forward_with_an_enable_grad_block_is_a_training_one():
+    """A ``torch.enable_grad`` block in forward records gradients in a ``no_grad`` call, as in
+    eager: the call gets a training specialization, and its training step is never captured in
+    a CUDA graph (a replay under ``no_grad`` would record none). On the GPU the inference
+    specialization, captured in inference mode, returned an output that required no gradient
+    (session 52, GPU conformance ``enable_grad_in_a_no_grad_call``)."""
+    from fusion_compiler import graphing
+    from fusion_compiler.config import CompileOptions
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            y = torch.relu(self.conv(x))
+            with torch.enable_grad():
+                return self.bn(y)
+
+    torch.manual_seed(0)
+    model = Head().train()
+    compiled = fc.compile(model, cache_dir=False)
+    x = torch.randn(2, 8, 6, 6)
+    with torch.no_grad():
+        spec = compiled.specialize(x)
+        out = compiled(x)
+    assert spec.training and out.requires_grad
+    out.square().mean().backward()
+    assert model.bn.weight.grad is not None and model.conv.weight.grad is None
+    notes: list[str] = []
+    run, how = graphing.graphed(model, model, (), notes, model=model, options=CompileOptions(),
+                                note=lambda n, r: n.append(r), training=True, caller_grad=False)
+    assert run is model and how is None and "torch.enable_grad" in notes[0], notes
+
+
 def test_inference_mode_and_no_grad_calls_get_their_own_specializations():
     """Inside ``inference_mode`` a call returns inference tensors and under ``no_grad`` normal
     ones, as eager does; each mode has its specialization (a CUDA graph captured in one mode

@@ -290,6 +290,14 @@ def mark_grad_zones(graph: fx.Graph) -> None:
         node.meta["grad_zone"] = zone
 
 
+def enables_grad(graph: fx.Graph) -> bool:
+    """Whether ``graph`` turns gradients on in a block (``torch._C._set_grad_enabled(True)``,
+    as Dynamo and :func:`~fusion_compiler.grad_modes.mark_grad_modes` write a
+    ``torch.enable_grad`` block): called without gradients, it still records some."""
+    return any(node.op == "call_function" and node.target is torch._C._set_grad_enabled
+               and node.args[:1] == (True,) for node in graph.nodes)
+
+
 TENSOR_HOOKS = frozenset({"register_hook", "retain_grad", "register_post_accumulate_grad_hook"})
 """Tensor methods that register a hook on the tensor (autograd calls it in the backward)."""
 
