@@ -39,7 +39,14 @@ def glue_backend(options: CompileOptions, gm: fx.GraphModule,
     Nor for a graph holding Dynamo's
     ``autograd_function_apply`` op (a custom ``torch.autograd.Function`` the door captured),
     which Dynamo cannot trace again (torch 2.11: "unsupported HigherOrderOperator").
+
+    Eager ops, whatever the option, for a training specialization called without gradients
+    (``target.grad_enabled`` false: a ``torch.enable_grad`` block in forward records them):
+    the graph Inductor compiled for such a call recorded none (H200, torch 2.11).
     """
+    if target.training and not target.grad_enabled:
+        return None, ("the glue runs as PyTorch ops: the call is made without gradients and a "
+                      "torch.enable_grad block records some, which Inductor's glue would not")
     if options.glue_backend != "auto":
         return options.glue_backend, ""
     if not target.cuda:

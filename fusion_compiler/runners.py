@@ -46,7 +46,9 @@ def with_formats(call: Callable[..., Any],
     per tensor output, in :func:`output_leaves` order, ``None`` where any format goes). An
     output that shares memory with an input (the input itself, a view of it) is left as it is:
     eager returns it so, and its layout follows the caller's tensor (whose format the recorded
-    one, taken from a copy of the input, need not be)."""
+    one, taken from a copy of the input, need not be). A copy of an output that requires
+    gradients records them, whatever the caller's mode (an output made in a
+    ``torch.enable_grad`` block of a call made under ``torch.no_grad``)."""
     if not any(f is not None for f in formats):
         return call
 
@@ -63,7 +65,9 @@ def with_formats(call: Callable[..., Any],
                 read = {a.untyped_storage().data_ptr() for a in inputs
                         if isinstance(a, torch.Tensor)}
             if t.untyped_storage().data_ptr() not in read:
-                leaves[i] = t.contiguous(memory_format=f)
+                # recorded as the output was: a torch.enable_grad block's under a no_grad call
+                with torch.set_grad_enabled(torch.is_grad_enabled() or t.requires_grad):
+                    leaves[i] = t.contiguous(memory_format=f)
         return tree_unflatten(leaves, spec)
     return run
 

@@ -92,7 +92,9 @@ def test_a_no_grad_call_of_a_forward_with_an_enable_grad_block_is_a_training_one
     specialization, captured in inference mode, returned an output that required no gradient
     (session 52, GPU conformance ``enable_grad_in_a_no_grad_call``)."""
     from fusion_compiler import graphing
-    from fusion_compiler.config import CompileOptions
+    from fusion_compiler.config import CompileOptions, Target
+    from fusion_compiler.glue_compile import glue_backend
+    from fusion_compiler.runners import with_formats
 
     class Head(nn.Module):
         def __init__(self):
@@ -111,13 +113,22 @@ def test_a_no_grad_call_of_a_forward_with_an_enable_grad_block_is_a_training_one
     with torch.no_grad():
         spec = compiled.specialize(x)
         out = compiled(x)
-    assert spec.training and out.requires_grad
+    assert spec.training and out.requires_grad and spec.glue_backend is None
     out.square().mean().backward()
     assert model.bn.weight.grad is not None and model.conv.weight.grad is None
     notes: list[str] = []
     run, how = graphing.graphed(model, model, (), notes, model=model, options=CompileOptions(),
                                 note=lambda n, r: n.append(r), training=True, caller_grad=False)
     assert run is model and how is None and "torch.enable_grad" in notes[0], notes
+    # the copy into eager's memory format (GPU regions return channels-last outputs) too
+    channels_last = with_formats(lambda a: model(a.to(memory_format=torch.channels_last)),
+                                 [torch.contiguous_format])
+    with torch.no_grad():
+        out = channels_last(x)
+    assert out.is_contiguous() and out.requires_grad
+    target = Target(cuda=True, training=True, grad_enabled=False)  # Inductor's glue records none
+    assert glue_backend(CompileOptions(glue_backend="inductor"), compiled.last.graph_module,
+                        target)[0] is None
 
 
 def test_inference_mode_and_no_grad_calls_get_their_own_specializations():

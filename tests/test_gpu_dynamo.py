@@ -134,8 +134,13 @@ def test_every_graph_between_breaks_gets_cudnn_regions(tmp_path, mode):
 
 
 def test_a_tensor_hook_in_forward_is_called_at_every_training_step(tmp_path):
-    """A captured backward would call the hook at capture only: such a step runs without a
-    CUDA graph, and the gradients are eager's at every step (fp32)."""
+    """A captured backward would call the hook at capture only: a graph registering it runs
+    its step without a CUDA graph (torch 2.13's Dynamo writes ``higher_order.register_hook``;
+    2.11's writes a hook it can trace as an ``autograd_function_apply``, its backward then in
+    the captured graph), and the gradients are eager's at every step (fp32 weights; the convolutions
+    run in TF32, PyTorch's cuDNN default, eager's and ours by different kernels: 3e-4 apart
+    on the H200, session 52). Without the hook the first convolution's gradients would be
+    twice eager's (an error of 1)."""
     torch.manual_seed(0)
     model = _HooksItsFeatures().cuda()
     twin = copy.deepcopy(model)
@@ -148,4 +153,4 @@ def test_a_tensor_hook_in_forward_is_called_at_every_training_step(tmp_path):
             fn(x).square().sum().backward()
         wait_for_background_compiles(600)
         for p, q in zip(twin.parameters(), model.parameters()):
-            assert rel_err(p.grad, q.grad) < 1e-4, step
+            assert rel_err(p.grad, q.grad) < 2e-3, step
