@@ -6,6 +6,7 @@ graph's nodes is filled in afterwards, by :mod:`fusion_compiler.shapes`.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import operator
 import types
@@ -199,7 +200,8 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             control flow, for instance; the message carries fx's own error), or assigns to
             the model (``self.count += 1``; the model is left as it was), or enters a
             ``torch.autocast`` block, or has a ``forward`` replaced on the instance (fx traces
-            the class's), or holds a lazy module that has not made its parameters yet. A
+            the class's), or holds a lazy module that has not made its parameters yet, or
+            leaves the gradient mode changed (``torch.set_grad_enabled(False)`` bare). A
             ``DistributedDataParallel`` module gets a message naming the fix.
     """
     if isinstance(model, fx.GraphModule):
@@ -250,7 +252,10 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
         tracer.tensor_inputs = dict(tensors or {})
         with torch.set_grad_enabled(grad), recording_reads(model) as reads:
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
+            left[0] |= torch.is_grad_enabled() != grad  # (torch.set_grad_enabled(False), bare)
         return tracer, graph, reads
+
+    left = [False]  # whether a trace ended in another grad mode than it began in
 
     # the trace runs forward's Python code: the model, and what it changes at module level
     # (COUNTER[0] += 1, a global config's field), are put back
@@ -272,6 +277,10 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         writes.restore()
         detail = str(exc)
+        star = _variadic(model)
+        if star:  # fx's own text speaks of loops and proxies
+            detail = (f"forward takes {star}, and fx traces a fixed list of inputs: name them, "
+                      f"forward(self, x, y) (fx: {detail.split('. ')[0]})")
         replaced = [path for path, m in model.named_modules() if instance_forward(m) is not None]
         if replaced:  # traced through instead of kept as fx leaves: say so
             detail += (f" (the forward replaced on the instance of {', '.join(replaced)} is "
@@ -282,6 +291,12 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "(data-dependent control flow, item assignment, NumPy values)."
         ) from exc
     assigned = writes.restore()
+    if left[0]:
+        raise FusionError(
+            f"{type(model).__name__}.forward changes the gradient mode and leaves it changed "
+            "(torch.set_grad_enabled(False) outside a with statement): a compiled call cannot "
+            "leave the caller's mode changed as eager does; use 'with torch.no_grad():' in "
+            "forward, or set the mode before calling the model")
     if tracer.autocast_entered:
         raise FusionError(
             f"{type(model).__name__}.forward enters torch.autocast: a graph torch.fx traces keeps "
@@ -316,6 +331,17 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     gm.meta["checkpoints"] = tracer.checkpoints
     gm.meta["grad_mode_read"] = tracer.grad_mode_read
     return gm
+
+
+def _variadic(model: torch.nn.Module) -> str:
+    """``"*xs"`` or ``"**kw"`` where ``model.forward`` takes a variable number of arguments
+    (``""`` otherwise)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    marks = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return ", ".join(marks[p.kind] + p.name for p in params if p.kind in marks)
 
 
 _CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,

@@ -199,3 +199,37 @@ def test_the_number_of_dimensions_of_an_input_or_a_parameter_is_a_number_in_the_
     with torch.no_grad():
         for x in (torch.randn(3, 8, 8), torch.randn(2, 3, 8, 8), torch.randn(3, 8, 8)):
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+class _LeavesGradOff(_Base):
+    def forward(self, x):
+        torch.set_grad_enabled(False)  # (no with: eager leaves the caller's mode off)
+        return self.conv(x)
+
+
+class _LeavesGradOn(_Base):
+    def forward(self, x):
+        torch.set_grad_enabled(True)
+        return self.conv(x) + 1 if torch.is_grad_enabled() else self.conv(x)
+
+
+@pytest.mark.parametrize("model", [_LeavesGradOff, _LeavesGradOn], ids=["off", "on"])
+def test_a_forward_leaving_the_grad_mode_changed_is_refused_in_one_line(model):
+    """Eager leaves the caller's mode as ``forward`` set it; a compiled call restored it, so
+    the caller's next lines ran in another mode, silently (session 52). Refused, naming the
+    fix; the trace leaves the caller's mode as it was."""
+    with pytest.raises(FusionError, match="leaves it changed .*with torch.no_grad"):
+        fusion_compiler.compile(model())
+    assert torch.is_grad_enabled()
+
+
+class _TakesStar(_Base):
+    def forward(self, *xs):
+        return sum(self.conv(x) for x in xs)
+
+
+def test_a_forward_taking_star_args_is_refused_naming_them():
+    """fx's own text spoke of iterating a proxy; the message names ``*xs`` and the fix (the
+    torch.compile door traces it)."""
+    with pytest.raises(FusionError, match=r"forward takes \*xs, and fx traces a fixed list"):
+        fusion_compiler.compile(_TakesStar())
