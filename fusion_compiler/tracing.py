@@ -32,6 +32,7 @@ import torch.utils.checkpoint
 from torch.fx import _symbolic_trace
 
 from .code_reads import users_module
+from .ir.aliasing import tensor_result
 from .ir.ops import TENSOR_HOOKS
 from .runtime.hooks import instance_forward
 from .random_ops import RandomCallsAsNodes
@@ -238,15 +239,21 @@ class ModeRecordingTracer(fx.Tracer):
         """The tensor at ``target`` (a parameter or buffer of a module below the root), else
         ``None``; read from the modules' tables, not their ``__getattr__``, which fx has made
         the tracer's own for the length of the trace."""
-        *path, name = target.split(".")
-        module = vars(self).get("root")
-        for part in path:
-            module = vars(module).get("_modules", {}).get(part) if isinstance(
-                module, torch.nn.Module) else None
-        if not isinstance(module, torch.nn.Module):
+        path, _, name = target.rpartition(".")
+        module = self._submodule(path)
+        if module is None:
             return None
         tables = vars(module)
         return tables.get("_parameters", {}).get(name, tables.get("_buffers", {}).get(name))
+
+    def _submodule(self, path: str) -> torch.nn.Module | None:
+        """The module at ``path`` below the root (``""``: the root), read from the modules'
+        tables (see :meth:`_attribute`), else ``None``."""
+        module = vars(self).get("root")
+        for part in filter(None, path.split(".")):
+            module = vars(module).get("_modules", {}).get(part) if isinstance(
+                module, torch.nn.Module) else None
+        return module if isinstance(module, torch.nn.Module) else None
 
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, fx.Proxy):  # (before fx's own test: a tensor proxy is a torch.Tensor
@@ -255,6 +262,14 @@ class ModeRecordingTracer(fx.Tracer):
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
+        if node.op == "placeholder":  # (what the model's isinstance is told: _InplaceProxy)
+            node.meta["tensor"] = node.target in self.tensor_inputs
+        elif node.op == "get_attr":
+            node.meta["tensor"] = isinstance(self._attribute(str(node.target)), torch.Tensor)
+        else:
+            node.meta["tensor"] = tensor_result(
+                node, lambda a: isinstance(a, fx.Node) and a.meta.get("tensor", False),
+                self._submodule)
         node.meta["traced_grad"] = torch._C.is_grad_enabled()
         node.meta["traced_inference"] = torch.is_inference_mode_enabled()
         return node
@@ -303,6 +318,14 @@ class _InplaceProxy(fx.Proxy):
                 f"forward calls {name}() on a traced value (a tensor hook): the tensor a "
                 "traced graph computes is not one the code can keep or hook")
         return super().__getattr__(name)
+
+    @property
+    def __class__(self) -> type:  # type: ignore[override]
+        # a tensor op's result is a torch.Tensor to the model's isinstance, as in eager (fx's
+        # proxy is none: the other branch was traced, silently); unsure: fx's answer
+        if self.node.meta.get("tensor") and _asked_by_the_model(sys._getframe(1)):
+            return torch.Tensor
+        return type(self)
 
     def __iadd__(self, other: Any) -> fx.Proxy:
         return self.tracer.create_proxy("call_function", operator.iadd, (self, other), {})

@@ -143,6 +143,33 @@ def test_isinstance_of_a_traced_tensor_answers_as_eager():
             torch.testing.assert_close(compiled(x, scale), model(x, scale), rtol=1e-5, atol=1e-6)
 
 
+class _AsksOfItsResults(_Base):
+    """Code that asks whether values it computed are tensors (a backbone that may return a
+    tensor or a tuple, an item of a chunk, a size that is a number)."""
+
+    def forward(self, x):
+        y = self.conv(x)
+        if isinstance(y, torch.Tensor):
+            y = y * 2
+        a, b = torch.relu(y).chunk(2, 1)
+        if torch.is_tensor(a) and isinstance(b + 1, torch.Tensor):
+            y = y + 1
+        if isinstance(x.shape[0] * 2, torch.Tensor) or isinstance(y, (tuple, list)):
+            y = y * 100
+        return y
+
+
+def test_isinstance_of_a_tensor_ops_result_answers_as_eager():
+    """A convolution's, a chunk's item's, a sum's result is a tensor to the model's
+    ``isinstance``, as in eager (fx's proxy answered no: the other branch compiled, silently,
+    session 52); a size's product and a tensor asked if it is a tuple still answer no."""
+    torch.manual_seed(0)
+    model, x = _AsksOfItsResults().eval(), torch.randn(2, 3, 6, 6)
+    compiled = fusion_compiler.compile(model)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
 class _HooksItsFeatures(nn.Module):
     """A gradient-scaling hook on an intermediate value (a common stop-or-scale trick)."""
 

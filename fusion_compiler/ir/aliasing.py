@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .ops import inplace_flag
 
 __all__ = ["inplace_target", "alias_source", "may_be_view", "written_source", "fresh",
-           "is_torchvision_stochastic_depth", "view_chain", "view_base"]
+           "is_torchvision_stochastic_depth", "view_chain", "view_base", "tensor_result"]
 
 # in-place target -> out-of-place canonical target (call_function and call_method spellings)
 _INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
@@ -165,3 +165,41 @@ def view_chain(gm: fx.GraphModule | None, node: object) -> list[object]:
 def view_base(gm: fx.GraphModule, node: object) -> object:
     """The value whose memory ``node`` may be (the last of :func:`view_chain`)."""
     return view_chain(gm, node)[-1]
+
+
+_SEVERAL = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes", "hsplit", "vsplit",
+            "dsplit", torch.split, torch.split_with_sizes, torch.tensor_split, torch.hsplit,
+            torch.vsplit, torch.dsplit, torch.chunk, torch.unbind, torch.atleast_1d,
+            torch.atleast_2d, torch.atleast_3d}
+"""View ops of :data:`_VIEW_FUNCTIONS` and :data:`_VIEW_METHODS` that return a tuple of tensors
+(``atleast_*d`` where given several)."""
+_OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.matmul}
+"""Fresh functions that compute numbers too (shape arithmetic)."""
+
+
+def tensor_result(node: fx.Node, is_tensor: Callable[[object], bool],
+                  module: Callable[[str], Any]) -> bool:
+    """Whether ``node``'s value is certainly a tensor, from its op and what ``is_tensor`` says of
+    its arguments (earlier nodes; ``module(path)`` is the submodule a ``call_module`` calls): a
+    fresh op (:func:`fresh`'s tables) or a view of a tensor; an item of a tuple a tensor op
+    split off; a binary operator with a tensor operand. ``False`` where unsure (an op outside
+    the tables, a method of a value not known to be a tensor). The tracer answers the model's
+    ``isinstance(y, torch.Tensor)`` with it, where fx's proxy answered no."""
+    source = alias_source(node)
+    of_tensor = source is not None and is_tensor(source)
+    if node.op == "call_module":
+        m = module(str(node.target))
+        return isinstance(m, _FRESH_MODULES) or of_tensor and isinstance(m, _ALIASING_MODULES)
+    if node.op == "call_function":
+        if node.target is operator.getitem:  # an item of a tensor, or of a tensor op's tuple
+            return of_tensor or isinstance(source, fx.Node) and source.op != "call_module" and (
+                source.target in _SEVERAL and is_tensor(alias_source(source)))
+        if node.target in _OPERATORS:
+            return any(isinstance(a, fx.Node) and is_tensor(a) for a in node.args[:2])
+        return node.target in _FRESH_FUNCTIONS or (
+            of_tensor and node.target in _VIEW_FUNCTIONS and node.target not in _SEVERAL)
+    if node.op == "call_method":
+        return of_tensor and node.target not in _SEVERAL and (
+            node.target in _FRESH_METHODS or node.target in _VIEW_METHODS
+            or node.target in _SELF_METHODS)
+    return False
