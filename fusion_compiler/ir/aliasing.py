@@ -81,14 +81,29 @@ _FRESH_MODULES = (nn.modules.conv._ConvNd, nn.Linear, nn.modules.pooling._MaxPoo
                   nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
                   nn.modules.pooling._AdaptiveMaxPoolNd, nn.modules.batchnorm._BatchNorm,
                   nn.GroupNorm, nn.LayerNorm, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Hardswish,
-                  nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Upsample)
-_FRESH_FUNCTIONS = {torch.conv2d, F.conv2d, F.linear, torch.add, torch.sub, torch.mul, torch.div,
-                    operator.add, operator.sub, operator.mul, operator.truediv, torch.cat,
-                    torch.mean, torch.sum, F.adaptive_avg_pool2d, F.avg_pool2d, F.max_pool2d,
-                    torch.relu, torch.sigmoid, torch.tanh, F.relu, F.silu, F.gelu, F.hardswish,
-                    F.hardsigmoid, F.interpolate, torch.matmul, operator.matmul}
+                  nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.Mish, nn.ELU, nn.Upsample,
+                  nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm, nn.Hardtanh,
+                  nn.PReLU, nn.SELU, nn.CELU, nn.Softplus, nn.Softmax, nn.LogSoftmax, nn.GLU,
+                  nn.Bilinear)
+_FRESH_FUNCTIONS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d,
+                    torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
+                    F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d, F.linear,
+                    F.batch_norm, torch.batch_norm, F.layer_norm, torch.layer_norm, F.group_norm,
+                    torch.group_norm, F.instance_norm, F.local_response_norm, F.normalize,
+                    torch.add, torch.sub, torch.mul, torch.div, operator.add, operator.sub,
+                    operator.mul, operator.truediv, torch.cat, torch.stack, torch.mean,
+                    torch.sum, torch.amax, torch.clamp, torch.where, torch.exp, torch.sqrt,
+                    torch.rsqrt, torch.pow, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+                    F.adaptive_avg_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
+                    F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool2d, torch.relu,
+                    torch.sigmoid, torch.tanh, F.relu, F.relu6, F.silu, F.gelu, F.hardswish,
+                    F.hardsigmoid, F.hardtanh, F.leaky_relu, F.elu, F.selu, F.celu, F.mish,
+                    F.softplus, F.sigmoid, F.tanh, F.softmax, F.log_softmax, torch.softmax,
+                    F.interpolate, F.pixel_shuffle, F.pixel_unshuffle, torch.matmul, torch.mm,
+                    torch.bmm, operator.matmul}
 _FRESH_METHODS = {"add", "sub", "mul", "div", "mean", "sum", "clone", "relu", "sigmoid", "tanh",
-                  "matmul"}
+                  "matmul", "softmax", "log_softmax", "exp", "sqrt", "rsqrt", "pow", "clamp",
+                  "amax", "bmm", "mm"}
 """Ops whose result always has memory of its own (module types, functions, methods), unless
 made in place (``nn.ReLU(inplace=True)``, ``F.relu(x, inplace=True)``)."""
 
@@ -173,6 +188,8 @@ _SEVERAL = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes", "hsp
             torch.atleast_2d, torch.atleast_3d}
 """View ops of :data:`_VIEW_FUNCTIONS` and :data:`_VIEW_METHODS` that return a tuple of tensors
 (``atleast_*d`` where given several)."""
+_INDICES_POSITION = {F.max_pool1d: 6, F.max_pool2d: 6, F.max_pool3d: 6, F.adaptive_max_pool2d: 2}
+"""Pooling functions that return a tuple with ``return_indices`` (this positional argument)."""
 _OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.matmul}
 """Fresh functions that compute numbers too (shape arithmetic)."""
 
@@ -189,8 +206,14 @@ def tensor_result(node: fx.Node, is_tensor: Callable[[object], bool],
     of_tensor = source is not None and is_tensor(source)
     if node.op == "call_module":
         m = module(str(node.target))
+        if getattr(m, "return_indices", False):  # (a max pooling's tuple)
+            return False
         return isinstance(m, _FRESH_MODULES) or of_tensor and isinstance(m, _ALIASING_MODULES)
     if node.op == "call_function":
+        position = _INDICES_POSITION.get(node.target)
+        if position is not None and (node.kwargs.get("return_indices") or len(
+                node.args) > position and node.args[position]):
+            return False
         if node.target is operator.getitem:  # an item of a tensor, or of a tensor op's tuple
             return of_tensor or isinstance(source, fx.Node) and source.op != "call_module" and (
                 source.target in _SEVERAL and is_tensor(alias_source(source)))

@@ -63,7 +63,10 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itr
                        operator.ior, operator.ixor, operator.ilshift, operator.irshift}
 
 
-INPLACE_POSITION = {F.relu: 1, F.relu6: 1, F.hardtanh: 3, F.elu: 2, F.leaky_relu: 2, F.silu: 1}
+INPLACE_POSITION = {F.relu: 1, F.relu6: 1, F.hardtanh: 3, F.elu: 2, F.leaky_relu: 2, F.silu: 1,
+                    F.hardswish: 1, F.hardsigmoid: 1, F.mish: 1, F.selu: 1, F.celu: 2,
+                    F.threshold: 3, F.rrelu: 4, F.dropout: 3, F.dropout1d: 3, F.dropout2d: 3,
+                    F.dropout3d: 3, F.alpha_dropout: 3, F.feature_alpha_dropout: 3}
 """Functions whose positional argument at this index is ``inplace``."""
 
 
