@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from .ir.aliasing import shared_input
 from .ir.ops import (meta_like, registers_tensor_hook, shallow_module, write_back,
                      writes_in_place)
 from .random_ops import NoDraws, may_draw
@@ -136,6 +137,17 @@ class _HooksLeft:
         return super().call_method(target, args, kwargs)
 
 
+class _SharingRecorded:
+    """An interpreter mixin: ``meta["shares"]`` on each node, the argument its value shares
+    memory with (:func:`~.ir.aliasing.shared_input`), read by the view analysis of
+    :mod:`~.ir.aliasing`."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        n.meta["shares"] = shared_input(n, result, self.env)
+        return result
+
+
 def _as_meta(value: Any) -> Any:
     """``value`` with its tensors as meta tensors (:func:`~.ir.ops.meta_like`), its containers
     and ``torch.Size`` s kept as they are: pytree's map rebuilds a ``torch.Size`` as a plain
@@ -151,7 +163,7 @@ def _as_meta(value: Any) -> Any:
     return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
 
 
-class _RecordingInterpreter(_HooksLeft, fx.Interpreter):
+class _RecordingInterpreter(_SharingRecorded, _HooksLeft, fx.Interpreter):
     """Run a graph on real tensors, ``private``'s copies in place of the module's; record each
     node's value as meta tensors and its device."""
 
@@ -191,7 +203,7 @@ def _fake_propagation(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None
 
     private = _PrivateState(written_state(gm), lambda t: _fake_copy(mode, t))
 
-    class _KeepingNumbers(_HooksLeft, FakeTensorProp):
+    class _KeepingNumbers(_SharingRecorded, _HooksLeft, FakeTensorProp):
         """Also records shape arithmetic (``x.shape``, its items, ``h // 4``): torch 2.11's
         ``FakeTensorProp`` keeps only tensors and symbolic numbers, which left such nodes
         without a value and their users unspecialized. The module state the graph may write
@@ -236,7 +248,7 @@ def _plain_number(value: Any) -> bool:
     return isinstance(value, (int, float, bool))
 
 
-class _MetaPropagation(_HooksLeft, fx.Interpreter):
+class _MetaPropagation(_SharingRecorded, _HooksLeft, fx.Interpreter):
     """Run a graph on meta tensors and record each node's value and device.
 
     The device of a node's value is that of its first tensor argument (a placeholder's: its
@@ -338,7 +350,8 @@ def _target_name(target: Any) -> str:
 
 def encode_meta(gm: fx.GraphModule) -> dict | None:
     """The metadata :func:`propagate_shapes` recorded on ``gm``'s nodes, as JSON-ready data
-    ``{node name: [op, target, value, device]}``; ``None`` when a value has no such form."""
+    ``{node name: [op, target, value, device, shares]}``; ``None`` when a value has no such
+    form."""
     table = {}
     for node in gm.graph.nodes:
         if "val" not in node.meta:
@@ -349,14 +362,15 @@ def encode_meta(gm: fx.GraphModule) -> dict | None:
         except TypeError:
             return None
         table[node.name] = [node.op, _target_name(node.target), value,
-                            None if device is None else str(device)]
+                            None if device is None else str(device), node.meta.get("shares")]
     return table
 
 
 def apply_meta(gm: fx.GraphModule, table: dict) -> bool:
-    """Set ``meta["val"]`` and ``meta["device"]`` of ``gm``'s nodes from :func:`encode_meta`'s
-    ``table``, recorded for the same graph; ``False`` (and ``gm`` unchanged) when a node is not
-    in it under the same op and target. Values become meta tensors: no op runs."""
+    """Set ``meta["val"]``, ``meta["device"]`` and ``meta["shares"]`` of ``gm``'s nodes from
+    :func:`encode_meta`'s ``table``, recorded for the same graph; ``False`` (and ``gm``
+    unchanged) when a node is not in it under the same op and target. Values become meta
+    tensors: no op runs."""
     decoded = {}
     for node in gm.graph.nodes:
         entry = table.get(node.name)
@@ -364,12 +378,15 @@ def apply_meta(gm: fx.GraphModule, table: dict) -> bool:
             if node.op == "output":
                 continue
             return False
-        op, target, value, device = entry
+        op, target, value, device, *shares = entry  # (shares: since session 52)
         if op != node.op or target != _target_name(node.target):
             return False
-        decoded[node] = (_decode(value), None if device is None else torch.device(device))
-    for node, (value, device) in decoded.items():
+        decoded[node] = (_decode(value), None if device is None else torch.device(device),
+                         shares)
+    for node, (value, device, shares) in decoded.items():
         node.meta["val"] = value
+        if shares:
+            node.meta["shares"] = shares[0]
         if device is not None:
             node.meta["device"] = device
     return True

@@ -4,15 +4,16 @@ and the ops whose result always has memory of its own. The rewrite of in-place o
 (``passes/pre_fusion/functionalize``), the capture's check of writes into traced constants and
 of constants returned (``capture``), and hoisting (``passes/post_lowering/hoist``) read it. The
 tables are PyTorch's documented view ops ("Tensor Views" in PyTorch's documentation) and the
-ops this package rewrites. An op in none of them is taken to make memory of its own where a
-view is asked about (:func:`may_be_view`) and to possibly share it where fresh memory is
-(:func:`fresh`): a view op missing from the tables would lose a write through it, so every view
-op PyTorch documents is listed (``torch.atleast_2d`` and ``torch.unflatten`` were missing)."""
+ops this package rewrites. Where a shape propagation ran, what it saw answers instead
+(``meta["shares"]``, :func:`shared_input`: the argument a value shares storage with), so a view
+op missing from the tables is still seen. Without that record, an op in none of the tables is
+taken to make memory of its own where a view is asked about (:func:`may_be_view`) and to
+possibly share it where fresh memory is (:func:`fresh`)."""
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from .ops import inplace_flag
 
 __all__ = ["inplace_target", "alias_source", "may_be_view", "written_source", "fresh",
-           "is_torchvision_stochastic_depth", "view_chain", "view_base", "tensor_result"]
+           "is_torchvision_stochastic_depth", "view_chain", "view_base", "tensor_result",
+           "shared_input"]
 
 # in-place target -> out-of-place canonical target (call_function and call_method spellings)
 _INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
@@ -109,11 +111,17 @@ made in place (``nn.ReLU(inplace=True)``, ``F.relu(x, inplace=True)``)."""
 
 
 def alias_source(node: object) -> fx.Node | None:
-    """The value ``node``'s result may share memory with: its first tensor argument (``a`` of
-    ``torch.einsum("ij->ji", a)``), or ``input=``."""
+    """The value ``node``'s result may share memory with: the argument a shape propagation saw
+    it share memory with (``meta["shares"]``, :func:`shared_input`), else its first tensor
+    argument (``a`` of ``torch.einsum("ij->ji", a)``), or ``input=``."""
     if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method",
                                                         "call_module"):
         return None
+    seen = node.meta.get("shares")
+    if seen is not None:
+        found = next((a for a in node.all_input_nodes if a.name == seen), None)
+        if found is not None:
+            return found
     first = next((a for a in node.args if isinstance(a, fx.Node)),
                  node.kwargs.get("input", node.kwargs.get("self")))
     return first if isinstance(first, fx.Node) else None
@@ -123,9 +131,15 @@ def may_be_view(node: object) -> bool:
     """Whether ``node`` may return a view of its source without being an in-place op: a view
     op, a method that may return its argument itself, ``getattr`` (``x.T``, ``x.data``), a
     function that may (dropout; torchvision's ``stochastic_depth`` in eval mode), or a module
-    that may return its input (``nn.Flatten``, dropout)."""
+    that may return its input (``nn.Flatten``, dropout). Where a shape propagation recorded
+    whether the value shares memory with an argument (``meta["shares"]``: the specialization's
+    shapes and strides are fixed), that answers, whatever the op: a view op missing from the
+    tables is still seen (its write was lost), a reshape that copies is no view."""
     if alias_source(node) is None:
         return False
+    owner = node.graph.owning_module
+    if "shares" in node.meta and owner is not None and inplace_target(owner, node) is None:
+        return node.meta["shares"] is not None
     if node.op == "call_method":
         if node.target in _SELF_METHODS:  # a cast to another dtype or device: new memory
             new, old = node.meta.get("val"), alias_source(node).meta.get("val")
@@ -226,3 +240,32 @@ def tensor_result(node: fx.Node, is_tensor: Callable[[object], bool],
             node.target in _FRESH_METHODS or node.target in _VIEW_METHODS
             or node.target in _SELF_METHODS)
     return False
+
+
+def shared_input(node: fx.Node, result: Any, values: Mapping[fx.Node, Any]) -> str | None:
+    """The name of the argument of ``node`` whose value shares memory with ``result`` (a
+    tensor, or tensors in tuples, lists and dicts), from the values a shape propagation holds
+    (``values``: real, meta or fake tensors; a view shares its base's storage in each), else
+    ``None``. Recorded as ``meta["shares"]`` (:mod:`fusion_compiler.shapes`)."""
+    made = {_storage(t) for t in _tensors(result)} - {None}
+    for source in node.all_input_nodes:
+        if made & {_storage(t) for t in _tensors(values.get(source))}:
+            return source.name
+    return None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage: sparse, nested)
+        return None

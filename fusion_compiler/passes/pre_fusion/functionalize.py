@@ -45,6 +45,7 @@ def functionalize(gm: fx.GraphModule) -> str:
             continue
         mutated = node.args[0]
         root = written_root(mutated, written)
+        node.meta.pop("shares", None)  # (the in-place op's: out of place it shares nothing)
         if node.op == "call_module":
             # Run a private out-of-place copy: the user's module is shared and must not change.
             twin_mod = copy.copy(gm.get_submodule(node.target))
