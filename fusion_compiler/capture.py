@@ -201,7 +201,8 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             the model (``self.count += 1``; the model is left as it was), or enters a
             ``torch.autocast`` block, or has a ``forward`` replaced on the instance (fx traces
             the class's), or holds a lazy module that has not made its parameters yet, or
-            leaves the gradient mode changed (``torch.set_grad_enabled(False)`` bare). A
+            leaves the gradient mode changed to one that depends on the caller's (one
+            mode left whatever the caller's is ``gm.meta["grad_mode_left"]``). A
             ``DistributedDataParallel`` module gets a message naming the fix.
     """
     if isinstance(model, fx.GraphModule):
@@ -252,10 +253,10 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
         tracer.tensor_inputs = dict(tensors or {})
         with torch.set_grad_enabled(grad), recording_reads(model) as reads:
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
-            left[0] |= torch.is_grad_enabled() != grad  # (torch.set_grad_enabled(False), bare)
+            ends[grad] = torch.is_grad_enabled()  # (torch.set_grad_enabled(False), bare)
         return tracer, graph, reads
 
-    left = [False]  # whether a trace ended in another grad mode than it began in
+    ends: dict[bool, bool] = {}  # the grad mode each trace ended in, by the one it began in
 
     # the trace runs forward's Python code: the model, and what it changes at module level
     # (COUNTER[0] += 1, a global config's field), are put back
@@ -278,7 +279,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
         writes.restore()
         detail = str(exc)
         star = _variadic(model)
-        if star:  # fx's own text speaks of loops and proxies
+        if star and "iterated" in detail:  # fx's own text speaks of loops and proxies
             detail = (f"forward takes {star}, and fx traces a fixed list of inputs: name them, "
                       f"forward(self, x, y) (fx: {detail.split('. ')[0]})")
         replaced = [path for path, m in model.named_modules() if instance_forward(m) is not None]
@@ -291,12 +292,12 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             "(data-dependent control flow, item assignment, NumPy values)."
         ) from exc
     assigned = writes.restore()
-    if left[0]:
+    left = set(ends.values()) if any(start != end for start, end in ends.items()) else set()
+    if len(left) > 1:
         raise FusionError(
-            f"{type(model).__name__}.forward changes the gradient mode and leaves it changed "
-            "(torch.set_grad_enabled(False) outside a with statement): a compiled call cannot "
-            "leave the caller's mode changed as eager does; use 'with torch.no_grad():' in "
-            "forward, or set the mode before calling the model")
+            f"{type(model).__name__}.forward leaves the gradient mode changed, to one that "
+            "depends on the caller's (torch.set_grad_enabled outside a with statement): a "
+            "compiled call cannot repeat that; use 'with torch.no_grad():' in forward")
     if tracer.autocast_entered:
         raise FusionError(
             f"{type(model).__name__}.forward enters torch.autocast: a graph torch.fx traces keeps "
@@ -330,6 +331,8 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     gm.meta["autograd_functions"] = sorted(set(tracer.autograd_functions))
     gm.meta["checkpoints"] = tracer.checkpoints
     gm.meta["grad_mode_read"] = tracer.grad_mode_read
+    gm.meta["grad_mode_set"] = tracer.grad_mode_set
+    gm.meta["grad_mode_left"] = left.pop() if left else None  # set by the compiled call too
     return gm
 
 

@@ -26,6 +26,7 @@ from .runtime.hooks import call_with_hooks, has_hooks, uncompiled_forward, unsup
 from .runtime.state import Recompiles, StateGuard
 from .runtime.state_dict import ModelAttributes, model_keys, prefixed_keys
 from .runtime.tensors import autocast_dtype, on_device_of, restored, shared_storage
+from .runners import note_once
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
 
@@ -78,11 +79,14 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self._arity = len(self._names)
         self._writes = any(map(writes_in_place, captured.graph.nodes))
         self._reads_grad_mode = captured.meta.get("grad_mode_read", False)
-        self._enables_grad = enables_grad(captured.graph)  # (a torch.enable_grad block)
+        # a torch.enable_grad block (where forward reads the mode too, its marks are per mode)
+        self._enables_grad = enables_grad(captured.graph) or self._reads_grad_mode and \
+            captured.meta.get("grad_mode_set", False)
         self._unpacked = unpacked_inputs(captured)  # where a tuple input is taken apart
         self._untrainable = untrainable(captured, type(model).__name__)
         # a forward that turns gradients off everywhere (@torch.no_grad(), @inference_mode())
         self._grad = captured.meta.get("grad", True)
+        self._grad_left = captured.meta.get("grad_mode_left")  # (torch.set_grad_enabled, bare)
         self._inference = captured.meta.get("inference", False)
         try:
             self._signature: inspect.Signature | None = inspect.signature(model.forward)
@@ -99,7 +103,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self._noted: set[str] = set()
         self._recompiles = Recompiles(type(model).__name__)
         self._compiler = SpecializationCompiler(model, self.options,
-                                                functools.partial(_note, self._noted),
+                                                functools.partial(note_once, self._noted),
                                                 self._names)
 
     def __prepare_scriptable__(self) -> torch.nn.Module:
@@ -254,7 +258,8 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         inference = not grad and (torch.is_inference_mode_enabled() or self._inference)
         grad_mode = torch.is_grad_enabled() or not (self._reads_grad_mode or self._enables_grad)
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
-               frozen, inference, structure, self._guard.training_flags(), grad_mode)
+               frozen, inference, structure, self._guard.training_flags(), grad_mode,
+               torch.get_default_dtype())  # (the dtype of torch.tensor([0.5]) in forward)
         spec = self.specializations.get(key)
         if spec is not None:
             self.specializations.move_to_end(key)
@@ -324,10 +329,14 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
             raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
         if spec is not self.last:  # (nn.Module.__setattr__ costs microseconds per call)
             object.__setattr__(self, "last", spec)
-        if self._grad:
-            return spec.run(*args)
-        with torch.inference_mode() if self._inference else torch.no_grad():
-            return spec.run(*args)
+        try:
+            if self._grad:
+                return spec.run(*args)
+            with torch.inference_mode() if self._inference else torch.no_grad():
+                return spec.run(*args)
+        finally:  # the mode a bare torch.set_grad_enabled in forward leaves, as eager leaves it
+            if self._grad_left is not None:
+                torch._C._set_grad_enabled(self._grad_left)
 
     def report(self) -> str:
         """What the last specialization is, as text at most 100 columns wide: the summary
@@ -389,12 +398,3 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
         return inner
     return model
 
-
-def _note(noted: set[str], notes: list[str], reason: str) -> None:
-    """Record why a default was not taken in ``notes`` (once: a tier that builds its CUDA graph
-    again gives the same reasons again); log it once per ``noted`` (module)."""
-    if reason not in notes:
-        notes.append(reason)
-    if reason not in noted:
-        noted.add(reason)
-        log.info("%s", reason)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,7 +27,9 @@ from .runtime.background import COMPILE_LOCK, drain, on_calling_thread, warn_onc
 from .runtime.tensors import inference_graph_modes, output_leaves
 from .runtime.tiered import TieredRunner, isolated_copy
 
-__all__ = ["Runners", "memory_format", "with_formats"]
+__all__ = ["Runners", "memory_format", "with_formats", "note_once"]
+
+log = logging.getLogger("fusion_compiler")
 
 
 def memory_format(t: Any) -> torch.memory_format | None:
@@ -70,6 +73,16 @@ def with_formats(call: Callable[..., Any],
                     leaves[i] = t.contiguous(memory_format=f)
         return tree_unflatten(leaves, spec)
     return run
+
+
+def note_once(noted: set[str], notes: list[str], reason: str) -> None:
+    """Record why a default was not taken in ``notes`` (once: a tier that builds its CUDA graph
+    again gives the same reasons again); log it once per ``noted`` (module)."""
+    if reason not in notes:
+        notes.append(reason)
+    if reason not in noted:
+        noted.add(reason)
+        log.info("%s", reason)
 
 
 class Runners:

@@ -145,7 +145,8 @@ class ModeRecordingTracer(fx.Tracer):
                 self.autocast_entered = True
             return enter(block)
 
-        is_grad_enabled = torch.is_grad_enabled
+        is_grad_enabled = torch._C.is_grad_enabled
+        queries = [(torch, torch.is_grad_enabled), (torch._C, is_grad_enabled)]
 
         def grad_mode() -> bool:
             # read by the traced code itself (not torch's own, as checkpoint's): a branch on it
@@ -173,7 +174,8 @@ class ModeRecordingTracer(fx.Tracer):
             torch.autograd.Function.apply = classmethod(apply)
             autocast.__enter__ = enter_autocast
             hooks.__enter__ = enter_saved_tensors_hooks
-            torch.is_grad_enabled = grad_mode
+            for owner, _ in queries:  # torch.is_grad_enabled, and torch._C's of the same name
+                owner.is_grad_enabled = grad_mode
             torch._C._set_grad_enabled = set_grad_mode
             try:
                 with RandomCallsAsNodes(self):  # a random call on constants: a node, no draw
@@ -182,7 +184,8 @@ class ModeRecordingTracer(fx.Tracer):
                 torch.autograd.Function.apply = original
                 autocast.__enter__ = enter
                 hooks.__enter__ = enter_hooks
-                torch.is_grad_enabled = is_grad_enabled
+                for owner, query in queries:
+                    owner.is_grad_enabled = query
                 torch._C._set_grad_enabled = set_grad_enabled
                 self._thread = None
 
@@ -267,9 +270,7 @@ class ModeRecordingTracer(fx.Tracer):
         elif node.op == "get_attr":
             node.meta["tensor"] = isinstance(self._attribute(str(node.target)), torch.Tensor)
         else:
-            node.meta["tensor"] = tensor_result(
-                node, lambda a: isinstance(a, fx.Node) and a.meta.get("tensor", False),
-                self._submodule)
+            node.meta["tensor"] = tensor_result(node, self._submodule)
         node.meta["traced_grad"] = torch._C.is_grad_enabled()
         node.meta["traced_inference"] = torch.is_inference_mode_enabled()
         return node
@@ -306,6 +307,8 @@ class _InplaceProxy(fx.Proxy):
     ``functionalize`` rewrites the in-place op where the value is a tensor. A read of what a
     graph cannot answer per call (``x.grad_fn is None``, ``hasattr(x, "_tag")``: fx's answer is
     a node, never ``None``, always there) fails the trace, naming it."""
+
+    _is_param = _is_buffer = False  # (nn.Parameter's and nn.Buffer's isinstance read them)
 
     def __getattr__(self, name: str) -> Any:
         if name in _AUTOGRAD_STATE or (name.startswith("_") and not name.startswith("__")
@@ -350,7 +353,6 @@ class _TensorProxy(_InplaceProxy):
     and this package's get the proxy's class, as fx's proxies answer, which is what they are
     written to trace with; ``type(x)`` stays the proxy's for everyone."""
 
-    _is_param = False
     _kind: type = torch.Tensor
 
     def __init__(self, node: fx.Node, tracer: fx.Tracer, ndim: int):

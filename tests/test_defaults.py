@@ -131,6 +131,30 @@ def test_a_no_grad_call_of_a_forward_with_an_enable_grad_block_is_a_training_one
                         target)[0] is None
 
 
+def test_a_forward_reading_the_grad_mode_with_an_enable_grad_block_trains_in_a_no_grad_call():
+    """Where forward also reads ``torch.is_grad_enabled()``, the construction-time trace marked
+    no block as turning gradients on (its two traces differ), and a ``no_grad`` call got an
+    inference specialization: on the GPU one captured without gradients (helper-52, session
+    52)."""
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            if torch.is_grad_enabled():
+                x = x * 1.0
+            with torch.enable_grad():
+                y = self.c1(x)
+            return y, self.c2(y)
+
+    compiled = fc.compile(Reads().eval(), cache_dir=False)
+    with torch.no_grad():
+        spec = compiled.specialize(torch.randn(1, 3, 8, 8))
+        y, z = compiled(torch.randn(1, 3, 8, 8))
+    assert spec.training and y.requires_grad and not z.requires_grad
+
+
 def test_inference_mode_and_no_grad_calls_get_their_own_specializations():
     """Inside ``inference_mode`` a call returns inference tensors and under ``no_grad`` normal
     ones, as eager does; each mode has its specialization (a CUDA graph captured in one mode

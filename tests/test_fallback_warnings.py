@@ -101,7 +101,7 @@ def test_a_reason_given_again_is_noted_once():
     """A tier that captures its CUDA graph again (eager glue, then Inductor's) gives its
     derivation notes again: the report said "118 hoisted value(s) computed with PyTorch ops at
     every replay" twice for densenet121 (H200, session 44)."""
-    from fusion_compiler.compiler import _note
+    from fusion_compiler.runners import note_once as _note
 
     notes: list[str] = []
     noted: set[str] = set()

@@ -1390,3 +1390,96 @@ def test_module_level_deques_counters_and_callable_objects_are_compared_too(how,
     with pytest.raises(FusionError, match=f"changes module-level {what}"):
         fc.compile(model)(torch.randn(2, 3, 8, 8))
     assert TALLY.n == 0 and not HISTORY and not CALLS
+
+
+class _OptionalParts(nn.Module):
+    """A bias-free convolution and a mask registered as ``None`` (set later, by a user's
+    fine-tuning code or a pruning library), and heads in a ``ModuleDict`` forward iterates."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.register_buffer("mask", None)
+        self.heads = nn.ModuleDict({"a": nn.Conv2d(4, 2, 1), "b": nn.Conv2d(4, 3, 1)})
+
+    def forward(self, x):
+        y = self.conv(x)
+        y = y * self.mask if self.mask is not None else y
+        return torch.cat([h(y) for h in self.heads.values()], 1)
+
+
+def _reorder(m: nn.Module) -> None:
+    a = m.heads["a"]
+    del m.heads["a"]
+    m.heads["a"] = a
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: setattr(m.conv, "bias", nn.Parameter(torch.full((4,), 5.0))),
+    lambda m: setattr(m, "mask", torch.zeros(1, 4, 1, 1)),
+    _reorder,
+], ids=["bias_set", "buffer_set", "module_dict_reordered"])
+def test_a_slot_registered_as_none_set_later_or_a_reordered_module_dict_compiles_again(change):
+    """A parameter or buffer registered as ``None`` and set to a tensor after the first call,
+    and a ``ModuleDict`` whose items were re-inserted in another order, kept the old graph
+    (helper-53, session 52: the bias of 5 missing from the output, the heads' channels in the
+    old order); the Dynamo door was right."""
+    torch.manual_seed(0)
+    model, x = _OptionalParts().eval(), torch.randn(2, 3, 6, 6)
+    compiled = fc.compile(model, cache_dir=False)
+    with torch.no_grad():
+        compiled(x)
+        change(model)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+class _MakesATensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).float(), torch.tensor([0.1, 0.2])
+
+
+def test_the_default_dtype_set_between_calls_is_the_one_forward_makes_tensors_in():
+    """``torch.set_default_dtype(torch.float64)`` between calls: eager's ``torch.tensor([0.1])``
+    is then float64, the compiled one stayed float32 (helper-53, session 52)."""
+    model, x = _MakesATensor().eval(), torch.randn(1, 3, 4, 4)
+    compiled = fc.compile(model, cache_dir=False)
+    with torch.no_grad():
+        compiled(x)
+        torch.set_default_dtype(torch.float64)
+        try:
+            got, want = compiled(x)[1], model(x)[1]
+        finally:
+            torch.set_default_dtype(torch.float32)
+    assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+
+
+class _WritesItsInputAndCount(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        x += 1
+        self.count.add_(1)
+        return self.conv(x), x, self.count
+
+
+def test_an_input_or_buffer_written_in_place_and_returned_is_the_tensor_itself():
+    """Eager returns the caller's tensor and the buffer themselves (a write into them reaches
+    the caller's tensor and the module); the compiled call returned copies (helper-53, session
+    52), against options.md's promise. Both doors, as eager."""
+    torch.manual_seed(0)
+    for door in ("compile", "dynamo"):
+        model = _WritesItsInputAndCount().eval()
+        torch._dynamo.reset()
+        compiled = fc.compile(model, cache_dir=False) if door == "compile" else torch.compile(
+            model, backend="fusion_compiler", options={"cache_dir": False})
+        x = torch.randn(2, 3, 4, 4)
+        with torch.no_grad():
+            y, same, count = compiled(x)
+        assert same is x and count is model.count and float(count) == 1.0, door

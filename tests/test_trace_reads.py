@@ -2,6 +2,7 @@
 is named in one WARNING, an alias of ``torch.is_grad_enabled`` gets a specialization per grad
 mode, and a ``torch.nn`` submodule's ``training`` flag that the parent reads is in the key."""
 
+import copy
 import itertools
 import logging
 import os
@@ -170,6 +171,44 @@ def test_isinstance_of_a_tensor_ops_result_answers_as_eager():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
 
 
+class _AsksOfOtherValues(_Base):
+    """Values that are no tensor in eager although a tensor op makes them: the indices of
+    ``torch.where(cond)``, a type's name, a slice of a chunk's tuple; and a result asked if it
+    is a parameter (helper-52, session 52: each took the tensor branch, or failed the trace)."""
+
+    def forward(self, x):
+        y = self.conv(x)
+        parts = y.chunk(4, 1)[:2]
+        if isinstance(torch.where(y > 0), torch.Tensor) or isinstance(y.type(), torch.Tensor):
+            y = y * 0
+        if isinstance(y, nn.Parameter):
+            y = y * 0
+        return parts * 0 if isinstance(parts, torch.Tensor) else torch.cat(parts, 1)
+
+
+def test_isinstance_of_values_tensor_ops_make_that_are_no_tensors_answers_no():
+    torch.manual_seed(0)
+    model, x = _AsksOfOtherValues().eval(), torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(fusion_compiler.compile(model)(x), model(x))
+
+
+class _ReadsGradModeFromC(_Base):
+    def forward(self, x):
+        y = self.conv(x)
+        return y + 1000 if torch._C.is_grad_enabled() else y
+
+
+def test_the_grad_mode_read_through_torch_c_gets_a_specialization_per_mode():
+    """``torch._C.is_grad_enabled()`` was traced as the trace's mode, on for every call
+    (helper-53, session 52)."""
+    model, x = _ReadsGradModeFromC().eval(), torch.randn(1, 3, 8, 8)
+    compiled = fusion_compiler.compile(model)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    torch.testing.assert_close(compiled(x), model(x))
+
+
 class _HooksItsFeatures(nn.Module):
     """A gradient-scaling hook on an intermediate value (a common stop-or-scale trick)."""
 
@@ -240,13 +279,39 @@ class _LeavesGradOn(_Base):
         return self.conv(x) + 1 if torch.is_grad_enabled() else self.conv(x)
 
 
+class _FlipsGradMode(_Base):
+    def forward(self, x):
+        torch.set_grad_enabled(not torch.is_grad_enabled())
+        return self.conv(x)
+
+
 @pytest.mark.parametrize("model", [_LeavesGradOff, _LeavesGradOn], ids=["off", "on"])
-def test_a_forward_leaving_the_grad_mode_changed_is_refused_in_one_line(model):
+@pytest.mark.parametrize("caller", [True, False], ids=["grad", "no_grad"])
+def test_a_forward_leaving_the_grad_mode_changed_leaves_it_as_eager(model, caller):
     """Eager leaves the caller's mode as ``forward`` set it; a compiled call restored it, so
-    the caller's next lines ran in another mode, silently (session 52). Refused, naming the
-    fix; the trace leaves the caller's mode as it was."""
-    with pytest.raises(FusionError, match="leaves it changed .*with torch.no_grad"):
-        fusion_compiler.compile(model())
+    the caller's next lines ran in another mode, silently (session 52). The compiled call
+    leaves the mode eager leaves, whatever the caller's; the outputs and their
+    ``requires_grad`` are eager's."""
+    torch.manual_seed(0)
+    eager, x = model(), torch.randn(1, 3, 8, 8)
+    compiled = fusion_compiler.compile(copy.deepcopy(eager))
+    try:
+        for _ in range(2):
+            results = []
+            for fn in (eager, compiled):
+                torch.set_grad_enabled(caller)
+                out = fn(x)
+                results.append((out, out.requires_grad, torch.is_grad_enabled()))
+            (want, *wanted), (got, *gotten) = results
+            assert gotten == wanted
+            torch.testing.assert_close(got, want)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def test_a_forward_leaving_a_grad_mode_that_depends_on_the_callers_is_refused():
+    with pytest.raises(FusionError, match="leaves the gradient mode changed, to one that "):
+        fusion_compiler.compile(_FlipsGradMode())
     assert torch.is_grad_enabled()
 
 

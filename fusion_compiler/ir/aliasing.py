@@ -208,10 +208,15 @@ _OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operat
 """Fresh functions that compute numbers too (shape arithmetic)."""
 
 
-def tensor_result(node: fx.Node, is_tensor: Callable[[object], bool],
-                  module: Callable[[str], Any]) -> bool:
+def _marked(node: object) -> bool:
+    return isinstance(node, fx.Node) and node.meta.get("tensor", False)
+
+
+def tensor_result(node: fx.Node, module: Callable[[str], Any],
+                  is_tensor: Callable[[object], bool] = _marked) -> bool:
     """Whether ``node``'s value is certainly a tensor, from its op and what ``is_tensor`` says of
-    its arguments (earlier nodes; ``module(path)`` is the submodule a ``call_module`` calls): a
+    its arguments (earlier nodes; by default their ``meta["tensor"]``, which the tracer sets
+    with this; ``module(path)`` is the submodule a ``call_module`` calls): a
     fresh op (:func:`fresh`'s tables) or a view of a tensor; an item of a tuple a tensor op
     split off; a binary operator with a tensor operand. ``False`` where unsure (an op outside
     the tables, a method of a value not known to be a tensor). The tracer answers the model's
@@ -230,12 +235,17 @@ def tensor_result(node: fx.Node, is_tensor: Callable[[object], bool],
             return False
         if node.target is operator.getitem:  # an item of a tensor, or of a tensor op's tuple
             return of_tensor or isinstance(source, fx.Node) and source.op != "call_module" and (
-                source.target in _SEVERAL and is_tensor(alias_source(source)))
+                source.target in _SEVERAL and is_tensor(alias_source(source))
+                and isinstance(node.args[1], int))  # (a slice of the tuple is a tuple)
+        if node.target is torch.where and len(node.args) + len(node.kwargs) < 3:
+            return False  # (torch.where(cond): a tuple of indices)
         if node.target in _OPERATORS:
             return any(isinstance(a, fx.Node) and is_tensor(a) for a in node.args[:2])
         return node.target in _FRESH_FUNCTIONS or (
             of_tensor and node.target in _VIEW_FUNCTIONS and node.target not in _SEVERAL)
     if node.op == "call_method":
+        if node.target == "type" and len(node.args) + len(node.kwargs) < 2:
+            return False  # (x.type(): the type's name)
         return of_tensor and node.target not in _SEVERAL and (
             node.target in _FRESH_METHODS or node.target in _VIEW_METHODS
             or node.target in _SELF_METHODS)

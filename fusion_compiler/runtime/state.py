@@ -165,6 +165,10 @@ class StateGuard:
         modules = list(self.module.modules())
         holders = [(d, n) for m in modules for d in (m._parameters, m._buffers)
                    for n, t in d.items() if t is not None]
+        # a slot registered as None (a conv's bias=False, register_buffer("mask", None)) that
+        # gets a tensor changes what forward computes (the graph has no node for it)
+        self._empty = [(d, n) for m in modules for d in (m._parameters, m._buffers)
+                       for n, t in d.items() if t is None]
         self._dicts = [d for d, _ in holders]
         self._names = [n for _, n in holders]
         self.tensors: tuple[torch.Tensor, ...] = tuple(map(dict.get, self._dicts, self._names))
@@ -181,6 +185,9 @@ class StateGuard:
         self._children = tuple(map(dict.get, self._module_dicts, self._module_names))
         self._child_tables = [m._modules for m in modules]  # a submodule added: forward may
         self._child_counts = list(map(len, self._child_tables))  # iterate them, or test "in"
+        # a ModuleDict's order (forward iterates it; the same modules re-inserted reorder it)
+        self._orders = [(m._modules, tuple(m._modules)) for m in modules
+                        if isinstance(m, torch.nn.ModuleDict)]
         # a forward replaced on an instance (``m.forward = ...``) is what nn.Module.__call__ runs
         self._modules = modules
         self._vars = [vars(m) for m in modules]
@@ -242,7 +249,8 @@ class StateGuard:
 
     def changed(self) -> bool:
         """Whether a parameter, buffer or submodule was replaced or removed since :meth:`take`
-        (a tensor's memory replaced too), a hook added or removed below the root, a module's
+        (a tensor's memory replaced too; one registered as ``None`` set; a ``ModuleDict``
+        reordered), a hook added or removed below the root, a module's
         ``forward`` replaced (or put back) on the instance, a plain
         attribute (a number, a tensor that is no parameter or buffer) set to another value, or
         an attribute, parameter, buffer or submodule added under a name a trace saw ``forward``
@@ -257,6 +265,8 @@ class StateGuard:
                        self._children)) or list(map(len, self._child_tables)) != self._child_counts:
             return True
         return (list(map(_data_ptr, now)) != self._ptrs
+                or any(d.get(n) is not None for d, n in self._empty)
+                or any(tuple(d) != keys for d, keys in self._orders)
                 or sum(map(len, self._hook_tables)) != self._hooks
                 or self._forward_changed() or self._attributes_changed()
                 or any(n in t for tables, n in self._absent for t in tables)
@@ -283,6 +293,11 @@ class StateGuard:
                 return f"submodule '{n}' was replaced"
         if list(map(len, self._child_tables)) != self._child_counts:
             return "a submodule was added"
+        for d, n in self._empty:
+            if d.get(n) is not None:
+                return f"'{n}' was set (it was None)"
+        if any(tuple(d) != keys for d, keys in self._orders):
+            return "a ModuleDict's order changed"
         if sum(map(len, self._hook_tables)) != self._hooks:
             return "a hook was added or removed on a submodule (or a global one)"
         if self._forward_changed():

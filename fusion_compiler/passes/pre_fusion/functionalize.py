@@ -39,6 +39,7 @@ def functionalize(gm: fx.GraphModule) -> str:
         return shared
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     written: dict[fx.Node, fx.Node] = {}  # graph input or buffer -> its last value
+    root_of: dict[fx.Node, fx.Node] = {}  # each value written into one -> the input or buffer
     for node in list(gm.graph.nodes):
         twin = inplace_target(gm, node)
         if twin is None or not node.args or not isinstance(node.args[0], fx.Node):
@@ -64,11 +65,13 @@ def functionalize(gm: fx.GraphModule) -> str:
             if user is not node and order[user] > order[node]:
                 user.replace_input_with(mutated, node)
         if root.op in ("placeholder", "get_attr"):
-            written[root] = node
+            written[root], root_of[node] = node, root
     output = gm.graph.find_nodes(op="output")[0]
     for root, value in written.items():
         with gm.graph.inserting_before(output):
             gm.graph.call_function(write_back, (root, value))
+    for value, root in root_of.items():  # returned: the caller's tensor (the buffer), as eager
+        output.replace_input_with(value, root)  # returns it (its last value written back)
     return ""
 
 
