@@ -146,9 +146,8 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
                                  f"input{plural}, got {len(args)}")
         ref = self._dtype_ref
         for i, a in enumerate(args if ref is not None else ()):
-            # a 0-d CPU tensor is a scalar every device's ops take (Dynamo passes Python floats
-            # and batch norm's eps so); a dtype eager does not take is found by eager itself
-            # (``_explained``): models take masks, time steps and scalars of other dtypes
+            # a 0-d CPU tensor is a scalar every device's ops take (Dynamo passes floats so); a
+            # dtype eager does not take is found by eager itself (``_explained``)
             if isinstance(a, torch.Tensor) and a.device != ref.device and a.dim() > 0:
                 raise InputError(f"input {i} is on {a.device} but the model's parameters are on "
                                  f"{ref.device}; move the input (or the model) first")
@@ -283,11 +282,10 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         return spec, args
 
     def wait_for_background_compiles(self, timeout: float | None = None) -> bool:
-        """Block until every specialization's background compile (option ``tiered``,
-        docs/options.md) has ended, at most ``timeout`` seconds in all, and switch those
-        specializations to their last tier now. Returns ``False`` if the timeout passed first.
-        Benchmarks call it before timing the steady state. Specializations the model's state
-        no longer matches (:meth:`_check_state`) are dropped first, not finished."""
+        """Block until every specialization's background compile (option ``tiered``) has
+        ended, at most ``timeout`` seconds in all, and switch them to their last tier now (as
+        benchmarks do before timing). Returns ``False`` if the timeout passed first. Those the
+        model's state no longer matches (:meth:`_check_state`) are dropped, not finished."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_state()
         with on_device_of(self._dtype_ref):  # a tier switch captures (see forward)
@@ -314,9 +312,11 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
             args = self._bind(args, kwargs)
         if self._recompiles.uncompiled:  # a value forward reads changed at every call
             return uncompiled_forward(self.model)(*args)
-        if self._writes and shared_storage(flatten_inputs(args, self._unpacked)[0]):
-            warn_once(f"compiling {type(self.model).__name__}", "two inputs share memory and "
-                      "the graph writes in place: such calls run the model uncompiled")
+        if self._writes and shared_storage(flatten_inputs(args, self._unpacked)[0],
+                                           self._guard.storages):
+            warn_once(f"compiling {type(self.model).__name__}", "an input shares memory with "
+                      "another or the model's state and the graph writes in place: such calls "
+                      "run the model uncompiled")
             return uncompiled_forward(self.model)(*args)  # (functionalize: inputs never alias)
         if self._untrainable and self._needs_grad(args):
             warn_once(f"compiling {type(self.model).__name__}", f"{self._untrainable}: calls "

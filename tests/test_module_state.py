@@ -512,7 +512,37 @@ def test_inputs_that_share_memory_written_in_place_run_as_eager_runs(tmp_path, c
         with torch.no_grad(), caplog.at_level("WARNING", logger="fusion_compiler"):
             got, want = compiled(*split(mine)), eager(*split(theirs))
         assert rel_err(got, want) < 1e-6 and rel_err(mine, theirs) < 1e-6
-    assert any("share memory" in r.getMessage() for r in caplog.records)
+    assert any("shares memory" in r.getMessage() for r in caplog.records)
+
+
+class _Memory(nn.Module):
+    """A recurrent memory kept as a buffer, updated in forward; a caller may pass the buffer
+    itself back in (the last state as the next input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.register_buffer("mem", torch.zeros(1, 3, 6, 6))
+
+    def forward(self, x):
+        self.mem.add_(1)
+        return self.conv(x)
+
+
+def test_an_input_that_is_a_buffer_the_graph_writes_runs_as_eager_runs(caplog):
+    """The graph writes the buffer at its end (write-back): an input that is the buffer read
+    the old value, where eager reads the new one (helper-53, session 52: -23.5 against -47.0).
+    Such calls run the model uncompiled, with one WARNING, as inputs sharing memory do."""
+    torch.manual_seed(0)
+    model = _Memory().eval()
+    eager = copy.deepcopy(model)
+    compiled = fc.compile(model, cache_dir=False)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fusion_compiler"):
+        compiled(torch.randn(1, 3, 6, 6))
+        eager(torch.randn(1, 3, 6, 6))
+        got, want = compiled(model.mem), eager(eager.mem)
+    assert rel_err(got, want) < 1e-6 and torch.equal(model.mem, eager.mem)
+    assert any("the model's state" in r.getMessage() for r in caplog.records)
 
 
 def test_compiled_modules_compiled_again_or_inside_another_model(tmp_path):
@@ -1483,3 +1513,27 @@ def test_an_input_or_buffer_written_in_place_and_returned_is_the_tensor_itself()
         with torch.no_grad():
             y, same, count = compiled(x)
         assert same is x and count is model.count and float(count) == 1.0, door
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w):
+        return (w + w.flip(-1)) / 2
+
+
+def test_a_training_step_inside_parametrize_cached_gives_the_parametrization_its_gradient():
+    """Inside ``torch.nn.utils.parametrize.cached()`` the first compiled call compiles, and the
+    compile's runs of the model without gradients filled PyTorch's cache with a weight that
+    needs none: the first step gave the parametrized weight no gradient (helper-53, session
+    52)."""
+    import torch.nn.utils.parametrize as parametrize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
+    parametrize.register_parametrization(model[0], "weight", _Symmetric())
+    twin, x = copy.deepcopy(model), torch.randn(2, 3, 8, 8)
+    compiled = fc.compile(twin, cache_dir=False)
+    for m, fn in ((model, model), (twin, compiled)):
+        with parametrize.cached():
+            fn(x).square().mean().backward()
+    want, got = (m[0].parametrizations.weight.original.grad for m in (model, twin))
+    assert got is not None and rel_err(got, want) < 1e-5

@@ -179,6 +179,7 @@ class StateGuard:
                 f"a compiled module was called with parameters or buffers that have no storage "
                 f"({condense(str(exc), limit=80)}): inside torch.func transforms "
                 "(grad, vmap over functional_call) call the model uncompiled") from exc
+        self.storages = frozenset(t.untyped_storage().data_ptr() for t in self.tensors)
         children = [(m._modules, n) for m in modules for n in m._modules]
         self._module_dicts = [d for d, _ in children]
         self._module_names = [n for _, n in children]

@@ -267,10 +267,11 @@ def autocast_dtype(args: Sequence[Any]) -> torch.dtype | None:
     return torch.get_autocast_dtype(device)
 
 
-def shared_storage(args: Sequence[Any]) -> bool:
-    """Whether two tensors of ``args`` are views of one storage (``x`` and ``x[1:]``)."""
+def shared_storage(args: Sequence[Any], state: frozenset[int] = frozenset()) -> bool:
+    """Whether two tensors of ``args`` are views of one storage (``x`` and ``x[1:]``), or one
+    is a view of a storage in ``state`` (addresses: the model's parameters and buffers)."""
     storages = [a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)]
-    return len(set(storages)) < len(storages)
+    return len(set(storages)) < len(storages) or not state.isdisjoint(storages)
 
 
 @contextlib.contextmanager
