@@ -927,6 +927,90 @@ def autocast_dtypes(s: Session) -> None:
         s.record("out 2", s(x16(s)))
 
 
+class OptionalBias(nn.Module):
+    """A bias-free convolution whose bias a fine-tuning script adds later (a slot registered
+    as ``None``), and a ``ModuleDict`` of heads forward iterates, re-ordered by the script."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.heads = nn.ModuleDict({"a": nn.Conv2d(8, 2, 1), "b": nn.Conv2d(8, 3, 1)})
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        return torch.cat([h(y) for h in self.heads.values()], 1)
+
+
+def slot_set_and_heads_reordered(s: Session) -> None:
+    infer(s, x16(s), "before")
+    s.model.conv.bias = nn.Parameter(torch.full((8,), 0.5, device=s.device, dtype=s.dtype))
+    infer(s, x16(s), "bias set")
+    a = s.model.heads["a"]
+    del s.model.heads["a"]
+    s.model.heads["a"] = a
+    infer(s, x16(s), "heads reordered")
+
+
+class WritesItsInput(nn.Module):
+    """Normalizes its input in place and returns it beside the features, with a call counter
+    it keeps as a buffer and returns too."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        x.mul_(0.5)
+        self.calls.add_(1)
+        return self.conv(x), x, self.calls
+
+
+def written_input_returned(s: Session) -> None:
+    for _ in range(2):
+        x = x16(s)
+        with torch.no_grad():
+            out, same, calls = s(x)
+        s.record("out", out)
+        s.record("is the caller's tensor and the buffer", torch.tensor(
+            [float(same is x), float(calls is s.model.calls)]))
+        same.add_(1)  # reaches the caller's tensor, as in eager
+        s.record("the caller's tensor", x)
+
+
+class LeavesGradOff(ConvBN):
+    """A feature extractor that switches gradients off for the rest of the program, as some
+    evaluation scripts' models do (``torch.set_grad_enabled(False)``, no ``with``)."""
+
+    def forward(self, x):
+        torch.set_grad_enabled(False)
+        return super().forward(x)
+
+
+def grad_mode_left_off(s: Session) -> None:
+    try:
+        out = s(x16(s))
+        s.record("out", out)
+        s.record("grad mode after the call", torch.tensor(float(torch.is_grad_enabled())))
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def parametrize_cached_step(s: Session) -> None:
+    import torch.nn.utils.parametrize as parametrize
+
+    parametrize.register_parametrization(s.model.conv1, "weight", Symmetric())
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+    for _ in range(2):
+        with parametrize.cached():
+            step(s, opt, x16(s))
+
+
+class Symmetric(nn.Module):
+    def forward(self, w):
+        return (w + w.flip(-1)) / 2
+
+
 # --------------------------------------------------------------------------- more patterns
 
 class TwoOutputs(ConvNet):
@@ -1613,6 +1697,14 @@ PATTERNS: list[Pattern] = [
     Pattern("outputs_made_at_each_call", ReturnsMade, outputs_made_at_each_call,
             f"{ISSUE}, item 1 (session 51: a constant or hoisted output was one tensor for "
             "every call)"),
+    Pattern("slot_set_and_heads_reordered", OptionalBias, slot_set_and_heads_reordered,
+            f"{ISSUE}, item 1 (session 52, helper-53: both changes kept the old graph)"),
+    Pattern("written_input_returned", WritesItsInput, written_input_returned,
+            f"{ISSUE}, item 1 (session 52, helper-53: copies came back)"),
+    Pattern("grad_mode_left_off", lambda: LeavesGradOff().eval(), grad_mode_left_off,
+            f"{ISSUE}, item 2 (session 52: the compiled call restored the caller's mode)"),
+    Pattern("parametrize_cached_step", lambda: ConvBN().train(), parametrize_cached_step,
+            f"{ISSUE}, item 2 (session 52, helper-53: the first step's gradient was lost)"),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)
