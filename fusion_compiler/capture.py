@@ -270,9 +270,15 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             writes.restore()
             tracer, graph, reads = trace(False)
             tracer.grad_mode_read, traced_with = True, False
+        without = graph  # (the trace begun without gradients, where one was made)
         if tracer.grad_mode_set:  # a no_grad or enable_grad block: which calls it holds
             writes.restore()
-            forced_grad_modes(graph, trace(not traced_with)[1], traced_with)
+            other = trace(not traced_with)[1]
+            forced_grad_modes(graph, other, traced_with)
+            without = graph if not traced_with else other
+        # ops that record gradients in a call made without them (an enable_grad block)
+        raised = tracer.grad_mode_set and any(
+            n.meta.get("traced_grad") for n in without.nodes if n.op not in _NOT_CALLS)
         note_reads(reads, model, global_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
@@ -331,7 +337,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     gm.meta["autograd_functions"] = sorted(set(tracer.autograd_functions))
     gm.meta["checkpoints"] = tracer.checkpoints
     gm.meta["grad_mode_read"] = tracer.grad_mode_read
-    gm.meta["grad_mode_set"] = tracer.grad_mode_set
+    gm.meta["grad_mode_raised"] = raised
     gm.meta["grad_mode_left"] = left.pop() if left else None  # set by the compiled call too
     return gm
 
@@ -346,6 +352,8 @@ def _variadic(model: torch.nn.Module) -> str:
     marks = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
     return ", ".join(marks[p.kind] + p.name for p in params if p.kind in marks)
 
+
+_NOT_CALLS = ("placeholder", "get_attr", "output")
 
 _CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
          type, functools.partial)

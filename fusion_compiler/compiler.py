@@ -23,7 +23,8 @@ from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
 from .ir.ops import enables_grad, writes_in_place
 from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, uncompiled_forward, unsupported_hook
-from .runtime.state import Recompiles, StateGuard
+from .runtime.recompiles import Recompiles
+from .runtime.state import StateGuard
 from .runtime.state_dict import ModelAttributes, model_keys, prefixed_keys
 from .runtime.tensors import autocast_dtype, on_device_of, restored, shared_storage
 from .runners import note_once
@@ -79,14 +80,12 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self._arity = len(self._names)
         self._writes = any(map(writes_in_place, captured.graph.nodes))
         self._reads_grad_mode = captured.meta.get("grad_mode_read", False)
-        # a torch.enable_grad block (where forward reads the mode too, its marks are per mode)
-        self._enables_grad = enables_grad(captured.graph) or self._reads_grad_mode and \
-            captured.meta.get("grad_mode_set", False)
+        self._enables_grad = enables_grad(captured.graph) or captured.meta.get(
+            "grad_mode_raised", False)  # (a torch.enable_grad block: ops recording in no_grad)
         self._unpacked = unpacked_inputs(captured)  # where a tuple input is taken apart
         self._untrainable = untrainable(captured, type(model).__name__)
         # a forward that turns gradients off everywhere (@torch.no_grad(), @inference_mode())
         self._grad = captured.meta.get("grad", True)
-        self._grad_left = captured.meta.get("grad_mode_left")  # (torch.set_grad_enabled, bare)
         self._inference = captured.meta.get("inference", False)
         try:
             self._signature: inspect.Signature | None = inspect.signature(model.forward)
@@ -94,7 +93,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
             self._signature = None
         self.register_state_dict_post_hook(model_keys)
         self.register_load_state_dict_pre_hook(prefixed_keys)
-        self._guard = StateGuard(model)
+        self._guard = StateGuard(model, captured)  # (the state the graph writes: _call)
         self._take_state()
         self.specializations: collections.OrderedDict[tuple, Specialization] = \
             collections.OrderedDict()
@@ -335,8 +334,9 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
             with torch.inference_mode() if self._inference else torch.no_grad():
                 return spec.run(*args)
         finally:  # the mode a bare torch.set_grad_enabled in forward leaves, as eager leaves it
-            if self._grad_left is not None:
-                torch._C._set_grad_enabled(self._grad_left)
+            left = spec.graph_module.meta.get("grad_mode_left")  # (per trace: self.training...)
+            if left is not None:
+                torch._C._set_grad_enabled(left)
 
     def report(self) -> str:
         """What the last specialization is, as text at most 100 columns wide: the summary

@@ -144,7 +144,11 @@ class _SharingRecorded:
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
-        n.meta["shares"] = shared_input(n, result, self.env)
+        names = shared_input(n, result, self.env)
+        if len(names) < 2:
+            n.meta["shares"] = names[0] if names else None
+        else:  # (which item views which argument is not recorded: the tables answer)
+            n.meta.pop("shares", None)
         return result
 
 

@@ -951,7 +951,7 @@ def slot_set_and_heads_reordered(s: Session) -> None:
     infer(s, x16(s), "heads reordered")
 
 
-class WritesItsInput(nn.Module):
+class WritesAndReturnsItsInput(nn.Module):
     """Normalizes its input in place and returns it beside the features, with a call counter
     it keeps as a buffer and returns too."""
 
@@ -1699,7 +1699,7 @@ PATTERNS: list[Pattern] = [
             "every call)"),
     Pattern("slot_set_and_heads_reordered", OptionalBias, slot_set_and_heads_reordered,
             f"{ISSUE}, item 1 (session 52, helper-53: both changes kept the old graph)"),
-    Pattern("written_input_returned", WritesItsInput, written_input_returned,
+    Pattern("written_input_returned", WritesAndReturnsItsInput, written_input_returned,
             f"{ISSUE}, item 1 (session 52, helper-53: copies came back)"),
     Pattern("grad_mode_left_off", lambda: LeavesGradOff().eval(), grad_mode_left_off,
             f"{ISSUE}, item 2 (session 52: the compiled call restored the caller's mode)"),

@@ -155,6 +155,44 @@ def test_a_forward_reading_the_grad_mode_with_an_enable_grad_block_trains_in_a_n
     assert spec.training and y.requires_grad and not z.requires_grad
 
 
+def test_a_no_grad_block_in_a_forward_reading_the_grad_mode_is_no_enable_grad_block(caplog):
+    """A forward that reads the grad mode and has a ``torch.no_grad()`` block (no
+    ``enable_grad``) counted as turning gradients on: its ``no_grad`` calls got training
+    specializations, and with a custom ``autograd.Function`` ran uncompiled (helper-54)."""
+    class Swish(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * torch.sigmoid(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            s = torch.sigmoid(x)
+            return g * s * (1 + x * (1 - s))
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            y = Swish.apply(self.c(x))
+            if torch.is_grad_enabled():
+                y = y + 0.0
+            with torch.no_grad():
+                scale = y.abs().amax((1, 2, 3), keepdim=True)
+            return self.c2(y / scale)
+
+    torch.manual_seed(0)
+    model, x = Scaled().eval(), torch.randn(2, 3, 8, 8)
+    compiled = fc.compile(model, cache_dir=False)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fusion_compiler"):
+        out = compiled(x)
+        assert rel_err(out, model(x)) < 1e-5
+    assert not compiled.last.training and not caplog.records, caplog.records
+
+
 def test_inference_mode_and_no_grad_calls_get_their_own_specializations():
     """Inside ``inference_mode`` a call returns inference tensors and under ``no_grad`` normal
     ones, as eager does; each mode has its specialization (a CUDA graph captured in one mode

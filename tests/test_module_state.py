@@ -324,7 +324,7 @@ def test_a_value_that_changes_at_every_call_stops_compiling_after_the_limit(monk
     """A step counter a forward reads (a global here; an attribute alike) compiles again at
     each change; after RECOMPILE_LIMIT compiles for it the calls run the model uncompiled, with
     one WARNING, instead of compiling at every call."""
-    from fusion_compiler.runtime.state import RECOMPILE_LIMIT
+    from fusion_compiler.runtime.recompiles import RECOMPILE_LIMIT
 
     monkeypatch.setitem(globals(), "STEP", 0)
     model = _ReadsAStepCounter()
@@ -1537,3 +1537,33 @@ def test_a_training_step_inside_parametrize_cached_gives_the_parametrization_its
             fn(x).square().mean().backward()
     want, got = (m[0].parametrizations.weight.original.grad for m in (model, twin))
     assert got is not None and rel_err(got, want) < 1e-5
+
+
+class _Prompted(nn.Module):
+    """A learned query passed back in as the input (a view of a parameter), and a step counter
+    the graph writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.prompt = nn.Parameter(torch.randn(4, 3, 8, 8))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return self.conv(x).relu()
+
+
+def test_an_input_viewing_state_the_graph_does_not_write_runs_compiled(caplog):
+    """Only the state the graph writes makes a call sharing its memory run uncompiled: a view
+    of a parameter passed in, beside a counter written, ran uncompiled at every call
+    (helper-54, session 52)."""
+    torch.manual_seed(0)
+    model = _Prompted().train()
+    compiled = fc.compile(model, cache_dir=False)
+    with caplog.at_level("WARNING", logger="fusion_compiler"):
+        for _ in range(2):
+            compiled(model.prompt[:2]).sum().backward()
+    assert compiled.last is not None and int(model.steps) == 2
+    assert not any("shares memory" in r.getMessage() for r in caplog.records)
+

@@ -315,6 +315,32 @@ def test_a_forward_leaving_a_grad_mode_that_depends_on_the_callers_is_refused():
     assert torch.is_grad_enabled()
 
 
+class _GradFromTraining(_Base):
+    def forward(self, x):
+        torch.set_grad_enabled(self.training)  # (an evaluation script's model, bare)
+        return self.conv(x).relu()
+
+
+def test_the_grad_mode_left_follows_the_specialization_traced():
+    """What forward leaves depends on its Python state (``self.training``): compiled in eval,
+    then trained, the call left gradients off and the user's loss had none (helper-54)."""
+    torch.manual_seed(0)
+    model, x = _GradFromTraining().eval(), torch.randn(2, 3, 8, 8)
+    compiled = fusion_compiler.compile(model)
+    try:
+        with torch.no_grad():
+            compiled(x)
+        torch.set_grad_enabled(True)
+        model.train()
+        out = compiled(x)
+        assert torch.is_grad_enabled() and out.requires_grad
+        model.eval()
+        compiled(x)
+        assert not torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+
+
 class _TakesStar(_Base):
     def forward(self, *xs):
         return sum(self.conv(x) for x in xs)

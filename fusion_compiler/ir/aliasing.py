@@ -20,11 +20,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops import inplace_flag
+from .ops import inplace_flag, writes_in_place
 
 __all__ = ["inplace_target", "alias_source", "may_be_view", "written_source", "fresh",
            "is_torchvision_stochastic_depth", "view_chain", "view_base", "tensor_result",
-           "shared_input"]
+           "shared_input", "written_attributes"]
 
 # in-place target -> out-of-place canonical target (call_function and call_method spellings)
 _INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
@@ -122,6 +122,8 @@ def alias_source(node: object) -> fx.Node | None:
         found = next((a for a in node.all_input_nodes if a.name == seen), None)
         if found is not None:
             return found
+    if node.target in _ATLEAST and len(node.args) > 1:
+        return None  # (torch.atleast_3d(a, b): which item views which is not known here)
     first = next((a for a in node.args if isinstance(a, fx.Node)),
                  node.kwargs.get("input", node.kwargs.get("self")))
     return first if isinstance(first, fx.Node) else None
@@ -202,6 +204,7 @@ _SEVERAL = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes", "hsp
             torch.atleast_2d, torch.atleast_3d}
 """View ops of :data:`_VIEW_FUNCTIONS` and :data:`_VIEW_METHODS` that return a tuple of tensors
 (``atleast_*d`` where given several)."""
+_ATLEAST = (torch.atleast_1d, torch.atleast_2d, torch.atleast_3d)
 _INDICES_POSITION = {F.max_pool1d: 6, F.max_pool2d: 6, F.max_pool3d: 6, F.adaptive_max_pool2d: 2}
 """Pooling functions that return a tuple with ``return_indices`` (this positional argument)."""
 _OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.matmul}
@@ -252,16 +255,16 @@ def tensor_result(node: fx.Node, module: Callable[[str], Any],
     return False
 
 
-def shared_input(node: fx.Node, result: Any, values: Mapping[fx.Node, Any]) -> str | None:
-    """The name of the argument of ``node`` whose value shares memory with ``result`` (a
+def shared_input(node: fx.Node, result: Any, values: Mapping[fx.Node, Any]) -> list[str]:
+    """The names of the arguments of ``node`` whose values share memory with ``result`` (a
     tensor, or tensors in tuples, lists and dicts), from the values a shape propagation holds
-    (``values``: real, meta or fake tensors; a view shares its base's storage in each), else
-    ``None``. Recorded as ``meta["shares"]`` (:mod:`fusion_compiler.shapes`)."""
+    (``values``: real, meta or fake tensors; a view shares its base's storage in each).
+    :mod:`fusion_compiler.shapes` records one as ``meta["shares"]`` (none: ``None``); where
+    several share (``torch.broadcast_tensors(a, b)``: one item of the tuple views each), it
+    records nothing and the tables answer."""
     made = {_storage(t) for t in _tensors(result)} - {None}
-    for source in node.all_input_nodes:
-        if made & {_storage(t) for t in _tensors(values.get(source))}:
-            return source.name
-    return None
+    return [source.name for source in node.all_input_nodes
+            if made & {_storage(t) for t in _tensors(values.get(source))}]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -279,3 +282,11 @@ def _storage(t: torch.Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # (a tensor without storage: sparse, nested)
         return None
+
+
+def written_attributes(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The parameters and buffers ``gm`` writes in place (through views too)."""
+    bases = [view_base(gm, n.args[0]) for n in gm.graph.nodes
+             if writes_in_place(n) and n.args and isinstance(n.args[0], fx.Node)]
+    return [operator.attrgetter(b.target)(gm) for b in bases
+            if isinstance(b, fx.Node) and b.op == "get_attr"]

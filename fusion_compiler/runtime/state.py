@@ -19,7 +19,6 @@ name its code may read (a global setting, a helper function;
 
 from __future__ import annotations
 
-import collections
 import logging
 import operator
 import types
@@ -28,13 +27,15 @@ from itertools import repeat
 from typing import Any, Sequence
 
 import torch
+import torch.fx as fx
 
+from ..ir.aliasing import written_attributes
 from ..ir.errors import FusionError, condense
 from .hooks import hook_tables, instance_forward
 from .snapshots import (MISSING, MODULE_INTERNALS, changed_in_place, kept, order, plain, same,
                         short, small)
 
-__all__ = ["StateGuard", "Recompiles", "RECOMPILE_LIMIT", "plain", "note_reads", "first_time"]
+__all__ = ["StateGuard", "plain", "note_reads", "first_time"]
 
 log = logging.getLogger("fusion_compiler")
 
@@ -156,8 +157,11 @@ class StateGuard:
     (measured: docs/options.md, "The cost of current state").
     """
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, graph: fx.GraphModule | None = None):
         self.module = module
+        written = {id(t) for t in written_attributes(graph)} if graph is not None else set()
+        self._watched = [(d, n) for m in module.modules() for d in (m._parameters, m._buffers)
+                         for n, t in d.items() if id(t) in written]
         self.take()
 
     def take(self) -> None:
@@ -179,7 +183,10 @@ class StateGuard:
                 f"a compiled module was called with parameters or buffers that have no storage "
                 f"({condense(str(exc), limit=80)}): inside torch.func transforms "
                 "(grad, vmap over functional_call) call the model uncompiled") from exc
-        self.storages = frozenset(t.untyped_storage().data_ptr() for t in self.tensors)
+        # the storages of the state the graph writes in place (an input sharing one reads the
+        # value before the write, where eager reads the one after: such a call runs eagerly)
+        self.storages = frozenset(d[n].untyped_storage().data_ptr() for d, n in self._watched
+                                  if d.get(n) is not None)
         children = [(m._modules, n) for m in modules for n in m._modules]
         self._module_dicts = [d for d, _ in children]
         self._module_names = [n for _, n in children]
@@ -358,40 +365,3 @@ def _settable(cls: type, name: str) -> bool:
         return False
     found = getattr(cls, name, MISSING)
     return found is MISSING or _data(found)
-
-
-RECOMPILE_LIMIT = 8
-"""Compiles that one value (an attribute, a global, a class attribute) may cause by changing before
-the compiled module stops compiling and runs the model uncompiled (Dynamo stops at 8 compiles of
-one frame too: ``torch._dynamo.config.recompile_limit``)."""
-
-
-class Recompiles:
-    """What the compiled module ``name`` does when :class:`StateGuard` finds the model changed:
-    it compiles again, logging why (a value's first change as a WARNING, later ones at INFO; at
-    DEBUG when nothing was compiled yet); once one value has changed at more than
-    :data:`RECOMPILE_LIMIT` compiles (a step counter a forward reads), :attr:`uncompiled` says
-    why, and the compiled module runs the model uncompiled from then on: correct at eager's
-    speed, instead of a compile at every call."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.uncompiled = ""
-
-    def note(self, what: str, compiled: int) -> None:
-        """``what`` (:meth:`StateGuard.describe`) changed; ``compiled`` specializations are
-        dropped."""
-        key = what.split(" was")[0]
-        value = key.startswith(("attribute", "global", "class"))
-        self.counts[key] += bool(compiled)
-        first = compiled and value and self.counts[key] == 1
-        log.log(logging.WARNING if first else logging.INFO if compiled else logging.DEBUG,
-                "%s: %s since it was compiled: its %d specialization(s) are compiled again%s",
-                self.name, what, compiled, "; pass a value that changes between calls as an "
-                "argument of forward" if first else "")
-        if value and self.counts[key] > RECOMPILE_LIMIT and not self.uncompiled:
-            self.uncompiled = f"{key} changed at {self.counts[key]} compiles"
-            log.warning("%s: %s: from now on its calls run the model uncompiled (pass the value "
-                        "as an argument of forward, or keep it constant)", self.name,
-                        self.uncompiled)
