@@ -21,13 +21,13 @@ from .capture import (TensorSpec, capture, flatten_inputs, input_specs, unpacked
 from .config import CompileOptions, Target
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
 from .ir.ops import enables_grad, writes_in_place
+from .runners import note_once
 from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, uncompiled_forward, unsupported_hook
 from .runtime.recompiles import Recompiles
 from .runtime.state import StateGuard
 from .runtime.state_dict import ModelAttributes, model_keys, prefixed_keys
 from .runtime.tensors import autocast_dtype, on_device_of, restored, shared_storage
-from .runners import note_once
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
 
