@@ -19,8 +19,9 @@ from .backends import check_backends
 from .capture import (TensorSpec, capture, flatten_inputs, input_specs, unpacked_inputs,
                       untrainable)
 from .config import CompileOptions, Target
+from .grad_modes import GradFactsByFlags
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
-from .ir.ops import enables_grad, writes_in_place
+from .ir.ops import writes_in_place
 from .runners import note_once
 from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, uncompiled_forward, unsupported_hook
@@ -79,14 +80,9 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self._names = [n.target for n in captured.graph.find_nodes(op="placeholder")]
         self._arity = len(self._names)
         self._writes = any(map(writes_in_place, captured.graph.nodes))
-        self._reads_grad_mode = captured.meta.get("grad_mode_read", False)
-        self._enables_grad = enables_grad(captured.graph) or captured.meta.get(
-            "grad_mode_raised", False)  # (a torch.enable_grad block: ops recording in no_grad)
         self._unpacked = unpacked_inputs(captured)  # where a tuple input is taken apart
         self._untrainable = untrainable(captured, type(model).__name__)
-        # a forward that turns gradients off everywhere (@torch.no_grad(), @inference_mode())
-        self._grad = captured.meta.get("grad", True)
-        self._inference = captured.meta.get("inference", False)
+        self._grad_facts = GradFactsByFlags(lambda: capture(model))  # (per training flags)
         try:
             self._signature: inspect.Signature | None = inspect.signature(model.forward)
         except (TypeError, ValueError):
@@ -94,6 +90,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self.register_state_dict_post_hook(model_keys)
         self.register_load_state_dict_pre_hook(prefixed_keys)
         self._guard = StateGuard(model, captured)  # (the state the graph writes: _call)
+        self._grad_facts.seed(self._guard.training_flags(), captured)
         self._take_state()
         self.specializations: collections.OrderedDict[tuple, Specialization] = \
             collections.OrderedDict()
@@ -134,6 +131,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         for spec in self.specializations.values():
             spec.close()
         self.specializations.clear()
+        self._grad_facts.clear()
         object.__setattr__(self, "last", None)
         self._guard.take()
         self._take_state()
@@ -174,8 +172,9 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
     def _needs_grad(self, args: Sequence[Any]) -> bool:
         """Whether a call records autograd history: grad mode on (or a block in forward that
         turns it on), no inference mode, and a parameter or input requiring grad."""
-        if not self._grad or torch.is_inference_mode_enabled() or not (
-                torch.is_grad_enabled() or self._enables_grad):
+        facts = self._grad_facts(self._guard.training_flags())
+        if not facts.grad or torch.is_inference_mode_enabled() or not (
+                torch.is_grad_enabled() or facts.enables):
             return False
         return any(p.requires_grad for p in self._model_params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -253,8 +252,9 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         frozen = tuple(p.requires_grad for p in self._model_params) if grad else ()
         # inference mode (the caller's or the forward's decorator): graphs captured in it return
         # inference tensors as eager does; a no_grad call gets normal ones (it may write them)
-        inference = not grad and (torch.is_inference_mode_enabled() or self._inference)
-        grad_mode = torch.is_grad_enabled() or not (self._reads_grad_mode or self._enables_grad)
+        facts = self._grad_facts(self._guard.training_flags())
+        inference = not grad and (torch.is_inference_mode_enabled() or facts.inference)
+        grad_mode = torch.is_grad_enabled() or not (facts.reads or facts.enables)
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
                frozen, inference, structure, self._guard.training_flags(), grad_mode,
                torch.get_default_dtype())  # (the dtype of torch.tensor([0.5]) in forward)
@@ -328,15 +328,15 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
             raise self._explained(exc, args)  # noqa: B904  (its own cause, set there)
         if spec is not self.last:  # (nn.Module.__setattr__ costs microseconds per call)
             object.__setattr__(self, "last", spec)
+        meta = spec.graph_module.meta  # (its trace's: forward's Python may choose the modes)
         try:
-            if self._grad:
+            if meta.get("grad", True):
                 return spec.run(*args)
-            with torch.inference_mode() if self._inference else torch.no_grad():
+            with torch.inference_mode() if meta.get("inference") else torch.no_grad():
                 return spec.run(*args)
         finally:  # the mode a bare torch.set_grad_enabled in forward leaves, as eager leaves it
-            left = spec.graph_module.meta.get("grad_mode_left")  # (per trace: self.training...)
-            if left is not None:
-                torch._C._set_grad_enabled(left)
+            if meta.get("grad_mode_left") is not None:
+                torch._C._set_grad_enabled(meta["grad_mode_left"])
 
     def report(self) -> str:
         """What the last specialization is, as text at most 100 columns wide: the summary

@@ -6,10 +6,15 @@ written into the graph as ``torch._C._set_grad_enabled`` calls, as Dynamo writes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.fx as fx
 
-__all__ = ["forced_grad_modes", "mark_grad_modes"]
+from .ir.ops import enables_grad
+
+__all__ = ["forced_grad_modes", "mark_grad_modes", "GradFacts", "GradFactsByFlags"]
 
 
 def forced_grad_modes(graph: fx.Graph, other: fx.Graph, traced_with: bool) -> None:
@@ -68,3 +73,54 @@ def mark_grad_modes(gm: fx.GraphModule) -> None:
         with graph.inserting_before(graph.find_nodes(op="output")[0]):
             graph.call_function(torch._C._set_grad_enabled, (caller,))
     gm.recompile()
+
+
+@dataclass(frozen=True)
+class GradFacts:
+    """What a trace of ``forward`` says of gradient modes, read from the captured graph
+    (:func:`~fusion_compiler.capture.capture`).
+
+    Attributes:
+        grad: some op records gradients (``False``: every op runs without, as under a
+            ``@torch.no_grad()`` decorator or a block around the whole forward).
+        inference: every op runs in inference mode.
+        reads: ``forward`` reads ``torch.is_grad_enabled()``.
+        enables: ops record gradients in a call made without them (a ``torch.enable_grad``
+            block).
+    """
+
+    grad: bool
+    inference: bool
+    reads: bool
+    enables: bool
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule) -> "GradFacts":
+        return cls(gm.meta.get("grad", True), gm.meta.get("inference", False),
+                   gm.meta.get("grad_mode_read", False),
+                   enables_grad(gm.graph) or gm.meta.get("grad_mode_raised", False))
+
+
+class GradFactsByFlags:
+    """:class:`GradFacts` for each combination of the model's ``training`` flags, from a trace
+    made with them (``trace()``, the model as it is now): ``forward``'s Python may choose its
+    modes from them (``with torch.set_grad_enabled(self.training):``), and a trace in eval mode
+    says nothing of a call in training mode (its specialization was captured without
+    gradients). :meth:`clear` when the model changed."""
+
+    def __init__(self, trace: Callable[[], fx.GraphModule]):
+        self._trace = trace
+        self._known: dict[tuple, GradFacts] = {}
+
+    def seed(self, flags: tuple, gm: fx.GraphModule) -> None:
+        """Take ``gm``, traced with ``flags``, as the trace for them."""
+        self._known[flags] = GradFacts.of(gm)
+
+    def __call__(self, flags: tuple) -> GradFacts:
+        facts = self._known.get(flags)
+        if facts is None:
+            facts = self._known[flags] = GradFacts.of(self._trace())
+        return facts
+
+    def clear(self) -> None:
+        self._known.clear()

@@ -341,6 +341,31 @@ def test_the_grad_mode_left_follows_the_specialization_traced():
         torch.set_grad_enabled(True)
 
 
+class _GradBlockFromTraining(_Base):
+    def forward(self, x):
+        with torch.set_grad_enabled(self.training):  # (a frozen extractor in eval mode)
+            return self.conv(x).relu()
+
+
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_grad_modes_forward_chooses_from_its_training_flag_are_the_calls(first):
+    """What a trace says of grad modes (no op records gradients, a block enables them) held for
+    every call, from the trace at ``compile``: compiled in eval mode, a training call got a
+    specialization without gradients (on the GPU, captured so: the model would not train);
+    compiled in train mode, an eval call's output required gradients, eager's not (session
+    52). They are now per combination of training flags."""
+    torch.manual_seed(0)
+    model, x = getattr(_GradBlockFromTraining(), first)(), torch.randn(2, 3, 8, 8)
+    compiled = fusion_compiler.compile(model)
+    compiled(x)
+    for mode in ("eval", "train", "eval"):
+        getattr(model, mode)()
+        out, want = compiled(x), model(x)
+        assert out.requires_grad == want.requires_grad == (mode == "train"), mode
+        assert compiled.last.training == (mode == "train"), mode
+        torch.testing.assert_close(out, want)
+
+
 class _TakesStar(_Base):
     def forward(self, *xs):
         return sum(self.conv(x) for x in xs)
