@@ -25,7 +25,7 @@ from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward, uninitialized_lazy
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import first_time, note_reads
-from .grad_modes import forced_grad_modes, mark_grad_modes
+from .grad_modes import forced_grad_modes, mark_grad_modes, records_gradients
 from .trace_constants import constants_written, fresh_constant_outputs
 from .tracing import ModeRecordingTracer, recording_reads
 
@@ -277,8 +277,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             forced_grad_modes(graph, other, traced_with)
             without = graph if not traced_with else other
         # ops that record gradients in a call made without them (an enable_grad block)
-        raised = tracer.grad_mode_set and any(
-            n.meta.get("traced_grad") for n in without.nodes if n.op not in _NOT_CALLS)
+        raised = tracer.grad_mode_set and records_gradients(without)
         note_reads(reads, model, global_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
@@ -352,8 +351,6 @@ def _variadic(model: torch.nn.Module) -> str:
     marks = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
     return ", ".join(marks[p.kind] + p.name for p in params if p.kind in marks)
 
-
-_NOT_CALLS = ("placeholder", "get_attr", "output")
 
 _CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
          type, functools.partial)

@@ -19,7 +19,7 @@ from .backends import check_backends
 from .capture import (TensorSpec, capture, flatten_inputs, input_specs, unpacked_inputs,
                       untrainable)
 from .config import CompileOptions, Target
-from .grad_modes import GradFactsByFlags
+from .grad_modes import GradFacts, GradFactsByFlags
 from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
 from .ir.ops import writes_in_place
 from .runners import note_once
@@ -169,10 +169,10 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
-    def _needs_grad(self, args: Sequence[Any]) -> bool:
+    def _needs_grad(self, args: Sequence[Any], facts: GradFacts | None = None) -> bool:
         """Whether a call records autograd history: grad mode on (or a block in forward that
         turns it on), no inference mode, and a parameter or input requiring grad."""
-        facts = self._grad_facts(self._guard.training_flags())
+        facts = facts or self._grad_facts(self._guard.training_flags())
         if not facts.grad or torch.is_inference_mode_enabled() or not (
                 torch.is_grad_enabled() or facts.enables):
             return False
@@ -242,7 +242,8 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self._check_state()
         self._check_inputs(args)
         args, structure = flatten_inputs(args, self._unpacked)
-        grad = self._needs_grad(args)
+        facts = self._grad_facts(flags := self._guard.training_flags())  # (once per call)
+        grad = self._needs_grad(args, facts)
         if grad and self._untrainable:
             raise FusionError(f"{self._untrainable}: calls that record gradients cannot be "
                               "compiled; train through torch.compile(model, "
@@ -252,11 +253,10 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         frozen = tuple(p.requires_grad for p in self._model_params) if grad else ()
         # inference mode (the caller's or the forward's decorator): graphs captured in it return
         # inference tensors as eager does; a no_grad call gets normal ones (it may write them)
-        facts = self._grad_facts(self._guard.training_flags())
         inference = not grad and (torch.is_inference_mode_enabled() or facts.inference)
         grad_mode = torch.is_grad_enabled() or not (facts.reads or facts.enables)
         key = (input_specs(args), self.model.training, grad, requires if grad else (), amp,
-               frozen, inference, structure, self._guard.training_flags(), grad_mode,
+               frozen, inference, structure, flags, grad_mode,
                torch.get_default_dtype())  # (the dtype of torch.tensor([0.5]) in forward)
         spec = self.specializations.get(key)
         if spec is not None:

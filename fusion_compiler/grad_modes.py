@@ -14,7 +14,8 @@ import torch.fx as fx
 
 from .ir.ops import enables_grad
 
-__all__ = ["forced_grad_modes", "mark_grad_modes", "GradFacts", "GradFactsByFlags"]
+__all__ = ["forced_grad_modes", "mark_grad_modes", "records_gradients", "GradFacts",
+           "GradFactsByFlags"]
 
 
 def forced_grad_modes(graph: fx.Graph, other: fx.Graph, traced_with: bool) -> None:
@@ -37,6 +38,12 @@ def forced_grad_modes(graph: fx.Graph, other: fx.Graph, traced_with: bool) -> No
 
 
 _CALLS = ("call_function", "call_method", "call_module")
+
+
+def records_gradients(graph: fx.Graph) -> bool:
+    """Whether a call of ``graph``, traced without gradients, was traced with them on (a
+    ``torch.enable_grad`` block: ``meta["traced_grad"]``)."""
+    return any(n.meta.get("traced_grad") for n in graph.nodes if n.op in _CALLS)
 
 
 def mark_grad_modes(gm: fx.GraphModule) -> None:

@@ -309,6 +309,7 @@ class _InplaceProxy(fx.Proxy):
     a node, never ``None``, always there) fails the trace, naming it."""
 
     _is_param = _is_buffer = False  # (nn.Parameter's and nn.Buffer's isinstance read them)
+    _kind: type = torch.Tensor  # (what the model's isinstance is told a tensor's proxy is)
 
     def __getattr__(self, name: str) -> Any:
         if name in _AUTOGRAD_STATE or (name.startswith("_") and not name.startswith("__")
@@ -324,10 +325,11 @@ class _InplaceProxy(fx.Proxy):
 
     @property
     def __class__(self) -> type:  # type: ignore[override]
-        # a tensor op's result is a torch.Tensor to the model's isinstance, as in eager (fx's
-        # proxy is none: the other branch was traced, silently); unsure: fx's answer
+        # a value the trace knows to be a tensor (an input, parameter or buffer, a tensor op's
+        # result: meta["tensor"]) is one to the model's isinstance, as in eager (fx's proxy is
+        # none: the other branch was traced, silently); unsure, or asked by PyTorch: fx's answer
         if self.node.meta.get("tensor") and _asked_by_the_model(sys._getframe(1)):
-            return torch.Tensor
+            return self._kind
         return type(self)
 
     def __iadd__(self, other: Any) -> fx.Proxy:
@@ -349,19 +351,13 @@ class _TensorProxy(_InplaceProxy):
     and ``torch.is_tensor(x)`` hold, as in eager (fx's proxy is no tensor, so ``forward``'s
     other branch was traced, silently); ``isinstance(x, nn.Parameter)`` holds for a parameter.
     Python's ``isinstance`` reads ``__class__`` where the type itself is not the class asked
-    for: the property answers by who asks. PyTorch's own code (``torch.utils.checkpoint``, fx)
+    for: :class:`_InplaceProxy`'s property answers by who asks. PyTorch's own code (``torch.utils.checkpoint``, fx)
     and this package's get the proxy's class, as fx's proxies answer, which is what they are
     written to trace with; ``type(x)`` stays the proxy's for everyone."""
-
-    _kind: type = torch.Tensor
 
     def __init__(self, node: fx.Node, tracer: fx.Tracer, ndim: int):
         super().__init__(node, tracer)
         self.__dict__["_ndim"] = ndim
-
-    @property
-    def __class__(self) -> type:  # type: ignore[override]
-        return self._kind if _asked_by_the_model(sys._getframe(1)) else type(self)
 
     def dim(self) -> int:
         """The number of dimensions, a number: a specialization's inputs have their shapes
