@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .code_reads import globals_read
 from .ir.errors import FusionError, InputTypeError
-from .ir.ops import calls_named, copy_graph, writes_in_place
+from .ir.ops import calls_named, copy_graph, grad_mode_at_end, writes_in_place
 from .random_ops import draws, random_state
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward, uninitialized_lazy
@@ -205,8 +205,10 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             mode left whatever the caller's is ``gm.meta["grad_mode_left"]``). A
             ``DistributedDataParallel`` module gets a message naming the fix.
     """
-    if isinstance(model, fx.GraphModule):
-        return _inline_writing_checkpoints(fx.GraphModule(model, copy_graph(model.graph)))
+    if isinstance(model, fx.GraphModule):  # (Dynamo's: the modes it sets are constants)
+        gm = _inline_writing_checkpoints(fx.GraphModule(model, copy_graph(model.graph)))
+        gm.meta["grad_mode_left"] = grad_mode_at_end(gm.graph)  # set by the compiled call
+        return gm
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise FusionError(
             "fusion_compiler.compile got a DistributedDataParallel module: compile the model "

@@ -301,6 +301,17 @@ def enables_grad(graph: fx.Graph) -> bool:
                and node.args[:1] == (True,) for node in graph.nodes)
 
 
+def grad_mode_at_end(graph: fx.Graph) -> bool | None:
+    """The gradient mode ``graph`` leaves set: the argument of its last
+    ``torch._C._set_grad_enabled`` call (Dynamo writes a bare ``torch.set_grad_enabled(False)``
+    as one, and a block's exit as another, with the modes of the caller it guards on), ``None``
+    when it has none (or its argument is not a constant)."""
+    last = None
+    for node in graph.find_nodes(op="call_function", target=torch._C._set_grad_enabled):
+        last = node.args[0] if isinstance(node.args[0], bool) else None
+    return last
+
+
 TENSOR_HOOKS = frozenset({"register_hook", "retain_grad", "register_post_accumulate_grad_hook"})
 """Tensor methods that register a hook on the tensor (autograd calls it in the backward)."""
 
