@@ -323,14 +323,14 @@ class SpecializationCompiler:
 def _uncached_parametrizations() -> Iterator[None]:
     """No caching of parametrized tensors while a specialization compiles: inside the caller's
     ``torch.nn.utils.parametrize.cached()`` the compile's runs of the model (the trace, the
-    shape propagation, without gradients) filled the cache with a weight that needs none, which
-    the call then read (its first training step gave the parametrization no gradient)."""
+    shape propagation, without gradients) filled the cache with a weight that needs none (or a
+    trace's proxy), which the call then read. The cache itself is left as it is: with caching
+    off nothing is added to it, and a copy put back would bring back entries the caller's
+    thread dropped meanwhile."""
     parametrize = torch.nn.utils.parametrize
-    enabled, cache = parametrize._cache_enabled, dict(parametrize._cache)
+    enabled = parametrize._cache_enabled
     parametrize._cache_enabled = 0
     try:
         yield
     finally:
         parametrize._cache_enabled = enabled
-        parametrize._cache.clear()
-        parametrize._cache.update(cache)

@@ -213,8 +213,16 @@ class ModeRecordingTracer(fx.Tracer):
         """fx's rule (``torch.nn``'s own modules are leaves, kept as ``call_module`` nodes),
         except that a module whose ``forward`` was replaced on the instance (a user's wrapper,
         an offloading library's hook) is traced through: ``nn.Module.__call__`` runs that
-        ``forward``, not the class's that a leaf node stands for."""
-        if instance_forward(m) is not None:
+        ``forward``, not the class's that a leaf node stands for; and a module with
+        parametrizations (``torch.nn.utils.parametrize``) is traced through, so that the graph
+        computes each parametrized tensor from its originals (its ``ParametrizationList`` is
+        traced through too, down to the parametrizations): as a leaf, the module's runs would read the parametrized
+        tensors through their properties, which share ``parametrize.cached()``'s process-wide
+        cache with the caller's thread (a CUDA-graph capture's warm-up on the background thread
+        then read the caller's cached tensor, or wrote its own into the caller's cache)."""
+        parametrize = torch.nn.utils.parametrize
+        if (instance_forward(m) is not None or parametrize.is_parametrized(m)
+                or isinstance(m, parametrize.ParametrizationList)):
             return False
         return super().is_leaf_module(m, module_qualified_name) or _torch_nn_forward(m)
 

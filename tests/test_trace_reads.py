@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch import is_grad_enabled
 
@@ -309,6 +310,22 @@ def test_a_forward_leaving_the_grad_mode_changed_leaves_it_as_eager(model, calle
         torch.set_grad_enabled(True)
 
 
+def test_a_dynamo_graph_leaving_the_grad_mode_changed_is_followed_by_the_call():
+    """Dynamo writes a bare ``torch.set_grad_enabled(False)`` as a ``_set_grad_enabled`` call
+    in its graph; on the GPU the graph ran in a CUDA graph or Inductor glue, which do not leave
+    the mode set, and the caller's next lines ran with gradients (session 53's GPU suite).
+    The graph's last mode is the one the compiled call leaves."""
+    gm = fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 4, 3)))
+    with gm.graph.inserting_before(next(iter(gm.graph.find_nodes(op="call_module")))):
+        gm.graph.call_function(torch._C._set_grad_enabled, (False,))
+    gm.recompile()
+    x = torch.randn(1, 3, 8, 8)
+    assert fusion_compiler.compile(gm).specialize(x).graph_module.meta["grad_mode_left"] is False
+    assert torch.is_grad_enabled()
+    assert fusion_compiler.compile(fx.symbolic_trace(nn.Conv2d(3, 4, 3))).specialize(x).graph_module.meta[
+        "grad_mode_left"] is None
+
+
 def test_a_forward_leaving_a_grad_mode_that_depends_on_the_callers_is_refused():
     with pytest.raises(FusionError, match="leaves the gradient mode changed, to one that "):
         fusion_compiler.compile(_FlipsGradMode())
@@ -376,3 +393,49 @@ def test_a_forward_taking_star_args_is_refused_naming_them():
     torch.compile door traces it)."""
     with pytest.raises(FusionError, match=r"forward takes \*xs, and fx traces a fixed list"):
         fusion_compiler.compile(_TakesStar())
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w):
+        return (w + w.flip(-1)) / 2
+
+
+def _parametrized_net() -> nn.Module:
+    from torch.nn.utils import parametrize
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.Conv2d(8, 4, 1))
+    parametrize.register_parametrization(model[0], "weight", _Symmetric())
+    torch.nn.utils.parametrizations.weight_norm(model[2])
+    torch.nn.utils.parametrizations.spectral_norm(model[3])
+    return model
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_parametrized_module_is_traced_down_to_its_parametrizations(training):
+    """A parametrized module kept as a leaf read its tensors through their properties at every
+    run, which share ``parametrize.cached()``'s cache across threads: on the GPU a CUDA-graph
+    capture's warm-up on the background thread read the caller's cached weight (whose autograd
+    graph the caller's backward had freed) or put its own in the caller's cache. Traced through,
+    the graph computes them from the originals; weight_norm's becomes its op."""
+    from torch.nn.utils import parametrize
+    torch.manual_seed(0)
+    model = _parametrized_net().train(training)
+    x = torch.randn(2, 3, 8, 8)
+    compiled = fusion_compiler.compile(model)
+    gm = compiled.specialize(x).graph_module
+    for node in gm.graph.find_nodes(op="call_module"):
+        mod = gm.get_submodule(node.target)
+        assert not parametrize.is_parametrized(mod), node.format_node()
+        assert not isinstance(mod, parametrize.ParametrizationList), node.format_node()
+        assert type(mod).__name__ != "_WeightNorm", node.format_node()
+    reference = copy.deepcopy(model)
+    for _ in range(2):  # as in a training loop: each step in a cached() context of its own
+        with parametrize.cached():
+            got, want = compiled(x), reference(x)
+            if training:
+                got.square().sum().backward()
+                want.square().sum().backward()
+        torch.testing.assert_close(got, want)
+    if training:
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)

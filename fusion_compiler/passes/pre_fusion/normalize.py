@@ -44,7 +44,7 @@ from ...ir.ops import (CONV, HW_DIMS, attribute, calls_named, eliminate_dead_cod
                        tensor_shape, writes_in_place)
 from .arithmetic import canonical_binary
 from .batch_norm import cumulative_batch_norm
-from .reparametrized import conv_weight, is_parametrized
+from .reparametrized import conv_weight, is_weight_norm
 from .squeeze import flattened_hw, spatial_reduction, whole_window_pool
 from .functionalize import functionalize, inplace_target
 
@@ -174,7 +174,7 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
     x = node.args[0] if node.args else None
     kind = type(mod)
     with g.inserting_before(node):
-        if kind is nn.Conv2d or (kind.__bases__ == (nn.Conv2d,) and is_parametrized(mod)):
+        if kind is nn.Conv2d:
             padding = _conv_padding(mod)
             if mod.padding_mode != "zeros" or padding is None:
                 return
@@ -226,6 +226,8 @@ def _module_to_function(gm: fx.GraphModule, node: fx.Node) -> None:
                       mod.count_include_pad, mod.divisor_override))
         elif kind is nn.AdaptiveAvgPool2d:
             _replace(gm, node, F.adaptive_avg_pool2d, (x, mod.output_size))
+        elif is_weight_norm(mod) and len(node.args) == 2 and not node.kwargs:  # (g, v)
+            _replace(gm, node, torch._weight_norm, (node.args[1], node.args[0], mod.dim))
 
 
 # --------------------------------------------------------------------------- calls

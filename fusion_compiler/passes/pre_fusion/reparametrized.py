@@ -1,7 +1,7 @@
 """The weight a convolution's ``forward`` sees when a reparametrization computes it: the legacy
-``weight_norm`` and ``spectral_norm`` pre-hooks and ``torch.nn.utils.parametrizations
-.weight_norm`` (a graph runs neither hooks nor parametrizations, so ``normalize`` writes what
-they compute as graph ops)."""
+``weight_norm`` and ``spectral_norm`` pre-hooks (a graph runs no hooks, so ``normalize`` writes
+what they compute as graph ops), and ``torch.nn.utils.parametrizations.weight_norm``'s
+parametrization, which the trace keeps as a call of its module (written as its op)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ import torch.nn as nn
 
 from ...ir.ops import attribute
 
-__all__ = ["conv_weight", "is_parametrized"]
+__all__ = ["conv_weight", "is_weight_norm"]
 
 
-def is_parametrized(mod: nn.Module) -> bool:
-    """Whether ``mod`` has parametrizations of ``torch.nn.utils.parametrize``."""
-    from torch.nn.utils import parametrize  # noqa: PLC0415
-
-    return parametrize.is_parametrized(mod)
+def is_weight_norm(mod: nn.Module) -> bool:
+    """Whether ``mod`` is the parametrization ``torch.nn.utils.parametrizations.weight_norm``
+    registers (its ``forward(g, v)`` is ``torch._weight_norm(v, g, dim)``); the tracer traces a
+    parametrized module down to its parametrizations, which stay leaves."""
+    return (type(mod).__name__ == "_WeightNorm"
+            and type(mod).__module__ == "torch.nn.utils.parametrizations")
 
 
 class _SpectralNormWeight(nn.Module):
@@ -53,22 +54,13 @@ class _Tensors:
 
 def conv_weight(gm: fx.GraphModule, path: str, mod: nn.Module) -> fx.Node | None:
     """The node computing ``mod.weight`` as ``mod``'s forward sees it: the parameter, or what a
-    legacy ``weight_norm`` / ``spectral_norm`` pre-hook or a ``parametrizations.weight_norm``
-    computes from its parameters (the graph runs neither hooks nor parametrizations); ``None``
-    when another pre-hook or parametrization would change it."""
+    legacy ``weight_norm`` / ``spectral_norm`` pre-hook computes from its parameters (the graph
+    runs no hooks); ``None`` when another pre-hook would change it."""
     from torch.nn.utils.spectral_norm import SpectralNorm  # noqa: PLC0415
     from torch.nn.utils.weight_norm import WeightNorm  # noqa: PLC0415
 
     g = gm.graph
     hooks = [h for h in mod._forward_pre_hooks.values()]
-    if is_parametrized(mod):  # torch.nn.utils.parametrize: weight_norm's alone is taken
-        chain = (mod.parametrizations["weight"] if list(mod.parametrizations) == ["weight"]
-                 else None)
-        if hooks or chain is None or len(chain) != 1 or type(chain[0]).__name__ != "_WeightNorm":
-            return None
-        base = f"{path}.parametrizations.weight"  # original0: g, original1: v
-        return g.call_function(torch._weight_norm, (attribute(g, f"{base}.original1"),
-                                                     attribute(g, f"{base}.original0"), chain[0].dim))
     if not hooks:
         return attribute(g, f"{path}.weight")
     if len(hooks) != 1 or getattr(hooks[0], "name", None) != "weight":
