@@ -137,7 +137,7 @@ def graphed(run: Callable[..., Any], module: torch.nn.Module, args: Sequence[Any
             writable = [*model.buffers(), *(written_state(gm) if gm is not None else ())]
             runner = CudaGraphRunner(run, args, derivations=derivations, buffers=writable,
                                      written=written, inference=inference,
-                                     model=model)
+                                     model=model, state=state)
             for text in runner.derivations.notes:
                 note(notes, text)
     except CaptureError as exc:  # unexpected, and slower: one WARNING (the report keeps it)

@@ -42,7 +42,9 @@ class CapturedForward:
     buffers out needs: their storages (``_cdata`` pointers) and the reference counts they have
     while only the runner holds them (``None`` when they are never handed out: this torch
     cannot count references), and the outputs that are inputs of the capture or views of one
-    (:func:`input_aliases`: the caller's tensors are returned there).
+    (:func:`input_aliases`: the caller's tensors are returned there), or tensors of ``state``
+    (the model's parameters and buffers, which the graph reads and writes where they are) or
+    views of one: those tensors are returned there, as eager returns ``self.calls``.
 
     A replay on another stream than the previous replay's first waits for the work queued on
     that stream (:class:`~.tensors.StreamOrder`): work the caller queued there may still read
@@ -51,13 +53,14 @@ class CapturedForward:
     several calls back, the calls between served by another graph)."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any, inputs: Sequence[Any],
-                 stream: torch.cuda.Stream):
+                 stream: torch.cuda.Stream, state: Sequence[torch.Tensor] = ()):
         self.graph, self.outputs = graph, outputs
+        self.state = list(state)
         self.turn = GraphTurn(stream)
         self.order = StreamOrder(torch.device("cuda", torch.cuda.current_device()))
         self.storages: list[int] | None = None
         self._leaves, self._spec = output_leaves(outputs)
-        self.aliases = input_aliases(self._leaves, inputs)
+        self.aliases = input_aliases(self._leaves, [*inputs, *self.state])
         flat = [t for k, t in enumerate(self._leaves)
                 if isinstance(t, torch.Tensor) and k not in self.aliases]
         if hasattr(torch._C, "_storage_Use_Count"):
@@ -77,7 +80,8 @@ class CapturedForward:
         """Whether the outputs that are views of an input can be made on ``args`` (the caller's
         tensors have the strides of the capture's inputs wherever such a view is not the whole
         input)."""
-        return all(view is None or args[i].stride() == stride
+        sources = [*args, *self.state]
+        return all(view is None or sources[i].stride() == stride
                    for i, stride, view in self.aliases.values())
 
     def replay(self, outputs: str, args: Sequence[Any]) -> Any:
@@ -95,9 +99,10 @@ class CapturedForward:
             return out.clone() if copy else out.detach()
         leaves = [(t.clone() if copy else t.detach()) if isinstance(t, torch.Tensor) else t
                   for t in self._leaves]
+        sources = [*args, *self.state]
         for k, (i, _, view) in self.aliases.items():
-            leaves[k] = args[i] if view is None else args[i].as_strided(
-                view[0], view[1], args[i].storage_offset() + view[2])
+            leaves[k] = sources[i] if view is None else sources[i].as_strided(
+                view[0], view[1], sources[i].storage_offset() + view[2])
         return tree_unflatten(leaves, self._spec)
 
     def reset(self) -> None:

@@ -141,6 +141,8 @@ class CudaGraphRunner:
         model: the compiled model the graphs belong to: they are captured on its stream
             (:func:`~.replays.capture_stream`), so the graphs of one model replay in turn and
             those of two models may replay at once (:mod:`.replays`); ``None``: on a new stream.
+        state: the model's parameters and buffers: an output that is one of them (or a view of
+            one) is handed out as that tensor, as eager returns it, not as a copy.
 
     A call made while the current stream is being captured (the caller's own CUDA graph) runs
     the forward, prologue included, into that capture: a graph cannot be replayed inside one.
@@ -157,8 +159,10 @@ class CudaGraphRunner:
     def __init__(self, fn: Callable[..., Any], example_args: Sequence[Any], warmup: int = 2,
                  derivations: Derivations | None = None,
                  buffers: Sequence[torch.Tensor] = (), written: Sequence[int] = (),
-                 inference: bool | None = None, model: Any = None):
+                 inference: bool | None = None, model: Any = None,
+                 state: Sequence[torch.Tensor] = ()):
         self.fn, self.warmup, self.derivations = fn, warmup, derivations
+        self.state = list(state)
         self.stream = capture_stream(model)
         self.inference = inference
         self.buffers, self.written = list(buffers), list(written)
@@ -221,7 +225,8 @@ class CudaGraphRunner:
             except Exception as exc:  # cudaErrorStreamCapture*, or the forward's own error
                 self.close()
                 raise CaptureError(condense(f"{type(exc).__name__}: {exc}", limit=300)) from exc
-        self.main = CapturedForward(graph, outputs, self.static_inputs, self.stream)
+        self.main = CapturedForward(graph, outputs, self.static_inputs, self.stream,
+                                    self.state)
 
     def _forward(self, args: Sequence[Any]) -> Any:
         """What a graph holds: the derivation prologue, then the forward (which waits for the
@@ -246,7 +251,7 @@ class CudaGraphRunner:
             with capturing(graph, self._turns, pool, self.stream), self._scope(), \
                     self._capturing_mode():
                 outputs = self._forward(args)
-            return CapturedForward(graph, outputs, args, self.stream)
+            return CapturedForward(graph, outputs, args, self.stream, self.state)
         except Exception as exc:  # noqa: BLE001 - the calls go on without this graph
             warn_once("capturing a further CUDA graph (the direct or the spare one)",
                       condense(f"{type(exc).__name__}: {exc}", limit=200) + "; the calls it "
