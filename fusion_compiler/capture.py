@@ -26,6 +26,7 @@ from .runtime.hooks import instance_forward, uninitialized_lazy
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import first_time, note_reads
 from .grad_modes import forced_grad_modes, mark_grad_modes, records_gradients
+from .parametrized_calls import parametrized_calls
 from .trace_constants import constants_written, fresh_constant_outputs
 from .tracing import ModeRecordingTracer, recording_reads
 
@@ -282,6 +283,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
         raised = tracer.grad_mode_set and records_gradients(without)
         note_reads(reads, model, global_names)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        parametrized_calls(gm)  # (before anything runs the graph)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
         writes.restore()
         detail = str(exc)

@@ -34,6 +34,7 @@ from torch.fx import _symbolic_trace
 from .code_reads import users_module
 from .ir.aliasing import tensor_result
 from .ir.ops import TENSOR_HOOKS
+from .parametrized_calls import traced_through
 from .runtime.hooks import instance_forward
 from .random_ops import RandomCallsAsNodes
 
@@ -212,17 +213,12 @@ class ModeRecordingTracer(fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         """fx's rule (``torch.nn``'s own modules are leaves, kept as ``call_module`` nodes),
         except that a module whose ``forward`` was replaced on the instance (a user's wrapper,
-        an offloading library's hook) is traced through: ``nn.Module.__call__`` runs that
-        ``forward``, not the class's that a leaf node stands for; and a module with
-        parametrizations (``torch.nn.utils.parametrize``) is traced through, so that the graph
-        computes each parametrized tensor from its originals (its ``ParametrizationList`` is
-        traced through too, down to the parametrizations): as a leaf, the module's runs would read the parametrized
-        tensors through their properties, which share ``parametrize.cached()``'s process-wide
-        cache with the caller's thread (a CUDA-graph capture's warm-up on the background thread
-        then read the caller's cached tensor, or wrote its own into the caller's cache)."""
+        an offloading library's hook) is traced through (``nn.Module.__call__`` runs that
+        ``forward``, not the class's), and so is a parametrized module fx can trace, down to
+        its parametrizations (:mod:`.parametrized_calls` says why, and what the others get)."""
         parametrize = torch.nn.utils.parametrize
-        if (instance_forward(m) is not None or parametrize.is_parametrized(m)
-                or isinstance(m, parametrize.ParametrizationList)):
+        if instance_forward(m) is not None or isinstance(m, parametrize.ParametrizationList) or (
+                parametrize.is_parametrized(m) and traced_through(m)):
             return False
         return super().is_leaf_module(m, module_qualified_name) or _torch_nn_forward(m)
 

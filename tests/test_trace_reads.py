@@ -400,35 +400,40 @@ class _Symmetric(nn.Module):
         return (w + w.flip(-1)) / 2
 
 
+class _Positive(nn.Module):
+    def forward(self, w):
+        return w.abs() + 0.1
+
+
 def _parametrized_net() -> nn.Module:
     from torch.nn.utils import parametrize
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                          nn.Conv2d(8, 4, 1))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 4, 1))
     parametrize.register_parametrization(model[0], "weight", _Symmetric())
-    torch.nn.utils.parametrizations.weight_norm(model[2])
-    torch.nn.utils.parametrizations.spectral_norm(model[3])
+    parametrize.register_parametrization(model[1], "weight", _Positive())
+    torch.nn.utils.parametrizations.weight_norm(model[3])
+    torch.nn.utils.parametrizations.spectral_norm(model[4])
     return model
 
 
 @pytest.mark.parametrize("training", [False, True])
-def test_a_parametrized_module_is_traced_down_to_its_parametrizations(training):
+def test_a_parametrized_module_never_reads_its_tensors_through_the_cache(training, tmp_path):
     """A parametrized module kept as a leaf read its tensors through their properties at every
     run, which share ``parametrize.cached()``'s cache across threads: on the GPU a CUDA-graph
     capture's warm-up on the background thread read the caller's cached weight (whose autograd
-    graph the caller's backward had freed) or put its own in the caller's cache. Traced through,
-    the graph computes them from the originals; weight_norm's becomes its op."""
+    graph the caller's backward had freed) or put its own in the caller's cache. A convolution
+    is traced through (the graph computes the weight from the originals; weight_norm's becomes
+    its op); a batch norm, which fx cannot trace through, is called by a wrapper that computes
+    the tensors itself, and a shape propagation runs it on copies (its statistics are updated
+    by the calls alone)."""
     from torch.nn.utils import parametrize
+
+    from fusion_compiler.parametrized_calls import ParametrizedCall
     torch.manual_seed(0)
     model = _parametrized_net().train(training)
-    x = torch.randn(2, 3, 8, 8)
-    compiled = fusion_compiler.compile(model)
-    gm = compiled.specialize(x).graph_module
-    for node in gm.graph.find_nodes(op="call_module"):
-        mod = gm.get_submodule(node.target)
-        assert not parametrize.is_parametrized(mod), node.format_node()
-        assert not isinstance(mod, parametrize.ParametrizationList), node.format_node()
-        assert type(mod).__name__ != "_WeightNorm", node.format_node()
     reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    compiled = fusion_compiler.compile(model, cache_dir=str(tmp_path))  # (a shape propagation)
     for _ in range(2):  # as in a training loop: each step in a cached() context of its own
         with parametrize.cached():
             got, want = compiled(x), reference(x)
@@ -436,6 +441,14 @@ def test_a_parametrized_module_is_traced_down_to_its_parametrizations(training):
                 got.square().sum().backward()
                 want.square().sum().backward()
         torch.testing.assert_close(got, want)
+    for (name, t), u in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(t, u, msg=name)
     if training:
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
+    gm = compiled.specialize(x).graph_module
+    called = [gm.get_submodule(n.target) for n in gm.graph.find_nodes(op="call_module")]
+    assert not any(parametrize.is_parametrized(m) or type(m).__name__ in (
+        "ParametrizationList", "_WeightNorm") for m in called), called
+    assert [type(m.wraps).__name__ for m in called if isinstance(m, ParametrizedCall)] == [
+        "ParametrizedBatchNorm2d"]

@@ -24,7 +24,7 @@ from .ops import inplace_flag, writes_in_place
 
 __all__ = ["inplace_target", "alias_source", "may_be_view", "written_source", "fresh",
            "is_torchvision_stochastic_depth", "view_chain", "view_base", "tensor_result",
-           "shared_input", "written_attributes"]
+           "shared_input", "written_attributes", "called_module"]
 
 # in-place target -> out-of-place canonical target (call_function and call_method spellings)
 _INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
@@ -46,9 +46,17 @@ def inplace_target(gm: fx.GraphModule, node: fx.Node) -> Callable | str | None:
     elif node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
         return node.target[:-1]
     elif node.op == "call_module":
-        if getattr(gm.get_submodule(node.target), "inplace", False) is True:
+        if getattr(called_module(gm, node), "inplace", False) is True:
             return node.target
     return None
+
+
+def called_module(gm: fx.GraphModule, node: fx.Node) -> nn.Module:
+    """The module a ``call_module`` node runs: the submodule, or the module a wrapper runs in
+    its place (its ``wraps``: a parametrized module's call that computes the parametrized
+    tensors itself)."""
+    module = gm.get_submodule(node.target)
+    return getattr(module, "wraps", module)
 
 
 _VIEW_METHODS = {"view", "reshape", "expand", "expand_as", "view_as", "reshape_as", "permute",
@@ -152,7 +160,7 @@ def may_be_view(node: object) -> bool:
         return node.target in _VIEW_FUNCTIONS or is_torchvision_stochastic_depth(node.target) or (
             node.target is getattr and len(node.args) > 1 and node.args[1] in _TENSOR_ATTRIBUTES)
     owner = node.graph.owning_module
-    return owner is not None and isinstance(owner.get_submodule(node.target), _ALIASING_MODULES)
+    return owner is not None and isinstance(called_module(owner, node), _ALIASING_MODULES)
 
 
 def written_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
@@ -164,7 +172,7 @@ def fresh(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node``'s result certainly has memory no other value shares (a convolution's, a
     sum's, a pooling's output)."""
     if node.op == "call_module":
-        module = gm.get_submodule(node.target)
+        module = called_module(gm, node)
         return isinstance(module, _FRESH_MODULES) and getattr(module, "inplace", False) is not True
     if node.kwargs.get("out") is not None or inplace_target(gm, node) is not None:
         return False
