@@ -26,11 +26,11 @@ class _Graph:
             t.add_(1)
 
 
-def _capture(outputs, handed_out: bool, inputs=()) -> CapturedForward:
+def _capture(outputs, handed_out: bool, inputs=(), state=()) -> CapturedForward:
     capture = CapturedForward.__new__(CapturedForward)  # (the constructor needs a CUDA stream)
-    capture.outputs = outputs
+    capture.outputs, capture.state = outputs, list(state)
     capture._leaves, capture._spec = tree_flatten(outputs)
-    capture.aliases = input_aliases(capture._leaves, inputs)
+    capture.aliases = input_aliases(capture._leaves, [*inputs, *state])
     capture.graph = _Graph([t for k, t in enumerate(capture._leaves)
                             if isinstance(t, torch.Tensor) and k not in capture.aliases])
     capture.turn, capture.order = GraphTurn(None), StreamOrder(torch.device("cpu"))
@@ -96,6 +96,21 @@ def test_outputs_that_are_inputs_are_the_callers_tensors(mode):
     (got,) = viewed.replay(mode, [caller])
     assert got.data_ptr() == caller[:, 1:].data_ptr() and got.stride() == caller[:, 1:].stride()
     assert got.shape == caller[:, 1:].shape
+
+
+@pytest.mark.parametrize("mode", ["copies", "safe"])
+def test_outputs_that_are_the_models_state_are_those_tensors(mode):
+    """``return y, self.calls``: eager returns the buffer itself, a replay handed out a copy
+    (session 53's GPU suite). An output that is a tensor of the model's state (or a view of one)
+    is that tensor (or the same view), beside inputs returned as the caller's."""
+    calls, weight, buffer = torch.zeros(()), torch.zeros(4, 2), torch.zeros(3)
+    capture = _capture((torch.zeros(2), calls, weight.t(), buffer), handed_out=True,
+                       inputs=[buffer], state=[calls, weight])
+    caller = torch.zeros(3)
+    assert capture.fits([caller])
+    got_y, got_calls, got_t, got_x = capture.replay(mode, [caller])
+    assert got_calls is calls and got_x is caller and got_y.eq(1.0).all()
+    assert got_t.data_ptr() == weight.data_ptr() and got_t.stride() == weight.t().stride()
 
 
 def test_input_aliases_names_whole_inputs_and_views():

@@ -80,6 +80,8 @@ class CapturedForward:
         """Whether the outputs that are views of an input can be made on ``args`` (the caller's
         tensors have the strides of the capture's inputs wherever such a view is not the whole
         input)."""
+        if not self.aliases:
+            return True
         sources = [*args, *self.state]
         return all(view is None or sources[i].stride() == stride
                    for i, stride, view in self.aliases.values())
