@@ -7,11 +7,12 @@ process of its own, with more fusion_compiler variants than ``fusion-compiler be
     python examples/benchmark.py --models zoo --variants eager,"torch.compile reduce-overhead",fusion_compiler
     python examples/benchmark.py --models spellings       # SE-ResNet9 as people write it
     python examples/benchmark.py --models amp             # fp32 weights under autocast
+    python examples/benchmark.py --models timm            # timm CNNs, N=32
 
 Everything is fp16 (inputs NCHW; ``--channels-last`` stores the parameters channels_last), but
 the ``-amp`` models: fp32 parameters and inputs, every call under ``torch.autocast`` (fp16), and
 each training step with a ``GradScaler`` and an SGD step (``bench(..., amp=True)``).
-torchvision models have random weights and batch-norm statistics calibrated on random data
+torchvision and timm models have random weights and batch-norm statistics calibrated on random data
 (:func:`calibrate_batch_norm`), so their fp16 activations do not overflow.
 Timing, variants and compile times are those of :mod:`fusion_compiler.tools.bench`; the extra
 fusion_compiler variants (``FUSION_VARIANTS``) show what each default is worth. Each model runs
@@ -54,6 +55,12 @@ MODELS = {
     "densenet121": ("torchvision.models:densenet121", (32, 3, 224, 224), False),
     "convnext_tiny": ("torchvision.models:convnext_tiny", (32, 3, 224, 224), False),
     "seresnext26d_32x4d": ("timm.models:seresnext26d_32x4d", (32, 3, 224, 224), False),
+    # timm networks built from BatchNormAct2d (batch norm + activation in one module)
+    "timm-efficientnet_b0": ("timm.models:efficientnet_b0", (32, 3, 224, 224), False),
+    "timm-regnety_008": ("timm.models:regnety_008", (32, 3, 224, 224), False),
+    "timm-mobilenetv3_large_100": ("timm.models:mobilenetv3_large_100", (32, 3, 224, 224),
+                                   False),
+    "timm-cspresnet50": ("timm.models:cspresnet50", (32, 3, 224, 224), False),
     "seresnet9-rgb-train": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
                             (2048, 3, 64, 64), True),
     "seresnet9-rgb-amp": ("examples.seresnet9_fixup:randomized_se_resnet9_fixup",
@@ -68,6 +75,9 @@ AMP = ["seresnet9-rgb-amp", "seresnet9-rgb-train-amp-n1024", "seresnet9-rgb-trai
 ZOO = ["resnet50-n32", "resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y_400mf",
        "densenet121", "convnext_tiny"]
 """``--models zoo``: the torchvision CNNs (random weights, batch-norm statistics calibrated)."""
+TIMM = ["seresnext26d_32x4d", "timm-efficientnet_b0", "timm-regnety_008",
+        "timm-mobilenetv3_large_100", "timm-cspresnet50"]
+"""``--models timm``: timm CNNs (random weights, batch-norm statistics calibrated)."""
 SPELLING_NAMES = ["example", "authors", "torchvision_block", "functional_block", "pooled_se",
                   "view_se", "keepdim_se", "scalars_0d", "scalars_4d", "authors_with_pooled_se"]
 for _name in SPELLING_NAMES:  # SE-ResNet9-Fixup RGB as people write it, N=128
@@ -160,7 +170,8 @@ def main() -> int:
     parser.add_argument("--models", default="seresnet9-rgb,seresnet9-depth,resnet50,"
                                               "seresnet9-rgb-train",
                         help="comma-separated (default: %(default)s): zoo (= "
-                             + ", ".join(ZOO) + "), spellings (= " + ", ".join(SPELLINGS)
+                             + ", ".join(ZOO) + "), timm (= " + ", ".join(TIMM)
+                             + "), spellings (= " + ", ".join(SPELLINGS)
                              + "), amp (= " + ", ".join(AMP) + "), " + ", ".join(MODELS))
     parser.add_argument("--variants", default=None, help="comma-separated (default: all)")
     parser.add_argument("--reps", type=int, default=15)
@@ -179,7 +190,7 @@ def main() -> int:
     if args.result_json:  # a child process: one model
         args.result_json.write_text(json.dumps(run_one(args.models, args)))
         return 0
-    groups = {"zoo": ZOO, "spellings": SPELLINGS, "amp": AMP}
+    groups = {"zoo": ZOO, "timm": TIMM, "spellings": SPELLINGS, "amp": AMP}
     names = [n for part in args.models.split(",") for n in groups.get(part, [part])]
     results = [own_process(name, args) for name in names]
     print(format_results(results))
