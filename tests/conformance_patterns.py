@@ -1011,6 +1011,31 @@ class Symmetric(nn.Module):
         return (w + w.flip(-1)) / 2
 
 
+class ClampsItsScale(ConvBN):
+    """Keeps a learned per-channel scale in range inside forward, as some normalization-free
+    networks do: ``with torch.no_grad(): self.scale.clamp_(...)``, then reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(-2.0, 2.0, 8).view(1, 8, 1, 1))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.clamp_(-1.0, 1.0)
+        y = F.relu(self.bn(self.conv1(x))) * self.scale
+        return self.head(F.relu(self.conv2(y) + y).mean((2, 3)))
+
+
+def parameter_clamped_in_forward(s: Session) -> None:
+    opt = torch.optim.SGD(s.model.parameters(), lr=0.5)
+    for _ in range(2):
+        step(s, opt, x16(s))
+        with torch.no_grad():
+            s.model.scale.mul_(3.0)  # out of range again: the next call clamps it
+        s.record("scale", s.model.scale)
+    infer(s, x16(s))
+
+
 # --------------------------------------------------------------------------- more patterns
 
 class TwoOutputs(ConvNet):
@@ -1705,6 +1730,9 @@ PATTERNS: list[Pattern] = [
             f"{ISSUE}, item 2 (session 52: the compiled call restored the caller's mode)"),
     Pattern("parametrize_cached_step", lambda: ConvBN().train(), parametrize_cached_step,
             f"{ISSUE}, item 2 (session 52, helper-53: the first step's gradient was lost)"),
+    Pattern("parameter_clamped_in_forward", lambda: ClampsItsScale().train(),
+            parameter_clamped_in_forward,
+            f"{ISSUE}, item 2 (session 53: the write back into the parameter raised)"),
 ]
 
 assert len({p.name for p in PATTERNS}) == len(PATTERNS)

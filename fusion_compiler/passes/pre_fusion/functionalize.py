@@ -21,8 +21,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ...ir.aliasing import (alias_source, fresh, inplace_target, may_be_view, view_chain,
-                             written_source)
+from ...ir.aliasing import (alias_source, fresh, inplace_target, may_be_view, view_base,
+                             view_chain, written_source)
 from ...ir.ops import INPLACE_POSITION, foreach_inplace, write_back
 
 __all__ = ["functionalize", "inplace_target"]
@@ -119,7 +119,8 @@ def written_root(node: fx.Node, written: dict[fx.Node, fx.Node]) -> fx.Node:
 
 def _shared_write(gm: fx.GraphModule) -> str:
     """Why ``gm``'s in-place ops cannot be made out of place (``""``: they can): the first that
-    writes into a view, or into a value of which a view taken before it is read after it."""
+    writes into a view, or into a value of which a view taken before it is read after it, or
+    into a parameter (or a view of one)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is operator.setitem:
@@ -129,6 +130,13 @@ def _shared_write(gm: fx.GraphModule) -> str:
             continue
         if node.op == "call_method" and not hasattr(torch.Tensor, twin):
             return f"in-place op {node.target} ({node.name}) has no out-of-place twin"
+        base = view_base(gm, node.args[0])
+        if isinstance(base, fx.Node) and base.op == "get_attr" and isinstance(
+                operator.attrgetter(base.target)(gm), torch.nn.Parameter):
+            # (forward's ``with torch.no_grad(): self.w.clamp_(-1, 1)``: out of place, the
+            # readers after it would read a value without gradient, and the write back fail)
+            return (f"in-place op {node.target} ({node.name}) writes into parameter "
+                    f"'{base.target}', which its readers after it must see as the parameter")
         if _read_through_another_alias(gm, node, order):
             return (f"in-place op {node.target} ({node.name}) writes into memory that another "
                     "value of the graph shares (a view)")
