@@ -132,6 +132,9 @@ def unpack_inputs(gm: fx.GraphModule, structure: Sequence[int | None]) -> fx.Gra
     return gm
 
 
+_SAID = [False]  # the WARNING of _inline_writing_checkpoints given
+
+
 def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     """Dynamo's activation checkpoint op (``tag_activation_checkpoint``, its body a graph module
     taking the module's tensors as inputs) whose body writes an input in place (a batch norm's
@@ -169,6 +172,11 @@ def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
         graph.erase_node(node)
         if not attr.users:
             graph.erase_node(attr)
+        if any(map(writes_in_place, body.graph.nodes)) and not _SAID[0]:
+            _SAID[0] = True  # (once per process: Dynamo hands over a graph per recompile)
+            log.warning("a torch.utils.checkpoint body writes in place (a batch norm's statistics)"
+                        ": it runs once per step, not recomputed, so those statistics are updated "
+                        "once where eager's recompute updates them twice (no memory is saved)")
     gm.recompile()
     return gm
 

@@ -196,7 +196,9 @@ class SpecializationCompiler:
             self._checkpointed = True
             log.warning("%s.forward calls torch.utils.checkpoint: compile(model) traces through "
                         "it, so training keeps the checkpointed activations for the backward "
-                        "instead of recomputing them (no memory is saved)",
+                        "instead of recomputing them (no memory is saved; a batch norm inside "
+                        "updates its statistics once per step, where eager's recompute updates "
+                        "them twice)",
                         type(self.model).__name__)
         if structure:
             unpack_inputs(captured, structure)
