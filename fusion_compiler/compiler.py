@@ -92,8 +92,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self._guard = StateGuard(model, captured)  # (the state the graph writes: _call)
         self._grad_facts.seed(self._guard.training_flags(), captured)
         self._take_state()
-        self.specializations: collections.OrderedDict[tuple, Specialization] = \
-            collections.OrderedDict()
+        self.specializations: collections.OrderedDict = collections.OrderedDict()  # key: spec
         self.last: Specialization | None = None
         # reasons logged, once per module (a function of the set: a method would make a cycle)
         self._noted: set[str] = set()
@@ -101,6 +100,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         self._compiler = SpecializationCompiler(model, self.options,
                                                 functools.partial(note_once, self._noted),
                                                 self._names)
+        self._forward_attributes()  # from now on, new public attributes are the model's
 
     def __prepare_scriptable__(self) -> torch.nn.Module:
         """``torch.jit.script`` scripts the model (TorchScript runs its own code)."""

@@ -763,6 +763,43 @@ def test_the_models_attributes_and_methods_are_read_through_the_compiled_module(
     assert copy.deepcopy(compiled).num_actions == 4
 
 
+class _Tempered(_Agent):
+    def __init__(self):
+        super().__init__()
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return super().forward(x) / self.temperature
+
+
+def test_attributes_set_on_the_compiled_module_are_the_models(tmp_path):
+    """``compiled.temperature = 0.25`` and ``compiled.head = nn.Linear(...)`` landed on the
+    wrapper, which forward never reads: the calls after them computed with the old values,
+    silently (helper-57); ``torch.compile``'s module passes them to the model. They are the
+    model's now, and so are deletions; the wrapper keeps its own (``last``, ``training``)."""
+    torch.manual_seed(0)
+    model = _Tempered().eval()
+    reference = copy.deepcopy(model)
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        compiled.temperature = reference.temperature = 0.25
+        assert model.temperature == 0.25 and rel_err(compiled(x), reference(x)) < 1e-6
+        torch.manual_seed(1)
+        compiled.head = nn.Linear(8, 4)
+        torch.manual_seed(1)
+        reference.head = nn.Linear(8, 4)
+        assert compiled.head is model.head and rel_err(compiled(x), reference(x)) < 1e-6
+        compiled.extra = 3
+        del compiled.extra
+        assert not hasattr(model, "extra")
+    compiled.last = None  # the wrapper's own
+    assert "last" not in vars(model) and compiled.last is None
+    compiled.train()
+    assert compiled.training and model.training
+
+
 @pytest.mark.parametrize("door", ["compile", "dynamo"])
 def test_a_global_module_hook_is_refused_in_one_line_naming_what_was_compiled(door, tmp_path):
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())

@@ -18,6 +18,11 @@ class ModelAttributes:
     a method other than ``forward``, such as an agent's ``act``, runs the model's own code,
     uncompiled), as ``torch.compile``'s module reads its original's. Names starting with ``_``
     are not looked up in the model: PyTorch's own probes (DDP's, Dynamo's) see the wrapper.
+    Once :meth:`_forward_attributes` was called (at the end of the wrapper's ``__init__``), a
+    public attribute set or deleted that the wrapper does not hold itself (nor its class, nor
+    ``training``) is set on or deleted from the model (``compiled.temperature = 0.5``,
+    ``compiled.fc = nn.Linear(...)``), as ``torch.compile``'s module does: forward reads the
+    model's.
 
     Raises:
         AttributeError: neither module has the attribute (the model's message)."""
@@ -30,6 +35,33 @@ class ModelAttributes:
             if model is None or name.startswith("_"):
                 raise
             return getattr(model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        model = self._model_for(name)
+        if model is not None:
+            setattr(model, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        model = self._model_for(name)
+        if model is not None:
+            delattr(model, name)
+        else:
+            super().__delattr__(name)
+
+    def _forward_attributes(self) -> None:
+        object.__setattr__(self, "_forwarding", True)
+
+    def _model_for(self, name: str) -> Any:
+        """The model, where an attribute ``name`` set on the wrapper belongs to it, else None."""
+        own = self.__dict__
+        if not own.get("_forwarding") or name.startswith("_") or name == "training" or (
+                name in own or hasattr(type(self), name)
+                or any(name in own.get(table, ()) for table in ("_parameters", "_buffers",
+                                                                  "_modules"))):
+            return None
+        return own["_modules"].get("model")
 
 
 def model_keys(module: torch.nn.Module, state: dict, prefix: str, metadata: dict) -> None:
