@@ -26,7 +26,7 @@ from .runtime.hooks import instance_forward, uninitialized_lazy
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import first_time, note_reads
 from .grad_modes import forced_grad_modes, mark_grad_modes, records_gradients
-from .parametrized_calls import parametrized_calls
+from .parametrized_calls import parametrized_calls, uncached
 from .trace_constants import constants_written, fresh_constant_outputs
 from .tracing import ModeRecordingTracer, recording_reads
 
@@ -262,7 +262,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     def trace(grad: bool) -> tuple[ModeRecordingTracer, fx.Graph, dict]:
         tracer = ModeRecordingTracer()
         tracer.tensor_inputs = dict(tensors or {})
-        with torch.set_grad_enabled(grad), recording_reads(model) as reads:
+        with torch.set_grad_enabled(grad), recording_reads(model) as reads, uncached():
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
             ends[grad] = torch.is_grad_enabled()  # (torch.set_grad_enabled(False), bare)
         return tracer, graph, reads

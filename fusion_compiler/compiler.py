@@ -20,15 +20,17 @@ from .capture import (TensorSpec, capture, flatten_inputs, input_specs, unpacked
                       untrainable)
 from .config import CompileOptions, Target
 from .grad_modes import GradFacts, GradFactsByFlags
-from .ir.errors import FusionError, InputError, InputShapeError, InputTypeError
+from .ir.errors import FusionError, InputError, InputTypeError
 from .ir.ops import writes_in_place
+from .input_errors import explained
+from .parametrized_calls import in_cached_block
 from .runners import note_once
 from .runtime.background import warn_once
 from .runtime.hooks import call_with_hooks, has_hooks, uncompiled_forward, unsupported_hook
 from .runtime.recompiles import Recompiles
 from .runtime.state import StateGuard
 from .runtime.state_dict import ModelAttributes, model_keys, prefixed_keys
-from .runtime.tensors import autocast_dtype, on_device_of, restored, shared_storage
+from .runtime.tensors import autocast_dtype, on_device_of, shared_storage
 from .runtime.tiered import TieredRunner
 from .specialization import Specialization, SpecializationCompiler
 
@@ -144,7 +146,7 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         ref = self._dtype_ref
         for i, a in enumerate(args if ref is not None else ()):
             # a 0-d CPU tensor is a scalar every device's ops take (Dynamo passes floats so); a
-            # dtype eager does not take is found by eager itself (``_explained``)
+            # dtype eager does not take is found by eager itself (``explained``)
             if isinstance(a, torch.Tensor) and a.device != ref.device and a.dim() > 0:
                 raise InputError(f"input {i} is on {a.device} but the model's parameters are on "
                                  f"{ref.device}; move the input (or the model) first")
@@ -180,37 +182,10 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
     def _explained(self, exc: InputError, args: Sequence[Any]) -> Exception:
-        """The error to raise for inputs the compiled graph could not take, ready to raise from
-        the caller's frame: an :class:`InputError` with eager PyTorch's own message for them
-        (run once, gradients off, buffers restored) and what earlier calls took, without the
-        compiler's frames or chained errors; a :class:`FusionError` chained to the failure when
-        eager takes them (then it is the compiler's fault, not the caller's)."""
-        error: Exception = exc  # a check of ours (count, device, dtype): its message says it all
-        cause = None
-        if isinstance(exc, InputShapeError):
-            try:
-                with torch.no_grad(), restored(list(self.model.buffers())):
-                    self.model(*args)
-            except Exception as eager:  # the model's own error: what a user reads from eager
-                error = self._input_error(args, " ".join(str(eager).split())
-                                          or type(eager).__name__)
-            else:
-                error = FusionError(f"the compiled graph cannot run on inputs that eager "
-                                    f"PyTorch takes: {exc}")
-                cause = exc.__cause__
-        error.__cause__, error.__suppress_context__ = cause, True
-        return error.with_traceback(None) if cause is None else error
-
-    def _input_error(self, args: Sequence[Any], why: str) -> InputError:
-        """An :class:`InputError` naming the inputs, ``why`` eager rejects them and what earlier
-        calls took."""
-        flat = flatten_inputs(args, self._unpacked)[0]
-        got = ", ".join(str(s) for s in input_specs(flat) if isinstance(s, TensorSpec))
-        seen = [", ".join(str(s) for s in key[0] if isinstance(s, TensorSpec))
-                for key in self.specializations]
-        took = f"; earlier calls took {' and '.join(seen[-2:])}" if seen else ""
-        what = "input 0" if len(args) == 1 else "the inputs"
-        return InputError(f"{type(self.model).__name__} cannot take {what} {got}: {why}{took}")
+        """The error to raise for inputs the graph could not take (:func:`~.input_errors.
+        explained`)."""
+        keys = [key[0] for key in self.specializations]
+        return explained(exc, self.model, args, flatten_inputs(args, self._unpacked)[0], keys)
 
     def specialize(self, *args: Any, **kwargs: Any) -> Specialization:
         """Compile (or fetch) the specialization for a call with these arguments (bound as the call
@@ -310,6 +285,11 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         if kwargs or len(args) != self._arity:
             args = self._bind(args, kwargs)
         if self._recompiles.uncompiled:  # a value forward reads changed at every call
+            return uncompiled_forward(self.model)(*args)
+        if in_cached_block(self.model):
+            warn_once(f"compiling {type(self.model).__name__}", "calls inside torch.nn.utils."
+                      "parametrize.cached() compute the parametrized tensors once per block, "
+                      "which a compiled graph cannot: such calls run the model uncompiled")
             return uncompiled_forward(self.model)(*args)
         if self._writes and shared_storage(flatten_inputs(args, self._unpacked)[0],
                                            self._guard.storages):

@@ -8,14 +8,13 @@ own PyTorch ops) while the background thread builds them (:meth:`SpecializationC
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -147,7 +146,7 @@ class SpecializationCompiler:
                 formats.extend(memory_format(t) for t in output_leaves(values)[0]
                                if isinstance(t, torch.Tensor))
 
-        with COMPILE_LOCK, _uncached_parametrizations():  # (see the lock's docstring)
+        with COMPILE_LOCK:  # never beside a background compile (see the lock's docstring)
             gm, lock = self._passes(key, args, target, on_stage, structure)
             self._warn_without_convolutions(gm)
             work = self._work_before_lowering(gm, target) if answer_early else ""
@@ -320,19 +319,3 @@ class SpecializationCompiler:
 
         return TieredRunner(first, build, finish, failed)
 
-
-@contextlib.contextmanager
-def _uncached_parametrizations() -> Iterator[None]:
-    """No caching of parametrized tensors while a specialization compiles: inside the caller's
-    ``torch.nn.utils.parametrize.cached()`` the compile's runs of the model (the trace, the
-    shape propagation, without gradients) filled the cache with a weight that needs none (or a
-    trace's proxy), which the call then read. The cache itself is left as it is: with caching
-    off nothing is added to it, and a copy put back would bring back entries the caller's
-    thread dropped meanwhile."""
-    parametrize = torch.nn.utils.parametrize
-    enabled = parametrize._cache_enabled
-    parametrize._cache_enabled = 0
-    try:
-        yield
-    finally:
-        parametrize._cache_enabled = enabled

@@ -15,24 +15,27 @@ __all__ = ["CapturedForward", "input_aliases"]
 
 
 def input_aliases(leaves: Sequence[Any], inputs: Sequence[Any]) -> dict[int, tuple]:
-    """The output leaves (:func:`output_leaves`) that share memory with a tensor in ``inputs``:
+    """The output leaves (:func:`output_leaves`) that share memory with a tensor in ``inputs``
+    (the first such input):
     ``{leaf position: (input position, the input's strides, view)}``, ``view`` ``None`` where the
-    leaf is the whole input (same sizes, strides and offset), else ``(sizes, strides, offset)``
+    leaf is the input itself (the same tensor object), else ``(sizes, strides, offset)``
     of the leaf with its offset in elements counted from the input's; a leaf of another dtype
     than its input gets ``None`` for the input's strides (no view of the caller's tensor makes
     it). A CUDA graph's replay returns the caller's tensors there (eager returns them)."""
-    where = {a.untyped_storage().data_ptr(): i for i, a in enumerate(inputs)
-             if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr()}  # (empty: 0)
+    where: dict[int, int] = {}  # storage -> the first input on it
+    for i, a in enumerate(inputs):
+        if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr():  # (empty: 0)
+            where.setdefault(a.untyped_storage().data_ptr(), i)
     found: dict[int, tuple] = {}
     for k, t in enumerate(leaves):
         i = where.get(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
         if i is None:
             continue
         a = inputs[i]
-        same = (t.dtype == a.dtype and t.shape == a.shape and t.stride() == a.stride()
-                and t.storage_offset() == a.storage_offset())
-        view = None if same else (tuple(t.shape), t.stride(),
-                                  t.storage_offset() - a.storage_offset())
+        # the input itself (``return x``), or a new tensor on its memory (``x.detach()``, a view
+        # of the same sizes): eager returns a new tensor object there
+        view = None if t is a else (tuple(t.shape), t.stride(),
+                                    t.storage_offset() - a.storage_offset())
         found[k] = (i, a.stride() if t.dtype == a.dtype else None, view)
     return found
 
