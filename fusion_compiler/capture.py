@@ -26,6 +26,7 @@ from .runtime.hooks import instance_forward, uninitialized_lazy
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import first_time, note_reads
 from .grad_modes import forced_grad_modes, mark_grad_modes, records_gradients
+from .output_types import skeleton
 from .parametrized_calls import parametrized_calls, uncached
 from .trace_constants import constants_written, fresh_constant_outputs
 from .tracing import ModeRecordingTracer, recording_reads
@@ -172,11 +173,10 @@ def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
         graph.erase_node(node)
         if not attr.users:
             graph.erase_node(attr)
-        if any(map(writes_in_place, body.graph.nodes)) and not _SAID[0]:
-            _SAID[0] = True  # (once per process: Dynamo hands over a graph per recompile)
-            log.warning("a torch.utils.checkpoint body writes in place (a batch norm's statistics)"
-                        ": it runs once per step, not recomputed, so those statistics are updated "
-                        "once where eager's recompute updates them twice (no memory is saved)")
+        if any(map(writes_in_place, body.graph.nodes)) and not _SAID[0]:  # once per process
+            _SAID[0] = True
+            log.warning("a torch.utils.checkpoint body writing in place runs once: a batch norm's "
+                        "statistics are updated once a step, eager's twice (no memory is saved)")
     gm.recompile()
     return gm
 
@@ -350,6 +350,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     gm.meta["grad_mode_read"] = tracer.grad_mode_read
     gm.meta["grad_mode_raised"] = raised
     gm.meta["grad_mode_left"] = left.pop() if left else None  # set by the compiled call too
+    gm.meta["output_types"] = skeleton(tracer.last_output)  # (put back by the compiled call)
     return gm
 
 

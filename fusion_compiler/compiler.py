@@ -23,6 +23,7 @@ from .grad_modes import GradFacts, GradFactsByFlags
 from .ir.errors import FusionError, InputError, InputTypeError
 from .ir.ops import writes_in_place
 from .input_errors import explained
+from .output_types import rebuilt
 from .parametrized_calls import in_cached_block
 from .runners import note_once
 from .runtime.background import warn_once
@@ -311,12 +312,15 @@ class CompiledModule(ModelAttributes, torch.nn.Module):
         meta = spec.graph_module.meta  # (its trace's: forward's Python may choose the modes)
         try:
             if meta.get("grad", True):
-                return spec.run(*args)
-            with torch.inference_mode() if meta.get("inference") else torch.no_grad():
-                return spec.run(*args)
+                out = spec.run(*args)
+            else:
+                with torch.inference_mode() if meta.get("inference") else torch.no_grad():
+                    out = spec.run(*args)
         finally:  # the mode a bare torch.set_grad_enabled in forward leaves, as eager leaves it
             if meta.get("grad_mode_left") is not None:
                 torch._C._set_grad_enabled(meta["grad_mode_left"])
+        types = meta.get("output_types")  # (an OrderedDict fx made a dict)
+        return out if types is None else rebuilt(out, types)
 
     def report(self) -> str:
         """What the last specialization is, as text at most 100 columns wide: the summary

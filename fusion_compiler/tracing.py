@@ -14,8 +14,7 @@ at a time (:data:`TRACE_LOCK`: two traces at once would each restore the other's
 fx raises its flag for every thread a few bytecodes before the tracer can make it a flag of one
 thread (the tracer does so when fx sets its ``root``, before fx lists the model's modules): a
 ``torch.compile``'d function another thread calls exactly then could still raise Dynamo's error
-(Dynamo's ``error_on_nested_fx_trace`` cannot help: its overrides are per thread in torch 2.13).
-"""
+(Dynamo's ``error_on_nested_fx_trace`` cannot help: its overrides are per thread in torch 2.13)."""
 
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ from torch.fx import _symbolic_trace
 from .code_reads import users_module
 from .ir.aliasing import tensor_result
 from .ir.ops import TENSOR_HOOKS
+from .output_types import OutputRecorder
 from .parametrized_calls import traced_through
 from .runtime.hooks import instance_forward
 from .random_ops import RandomCallsAsNodes
@@ -101,7 +101,7 @@ def _recording(model: torch.nn.Module) -> Iterator[dict[torch.nn.Module, set[str
                             "attribute reads stay slower", cls.__qualname__)
 
 
-class ModeRecordingTracer(fx.Tracer):
+class ModeRecordingTracer(OutputRecorder, fx.Tracer):
     """``torch.fx.Tracer`` that records on each node whether gradients (and inference mode) were
     on when the traced code made it. Buffers are traced like parameters (``get_attr`` nodes):
     fx's default hands the code the buffer itself, so an in-place update in ``forward``

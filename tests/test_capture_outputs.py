@@ -2,7 +2,7 @@
 "copies" gives fresh tensors equal to the output buffers; "safe" gives the buffers as new tensor
 objects (copies where the buffers are never handed out); containers are new at every call and
 keep their structure and non-tensor leaves. CPU: the graph is a fake whose replay adds one to
-the buffers."""
+the buffers. And a compiled call's output has the container classes forward made."""
 
 import collections
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
+import fusion_compiler
 from fusion_compiler.runtime.captured import CapturedForward, input_aliases
 from fusion_compiler.runtime.replays import GraphTurn
 from fusion_compiler.runtime.tensors import StreamOrder
@@ -142,3 +143,45 @@ def test_cpu_results_names_a_returned_or_written_cpu_tensor_only():
     assert _cpu_results(gm) == made.name
     made.meta["device"] = torch.device("cuda")
     assert _cpu_results(gm) == ""
+
+
+class _Scores(dict):
+    """A dict class of the user's (a results object)."""
+
+
+class _Tagged(tuple):
+    """A tuple class of the user's that is no named tuple."""
+
+
+class _Containers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        counts = collections.defaultdict(int)
+        counts["n"] = y.sum()
+        heads = collections.OrderedDict([("out", y), ("aux", y.mean())])
+        return {"heads": heads, "counts": counts, "scores": _Scores(s=y.amax()),
+                "tagged": _Tagged((y, y + 1)), "pair": Pair([heads], 3)}
+
+
+def test_the_output_keeps_the_container_classes_forward_made():
+    """fx writes each dict of the output as a dict and a tuple of the user's class as a tuple:
+    torchvision's segmentation models return an OrderedDict, which came back a dict
+    (helper-57). Each container has forward's class again, nested ones too, items as eager's."""
+    torch.manual_seed(0)
+    model, x = _Containers().eval(), torch.randn(1, 3, 6, 6)
+    compiled = fusion_compiler.compile(model)
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = compiled(x), model(x)
+            assert type(got) is dict and got.keys() == want.keys()
+            for key in want:
+                assert type(got[key]) is type(want[key]), key
+            assert got["counts"].default_factory is int and got["counts"]["missing"] == 0
+            assert list(got["heads"]) == ["out", "aux"]
+            assert type(got["pair"].a[0]) is collections.OrderedDict and got["pair"].b == 3
+            torch.testing.assert_close(got["tagged"][1], want["tagged"][1])
+            torch.testing.assert_close(got["scores"]["s"], want["scores"]["s"])

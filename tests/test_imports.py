@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "fusion_compiler.code_reads", "fusion_compiler.process_state",
                  "fusion_compiler.random_ops", "fusion_compiler.shapes",
                  "fusion_compiler.grad_modes", "fusion_compiler.trace_constants",
-                 "fusion_compiler.parametrized_calls")),
+                 "fusion_compiler.parametrized_calls", "fusion_compiler.output_types")),
     ("autograd", ("fusion_compiler.autograd",)),
     ("passes", ("fusion_compiler.passes",)),
     ("backends", ("fusion_compiler.backends",)),
