@@ -1115,6 +1115,29 @@ def test_a_lazy_value_on_a_held_object_compiles_and_an_append_is_refused(append,
         assert rel_err(compiled(x), model(x)) < 1e-6
 
 
+class _KeepsFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.store, self.stats = {}, types.SimpleNamespace(last=None)
+
+    def forward(self, x):
+        y = self.conv(x)
+        self.store["mean"] = y.mean()  # for the caller to read after the call
+        self.stats.last = y.detach()
+        return y
+
+
+def test_a_value_forward_computes_and_keeps_for_the_caller_is_refused(tmp_path):
+    """A dict item or a field set where there was none to a value the trace computed is no lazy
+    cache: eager leaves the feature there for the caller, a compiled call left the dict empty and
+    the field None, silently (helper-57)."""
+    model = _KeepsFeatures()
+    with pytest.raises(FusionError, match=r"changes stats.last, store \(items\)"):
+        fc.compile(model, cache_dir=tmp_path)
+    assert model.store == {} and model.stats.last is None  # put back
+
+
 def _scaled(y: torch.Tensor, cfg: types.SimpleNamespace) -> torch.Tensor:
     return y * cfg.beta
 

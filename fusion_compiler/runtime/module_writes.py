@@ -6,7 +6,9 @@ time, once, and a compiled graph cannot repeat such an assignment at each call; 
 them back after it and says what the traced code assigned (the capture then refuses the model in
 one line). A field of a held object set where it was ``None`` or absent (a lazy cache, a
 ``functools.cached_property``, a ``torch.distributions`` object's lazy ``probs``) is put back
-without a word: the compiled graph computes the value at each call, and the output is eager's."""
+without a word: the compiled graph computes the value at each call, and the output is eager's;
+not where the value set is one the trace computed (``self.cache["feat"] = y.mean()``, a field
+set to a tensor of the graph): eager leaves it there for the caller to read."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import operator
 from typing import Any, Iterable
 
 import torch
+import torch.fx
 
 from .snapshots import MISSING, MODULE_INTERNALS, fields_of, same
 
@@ -80,8 +83,9 @@ class ModuleWrites:
             now = fields_of(obj) or {}
             changed = [n for n in now.keys() | saved.keys()
                        if not same(saved.get(n, MISSING), now.get(n, MISSING))]
-            assigned += [f"{path}.{n}" for n in changed  # a lazy value set: eager's output too
-                         if saved.get(n, MISSING) not in (MISSING, None)]
+            assigned += [f"{path}.{n}" for n in changed  # a lazy value set: eager's output too,
+                         if saved.get(n, MISSING) not in (MISSING, None)  # unless the trace
+                         or _traced(now.get(n))]  # computed it (a feature kept for the caller)
             for n in changed:  # put back (a field the trace added is deleted)
                 try:
                     if n in saved:
@@ -112,7 +116,7 @@ def _container(value: Any) -> bool:
 def _changed(now: Any, saved: Any) -> bool:
     """Whether a trace changed the items of a :func:`_container` (``saved``: its copy): a set
     or dict item added where there was none is a lazy cache (a warn-once set, a memo), not a
-    change; a ``Counter``'s new count is one."""
+    change, unless the trace computed its value; a ``Counter``'s new count is one."""
     if isinstance(now, (list, collections.deque)):
         return len(now) != len(saved) or any(map(operator.is_not, now, saved))
     if isinstance(now, set):
@@ -120,8 +124,18 @@ def _changed(now: Any, saved: Any) -> bool:
     if isinstance(now, collections.Counter):
         return now != saved
     if isinstance(now, dict):
-        return any(now.get(k, MISSING) is not v for k, v in saved.items())
+        return any(now.get(k, MISSING) is not v for k, v in saved.items()) or any(
+            _traced(v) for k, v in now.items() if k not in saved)
     return not _same_array(now, saved)
+
+
+def _traced(value: Any) -> bool:
+    """Whether ``value`` is (or holds, one level down) a value the trace computed (an fx
+    proxy): set into a held object or dict, it is eager's result for the caller to read
+    (``self.cache["feat"] = y.mean()``), which a compiled graph would not set."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(
+        value, (list, tuple)) else (value,)
+    return any(isinstance(v, torch.fx.Proxy) for v in items)
 
 
 def _same_array(a: Any, b: Any) -> bool:
