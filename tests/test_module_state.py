@@ -668,6 +668,33 @@ def test_state_added_after_compile_that_forward_looks_for_compiles_again(added, 
         assert rel_err(compiled(x), model(x)) < 1e-6
 
 
+class _WithHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def post(self, y):
+        return y
+
+    def forward(self, x):
+        return self.post(self.conv(x))
+
+
+def test_a_method_forward_calls_replaced_on_the_instance_compiles_again(tmp_path):
+    """``model.post = lambda y: y * 3`` shadows the class's method for ``forward``'s
+    ``self.post(...)``; the compiled model kept the traced method (0.77 off, helper-57)."""
+    torch.manual_seed(0)
+    model = _WithHelper()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        compiled(x)
+        model.post = lambda y: y * 3
+        assert rel_err(compiled(x), model(x)) < 1e-6
+        del model.post
+        assert rel_err(compiled(x), model(x)) < 1e-6
+
+
 class _CheckpointedBN(nn.Module):
     def __init__(self):
         super().__init__()

@@ -358,10 +358,12 @@ def _change(old: Any, new: Any) -> str:
 
 
 def _settable(cls: type, name: str) -> bool:
-    """Whether an instance of ``cls`` would hold ``name`` in its own tables if set: not a
-    method, property or Python's own (``__dict__``) of the class; a class-level default value
-    is (an instance may shadow it)."""
+    """Whether an instance of ``cls`` would hold ``name`` in its own tables if set, and be read
+    from there: not a property (or another data descriptor) or Python's own (``__dict__``) of
+    the class; a class-level default value or a method is (an instance may shadow it:
+    ``model.post = lambda y: y * 3``)."""
     if name.startswith("__") and name.endswith("__"):
         return False
     found = getattr(cls, name, MISSING)
-    return found is MISSING or _data(found)
+    kind = type(found)
+    return found is MISSING or not (hasattr(kind, "__set__") or hasattr(kind, "__delete__"))
