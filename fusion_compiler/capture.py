@@ -19,13 +19,13 @@ import torch.fx as fx
 
 from .code_reads import globals_read
 from .ir.errors import FusionError, InputTypeError
-from .ir.ops import calls_named, copy_graph, grad_mode_at_end, writes_in_place
+from .ir.ops import calls_named, copy_graph, writes_in_place
 from .random_ops import draws, random_state
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward, uninitialized_lazy
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import first_time, note_reads
-from .grad_modes import forced_grad_modes, mark_grad_modes, records_gradients
+from .grad_modes import dynamo_grad_modes, forced_grad_modes, mark_grad_modes, records_gradients
 from .output_types import skeleton
 from .parametrized_calls import parametrized_calls, uncached
 from .trace_constants import constants_written, fresh_constant_outputs
@@ -216,7 +216,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     """
     if isinstance(model, fx.GraphModule):  # (Dynamo's: the modes it sets are constants)
         gm = _inline_writing_checkpoints(fx.GraphModule(model, copy_graph(model.graph)))
-        gm.meta["grad_mode_left"] = grad_mode_at_end(gm.graph)  # set by the compiled call
+        dynamo_grad_modes(gm)  # (inference blocks as no_grad ones; the mode left)
         return gm
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise FusionError(

@@ -12,10 +12,43 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from .ir.ops import enables_grad
+from .ir.ops import enables_grad, grad_mode_at_end
 
 __all__ = ["forced_grad_modes", "mark_grad_modes", "records_gradients", "GradFacts",
-           "GradFactsByFlags"]
+           "GradFactsByFlags", "dynamo_grad_modes"]
+
+
+def dynamo_grad_modes(gm: fx.GraphModule) -> None:
+    """A Dynamo graph's grad modes, made the ones this package's passes and runners know
+    (``torch._C._set_grad_enabled`` calls with constant modes): a ``torch.inference_mode()``
+    block, which Dynamo writes as ``_enter_inference_mode(True)`` ... ``_exit_inference_mode``,
+    becomes a ``torch.no_grad()`` block (its ops record no gradients, as eager's; kept as calls
+    of their own, the block's ops recorded gradients in training, and its parameters got
+    gradients eager gives them none: helper-55), returning to the mode before it, and the mode
+    the graph leaves is ``gm.meta["grad_mode_left"]`` (set by the compiled call after each call:
+    a bare ``torch.set_grad_enabled(False)``). The mode before the graph is the caller's now:
+    Dynamo guards on it, and the graph is captured at its first call."""
+    g, mode, saved = gm.graph, torch.is_grad_enabled(), {}
+    grad_mode = torch.autograd.grad_mode
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled and isinstance(node.args[0], bool):
+            mode = node.args[0]
+        elif node.target is grad_mode._enter_inference_mode and node.args[:1] == (True,):
+            saved[node], mode = mode, False
+            with g.inserting_before(node):
+                g.call_function(torch._C._set_grad_enabled, (False,))
+        elif node.target is grad_mode._exit_inference_mode and node.args[0] in saved:
+            mode = saved[node.args[0]]
+            with g.inserting_before(node):
+                g.call_function(torch._C._set_grad_enabled, (mode,))
+            g.erase_node(node)
+    for node in saved:
+        g.erase_node(node)
+    if saved:
+        gm.recompile()
+    gm.meta["grad_mode_left"] = grad_mode_at_end(g)
 
 
 def forced_grad_modes(graph: fx.Graph, other: fx.Graph, traced_with: bool) -> None:

@@ -251,3 +251,34 @@ def test_integer_inputs_become_constants_of_each_specialization():
     gm = seen[-1].compiled_module.last.graph_module
     sizes = [p for p in gm.graph.find_nodes(op="placeholder") if isinstance(p.meta.get("val"), int)]
     assert sizes and not any(p.users for p in sizes)
+
+
+class _InferenceBlock(nn.Module):
+    def __init__(self, graph_break: bool):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.graph_break = graph_break
+
+    def forward(self, x):
+        y = self.c1(x)
+        with torch.inference_mode():  # a prior computed without gradients
+            z = self.c2(torch.ones(x.shape[0], 4, 8, 8))
+            if self.graph_break:
+                torch._dynamo.graph_break()
+            z = z + 1
+        return y + z.clone()
+
+
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_an_inference_mode_block_records_no_gradients(graph_break):
+    """Dynamo writes the block as _enter/_exit_inference_mode calls, which the passes did not
+    know as a mode: its convolution's parameters got gradients where eager gives none
+    (helper-55). The block is a no_grad block now; the caller's mode is left as it was."""
+    torch.manual_seed(0)
+    model = _InferenceBlock(graph_break)
+    compiled = torch.compile(model, backend="fusion_compiler")
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(2):
+        compiled(x).square().sum().backward()
+        assert model.c2.weight.grad is None and model.c1.weight.grad is not None
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
