@@ -70,8 +70,8 @@ class ParametrizedCall(nn.Module):
     copies of the model's state, as a shape propagation makes, runs it on the copies): its
     parametrized tensors computed from their originals by their ``ParametrizationList`` s,
     never read from ``parametrize.cached()``'s cache, then its own class's ``forward`` run with
-    them. Impure: never removed or hoisted (a ``spectral_norm`` updates its
-    vectors in training)."""
+    them. Impure: never removed or hoisted (a ``spectral_norm`` updates its vectors in
+    training)."""
 
     _is_impure = True
 

@@ -120,7 +120,7 @@ def written_root(node: fx.Node, written: dict[fx.Node, fx.Node]) -> fx.Node:
 def _shared_write(gm: fx.GraphModule) -> str:
     """Why ``gm``'s in-place ops cannot be made out of place (``""``: they can): the first that
     writes into a view, or into a value of which a view taken before it is read after it, or
-    into a parameter (or a view of one)."""
+    into a parameter that requires gradients (or a view of one)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is operator.setitem:
@@ -131,8 +131,9 @@ def _shared_write(gm: fx.GraphModule) -> str:
         if node.op == "call_method" and not hasattr(torch.Tensor, twin):
             return f"in-place op {node.target} ({node.name}) has no out-of-place twin"
         base = view_base(gm, node.args[0])
-        if isinstance(base, fx.Node) and base.op == "get_attr" and isinstance(
-                operator.attrgetter(base.target)(gm), torch.nn.Parameter):
+        held = (operator.attrgetter(base.target)(gm) if isinstance(base, fx.Node)
+                and base.op == "get_attr" else None)
+        if isinstance(held, torch.nn.Parameter) and held.requires_grad:
             # (forward's ``with torch.no_grad(): self.w.clamp_(-1, 1)``: out of place, the
             # readers after it would read a value without gradient, and the write back fail)
             return (f"in-place op {node.target} ({node.name}) writes into parameter "
