@@ -19,15 +19,17 @@ import torch.fx as fx
 
 from .code_reads import globals_read
 from .ir.errors import FusionError, InputTypeError
-from .ir.ops import calls_named, copy_graph, writes_in_place
-from .random_ops import draws, random_state
+from .ir.ops import copy_graph
+from .random_ops import random_state
 from .runtime.background import on_calling_thread, warn_once
 from .runtime.hooks import instance_forward, uninitialized_lazy
 from .runtime.module_writes import ModuleWrites
 from .runtime.state import first_time, note_reads
-from .grad_modes import dynamo_grad_modes, forced_grad_modes, mark_grad_modes, records_gradients
+from .dynamo_capture import dynamo_graph
+from .grad_modes import forced_grad_modes, mark_grad_modes, records_gradients
 from .output_types import skeleton
 from .parametrized_calls import parametrized_calls, uncached
+from .tensor_reads import values_read
 from .trace_constants import constants_written, fresh_constant_outputs
 from .tracing import ModeRecordingTracer, recording_reads
 
@@ -133,54 +135,6 @@ def unpack_inputs(gm: fx.GraphModule, structure: Sequence[int | None]) -> fx.Gra
     return gm
 
 
-_SAID = [False]  # the WARNING of _inline_writing_checkpoints given
-
-
-def _inline_writing_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
-    """Dynamo's activation checkpoint op (``tag_activation_checkpoint``, its body a graph module
-    taking the module's tensors as inputs) whose body writes an input in place (a batch norm's
-    ``num_batches_tracked.add_(1)``): the body's nodes replace the op, so the write is
-    functionalized with the graph's (once per call, as Inductor does; before shape propagation,
-    which gives the body's nodes their values). Run as the op, the write
-    moves the version of an input the checkpoint saved, and the backward's recompute raised
-    "modified by an inplace operation". So is a body that draws random numbers
-    (:func:`~.random_ops.draws`: dropout): run as the op, the backward's recompute drew other
-    numbers than the forward (dropout's gradient took another mask: 0.17 off on a weight
-    gradient of 0.29, as with ``backend="eager"``; ``backend="aot_eager"`` gives eager's). No
-    memory is saved there; other checkpoints stay."""
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if not calls_named(node, "tag_activation_checkpoint") or \
-                not node.args or getattr(node.args[0], "op", None) != "get_attr":
-            continue
-        body = getattr(gm, node.args[0].target, None)
-        if not isinstance(body, fx.GraphModule) or not any(
-                writes_in_place(n) or draws(n) for n in body.graph.nodes) \
-                or any(n.op in ("get_attr", "call_module") for n in body.graph.nodes) \
-                or not all(u.target is operator.getitem for u in node.users):
-            continue
-        env = dict(zip(body.graph.find_nodes(op="placeholder"), node.args[1:]))
-        with graph.inserting_before(node):
-            for inner in body.graph.nodes:
-                if inner.op == "output":
-                    outputs = fx.node.map_arg(inner.args[0], env.__getitem__)
-                elif inner.op != "placeholder":
-                    env[inner] = graph.node_copy(inner, env.__getitem__)
-        for use in list(node.users):
-            use.replace_all_uses_with(outputs[use.args[1]])
-            graph.erase_node(use)
-        attr = node.args[0]
-        graph.erase_node(node)
-        if not attr.users:
-            graph.erase_node(attr)
-        if any(map(writes_in_place, body.graph.nodes)) and not _SAID[0]:  # once per process
-            _SAID[0] = True
-            log.warning("a torch.utils.checkpoint body writing in place runs once: a batch norm's "
-                        "statistics are updated once a step, eager's twice (no memory is saved)")
-    gm.recompile()
-    return gm
-
-
 def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool = True,
             tensors: Mapping[str, int] | None = None) -> fx.GraphModule:
     """Trace ``model`` with ``torch.fx``; a ``GraphModule`` (a Dynamo graph) is not traced again
@@ -215,9 +169,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             ``DistributedDataParallel`` module gets a message naming the fix.
     """
     if isinstance(model, fx.GraphModule):  # (Dynamo's: the modes it sets are constants)
-        gm = _inline_writing_checkpoints(fx.GraphModule(model, copy_graph(model.graph)))
-        dynamo_grad_modes(gm)  # (inference blocks as no_grad ones; the mode left)
-        return gm
+        return dynamo_graph(fx.GraphModule(model, copy_graph(model.graph)))
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise FusionError(
             "fusion_compiler.compile got a DistributedDataParallel module: compile the model "
@@ -262,10 +214,14 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
     def trace(grad: bool) -> tuple[ModeRecordingTracer, fx.Graph, dict]:
         tracer = ModeRecordingTracer()
         tracer.tensor_inputs = dict(tensors or {})
-        with torch.set_grad_enabled(grad), recording_reads(model) as reads, uncached():
+        with torch.set_grad_enabled(grad), recording_reads(model) as reads, uncached(), \
+                values_read(model) as values:
             graph = tracer.trace(model, concrete_args={name: None for name in none} or None)
             ends[grad] = torch.is_grad_enabled()  # (torch.set_grad_enabled(False), bare)
+        read_as_values.extend(values)
         return tracer, graph, reads
+
+    read_as_values: list[tuple[dict, str]] = []  # plain tensor attributes: self.k.item()
 
     ends: dict[bool, bool] = {}  # the grad mode each trace ended in, by the one it began in
 
@@ -289,7 +245,7 @@ def capture(model: torch.nn.Module, none: Sequence[str] = (), grad_enabled: bool
             without = graph if not traced_with else other
         # ops that record gradients in a call made without them (an enable_grad block)
         raised = tracer.grad_mode_set and records_gradients(without)
-        note_reads(reads, model, global_names)
+        note_reads(reads, model, global_names, read_as_values)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         parametrized_calls(gm)  # (before anything runs the graph)
     except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)

@@ -715,8 +715,8 @@ def test_training_through_a_checkpoint_says_no_memory_is_saved(door, tmp_path, c
                                                                 monkeypatch):
     """One WARNING, which names what differs from eager: no memory saved, and a batch norm's
     statistics updated once per step (the Dynamo door said nothing: helper-56)."""
-    import fusion_compiler.capture as capture
-    monkeypatch.setattr(capture, "_SAID", [False])
+    import fusion_compiler.dynamo_capture as dynamo_capture
+    monkeypatch.setattr(dynamo_capture, "_SAID", [False])
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = _CheckpointedBN().eval()
@@ -1643,3 +1643,37 @@ def test_an_input_viewing_state_the_graph_does_not_write_runs_compiled(caplog):
     assert compiled.last is not None and int(model.steps) == 2
     assert not any("shares memory" in r.getMessage() for r in caplog.records)
 
+
+
+class _ReadsGain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.gain = torch.tensor(2.0)  # a plain tensor attribute, not a buffer
+        self.mix = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+    def forward(self, x):
+        return self.conv(x) * self.gain.item() * torch.tensor(self.mix.tolist()).view(1, 4, 1, 1)
+
+
+def test_a_tensor_attribute_read_as_a_number_is_compared_at_each_call(tmp_path, caplog):
+    """``self.gain.item()`` of a plain tensor attribute is a constant of the traced graph:
+    after ``gain.fill_(5.0)`` the compiled calls kept 2.0 (2.9 off, helper-57). The guard
+    compares such tensors' contents and compiles again, once per change, naming the attribute;
+    a value changed at every call stops compiling after the recompile limit, as an attribute."""
+    torch.manual_seed(0)
+    model = _ReadsGain()
+    compiled = fc.compile(model, cache_dir=tmp_path)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fusion_compiler"):
+        assert rel_err(compiled(x), model(x)) < 1e-6
+        model.gain.fill_(5.0)
+        assert rel_err(compiled(x), model(x)) < 1e-6
+        model.mix.neg_()
+        assert rel_err(compiled(x), model(x)) < 1e-6
+        for step in range(12):
+            model.gain.fill_(float(step + 1))
+            assert rel_err(compiled(x), model(x)) < 1e-6
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "attribute 'gain' (a tensor forward reads as a number) was changed" in said
+    assert "run the model uncompiled" in said

@@ -53,6 +53,7 @@ _READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> nam
 
 
 _GLOBALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> globals read
+_VALUES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> tensors read as values
 _TOLD: weakref.WeakSet = weakref.WeakSet()  # models told what the guard does not compare
 
 
@@ -63,14 +64,17 @@ def _data(value: Any) -> bool:
 
 
 def note_reads(reads: dict[torch.nn.Module, set[str]], model: torch.nn.Module,
-               global_names: Sequence[tuple[Any, str]]) -> None:
-    """Add the attribute names a trace saw each module's code read, and the module-level names
+               global_names: Sequence[tuple[Any, str]],
+               values: Sequence[tuple[dict, str]] = ()) -> None:
+    """Add the attribute names a trace saw each module's code read, the module-level names
     the code of ``model``'s trace may read (``(globals dict, name)``, or ``(class, name)`` for
-    ``Defaults.SCALE``); they accumulate over the traces of a model (each specialization is
-    traced again)."""
+    ``Defaults.SCALE``), and the plain tensor attributes it read as Python values (``(module's
+    __dict__, name)``: :func:`~fusion_compiler.tensor_reads.values_read`); they accumulate over
+    the traces of a model (each specialization is traced again)."""
     for module, names in reads.items():
         _READS.setdefault(module, set()).update(names)
     _GLOBALS.setdefault(model, {}).update({(id(g), n): (g, n) for g, n in global_names})
+    _VALUES.setdefault(model, {}).update({(id(d), n): (d, n) for d, n in values})
 
 
 def _class_attributes(module: torch.nn.Module) -> list[tuple[type, str, Any]]:
@@ -228,6 +232,11 @@ class StateGuard:
                   for m in modules]
         self._absent = [(t, n) for t, cls, names in tables for n in sorted(names)
                         if not any(n in d for d in t) and _settable(cls, n)]
+        # plain tensor attributes the trace read as Python values (self.k.item()): constants
+        # of the graph, compared by contents (a sync for a GPU tensor, as eager's read is)
+        read = _VALUES.get(self.module, {}).values()
+        self._values = [(d, n, d[n], d[n].clone()) for d, n in read
+                        if isinstance(d.get(n), torch.Tensor)]
 
     def training_flags(self) -> tuple[bool, ...]:
         """The ``training`` flags of the model's modules: part of a specialization's key, since
@@ -278,7 +287,10 @@ class StateGuard:
                 or sum(map(len, self._hook_tables)) != self._hooks
                 or self._forward_changed() or self._attributes_changed()
                 or any(n in t for tables, n in self._absent for t in tables)
-                or self._class_changed())
+                or self._class_changed() or self._values_changed())
+
+    def _values_changed(self) -> bool:
+        return any(d.get(n) is not t or not torch.equal(t, old) for d, n, t, old in self._values)
 
     def _class_changed(self) -> bool:
         try:  # the same objects (methods, numbers) in C; copies of lists item by item
@@ -322,6 +334,9 @@ class StateGuard:
             now = getattr(k, n, MISSING)
             if not same(v, now):
                 return f"class attribute {k.__name__}.{n} was {_change(v, now)}"
+        for d, n, t, old in self._values:  # (as an attribute: RECOMPILE_LIMIT applies)
+            if d.get(n) is not t or not torch.equal(t, old):
+                return f"attribute '{n}' (a tensor forward reads as a number) was changed"
         return "nothing"
 
 
