@@ -331,6 +331,8 @@ def _module_level(names: Sequence[tuple[Any, str]]) -> list[tuple[str, Any]]:
     a trace could change: not modules, classes or functions."""
     found = []
     for namespace, name in names:
+        if isinstance(namespace, types.CellType):  # a closure's: guarded, not put back
+            continue
         value = namespace.get(name) if isinstance(namespace, dict) else vars(namespace).get(name)
         if value is not None and not isinstance(value, _CODE):  # (an object with __call__ is)
             found.append((f"module-level {name}", value))

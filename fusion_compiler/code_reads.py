@@ -102,12 +102,14 @@ def globals_read(modules: Iterable[torch.nn.Module]
     (through ``functools.partial``, ``functools.wraps``, properties), and into nested code. Names
     of builtins, and torch's and this package's code, are left out (as guarded names). A function
     reached another way (an argument, an object's attribute) is not followed; one a closure
-    holds is, and what closures hold is told apart as names are (not guarded)."""
+    holds is, and what closures hold is told apart as names are, and guarded as ``(cell,
+    "cell_contents")`` (a factory's ``cfg`` dict a class defined inside it reads)."""
     todo: list[tuple[types.CodeType, dict, Any]] = []
 
     cells: list[tuple[str, Any]] = []  # what closures hold: read as globals are
     followed: set[int] = set()
     once: dict[str, tuple[str, str, Any]] = {}
+    found: dict[tuple[int, str], tuple[Any, str]] = {}
 
     def note(shown: str, value: Any) -> None:
         kind = read_once(value)
@@ -124,13 +126,14 @@ def globals_read(modules: Iterable[torch.nn.Module]
                 try:
                     cells.append((name, cell.cell_contents))
                 except ValueError:  # a cell not filled yet
-                    pass
+                    continue
+                if name != "__class__" and users_module(fn.__module__ or ""):  # (super()'s)
+                    found.setdefault((id(cell), "cell_contents"), (cell, "cell_contents"))
 
     for module in modules:
         follow(instance_forward(module), module)
         follow(type(module).forward, module)
     seen: set[tuple[types.CodeType, int]] = set()
-    found: dict[tuple[int, str], tuple[dict, str]] = {}
     stores: list[str] = []
     while todo or cells:
         while cells:

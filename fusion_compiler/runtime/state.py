@@ -123,10 +123,12 @@ def _globals_guarded(model: torch.nn.Module) -> list[tuple[dict, str, Any]]:
 
 def _global_classes(model: torch.nn.Module) -> list[tuple[type, str, Any]]:
     """``(class, name, value)`` of the data values the traced code may read from a class of the
-    user's by its global name (``Defaults.SCALE``; :func:`note_reads`)."""
+    user's by its global name (``Defaults.SCALE``; :func:`note_reads`), and ``(cell,
+    "cell_contents", value)`` of those a closure of its code holds."""
     found = []
     for cls, n in _GLOBALS.get(model, {}).values():
-        value = getattr(cls, n, MISSING) if isinstance(cls, type) else MISSING
+        value = (getattr(cls, n, MISSING) if isinstance(cls, (type, types.CellType))
+                 else MISSING)
         if value is not MISSING and _data(value):
             found.append((cls, n, value))
     return found
@@ -333,7 +335,9 @@ class StateGuard:
         for k, n, v in self._class_values:
             now = getattr(k, n, MISSING)
             if not same(v, now):
-                return f"class attribute {k.__name__}.{n} was {_change(v, now)}"
+                what = (f"class attribute {k.__name__}.{n}" if isinstance(k, type)
+                        else "a value a closure of forward's code holds")
+                return f"{what} was {_change(v, now)}"
         for d, n, t, old in self._values:  # (as an attribute: RECOMPILE_LIMIT applies)
             if d.get(n) is not t or not torch.equal(t, old):
                 return f"attribute '{n}' (a tensor forward reads as a number) was changed"
