@@ -1702,3 +1702,7 @@ def test_a_dict_a_closure_holds_is_compared_at_each_call(tmp_path):
         assert rel_err(compiled(x), model(x)) < 1e-6
         cfg["scale"] = 3.0
         assert rel_err(compiled(x), model(x)) < 1e-6
+        for step in range(12):  # changed at every call: uncompiled after the recompile limit
+            cfg["scale"] = step + 1.0
+            assert rel_err(compiled(x), model(x)) < 1e-6
+        assert compiled._recompiles.uncompiled.startswith("closure value")

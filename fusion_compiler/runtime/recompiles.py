@@ -33,7 +33,7 @@ class Recompiles:
         """``what`` (:meth:`StateGuard.describe`) changed; ``compiled`` specializations are
         dropped."""
         key = what.split(" was")[0]
-        value = key.startswith(("attribute", "global", "class"))
+        value = key.startswith(("attribute", "global", "class", "closure"))
         self.counts[key] += bool(compiled)
         first = compiled and value and self.counts[key] == 1
         log.log(logging.WARNING if first else logging.INFO if compiled else logging.DEBUG,

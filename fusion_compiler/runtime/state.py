@@ -336,7 +336,7 @@ class StateGuard:
             now = getattr(k, n, MISSING)
             if not same(v, now):
                 what = (f"class attribute {k.__name__}.{n}" if isinstance(k, type)
-                        else "a value a closure of forward's code holds")
+                        else "closure value of forward's code")
                 return f"{what} was {_change(v, now)}"
         for d, n, t, old in self._values:  # (as an attribute: RECOMPILE_LIMIT applies)
             if d.get(n) is not t or not torch.equal(t, old):
