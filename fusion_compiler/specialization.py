@@ -318,4 +318,3 @@ class SpecializationCompiler:
             self._note(spec.notes, f"lowering failed; the regions run as PyTorch ops: {reason}")
 
         return TieredRunner(first, build, finish, failed)
-

@@ -355,9 +355,9 @@ class _TensorProxy(_InplaceProxy):
     and ``torch.is_tensor(x)`` hold, as in eager (fx's proxy is no tensor, so ``forward``'s
     other branch was traced, silently); ``isinstance(x, nn.Parameter)`` holds for a parameter.
     Python's ``isinstance`` reads ``__class__`` where the type itself is not the class asked
-    for: :class:`_InplaceProxy`'s property answers by who asks. PyTorch's own code (``torch.utils.checkpoint``, fx)
-    and this package's get the proxy's class, as fx's proxies answer, which is what they are
-    written to trace with; ``type(x)`` stays the proxy's for everyone."""
+    for: :class:`_InplaceProxy`'s property answers by who asks. PyTorch's own code
+    (``torch.utils.checkpoint``, fx) and this package's get the proxy's class, as fx's proxies
+    answer, which is what they are written to trace with; ``type(x)`` stays the proxy's."""
 
     def __init__(self, node: fx.Node, tracer: fx.Tracer, ndim: int):
         super().__init__(node, tracer)
