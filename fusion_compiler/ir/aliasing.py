@@ -24,7 +24,7 @@ from .ops import inplace_flag, writes_in_place
 
 __all__ = ["inplace_target", "alias_source", "may_be_view", "written_source", "fresh",
            "is_torchvision_stochastic_depth", "view_chain", "view_base", "tensor_result",
-           "shared_input", "written_attributes", "called_module"]
+           "shared_input", "written_attribute", "written_attributes", "called_module"]
 
 # in-place target -> out-of-place canonical target (call_function and call_method spellings)
 _INPLACE_FUNCS = {operator.iadd: torch.add, operator.isub: torch.sub, operator.imul: torch.mul,
@@ -159,7 +159,6 @@ def may_be_view(node: object) -> bool:
     if node.op == "call_function":
         return node.target in _VIEW_FUNCTIONS or is_torchvision_stochastic_depth(node.target) or (
             node.target is getattr and len(node.args) > 1 and node.args[1] in _TENSOR_ATTRIBUTES)
-    owner = node.graph.owning_module
     return owner is not None and isinstance(called_module(owner, node), _ALIASING_MODULES)
 
 
@@ -292,9 +291,19 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
+def written_attribute(gm: fx.GraphModule, node: fx.Node) -> tuple[str, Any] | None:
+    """The parameter or buffer whose memory the in-place ``node`` writes (its first argument,
+    or what that argument is a view of): its path in ``gm`` and value; ``None`` for another
+    value."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    base = view_base(gm, node.args[0])
+    if not isinstance(base, fx.Node) or base.op != "get_attr":
+        return None
+    return str(base.target), operator.attrgetter(base.target)(gm)
+
+
 def written_attributes(gm: fx.GraphModule) -> list[torch.Tensor]:
     """The parameters and buffers ``gm`` writes in place (through views too)."""
-    bases = [view_base(gm, n.args[0]) for n in gm.graph.nodes
-             if writes_in_place(n) and n.args and isinstance(n.args[0], fx.Node)]
-    return [operator.attrgetter(b.target)(gm) for b in bases
-            if isinstance(b, fx.Node) and b.op == "get_attr"]
+    found = [written_attribute(gm, n) for n in gm.graph.nodes if writes_in_place(n)]
+    return [value for _, value in filter(None, found)]

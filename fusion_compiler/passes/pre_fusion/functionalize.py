@@ -21,8 +21,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ...ir.aliasing import (alias_source, fresh, inplace_target, may_be_view, view_base,
-                             view_chain, written_source)
+from ...ir.aliasing import (alias_source, fresh, inplace_target, may_be_view, view_chain,
+                             written_attribute, written_source)
 from ...ir.ops import INPLACE_POSITION, foreach_inplace, write_back
 
 __all__ = ["functionalize", "inplace_target"]
@@ -130,14 +130,12 @@ def _shared_write(gm: fx.GraphModule) -> str:
             continue
         if node.op == "call_method" and not hasattr(torch.Tensor, twin):
             return f"in-place op {node.target} ({node.name}) has no out-of-place twin"
-        base = view_base(gm, node.args[0])
-        held = (operator.attrgetter(base.target)(gm) if isinstance(base, fx.Node)
-                and base.op == "get_attr" else None)
+        path, held = written_attribute(gm, node) or (None, None)
         if isinstance(held, torch.nn.Parameter) and held.requires_grad:
             # (forward's ``with torch.no_grad(): self.w.clamp_(-1, 1)``: out of place, the
             # readers after it would read a value without gradient, and the write back fail)
             return (f"in-place op {node.target} ({node.name}) writes into parameter "
-                    f"'{base.target}', which its readers after it must see as the parameter")
+                    f"'{path}', which its readers after it must see as the parameter")
         if _read_through_another_alias(gm, node, order):
             return (f"in-place op {node.target} ({node.name}) writes into memory that another "
                     "value of the graph shares (a view)")
