@@ -289,10 +289,13 @@ class StateGuard:
                 or sum(map(len, self._hook_tables)) != self._hooks
                 or self._forward_changed() or self._attributes_changed()
                 or any(n in t for tables, n in self._absent for t in tables)
-                or self._class_changed() or self._values_changed())
+                or self._class_changed() or self._changed_value() is not None)
 
-    def _values_changed(self) -> bool:
-        return any(d.get(n) is not t or not torch.equal(t, old) for d, n, t, old in self._values)
+    def _changed_value(self) -> str | None:
+        """The name of a tensor attribute read as a value whose contents changed (or that was
+        replaced), else ``None``."""
+        return next((n for d, n, t, old in self._values
+                     if d.get(n) is not t or not torch.equal(t, old)), None)
 
     def _class_changed(self) -> bool:
         try:  # the same objects (methods, numbers) in C; copies of lists item by item
@@ -338,9 +341,9 @@ class StateGuard:
                 what = (f"class attribute {k.__name__}.{n}" if isinstance(k, type)
                         else "closure value of forward's code")
                 return f"{what} was {_change(v, now)}"
-        for d, n, t, old in self._values:  # (as an attribute: RECOMPILE_LIMIT applies)
-            if d.get(n) is not t or not torch.equal(t, old):
-                return f"attribute '{n}' (a tensor forward reads as a number) was changed"
+        name = self._changed_value()
+        if name is not None:  # (as an attribute: RECOMPILE_LIMIT applies)
+            return f"attribute '{name}' (a tensor forward reads as a number) was changed"
         return "nothing"
 
 
